@@ -1,0 +1,12 @@
+// The one pybind11 module of the C++ core. Each concern lives in its own file
+// and exposes a register_* function; this file only wires them together.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void register_balance(py::module_& m);
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "OrchMLLM C++ core: balancing algorithms over int64/float64 arrays (no torch).";
+    register_balance(m);
+}

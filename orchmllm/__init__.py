@@ -1,0 +1,1 @@
+"""OrchMLLM: post-balancing of variable-length mini-batches for data-parallel MLLM training."""

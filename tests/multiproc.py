@@ -1,0 +1,113 @@
+"""Run a function on several gloo processes, with a hard timeout.
+
+Every multi-process test goes through :func:`run_distributed`, so that a bug in a
+collective fails the test within ``timeout`` seconds instead of hanging CI.
+
+The worker function must be importable (defined at module level of a test module),
+because processes are started with ``spawn``. It is called as
+``fn(rank, world_size, *args)`` inside an initialised gloo process group, and its
+return value (picklable) is collected per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    workdir: str,
+    timeout: float,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    Returns the per-rank return values in rank order. Raises ``RuntimeError`` with
+    the failing ranks' tracebacks if any worker fails, and ``TimeoutError`` (after
+    killing every worker) if they do not all finish within ``timeout`` seconds.
+    Collectives inside the workers also use ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="orchmllm_mp_") as workdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, args, workdir, timeout, env),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        # Startup (spawn + imports) is not the code under test: allow extra time for it.
+        deadline = time.monotonic() + timeout + 60.0
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{getattr(fn, '__name__', fn)} did not finish on {world_size} "
+                        f"processes within {timeout:.0f}s (+60s start-up)"
+                    )
+        except mp.ProcessRaisedException as exc:
+            errors = []
+            for rank in range(world_size):
+                path = os.path.join(workdir, f"error_{rank}.txt")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        errors.append(f"--- rank {rank} ---\n{f.read()}")
+            raise RuntimeError("worker failed:\n" + ("\n".join(errors) or str(exc))) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,39 @@
+"""The multi-process helper itself: results come back per rank, failures and hangs surface."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_distributed
+
+
+def _all_reduce_rank(rank: int, world_size: int, offset: int) -> int:
+    t = torch.tensor([rank + offset])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
+
+
+def _hang(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+
+
+def test_results_per_rank():
+    out = run_distributed(_all_reduce_rank, 3, 10, timeout=30)
+    assert out == [33, 33, 33]
+
+
+def test_worker_error_surfaces_with_traceback():
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        run_distributed(_fail_on_rank_one, 2, timeout=20)
+
+
+def test_hang_fails_within_timeout():
+    with pytest.raises((TimeoutError, RuntimeError)):
+        run_distributed(_hang, 2, timeout=5)
