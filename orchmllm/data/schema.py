@@ -1,0 +1,142 @@
+"""The multimodal example schema shared by the data, the orchestrator and the models.
+
+One example is one HF ``datasets`` row (and the dict a loader yields per example):
+
+- ``id`` int64; ``task`` str in :data:`TASKS`
+- ``segments``: ``[kind, count]`` pairs in interleaving order; kind :data:`TEXT` (count = text
+  tokens), :data:`IMAGE` (count = raw patches), :data:`AUDIO` (count = raw mel frames)
+- ``input_ids``: every text segment's tokens concatenated in order; ``loss_mask``: 1 per text
+  token that is a prediction target
+- ``image_patches``: float32 ``[n_patches, patch_dim]`` per image, in order
+- ``audio_mels``: float32 ``[n_frames, n_mels]`` per audio clip, in order
+
+Only ``segments`` is needed to plan (lengths before and after the encoders, LLM sequence
+length), so the metadata functions here take segments, never tensors: a loader can compute them
+for a whole dataset cheaply, and the orchestrator gathers nothing larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TEXT, IMAGE, AUDIO = 0, 1, 2
+KINDS = (TEXT, IMAGE, AUDIO)
+TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
+
+
+@dataclass(frozen=True)
+class EncodingRates:
+    """How many raw units (patches, mel frames) become one LLM token, per modality.
+
+    image: ``n_patches // vision_downsample``; audio: ``n_frames // (audio_conv_stride *
+    audio_downsample)`` (Whisper-style stride-2 convolution, then the connector's downsample).
+    """
+
+    vision_downsample: int = 1
+    audio_conv_stride: int = 2
+    audio_downsample: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("vision_downsample", "audio_conv_stride", "audio_downsample"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def divisor(self, kind: int) -> int:
+        """Raw units per encoded token for ``kind`` (1 for text)."""
+        if kind == TEXT:
+            return 1
+        if kind == IMAGE:
+            return int(self.vision_downsample)
+        if kind == AUDIO:
+            return int(self.audio_conv_stride * self.audio_downsample)
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+    def encoded(self, kind: int, raw: int) -> int:
+        """Tokens a segment of ``raw`` units contributes to the LLM sequence."""
+        return int(raw) // self.divisor(kind)
+
+
+@dataclass(frozen=True)
+class ExampleMeta:
+    """Per-example lengths, derived from ``segments`` alone."""
+
+    text_len: int
+    image_raw: tuple[int, ...]
+    image_encoded: tuple[int, ...]
+    audio_raw: tuple[int, ...]
+    audio_encoded: tuple[int, ...]
+    seq_len: int  # whole interleaved sequence the LLM sees
+
+
+def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Return ``segments`` as ``(kind, count)`` tuples, or raise ``ValueError``."""
+    out = []
+    for seg in segments:
+        if len(seg) != 2:
+            raise ValueError(f"segments entries must be [kind, count], got {list(seg)!r}")
+        kind, count = int(seg[0]), int(seg[1])
+        if kind not in KINDS:
+            raise ValueError(f"segments kind must be one of {KINDS}, got {kind}")
+        if count < 1:
+            raise ValueError(f"segments count must be >= 1, got {count} (kind {kind})")
+        out.append((kind, count))
+    return out
+
+
+def example_metadata(segments: Sequence[Sequence[int]], rates: EncodingRates) -> ExampleMeta:
+    """Lengths per modality and the LLM sequence length of one example (pure)."""
+    segs = check_segments(segments)
+    text = sum(c for k, c in segs if k == TEXT)
+    img = tuple(c for k, c in segs if k == IMAGE)
+    aud = tuple(c for k, c in segs if k == AUDIO)
+    img_enc = tuple(rates.encoded(IMAGE, c) for c in img)
+    aud_enc = tuple(rates.encoded(AUDIO, c) for c in aud)
+    return ExampleMeta(
+        text_len=text,
+        image_raw=img,
+        image_encoded=img_enc,
+        audio_raw=aud,
+        audio_encoded=aud_enc,
+        seq_len=text + sum(img_enc) + sum(aud_enc),
+    )
+
+
+def validate_example(
+    example: Mapping,
+    *,
+    rates: EncodingRates,
+    patch_dim: int | None = None,
+    n_mels: int | None = None,
+) -> None:
+    """Raise ``ValueError`` if ``example`` breaks the schema (tensors match ``segments``)."""
+    segs = check_segments(example["segments"])
+    if example["task"] not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {example['task']!r}")
+    n_text = sum(c for k, c in segs if k == TEXT)
+    if len(example["input_ids"]) != n_text or len(example["loss_mask"]) != n_text:
+        raise ValueError(
+            f"input_ids/loss_mask must have {n_text} tokens (sum of text segments), got "
+            f"{len(example['input_ids'])}/{len(example['loss_mask'])}"
+        )
+    for kind, key, width in ((IMAGE, "image_patches", patch_dim), (AUDIO, "audio_mels", n_mels)):
+        counts = [c for k, c in segs if k == kind]
+        arrays = list(example[key])
+        if len(arrays) != len(counts):
+            raise ValueError(f"{key} has {len(arrays)} items, segments say {len(counts)}")
+        for arr, count in zip(arrays, counts, strict=True):
+            arr = np.asarray(arr)
+            if (
+                arr.ndim != 2
+                or arr.shape[0] != count
+                or (width is not None and arr.shape[1] != width)
+            ):
+                raise ValueError(f"{key} item shape {arr.shape} does not match count {count}")
+            if count % rates.divisor(kind):
+                raise ValueError(
+                    f"{key} count {count} is not divisible by {rates.divisor(kind)} "
+                    "(encoded-length rule)"
+                )
