@@ -1,0 +1,87 @@
+"""The prefetch thread: same results as synchronous, errors surface, close is deterministic."""
+
+import gc
+import threading
+import time
+
+import pytest
+
+from orchmllm.data.prefetch import Prefetcher
+
+
+def _squares(stop):
+    def produce(step):
+        if step >= stop:
+            raise StopIteration
+        return step * step
+
+    return produce
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_same_items_as_synchronous(depth):
+    assert list(Prefetcher(_squares(10), start=2, depth=depth)) == [s * s for s in range(2, 10)]
+
+
+def test_runs_ahead_while_loop_works():
+    started = []
+
+    def produce(step):
+        started.append(step)
+        return step
+
+    p = Prefetcher(produce, depth=3)
+    assert next(p) == 0
+    time.sleep(0.2)  # the "training step"
+    assert started == [0, 1, 2, 3, 4]  # 3 queued + 1 blocked on put
+    p.close()
+
+
+def test_error_surfaces_in_loop_after_good_items():
+    def produce(step):
+        if step == 3:
+            raise ValueError("bad example at step 3")
+        return step
+
+    p = Prefetcher(produce, depth=2)
+    assert [next(p) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="step 3"):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    p.close()
+
+
+@pytest.mark.parametrize("consumed", [0, 2, 5])
+def test_close_runs_exactly_the_steps_it_may_have_started(consumed):
+    started = []
+
+    def produce(step):
+        time.sleep(0.002 * (step % 3))  # uneven producer timing must not matter
+        started.append(step)
+        return step
+
+    p = Prefetcher(produce, start=4, depth=2)
+    for _ in range(consumed):
+        next(p)
+    p.close()
+    assert started == list(range(4, 4 + consumed + 2 + 1))
+    with pytest.raises(StopIteration):
+        next(p)
+
+
+def test_abandoned_prefetcher_stops_its_thread():
+    before = threading.active_count()
+    p = Prefetcher(lambda step: step, depth=2, name="abandoned")
+    next(p)
+    del p
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
+
+
+def test_negative_depth():
+    with pytest.raises(ValueError, match="depth"):
+        Prefetcher(lambda s: s, depth=-1)
