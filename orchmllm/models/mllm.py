@@ -1,0 +1,85 @@
+"""The reference MLLM: vision encoder, audio encoder and decoder LLM, plus FSDP2 sharding.
+
+The three submodules are independent; the orchestrator decides which items each one sees on
+which rank. :meth:`MLLM.forward` only runs a caller-supplied step function inside the root
+module call, so FSDP2's root hooks (lazy init, final backward callback that reduce-scatters
+gradients of groups an input did not reach) fire around the whole multi-phase step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from .audio import AudioEncoder
+from .config import ModelConfig
+from .llm import LLM
+from .vision import VisionEncoder
+
+T = TypeVar("T")
+
+
+class MLLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision = VisionEncoder(cfg.vision, cfg.llm.hidden)
+        self.audio = AudioEncoder(cfg.audio, cfg.llm.hidden)
+        self.llm = LLM(cfg.llm, cfg.vocab)
+
+    def forward(self, step: Callable[[MLLM], T]) -> T:
+        """Run ``step(self)``: one forward over all phases, as one call of the FSDP root."""
+        return step(self)
+
+
+def init_weights(model: nn.Module) -> None:
+    """Normal(0, 0.02) weights, zero biases, unit norm scales (GPT-2 / Qwen2 style)."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
+def build_model(
+    cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> MLLM:
+    """The MLLM with weights that depend only on ``seed`` (identical on every rank)."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = MLLM(cfg)
+        init_weights(model)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.to(device=device, dtype=dtype)
+
+
+def shard_model(model: MLLM, *, mesh=None) -> MLLM:
+    """Apply FSDP2 ``fully_shard``: each transformer block, each connector, the token
+    embedding (called on its own through ``LLM.embed``), each submodule, then the root.
+
+    Unused-parameter reduce-scatter is on, so a parameter no item reached on some rank still
+    takes part in the gradient reduce-scatter with zeros instead of desynchronising ranks.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for encoder in (model.vision, model.audio):
+        for block in encoder.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(encoder.connector, mesh=mesh)
+        fully_shard(encoder, mesh=mesh)
+    for block in model.llm.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model.llm.embed_tokens, mesh=mesh)
+    fully_shard(model.llm, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
+    return model

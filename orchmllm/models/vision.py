@@ -1,0 +1,46 @@
+"""ViT vision encoder over packed, unpadded image patches (paper Section 8: no padding)."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor, nn
+
+from .attention import packed_attention, positions_from_lengths
+from .config import VisionConfig
+from .layers import Block, Connector, check_lengths
+
+
+class VisionEncoder(nn.Module):
+    """patches [P, patch_dim] of n images (lengths, sum P) -> [P // downsample, llm_hidden].
+
+    Each image attends only to itself (packed varlen, bidirectional); RoPE over the patch index
+    within the image. Zero images (P = 0) run every submodule on empty tensors.
+    """
+
+    def __init__(self, cfg: VisionConfig, llm_hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden)
+        self.blocks = nn.ModuleList(
+            Block(cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, style="encoder", rope_theta=1e4)
+            for _ in range(cfg.layers)
+        )
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.connector = Connector(cfg.hidden, cfg.downsample, llm_hidden)
+        if cfg.frozen:
+            for module in (self.patch_embed, self.blocks, self.norm):
+                module.requires_grad_(False)
+
+    def forward(self, patches: Tensor, lengths: Tensor) -> Tensor:
+        check_lengths(lengths, self.cfg.downsample, "lengths")
+        if patches.dim() != 2 or patches.shape[1] != self.cfg.patch_dim:
+            raise ValueError(
+                f"patches must be [P, {self.cfg.patch_dim}], got {tuple(patches.shape)}"
+            )
+        attend = functools.partial(packed_attention, lengths=lengths, causal=False)
+        positions = positions_from_lengths(lengths)
+        x = self.patch_embed(patches)
+        for block in self.blocks:
+            x = block(x, attend, positions)
+        return self.connector(self.norm(x))

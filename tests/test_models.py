@@ -1,0 +1,194 @@
+"""Reference MLLM: attention kernels, encoders, LLM, configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from orchmllm.models import MLLM, ModelConfig, build_model, packed_attention, padded_attention
+from orchmllm.models.layers import rotate
+
+TINY = "configs/tiny.yaml"
+
+
+def _model_cfg(path: str) -> ModelConfig:
+    with open(path) as f:
+        return ModelConfig.from_dict(yaml.safe_load(f)["model"])
+
+
+def _reference_attention(q, k, v, *, causal):
+    """Textbook softmax(q k^T / sqrt(d)) v for one sequence; q [L, H, D], k/v [L, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        length = q.shape[0]
+        scores = scores.masked_fill(torch.ones(length, length).triu(1).bool(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_packed_attention_equals_per_sequence(causal, kv_heads):
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 1, 17, 9])
+    total = int(lengths.sum())
+    q = torch.randn(total, 4, 8, dtype=torch.float64)
+    k = torch.randn(total, kv_heads, 8, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, 8, dtype=torch.float64)
+    out = packed_attention(q, k, v, lengths, causal=causal)
+    assert out.shape == q.shape
+    chunks = [t.split(lengths.tolist()) for t in (q, k, v)]
+    expected = torch.cat(
+        [_reference_attention(*c, causal=causal) for c in zip(*chunks, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_padded_attention_ignores_padding():
+    torch.manual_seed(0)
+    lengths = [6, 3]
+    q = torch.randn(2, 6, 4, 8, dtype=torch.float64)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
+    out = padded_attention(q, k, v, mask)
+    for b, n in enumerate(lengths):
+        expected = _reference_attention(q[b, :n], k[b, :n], v[b, :n], causal=False)
+        torch.testing.assert_close(out[b, :n], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_packed_attention_rejects_wrong_lengths():
+    q = torch.randn(10, 2, 4)
+    with pytest.raises(ValueError, match="lengths"):
+        packed_attention(q, q, q, torch.tensor([3, 4]), causal=True)
+
+
+def test_rope_keeps_norm_and_depends_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 16, dtype=torch.float64), torch.randn(1, 2, 16, dtype=torch.float64)
+    rq = rotate(q, torch.tensor([7]), 1e4)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+
+    def score(pq, pk):
+        a, b = rotate(q, torch.tensor([pq]), 1e4), rotate(k, torch.tensor([pk]), 1e4)
+        return (a * b).sum(-1)
+
+    torch.testing.assert_close(score(3, 1), score(12, 10))
+    assert not torch.allclose(score(3, 1), score(3, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> MLLM:
+    return build_model(_model_cfg(TINY), seed=0, dtype=torch.float64)
+
+
+def test_builds_from_tiny_yaml_with_gqa_shapes(tiny_model):
+    cfg = tiny_model.cfg
+    assert cfg.llm.kv_heads < cfg.llm.heads  # the tiny LLM exercises grouped-query attention
+    attn = tiny_model.llm.blocks[0].attn
+    head_dim = cfg.llm.hidden // cfg.llm.heads
+    assert attn.qkv.out_features == (cfg.llm.heads + 2 * cfg.llm.kv_heads) * head_dim
+    assert len(tiny_model.llm.blocks) == cfg.llm.layers
+    assert len(tiny_model.vision.blocks) == cfg.vision.layers
+    assert len(tiny_model.audio.blocks) == cfg.audio.layers
+    again = build_model(cfg, seed=0, dtype=torch.float64)
+    for a, b in zip(tiny_model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)  # weights depend only on the seed: identical on every rank
+
+
+def test_vision_packed_equals_each_image_alone(tiny_model):
+    torch.manual_seed(1)
+    cfg = tiny_model.cfg.vision
+    lengths = torch.tensor([8, 20, 4]) * cfg.downsample
+    patches = torch.randn(int(lengths.sum()), cfg.patch_dim, dtype=torch.float64)
+    out = tiny_model.vision(patches, lengths)
+    assert out.shape == (int(lengths.sum()) // cfg.downsample, tiny_model.cfg.llm.hidden)
+    alone = [tiny_model.vision(p, torch.tensor([len(p)])) for p in patches.split(lengths.tolist())]
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-9, atol=1e-9)
+
+
+def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
+    torch.manual_seed(2)
+    cfg = tiny_model.cfg.audio
+    lengths = torch.tensor([30, 4, 12]) * cfg.frames_per_token
+    mels = torch.randn(int(lengths.sum()), cfg.n_mels, dtype=torch.float64)
+    out = tiny_model.audio(mels, lengths)
+    assert out.shape == (int(lengths.sum()) // cfg.frames_per_token, tiny_model.cfg.llm.hidden)
+    alone = [tiny_model.audio(m, torch.tensor([len(m)])) for m in mels.split(lengths.tolist())]
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-9, atol=1e-9)
+
+
+def test_llm_packed_is_causal_and_equals_each_sequence_alone(tiny_model):
+    torch.manual_seed(3)
+    lengths = torch.tensor([7, 1, 12])
+    ids = torch.randint(0, tiny_model.cfg.vocab, (int(lengths.sum()),))
+    logits = tiny_model.llm(tiny_model.llm.embed(ids), lengths)
+    assert logits.shape == (int(lengths.sum()), tiny_model.cfg.vocab)
+    alone = [
+        tiny_model.llm(tiny_model.llm.embed(s), torch.tensor([len(s)]))
+        for s in ids.split(lengths.tolist())
+    ]
+    torch.testing.assert_close(logits, torch.cat(alone), rtol=1e-9, atol=1e-9)
+    changed = ids.clone()
+    changed[-1] = (changed[-1] + 1) % tiny_model.cfg.vocab  # future token of the last sequence
+    logits2 = tiny_model.llm(tiny_model.llm.embed(changed), lengths)
+    torch.testing.assert_close(logits2[:-1], logits[:-1], rtol=0, atol=0)
+
+
+def test_empty_inputs_run_every_submodule_with_zero_grads():
+    model = build_model(_model_cfg(TINY), seed=0, dtype=torch.float64)
+    cfg = model.cfg
+    empty = torch.zeros(0, dtype=torch.int64)
+    img = model.vision(torch.zeros(0, cfg.vision.patch_dim, dtype=torch.float64), empty)
+    aud = model.audio(torch.zeros(0, cfg.audio.n_mels, dtype=torch.float64), empty)
+    assert img.shape == (0, cfg.llm.hidden) and aud.shape == (0, cfg.llm.hidden)
+    (img.sum() + aud.sum()).backward()
+    for name, p in [*model.vision.named_parameters(), *model.audio.named_parameters()]:
+        assert p.grad is not None, name  # FSDP2 needs every rank to reduce every gradient
+        assert torch.count_nonzero(p.grad) == 0, name
+
+
+def test_encoders_reject_lengths_off_the_downsample_grid(tiny_model):
+    cfg = tiny_model.cfg
+    bad = cfg.vision.downsample + 1
+    with pytest.raises(ValueError, match="lengths"):
+        tiny_model.vision(
+            torch.zeros(bad, cfg.vision.patch_dim, dtype=torch.float64), torch.tensor([bad])
+        )
+    with pytest.raises(ValueError, match="lengths"):
+        tiny_model.audio(torch.zeros(3, cfg.audio.n_mels, dtype=torch.float64), torch.tensor([3]))
+
+
+@pytest.mark.parametrize(
+    "name, total_b, vision_b, audio_b, llm_b",
+    [("10b", 10, 2, 0.6, 7), ("18b", 18, 3, 0.6, 14), ("84b", 84, 6, 6, 72)],
+)
+def test_paper_configs_match_table1_parameter_counts(name, total_b, vision_b, audio_b, llm_b):
+    with torch.device("meta"):  # shapes only, no memory
+        model = MLLM(_model_cfg(f"configs/mllm-{name}.yaml"))
+
+    def billions(module):
+        return sum(p.numel() for p in module.parameters()) / 1e9
+
+    # Table 1 rounds to whole billions; our encoders also hold their connector to the LLM.
+    assert billions(model) == pytest.approx(total_b, rel=0.05)
+    assert billions(model.vision) == pytest.approx(vision_b, rel=0.1, abs=0.2)
+    assert billions(model.audio) == pytest.approx(audio_b, rel=0.15)
+    assert billions(model.llm) == pytest.approx(llm_b, rel=0.1)
+
+
+def test_config_validation_names_the_bad_key():
+    with open(TINY) as f:
+        raw = yaml.safe_load(f)["model"]
+    raw["llm"] = {**raw["llm"], "kv_heads": 3}
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelConfig.from_dict(raw)
+    raw["llm"] = {**raw["llm"], "kv_heads": 2, "layers": 0}
+    with pytest.raises(ValueError, match="model.llm.layers"):
+        ModelConfig.from_dict(raw)
+    raw["llm"] = {**raw["llm"], "layers": 2, "extra": 1}
+    with pytest.raises(ValueError, match="extra"):
+        ModelConfig.from_dict(raw)
