@@ -1,0 +1,41 @@
+// Post-balancing algorithms: pure functions over item lengths/weights, no Python, no torch.
+//
+// Every function writes dst[i] in [0, num_ranks) for every item i (input order) and is
+// deterministic: ties between equal items break by item index, ties between equal batches by
+// rank index, and floating-point sums are accumulated in one fixed order. `cap` is the maximum
+// number of items per rank (pass n for "no cap"); callers guarantee cap * num_ranks >= n.
+#pragma once
+
+#include <cstdint>
+
+namespace orch {
+
+// Longest-processing-time: items by weight descending into the least-loaded rank (paper Alg. 1
+// when weights are lengths; greedy_cost when they are alpha*l + beta*l^2).
+void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst);
+
+// Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
+// smallest sum, the one with the smallest sum of squares wins.
+void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,
+                      int64_t cap, int64_t* dst);
+
+// Paper Alg. 2: binary search on the bound of count*max(l) with the ascending greedy
+// GetLeastBatches check; batch k of the result goes to rank k (trailing ranks may be empty).
+void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst);
+
+// Beyond the paper: the same contiguous-in-sorted-order search, on the full padded cost
+// multiplier*(alpha*b*max + beta*b*max^2 + c) of a batch (bisection on a real bound).
+void padded_cost(const int64_t* len, int64_t n, int64_t num_ranks, double alpha, double beta,
+                 double c, double multiplier, int64_t cap, int64_t* dst);
+
+// Paper Alg. 5 (ConvTransformer): open up to num_ranks batches of similar lengths, longest
+// first, each holding at most b padded tokens where b is Alg. 1's max batch sum; the rest go
+// to the batch with the smallest sum of lengths.
+void conv(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst);
+
+// Karmarkar-Karp largest differencing into num_ranks subsets. equal_counts: items are dealt in
+// chunks of num_ranks (zero-length fillers), so counts differ by at most one.
+void karmarkar_karp(const double* w, int64_t n, int64_t num_ranks, bool equal_counts,
+                    int64_t* dst);
+
+}  // namespace orch

@@ -1,0 +1,88 @@
+// Python bindings for the balancing algorithms. Arguments are validated in orchmllm/balance.py;
+// here arrays are only converted, and every algorithm runs with the GIL released so planning
+// can overlap training in a background thread.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "balance.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+using Array = py::array_t<T, py::array::c_style | py::array::forcecast>;
+using Ints = Array<int64_t>;
+using Floats = Array<double>;
+
+// Runs fn(input_ptr, n, dst_ptr) without the GIL and returns dst (int64, zero-filled).
+template <typename T, typename Fn>
+Ints run(const Array<T>& input, Fn fn) {
+    if (input.ndim() != 1) throw py::value_error("expected a 1-D array");
+    const int64_t n = static_cast<int64_t>(input.shape(0));
+    Ints dst(n);
+    int64_t* out = dst.mutable_data();
+    std::fill(out, out + n, 0);
+    const T* in = input.data();
+    {
+        py::gil_scoped_release release;
+        fn(in, n, out);
+    }
+    return dst;
+}
+
+}  // namespace
+
+void register_balance(py::module_& m) {
+    m.def(
+        "lpt",
+        [](const Floats& w, int64_t d, int64_t cap) {
+            return run(w, [=](const double* x, int64_t n, int64_t* o) { orch::lpt(x, n, d, cap, o); });
+        },
+        py::arg("weights"), py::arg("num_ranks"), py::arg("cap"),
+        "Longest-processing-time on additive weights (Alg. 1, greedy_cost).");
+    m.def(
+        "greedy_tolerance",
+        [](const Ints& l, int64_t d, double tol, int64_t cap) {
+            return run(l, [=](const int64_t* x, int64_t n, int64_t* o) {
+                orch::greedy_tolerance(x, n, d, tol, cap, o);
+            });
+        },
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("tolerance"), py::arg("cap"),
+        "Alg. 4: greedy on sums, ties within `tolerance` broken by sum of squares.");
+    m.def(
+        "binary_search",
+        [](const Ints& l, int64_t d, int64_t cap) {
+            return run(l, [=](const int64_t* x, int64_t n, int64_t* o) {
+                orch::binary_search(x, n, d, cap, o);
+            });
+        },
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("cap"),
+        "Alg. 2: padded batches, binary search on count*max.");
+    m.def(
+        "padded_cost",
+        [](const Ints& l, int64_t d, double alpha, double beta, double c, double mult, int64_t cap) {
+            return run(l, [=](const int64_t* x, int64_t n, int64_t* o) {
+                orch::padded_cost(x, n, d, alpha, beta, c, mult, cap, o);
+            });
+        },
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("alpha"), py::arg("beta"),
+        py::arg("const"), py::arg("multiplier"), py::arg("cap"),
+        "Padded batches under the full padded cost: bisection on the bound.");
+    m.def(
+        "conv",
+        [](const Ints& l, int64_t d, int64_t cap) {
+            return run(l, [=](const int64_t* x, int64_t n, int64_t* o) { orch::conv(x, n, d, cap, o); });
+        },
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("cap"),
+        "Alg. 5: padded-attention (ConvTransformer) objective.");
+    m.def(
+        "karmarkar_karp",
+        [](const Floats& w, int64_t d, bool equal) {
+            return run(w, [=](const double* x, int64_t n, int64_t* o) {
+                orch::karmarkar_karp(x, n, d, equal, o);
+            });
+        },
+        py::arg("weights"), py::arg("num_ranks"), py::arg("equal_counts"),
+        "Karmarkar-Karp largest differencing (equal_counts: counts differ by at most one).");
+}

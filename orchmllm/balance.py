@@ -1,0 +1,519 @@
+"""Post-balancing: which rank should compute which item, so the slowest rank finishes sooner.
+
+``balance()`` is the public entry point: it validates the input, runs one policy in the C++
+core (``orchmllm._core``, GIL released) and returns an :class:`Assignment` with per-rank loads
+and statistics. Every policy is also written plainly in Python below (``REFERENCE``); tests
+check that both give the same ``dst`` and the benchmark measures the speed-up.
+
+Policies (packed = batch cost is additive over items; padded = cost depends on count x max):
+
+- ``identity``: no balancing, ``dst = src``.
+- ``greedy`` (paper Alg. 1): longest first into the least-loaded rank, load = sum of lengths.
+- ``greedy_cost``: the same on per-item costs ``alpha*l + beta*l^2`` of a packed cost model;
+  for packed batches this is Alg. 1 generalised exactly to the quadratic objective.
+- ``greedy_tolerance`` (Alg. 4): ranks whose length sums are within ``tolerance`` x the mean
+  rank sum of the smallest count as tied; the one with the smallest sum of squares wins.
+- ``kk`` / ``kk_equal``: Karmarkar-Karp largest differencing (verl's baseline), on item costs
+  (lengths without a cost model); ``kk_equal`` gives every rank n/d items (+-1).
+- ``binary_search`` (Alg. 2, padded): minimises max ``count*max(l)``. The search cuts the
+  length-sorted items into contiguous runs, which is optimal for any cost monotone in count
+  and max, so Alg. 2 is exact for its objective. Batch k goes to rank k; trailing ranks may
+  be empty.
+- ``padded_cost`` (padded, beyond the paper): the same search on the full padded cost
+  ``alpha*b*max + beta*b*max^2 + const``, i.e. exact for the measured cost, not its proxy.
+- ``conv`` (Alg. 5, padded): the paper leaves its bound ``b`` undefined. Here ``b`` is the
+  objective Alg. 1 reaches (its largest batch sum, about the packed lower bound): longest
+  first, a batch grows while ``count x its longest item <= b`` (the paper writes the current
+  item's length, which in descending order underestimates the padding), new batches open
+  until ``num_ranks`` exist, and the remaining shorter items go to the smallest length sum.
+- ``greedy_stay``: movement-aware greedy (``orchmllm.placement.movement_aware_dst``).
+
+``max_items_per_rank`` is enforced while planning by the greedy and padded policies and
+checked afterwards for ``identity``, ``kk`` and ``greedy_stay``; ``max_load_per_rank`` (a
+memory cap in the policy's cost) is checked on the plan. A cap the policy cannot meet raises
+``ValueError`` with the smallest value that works.
+"""
+
+from __future__ import annotations
+
+import heapq
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from orchmllm.cost import CostModel
+
+POLICIES = (
+    "identity",
+    "greedy",
+    "binary_search",
+    "greedy_tolerance",
+    "conv",
+    "greedy_cost",
+    "kk",
+    "kk_equal",
+    "padded_cost",
+    "greedy_stay",
+)
+PADDED_POLICIES = frozenset({"binary_search", "conv", "padded_cost"})
+PLACEMENTS = ("none", "ilp", "assign", "auto")
+BACKENDS = ("cpp", "python")
+# greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
+DEFAULT_TOLERANCE = 0.01
+# Policies that enforce max_items_per_rank while planning; the others are checked afterwards.
+_CAPPED = frozenset(
+    {"greedy", "greedy_cost", "greedy_tolerance", "binary_search", "padded_cost", "conv"}
+)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Result of :func:`balance`.
+
+    ``dst``: int64 ``(n,)`` destination rank per item, input order. ``loads``: float64
+    ``(num_ranks,)`` cost of each destination batch under the policy's cost model. ``stats``:
+    ``imbalance_after`` (max/mean load), ``gap_to_lb`` (max load / max(mean load, costliest
+    single item)); with ``src`` also ``imbalance_before``, ``tokens_moved``, ``tokens_kept``;
+    with placement the placement statistics.
+    """
+
+    dst: np.ndarray
+    loads: np.ndarray
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def balance(
+    lengths: Any,
+    num_ranks: int,
+    policy: str = "greedy",
+    *,
+    src: Any = None,
+    cost: CostModel | None = None,
+    ranks_per_node: int | None = None,
+    placement: str = "none",
+    max_items_per_rank: int | None = None,
+    max_load_per_rank: float | None = None,
+    tolerance: float | None = None,
+    backend: str = "cpp",
+) -> Assignment:
+    """Plan where every item goes so that the most loaded rank is as light as possible.
+
+    ``tolerance`` tunes ``greedy_tolerance`` (fraction of the mean rank sum, default
+    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``. ``backend="python"`` runs the
+    plain Python reference instead of the C++ core (same result, for tests and benchmarks).
+    """
+    l = _lengths(lengths)
+    n = l.size
+    d = _count("num_ranks", num_ranks)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    s = None if src is None else _src(src, n, d)
+    if ranks_per_node is not None:
+        ranks_per_node = _count("ranks_per_node", ranks_per_node)
+    if placement != "none" and (s is None or ranks_per_node is None):
+        raise ValueError(f"placement={placement!r} needs src and ranks_per_node")
+    if s is None and policy in ("identity", "greedy_stay"):
+        raise ValueError(f"src is required for policy={policy!r}, got None")
+    cost = _cost(cost, policy)
+    cap = n
+    if max_items_per_rank is not None:
+        cap = _count("max_items_per_rank", max_items_per_rank)
+        if cap * d < n:
+            raise ValueError(
+                f"max_items_per_rank={cap} cannot hold {n} items on {d} ranks; "
+                f"the smallest value that works is {-(-n // d)}"
+            )
+    if max_load_per_rank is not None and not (
+        isinstance(max_load_per_rank, numbers.Real) and max_load_per_rank > 0
+    ):
+        raise ValueError(f"max_load_per_rank must be a number > 0, got {max_load_per_rank!r}")
+    if tolerance is not None and not (isinstance(tolerance, numbers.Real) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
+
+    impl = _core() if backend == "cpp" else REFERENCE
+    dst = _plan(policy, l, d, cost, cap, tolerance, s, impl)
+    loads = cost.loads(l, dst, d)
+    _check_caps(policy, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
+
+    stats: dict[str, float] = {}
+    if placement != "none":
+        from orchmllm.placement import place_batches  # lazy: pulls in cvxpy
+
+        placed = place_batches(
+            l, s, dst, num_ranks=d, ranks_per_node=ranks_per_node, method=placement
+        )
+        dst = np.asarray(placed.dst, dtype=np.int64)
+        permuted = np.empty_like(loads)
+        permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
+        loads = permuted
+        stats.update({k: float(v) for k, v in placed.stats.items()})
+    stats.update(_stats(l, dst, loads, s, d, cost))
+    return Assignment(dst=dst, loads=loads, stats=stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _count(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _int_array(name: str, value: Any) -> np.ndarray:
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a 1-D integer array, got {value!r}") from e
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a != np.round(a))
+        if bad.any():
+            raise ValueError(f"{name} must be integers, got {a[bad][0]!r} at {np.argmax(bad)}")
+        return a.astype(np.int64)
+    raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+
+
+def _lengths(lengths: Any) -> np.ndarray:
+    l = _int_array("lengths", lengths)
+    if (l < 0).any():
+        raise ValueError(f"lengths must be >= 0, got {l[l < 0][0]} at {np.argmax(l < 0)}")
+    return l
+
+
+def _src(src: Any, n: int, d: int) -> np.ndarray:
+    s = _int_array("src", src)
+    if s.size != n:
+        raise ValueError(f"src must have one entry per item ({n}), got {s.size}")
+    bad = (s < 0) | (s >= d)
+    if bad.any():
+        raise ValueError(f"src must be in [0, {d}), got {s[bad][0]} at {np.argmax(bad)}")
+    return s
+
+
+def _cost(cost: CostModel | None, policy: str) -> CostModel:
+    kind = "padded" if policy in PADDED_POLICIES else "packed"
+    if cost is None:
+        return CostModel(kind)
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
+    if policy != "identity" and cost.kind != kind:
+        raise ValueError(f"cost must be kind={kind!r} for policy={policy!r}, got {cost!r}")
+    if cost.alpha < 0 or cost.beta < 0:
+        raise ValueError(f"cost must have alpha >= 0 and beta >= 0, got {cost!r}")
+    return cost
+
+
+def _check_caps(
+    policy: str,
+    dst: np.ndarray,
+    loads: np.ndarray,
+    d: int,
+    max_items: int | None,
+    max_load: float | None,
+    lengths: np.ndarray,
+    cost: CostModel,
+) -> None:
+    if max_items is not None and policy not in _CAPPED:
+        need = int(np.bincount(dst, minlength=d).max(initial=0))
+        if need > max_items:
+            raise ValueError(
+                f"max_items_per_rank={max_items} is below what policy={policy!r} needs: the "
+                f"smallest value that works for it is {need} (kk_equal and the greedy policies "
+                f"enforce the cap, down to {-(-lengths.size // d)})"
+            )
+    if max_load is not None and loads.size and loads.max() > max_load:
+        lower = _lower_bound(lengths, loads, cost)
+        raise ValueError(
+            f"max_load_per_rank={max_load} is below the largest load policy={policy!r} "
+            f"reaches: the smallest value that works for it is {loads.max():.6g} "
+            f"(no plan can go below {lower:.6g})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def _ratio(top: float, base: float) -> float:
+    return float(top / base) if base > 0 else 1.0
+
+
+def _lower_bound(lengths: np.ndarray, loads: np.ndarray, cost: CostModel) -> float:
+    single = cost.batch_cost(lengths[[int(np.argmax(lengths))]]) if lengths.size else 0.0
+    return max(float(loads.mean()), single)
+
+
+def _stats(
+    lengths: np.ndarray,
+    dst: np.ndarray,
+    loads: np.ndarray,
+    src: np.ndarray | None,
+    d: int,
+    cost: CostModel,
+) -> dict[str, float]:
+    top = float(loads.max(initial=0.0))
+    stats = {
+        "imbalance_after": _ratio(top, float(loads.mean())),
+        "gap_to_lb": _ratio(top, _lower_bound(lengths, loads, cost)),
+    }
+    if src is not None:
+        before = cost.loads(lengths, src, d)
+        stay = dst == src
+        stats["imbalance_before"] = _ratio(float(before.max()), float(before.mean()))
+        stats["tokens_moved"] = float(lengths[~stay].sum())
+        stats["tokens_kept"] = float(lengths[stay].sum())
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _core() -> Any:
+    from orchmllm import _core
+
+    return _core
+
+
+def _plan(
+    policy: str,
+    lengths: np.ndarray,
+    d: int,
+    cost: CostModel,
+    cap: int,
+    tolerance: float | None,
+    src: np.ndarray | None,
+    impl: Any,
+) -> np.ndarray:
+    n = lengths.size
+    if policy == "identity":
+        return src.copy()
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if policy == "greedy":
+        return impl.lpt(lengths.astype(np.float64), d, cap)
+    if policy == "greedy_cost":
+        return impl.lpt(cost.item_costs(lengths), d, cap)
+    if policy == "greedy_tolerance":
+        fraction = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+        return impl.greedy_tolerance(lengths, d, fraction * float(lengths.sum()) / d, cap)
+    if policy == "binary_search":
+        return impl.binary_search(lengths, d, cap)
+    if policy == "padded_cost":
+        c = cost
+        return impl.padded_cost(lengths, d, c.alpha, c.beta, c.const, c.multiplier, cap)
+    if policy == "conv":
+        return impl.conv(lengths, d, cap)
+    if policy in ("kk", "kk_equal"):
+        return impl.karmarkar_karp(cost.item_costs(lengths), d, policy == "kk_equal")
+    # greedy_stay: owned by the placement module (movement-aware), imported lazily.
+    from orchmllm.placement import movement_aware_dst
+
+    extra = {} if tolerance is None else {"tolerance": float(tolerance)}
+    dst = movement_aware_dst(cost.item_costs(lengths), src, d, sizes=lengths, **extra)
+    return np.asarray(dst, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python reference: the same algorithms as cpp/, written plainly (same tie-breaking, same
+# floating-point operation order), for tests and the speed comparison.
+
+
+def _desc(key: list) -> list[int]:
+    return sorted(range(len(key)), key=lambda i: (-key[i], i))
+
+
+def _fill_least_loaded(w, order, load, count, cap, dst) -> None:
+    heap = [(load[r], r) for r in range(len(load)) if count[r] < cap]
+    heapq.heapify(heap)
+    for i in order:
+        _, r = heapq.heappop(heap)
+        dst[i] = r
+        load[r] += w[i]
+        count[r] += 1
+        if count[r] < cap:
+            heapq.heappush(heap, (load[r], r))
+
+
+def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+    w = [float(x) for x in weights]
+    dst = [0] * len(w)
+    _fill_least_loaded(w, _desc(w), [0.0] * num_ranks, [0] * num_ranks, cap, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_greedy_tolerance(
+    lengths: np.ndarray, num_ranks: int, tolerance: float, cap: int
+) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    total, square, count = [0.0] * num_ranks, [0.0] * num_ranks, [0] * num_ranks
+    dst = [0] * len(l)
+    for i in _desc(l):
+        open_ranks = [r for r in range(num_ranks) if count[r] < cap]
+        lowest = min(total[r] for r in open_ranks)
+        window = [r for r in open_ranks if total[r] - lowest <= tolerance]
+        best = min(window, key=lambda r: (square[r], total[r], r))
+        x = float(l[i])
+        dst[i] = best
+        total[best] += x
+        square[best] += x * x
+        count[best] += 1
+    return np.array(dst, dtype=np.int64)
+
+
+def _least_batches(lengths, ascending, cap, bound, cost: Callable, dst=None) -> int:
+    batches = count = 0
+    for i in ascending:
+        if batches == 0 or count >= cap or cost(count + 1, lengths[i]) > bound:
+            batches += 1
+            count = 0
+        count += 1
+        if dst is not None:
+            dst[i] = batches - 1
+    return batches
+
+
+def ref_binary_search(lengths: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    asc = sorted(range(len(l)), key=lambda i: (l[i], i))
+    longest = l[asc[-1]]
+    left, right = longest, longest * -(-len(l) // num_ranks)
+    while left < right:
+        mid = left + (right - left) // 2
+        if _least_batches(l, asc, cap, mid, lambda b, x: b * x) <= num_ranks:
+            right = mid
+        else:
+            left = mid + 1
+    dst = [0] * len(l)
+    _least_batches(l, asc, cap, left, lambda b, x: b * x, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_padded_cost(
+    lengths: np.ndarray,
+    num_ranks: int,
+    alpha: float,
+    beta: float,
+    const: float,
+    multiplier: float,
+    cap: int,
+) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    asc = sorted(range(len(l)), key=lambda i: (l[i], i))
+
+    def cost(b: int, x: int) -> float:
+        b, x = float(b), float(x)
+        return multiplier * (alpha * b * x + beta * b * x * x + const)
+
+    longest = l[asc[-1]]
+    lo, hi = cost(1, longest), cost(-(-len(l) // num_ranks), longest)
+    if _least_batches(l, asc, cap, lo, cost) <= num_ranks:
+        hi = lo
+    while True:
+        mid = lo + (hi - lo) / 2
+        if not lo < mid < hi:
+            break
+        if _least_batches(l, asc, cap, mid, cost) <= num_ranks:
+            hi = mid
+        else:
+            lo = mid
+    dst = [0] * len(l)
+    _least_batches(l, asc, cap, hi, cost, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_conv(lengths: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+    w = [float(x) for x in lengths]
+    greedy = ref_lpt(lengths.astype(np.float64), num_ranks, cap)
+    sums = [0.0] * num_ranks
+    for i, r in enumerate(greedy):
+        sums[r] += w[i]
+    bound = max(sums)
+    load, count = [0.0] * num_ranks, [0] * num_ranks
+    dst = [0] * len(w)
+    order = _desc(w)
+    cur = k = 0
+    first = 0.0
+    while k < len(order):
+        i = order[k]
+        if count[cur] > 0 and (count[cur] >= cap or (count[cur] + 1) * first > bound):
+            if cur + 1 >= num_ranks:
+                break
+            cur += 1
+        if count[cur] == 0:
+            first = w[i]
+        dst[i] = cur
+        load[cur] += w[i]
+        count[cur] += 1
+        k += 1
+    _fill_least_loaded(w, order[k:], load, count, cap, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_karmarkar_karp(weights: np.ndarray, num_ranks: int, equal_counts: bool) -> np.ndarray:
+    # A subset is (sum, smallest item index, items); the empty subset is (0.0, -1, []).
+    w = [float(x) for x in weights]
+    n, d = len(w), num_ranks
+    empty = (0.0, -1, [])
+    if equal_counts:
+        total = -(-n // d) * d
+        w += [0.0] * (total - n)
+        order = _desc(w)
+        states = [
+            sorted([(w[i], i, [i]) for i in order[c * d : (c + 1) * d]], key=lambda s: s[:2])
+            for c in range(total // d)
+        ]
+    else:
+        states = [[empty] * (d - 1) + [(w[i], i, [i])] for i in range(n)]
+    heap = [(-(s[-1][0] - s[0][0]), k) for k, s in enumerate(states)]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        a = states[heapq.heappop(heap)[1]]
+        b = states[heapq.heappop(heap)[1]]
+        merged = []
+        for x, y in zip(reversed(a), b, strict=True):
+            if x[1] < 0 or y[1] < 0:
+                merged.append(y if x[1] < 0 else x)
+            else:
+                merged.append((x[0] + y[0], min(x[1], y[1]), x[2] + y[2]))
+        merged.sort(key=lambda s: s[:2])
+        states.append(merged)
+        heapq.heappush(heap, (-(merged[-1][0] - merged[0][0]), len(states) - 1))
+    dst = np.zeros(n, dtype=np.int64)
+    for rank, (_, _, items) in enumerate(states[heap[0][1]]):
+        for i in items:
+            if i < n:
+                dst[i] = rank
+    return dst
+
+
+REFERENCE = SimpleNamespace(
+    lpt=ref_lpt,
+    greedy_tolerance=ref_greedy_tolerance,
+    binary_search=ref_binary_search,
+    padded_cost=ref_padded_cost,
+    conv=ref_conv,
+    karmarkar_karp=ref_karmarkar_karp,
+)
+
+
+__all__ = ["Assignment", "PADDED_POLICIES", "POLICIES", "REFERENCE", "balance"]
