@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
-from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig, as_example
+from orchmllm.data import IMAGE, TEXT, EncodingRates, SyntheticConfig, as_example
 from orchmllm.data.sampling import local_batches
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
