@@ -27,12 +27,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
-from torch import Tensor
 
-from orchmllm.data import IMAGE, TEXT, EncodingRates, SyntheticConfig, as_example
+from orchmllm.data import EncodingRates, SyntheticConfig, as_example
+from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import local_batches
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
+from orchmllm.orchestrator import (
+    IGNORE_INDEX,
+    LocalBatch,
+    Orchestrator,
+    StepPlan,
+    default_phases,
+)
 
 BALANCE_MODES = ("none", "llm", "full")
 PLACEMENTS = ("none", "assign", "ilp", "auto")
@@ -128,6 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics", default=None, help="write one JSON object per step to this path")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
+    p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -198,113 +206,63 @@ def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: s
 
 
 # --------------------------------------------------------------------------------------------
-# one step on this rank's own examples (no rebalancing)
-
-
-@dataclass
-class LocalBatch:
-    """Flat tensors of some examples plus the index that assembles their LLM sequences.
-
-    ``gather`` indexes ``cat([text embeds, image tokens, audio tokens])`` and yields every
-    example's interleaved sequence in template order; ``targets`` holds, per LLM position, the
-    next token to predict or -100.
-    """
-
-    input_ids: Tensor
-    patches: Tensor
-    image_lengths: Tensor
-    mels: Tensor
-    audio_lengths: Tensor
-    seq_lengths: Tensor
-    gather: Tensor
-    targets: Tensor
-
-    @property
-    def n_targets(self) -> int:
-        return int((self.targets >= 0).sum())
-
-
-def local_batch(examples: list[dict], rates: EncodingRates, cfg: ModelConfig, dtype) -> LocalBatch:
-    n_text = sum(len(e["input_ids"]) for e in examples)
-    img_tokens = sum(
-        c // rates.divisor(IMAGE) for e in examples for k, c in e["segments"] if k == IMAGE
-    )
-    text_at, img_at, aud_at = 0, n_text, n_text + img_tokens
-    gather, targets, seq_lengths = [], [], []
-    for e in examples:
-        ids, mask = np.asarray(e["input_ids"]), np.asarray(e["loss_mask"])
-        pos_in_text, start = 0, len(targets)
-        for kind, count in e["segments"]:
-            if kind == TEXT:
-                gather.append(np.arange(text_at, text_at + count))
-                for j in range(count):
-                    # position p predicts the token at p+1: a target token labels its predecessor
-                    if mask[pos_in_text + j] and len(targets) > start:
-                        targets[-1] = int(ids[pos_in_text + j])
-                    targets.append(-100)
-                text_at += count
-                pos_in_text += count
-            else:
-                n = count // rates.divisor(kind)
-                at = img_at if kind == IMAGE else aud_at
-                gather.append(np.arange(at, at + n))
-                targets.extend([-100] * n)
-                if kind == IMAGE:
-                    img_at += n
-                else:
-                    aud_at += n
-        seq_lengths.append(len(targets) - start)
-    images = [np.asarray(a) for e in examples for a in e["image_patches"]]
-    audios = [np.asarray(a) for e in examples for a in e["audio_mels"]]
-
-    def cat(arrays, width):
-        if not arrays:
-            return torch.zeros(0, width, dtype=dtype)
-        return torch.from_numpy(np.concatenate(arrays)).to(dtype)
-
-    def lengths(arrays):
-        return torch.tensor([len(a) for a in arrays], dtype=torch.int64)
-
-    return LocalBatch(
-        input_ids=torch.from_numpy(
-            np.concatenate([np.asarray(e["input_ids"]) for e in examples])
-        ).long(),
-        patches=cat(images, cfg.vision.patch_dim),
-        image_lengths=lengths(images),
-        mels=cat(audios, cfg.audio.n_mels),
-        audio_lengths=lengths(audios),
-        seq_lengths=torch.tensor(seq_lengths, dtype=torch.int64),
-        gather=torch.from_numpy(np.concatenate(gather)).long()
-        if gather
-        else torch.zeros(0, dtype=torch.int64),
-        targets=torch.tensor(targets, dtype=torch.int64),
-    )
-
-
-def local_step(batch: LocalBatch, n_targets_global: int):
-    """Forward of all phases on this rank's own examples; returns the rank's loss share."""
-
-    def step(model: MLLM) -> Tensor:
-        image_tokens = model.vision(batch.patches, batch.image_lengths)
-        audio_tokens = model.audio(batch.mels, batch.audio_lengths)
-        text = model.llm.embed(batch.input_ids)
-        embeds = torch.cat([text, image_tokens, audio_tokens])[batch.gather]
-        logits = model.llm(embeds, batch.seq_lengths)
-        return (
-            F.cross_entropy(logits, batch.targets, ignore_index=-100, reduction="sum")
-            / n_targets_global
-        )
-
-    return step
-
-
-# --------------------------------------------------------------------------------------------
 # training loop
 
 
+@dataclass
+class Prepared:
+    """One step prepared ahead by the prefetch thread: local batch and its plan."""
+
+    batch: LocalBatch
+    plan: StepPlan
+    prep_s: float
+
+
+def make_orchestrator(cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float):
+    """The orchestrator with this run's phases and policies. Metadata is gathered on a gloo
+    group of its own, so planning can run in the prefetch thread next to training."""
+    phases = default_phases(
+        cfg.rates,
+        patch_dim=cfg.model.vision.patch_dim,
+        n_mels=cfg.model.audio.n_mels,
+        vision_policy=cfg.balance.vision_policy,
+        audio_policy=cfg.balance.audio_policy,
+    )
+    return Orchestrator(
+        phases,
+        mode=mode,
+        llm_policy=cfg.balance.llm_policy,
+        placement=placement,
+        ranks_per_node=rpn,
+        meta_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)),
+        timeout=timeout,
+    )
+
+
+def step_forward(orch: Orchestrator, prepared: Prepared, *, dtype: torch.dtype, device):
+    """The whole multimodal forward of one step, run inside the FSDP root call.
+
+    Returns this rank's share of the loss (summed over its targets, divided by the global
+    target count) and the orchestrator's LLM batch (for metrics).
+    """
+    batch = prepared.batch.to(device)
+
+    def forward(model: MLLM):
+        encoders = {
+            "vision": lambda x, lengths: model.vision(x.to(dtype), lengths),
+            "audio": lambda x, lengths: model.audio(x.to(dtype), lengths),
+        }
+        out = orch.run(batch, encoders, plan=prepared.plan)
+        logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)
+        loss = F.cross_entropy(logits, out.targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss / max(out.num_targets, 1), out
+
+    return forward
+
+
 def _set_sum_reduction(model: MLLM) -> None:
-    """FSDP2 averages gradients over ranks by default; our loss is already globally normalised,
-    so gradients must be summed."""
+    """FSDP2 averages gradients over ranks by default; our loss is already normalised by the
+    global target count, so gradients must be summed."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -319,10 +277,12 @@ def _all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def train(args: argparse.Namespace) -> list[dict]:
+def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dict], MLLM]:
+    """Run the training loop; returns this rank's per-step records and the (sharded) model."""
     cfg = load_config(args.config)
     steps = args.steps or cfg.train.steps
     seed = cfg.train.seed if args.seed is None else args.seed
+    placement = args.placement or cfg.balance.placement
     dtype = DTYPES[args.dtype]
     rank, world = dist.get_rank(), dist.get_world_size()
     _, device = init_distributed()
@@ -334,43 +294,91 @@ def train(args: argparse.Namespace) -> list[dict]:
     batches = local_batches(
         len(dataset), rank=rank, num_replicas=world, batch_size=per_rank, seed=seed
     )
+    orch = make_orchestrator(cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout)
+
+    def produce(step: int) -> Prepared:
+        if step >= steps:
+            raise StopIteration
+        t0 = time.perf_counter()
+        examples = [as_example(dataset[int(i)]) for i in batches[step]]
+        batch = LocalBatch.from_examples(examples, orch.phases)
+        plan = orch.plan_batch(batch)
+        return Prepared(batch, plan, time.perf_counter() - t0)
 
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
 
     records = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        examples = [as_example(dataset[int(i)]) for i in batches[step]]
-        batch = local_batch(examples, cfg.rates, cfg.model, dtype)
-        n_targets, n_tokens = _all_reduce_sum(
-            [batch.n_targets, int(batch.seq_lengths.sum())], device
-        )
-        loss = model(local_step(batch, int(n_targets)))
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        (global_loss,) = _all_reduce_sum([loss.item()], device)
-        dt = time.perf_counter() - t0
-        record = {
-            "step": step,
-            "loss": global_loss,
-            "step_time_s": dt,
-            "tokens_per_s": n_tokens / dt,
-            "balance": args.balance,
-            "world_size": world,
-            "ranks_per_node": rpn,
-            "phases": {},
-        }
-        records.append(record)
-        if rank == 0 and not args.quiet:
-            print(
-                f"step {step:4d}  loss {global_loss:.4f}  {dt * 1e3:7.1f} ms  "
-                f"{n_tokens / dt:9.0f} tok/s",
-                flush=True,
+    prefetch = Prefetcher(produce, depth=args.prefetch, close_timeout=timeout)
+    try:
+        for step, prepared in enumerate(prefetch):
+            t0 = time.perf_counter()
+            loss, out = model(step_forward(orch, prepared, dtype=dtype, device=device))
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            global_loss, n_tokens = _all_reduce_sum([loss.item(), float(out.lengths.sum())], device)
+            dt = time.perf_counter() - t0
+            records.append(
+                {
+                    "step": step,
+                    "loss": global_loss,
+                    "step_time_s": dt,
+                    "tokens_per_s": n_tokens / dt,
+                    "balance": args.balance,
+                    "world_size": world,
+                    "ranks_per_node": rpn,
+                    "placement": placement,
+                    "prep_s": prepared.prep_s,
+                    "phases": {name: out.stats[name] for name in PHASES},
+                }
             )
-    return records
+            if rank == 0 and not args.quiet:
+                print(_progress(records[-1]), flush=True)
+    finally:
+        prefetch.close()
+    return records, model
+
+
+def _progress(r: dict) -> str:
+    imb = "  ".join(
+        f"{name} {p['imbalance_before']:.2f}->{p['imbalance_after']:.2f}"
+        for name, p in r["phases"].items()
+    )
+    return (
+        f"step {r['step']:4d}  loss {r['loss']:.4f}  {r['step_time_s'] * 1e3:7.1f} ms  "
+        f"{r['tokens_per_s']:8.0f} tok/s  imbalance {imb}"
+    )
+
+
+def summary_table(records: list[dict]) -> str:
+    """Per-phase means over the steps: imbalance before/after (max/mean load), bytes moved
+    intra- and inter-node per step, planning time; then the mean step time."""
+    lines = [
+        f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
+        f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
+    ]
+    for name in PHASES:
+        ph = [r["phases"][name] for r in records]
+
+        def mean(key, ph=ph):
+            return float(np.mean([p[key] for p in ph]))
+
+        lines.append(
+            f"{name:<8}{mean('imbalance_before'):>18.3f}{mean('imbalance_after'):>17.3f}"
+            f"{mean('bytes_intra') / 1e3:>15.1f}{mean('bytes_inter') / 1e3:>15.1f}"
+            f"{mean('plan_ms'):>9.2f}"
+        )
+    times = [r["step_time_s"] for r in records[1:] or records]  # step 0 includes warm-up
+    r0 = records[0]
+    lines.append(
+        f"balance={r0['balance']} placement={r0['placement']} world={r0['world_size']} "
+        f"ranks/node={r0['ranks_per_node']} steps={len(records)} "
+        f"mean step {np.mean(times) * 1e3:.1f} ms (after step 0)  "
+        f"final loss {records[-1]['loss']:.4f}"
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -379,11 +387,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     created, _ = init_distributed()
     try:
-        records = train(args)
-        if args.metrics and dist.get_rank() == 0:
-            with open(args.metrics, "w") as f:
-                for r in records:
-                    f.write(json.dumps(r) + "\n")
+        records, _ = train(args)
+        if dist.get_rank() == 0:
+            if args.metrics:
+                with open(args.metrics, "w") as f:
+                    for r in records:
+                        f.write(json.dumps(r) + "\n")
+            print(summary_table(records), flush=True)
         return records
     finally:
         if created:
