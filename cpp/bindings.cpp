@@ -5,8 +5,10 @@
 namespace py = pybind11;
 
 void register_balance(py::module_& m);
+void register_movement(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "OrchMLLM C++ core: balancing algorithms over int64/float64 arrays (no torch).";
     register_balance(m);
+    register_movement(m);
 }

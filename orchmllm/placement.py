@@ -1,0 +1,443 @@
+"""Node-wise placement of balanced batches, and movement-aware balancing.
+
+A balancing policy decides which items form each new batch, not which rank runs it: any
+permutation of the batches keeps the balance. The permutation decides how much of the
+all-to-all crosses nodes, where bandwidth is about 10x below NVLink, and the all-to-all ends
+when the rank with the most inter-node traffic is done (paper section 5.2.2). Rank ``r`` lives on
+node ``r // ranks_per_node``.
+
+Methods of :func:`place_batches`:
+
+- ``identity``: batch ``b`` runs on rank ``b`` (statistics only).
+- ``assign``: exact maximum of the tokens that stay inside their node, as an assignment of
+  batches to node slots (each node's column repeated ``ranks_per_node`` times), then inside each
+  node every batch goes to the rank holding most of its tokens (assignment again), so those
+  tokens do not move at all. Both assignments run in the C++ core on the sparse volume matrix.
+- ``ilp``: the paper's Algorithm 3 in cvxpy + CBC: binary ``x[batch, node]``, each node takes
+  ``ranks_per_node`` batches, minimise the largest inter-node volume any one rank sends. It is
+  time-limited, starts from the ``assign`` solution (as an upper bound on the objective, and it
+  never returns anything worse), and falls back to ``assign`` with a warning when the solver is
+  missing or fails.
+- ``auto``: ``assign``, then the ILP refinement only when the model can be solved within the
+  time budget (small clusters) and ``assign`` is not already provably optimal.
+
+:func:`movement_aware_dst` is the ``greedy_stay`` policy: the paper's greedy rebuilds every
+batch from scratch, so nearly every token moves; this keeps items on their source rank unless
+the rank is over the makespan target, reaching a makespan within ``tolerance`` of greedy.
+:func:`movement_lower_bound` is what any assignment with that makespan must move.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+METHODS = ("identity", "assign", "ilp", "auto")
+
+# cvxpy solver name -> its time-limit option (seconds). A solver outside this table is refused:
+# every ILP solve must be time-limited.
+TIME_LIMIT_OPTIONS = {"CBC": "maximumSeconds", "HIGHS": "time_limit", "GUROBI": "TimeLimit"}
+
+# Measured on CBC through cvxpy 1.9 (2-core x86): building the model costs about
+# _COMPILE_S + _COMPILE_S_PER_VAR * binaries, and CBC's root processing, which ignores its
+# time limit, about _ROOT_S_PER_VAR * binaries. The ILP is only attempted when that fits the
+# remaining budget, so the wall time stays near the limit at every cluster size.
+_COMPILE_S = 0.008
+_COMPILE_S_PER_VAR = 5e-6
+_ROOT_S_PER_VAR = 2.5e-5
+# CBC overshoots its own limit by a few milliseconds per solve; it gets this share of what is left.
+_SOLVER_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Token volume of one assignment ``src -> dst``, per rank and in total.
+
+    ``inter_sent[r]``/``inter_recv[r]``: tokens rank ``r`` sends to / receives from other nodes;
+    ``intra``: tokens moving between two ranks of the same node; ``kept``: tokens not moving.
+    """
+
+    inter_sent: np.ndarray
+    inter_recv: np.ndarray
+    intra: int
+    kept: int
+
+    @property
+    def inter_total(self) -> int:
+        return int(self.inter_sent.sum())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Batch ``b`` (the items with policy ``dst == b``) runs on rank ``perm[b]``."""
+
+    dst: np.ndarray
+    perm: np.ndarray
+    stats: dict[str, float] = field(default_factory=dict)
+    before: Traffic | None = None
+    after: Traffic | None = None
+
+
+def traffic(lengths: Any, src: Any, dst: Any, *, num_ranks: int, ranks_per_node: int) -> Traffic:
+    """Where the tokens of the move ``src -> dst`` travel (see :class:`Traffic`)."""
+    d, c = _topology(num_ranks, ranks_per_node)
+    l = _lengths(lengths)
+    return _traffic(l, _ranks("src", src, l.size, d), _ranks("dst", dst, l.size, d), d, c)
+
+
+def place_batches(
+    lengths: Any,
+    src: Any,
+    dst: Any,
+    *,
+    num_ranks: int,
+    ranks_per_node: int,
+    method: str = "auto",
+    time_limit_s: float = 0.05,
+    solver: str = "CBC",
+) -> Placement:
+    """Permute the balanced batches ``dst`` over the ranks to cut inter-node traffic.
+
+    ``lengths`` are tokens per item (the volume an item moves), ``src``/``dst`` its current and
+    planned rank. ``time_limit_s`` bounds the whole call for ``ilp``/``auto``; ``solver`` is the
+    cvxpy solver used by the ILP (one of ``TIME_LIMIT_OPTIONS``). Never raises on solver
+    trouble: it warns and returns the ``assign`` placement.
+    """
+    start = time.perf_counter()
+    d, c = _topology(num_ranks, ranks_per_node)
+    l = _lengths(lengths)
+    s = _ranks("src", src, l.size, d)
+    t = _ranks("dst", dst, l.size, d)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not (isinstance(time_limit_s, numbers.Real) and 0 < time_limit_s < math.inf):
+        raise ValueError(f"time_limit_s must be a finite number > 0, got {time_limit_s!r}")
+    if solver not in TIME_LIMIT_OPTIONS:
+        raise ValueError(f"solver must be one of {tuple(TIME_LIMIT_OPTIONS)}, got {solver!r}")
+
+    optimal = ilp_improved = False
+    if method == "identity":
+        perm = np.arange(d, dtype=np.int64)
+    else:
+        volumes = _Volumes(l, s, t, d, c)
+        node_of = _assign_nodes(volumes)
+        if method in ("ilp", "auto"):
+            deadline = start + float(time_limit_s)
+            node_of, optimal, ilp_improved = _refine_ilp(
+                volumes, node_of, deadline, solver, strict=method == "ilp"
+            )
+        perm = _assign_ranks(volumes, node_of)
+    new_dst = perm[t]
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+
+    before = _traffic(l, s, t, d, c)
+    after = _traffic(l, s, new_dst, d, c)
+    stats = {
+        **_traffic_stats(before, "before"),
+        **_traffic_stats(after, "after"),
+        "placement_solve_ms": elapsed_ms,
+        "placement_optimal": float(optimal),
+        "placement_ilp_improved": float(ilp_improved),
+    }
+    return Placement(dst=new_dst, perm=perm, stats=stats, before=before, after=after)
+
+
+def movement_aware_dst(
+    weights: Any,
+    src: Any,
+    num_ranks: int,
+    *,
+    sizes: Any = None,
+    tolerance: float = 0.005,
+) -> np.ndarray:
+    """Balance like greedy (makespan within ``tolerance`` of LPT) while moving few items.
+
+    ``weights``: additive per-item cost; ``src``: current rank of each item. Every rank keeps
+    its heaviest items while they fit under ``(1 + tolerance) * LPT makespan``; only the rest
+    moves, largest first to the least-loaded rank. Items are kept by weight alone, so ``sizes``
+    (tokens per item) only has to be valid; it is accepted for the ``balance()`` contract and
+    used by :func:`movement_lower_bound`. Falls back to plain LPT if the target is missed, so
+    the tolerance always holds. Deterministic: ties break by item index, then rank index.
+    """
+    w = _weights(weights)
+    d = _count("num_ranks", num_ranks)
+    s = _ranks("src", src, w.size, d)
+    if sizes is not None:
+        _sizes(sizes, w.size)
+    if not (isinstance(tolerance, numbers.Real) and 0 <= tolerance < math.inf):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    from orchmllm import _core
+
+    return np.asarray(_core.movement_aware(w, s, d, float(tolerance)), dtype=np.int64)
+
+
+def movement_lower_bound(
+    weights: Any, src: Any, num_ranks: int, makespan: float, *, sizes: Any = None
+) -> float:
+    """Fewest tokens any assignment with max load ``makespan`` must move off its source rank.
+
+    Each rank above ``makespan`` must shed ``load - makespan`` of weight; the cheapest way in
+    tokens, relaxed to fractions of items, sheds the items with the most weight per token
+    first. With ``sizes=None`` (tokens = weights) this is ``sum(max(0, load - makespan))``.
+    """
+    w = _weights(weights)
+    d = _count("num_ranks", num_ranks)
+    s = _ranks("src", src, w.size, d)
+    z = w if sizes is None else _sizes(sizes, w.size)
+    excess = np.maximum(np.bincount(s, weights=w, minlength=d) - float(makespan), 0.0)
+    if sizes is None:
+        return float(excess.sum())
+    density = np.divide(w, z, out=np.full_like(w, np.inf), where=z > 0)
+    order = np.lexsort((-density, s))  # by rank, densest first
+    ws, zs, ss = w[order], z[order], s[order]
+    cum = np.cumsum(ws)
+    first = np.searchsorted(ss, np.arange(d))
+    shed_before = cum - ws - (cum - ws)[first][ss]  # weight shed by earlier items of the rank
+    need = excess[ss] - shed_before
+    frac = np.clip(np.divide(need, ws, out=np.zeros_like(ws), where=ws > 0), 0.0, 1.0)
+    return float((frac * zs).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the volume matrix and the two exact assignments
+
+
+class _Volumes:
+    """The move's items, with the aggregates the placement needs (all bincounts over items)."""
+
+    def __init__(self, l: np.ndarray, s: np.ndarray, t: np.ndarray, d: int, c: int) -> None:
+        self.l, self.src, self.batch = l, s, t
+        self.d, self.c, self.m = d, c, d // c
+        self.src_node = s // c
+        self.held = np.bincount(s, weights=l, minlength=d).astype(np.int64)
+
+    def node_matrix(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSR over batches of ``W[b, k]`` = tokens already on node ``k`` for batch ``b``."""
+        m = self.m
+        w = np.bincount(self.batch * m + self.src_node, weights=self.l, minlength=self.d * m)
+        nz = np.flatnonzero(w)
+        indptr = np.searchsorted(nz // m, np.arange(self.d + 1)).astype(np.int64)
+        return indptr, (nz % m).astype(np.int64), w[nz].astype(np.int64)
+
+    def max_inter(self, node_of: np.ndarray) -> int:
+        """Most tokens one rank sends off-node when batch ``b`` runs on node ``node_of[b]``."""
+        away = node_of[self.batch] != self.src_node
+        sent = np.bincount(self.src[away], weights=self.l[away], minlength=self.d)
+        return int(sent.max(initial=0))
+
+    def lower_bound(self) -> int:
+        """A rank's node takes ``c`` batches, so at best its ``c`` largest volumes stay."""
+        d = self.d
+        key = np.sort(self.src * d + self.batch)
+        first = np.flatnonzero(np.diff(key, prepend=-1))
+        volume = np.add.reduceat(self.l[np.argsort(self.src * d + self.batch)], first)
+        top = int(volume.max(initial=0)) + 1
+        rank_first = np.sort(key[first] // d * top + (top - 1 - volume))  # by rank, largest first
+        rank = rank_first // top
+        pos = np.arange(rank.size) - np.searchsorted(rank, rank)
+        best = pos < self.c
+        kept = np.bincount(rank[best], weights=(top - 1 - rank_first % top)[best], minlength=d)
+        return int((self.held - kept).max(initial=0))
+
+
+def _assign_nodes(v: _Volumes) -> np.ndarray:
+    """Node per batch maximising the tokens that stay on their node (exact)."""
+    from orchmllm import _core
+
+    indptr, cols, profit = v.node_matrix()
+    node_of = np.asarray(_core.capacitated_assignment(indptr, cols, profit, v.m, v.c), np.int64)
+    free = np.repeat(np.arange(v.m), v.c - np.bincount(node_of[node_of >= 0], minlength=v.m))
+    node_of[node_of < 0] = free  # unmatched batches, in index order, take the free slots
+    return node_of
+
+
+def _assign_ranks(v: _Volumes, node_of: np.ndarray) -> np.ndarray:
+    """Rank per batch inside its node, maximising the tokens that do not move at all (exact)."""
+    from orchmllm import _core
+
+    d, c = v.d, v.c
+    local = node_of[v.batch] == v.src_node
+    key = v.batch[local] * c + v.src[local] % c  # edges (batch, slot of the rank in its node)
+    w = np.bincount(key, weights=v.l[local], minlength=d * c)
+    nz = np.flatnonzero(w)
+    batch = nz // c
+    indptr = np.searchsorted(batch, np.arange(d + 1)).astype(np.int64)
+    cols = (node_of[batch] * c + nz % c).astype(np.int64)
+    perm = np.asarray(_core.capacitated_assignment(indptr, cols, w[nz].astype(np.int64), d, 1))
+    perm = perm.astype(np.int64)
+    taken = np.zeros(d, dtype=bool)
+    taken[perm[perm >= 0]] = True
+    free = np.flatnonzero(~taken)  # sorted by rank, hence by node
+    open_batches = np.flatnonzero(perm < 0)
+    perm[open_batches[np.argsort(node_of[open_batches], kind="stable")]] = free
+    return perm
+
+
+# ---------------------------------------------------------------------------------------------
+# the paper's ILP (Algorithm 3)
+
+
+def _ilp_estimate_s(v: _Volumes) -> float:
+    binaries = v.d * v.m
+    return _COMPILE_S + (_COMPILE_S_PER_VAR + _ROOT_S_PER_VAR) * binaries
+
+
+def _refine_ilp(
+    v: _Volumes, warm: np.ndarray, deadline: float, solver: str, *, strict: bool
+) -> tuple[np.ndarray, bool, bool]:
+    """Algorithm 3 from the warm start ``warm``, bounded by ``deadline``.
+
+    Returns ``(node_of, proven_optimal, improved)``; ``node_of`` is never worse than ``warm``.
+    ``strict`` (method ``ilp``) warns when the model cannot be solved in the budget at all;
+    ``auto`` then skips it silently. The first call also pays cvxpy's one-time import.
+    """
+    keep = (warm, False, False)
+    if time.perf_counter() + _ilp_estimate_s(v) > deadline:
+        if strict:
+            warnings.warn(
+                f"placement ILP with {v.d * v.m} binaries does not fit time_limit_s; "
+                "returning the assign placement",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return keep
+    warm_value = v.max_inter(warm)
+    if warm_value <= v.lower_bound():
+        return warm, True, False
+    try:
+        import cvxpy as cp
+        import scipy.sparse as sp
+
+        d, m = v.d, v.m
+        # x is vectorised column-major: x[b, k] is entry b + k * d; duplicates are summed.
+        cols = v.batch + v.src_node * d
+        a = sp.csr_matrix((v.l.astype(np.float64), (v.src, cols)), shape=(d, d * m))
+        x = cp.Variable((d, m), boolean=True)
+        worst = cp.Variable()
+        constraints = [
+            cp.sum(x, axis=1) == 1,
+            cp.sum(x, axis=0) == v.c,
+            v.held.astype(np.float64) - a @ cp.vec(x, order="F") <= worst,
+            worst <= warm_value,  # the warm start bounds the search
+        ]
+        problem = cp.Problem(cp.Minimize(worst), constraints)
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return keep
+        options = {TIME_LIMIT_OPTIONS[solver]: max(remaining * _SOLVER_SHARE, 1e-3)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate" on time-outs
+            problem.solve(solver=solver, **options)
+    except Exception as exc:  # noqa: BLE001 - a solver problem must never stop training
+        warnings.warn(
+            f"placement ILP failed ({type(exc).__name__}: {exc}); returning the assign placement",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return keep
+
+    proven = problem.status == cp.OPTIMAL
+    node_of = _rounded_assignment(x.value, v.c)
+    if node_of is not None and v.max_inter(node_of) < warm_value:
+        return node_of, proven, True
+    # Proven optimal at the warm start's value: the warm start itself is optimal.
+    if proven and problem.value is not None and problem.value >= warm_value - 0.5:
+        return warm, True, False
+    return keep
+
+
+def _rounded_assignment(values: np.ndarray | None, c: int) -> np.ndarray | None:
+    """The node per batch of a solver's 0/1 matrix, or ``None`` if it is not a valid placement."""
+    if values is None or not np.all(np.isfinite(values)):
+        return None
+    node_of = np.argmax(values, axis=1).astype(np.int64)
+    one_hot = np.arange(values.shape[1]) == node_of[:, None]
+    ok_rows = np.all(np.abs(values - one_hot) < 0.5, axis=1)
+    counts = np.bincount(node_of, minlength=values.shape[1])
+    if not ok_rows.all() or np.any(counts != c):
+        return None
+    return node_of
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics and validation
+
+
+def _traffic(l: np.ndarray, s: np.ndarray, t: np.ndarray, d: int, c: int) -> Traffic:
+    moved = s != t
+    away = (s // c) != (t // c)
+    return Traffic(
+        inter_sent=np.bincount(s[away], weights=l[away], minlength=d).astype(np.int64),
+        inter_recv=np.bincount(t[away], weights=l[away], minlength=d).astype(np.int64),
+        intra=int(l[moved & ~away].sum()),
+        kept=int(l[~moved].sum()),
+    )
+
+
+def _traffic_stats(tr: Traffic, when: str) -> dict[str, float]:
+    return {
+        f"inter_node_tokens_max_rank_{when}": float(tr.inter_sent.max(initial=0)),
+        f"inter_node_tokens_max_rank_recv_{when}": float(tr.inter_recv.max(initial=0)),
+        f"inter_node_tokens_total_{when}": float(tr.inter_total),
+        f"intra_node_tokens_total_{when}": float(tr.intra),
+        f"tokens_kept_{when}": float(tr.kept),
+    }
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _topology(num_ranks: Any, ranks_per_node: Any) -> tuple[int, int]:
+    d = _count("num_ranks", num_ranks)
+    c = _count("ranks_per_node", ranks_per_node)
+    if d % c:
+        raise ValueError(f"ranks_per_node={c} must divide num_ranks={d}")
+    return d, c
+
+
+def _vector(name: str, value: Any) -> np.ndarray:
+    a = np.asarray(value)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    return a
+
+
+def _lengths(lengths: Any) -> np.ndarray:
+    a = _vector("lengths", lengths)
+    if a.size and (a.dtype.kind not in "iuf" or np.any(a < 0) or np.any(a != np.floor(a))):
+        raise ValueError(f"lengths must be non-negative integers, got {a[:8]!r}")
+    return a.astype(np.int64)
+
+
+def _ranks(name: str, value: Any, n: int, d: int) -> np.ndarray:
+    a = _vector(name, value)
+    if a.size != n:
+        raise ValueError(f"{name} must have one entry per item ({n}), got {a.size}")
+    if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= d):
+        raise ValueError(f"{name} must hold integer ranks in [0, {d}), got {a[:8]!r}")
+    return a.astype(np.int64)
+
+
+def _weights(weights: Any) -> np.ndarray:
+    a = _vector("weights", weights)
+    if a.size and (a.dtype.kind not in "iuf" or not np.all(np.isfinite(a)) or np.any(a < 0)):
+        raise ValueError(f"weights must be finite and >= 0, got {a[:8]!r}")
+    return a.astype(np.float64)
+
+
+def _sizes(sizes: Any, n: int) -> np.ndarray:
+    a = _vector("sizes", sizes)
+    if a.size != n:
+        raise ValueError(f"sizes must have one entry per item ({n}), got {a.size}")
+    if a.size and (a.dtype.kind not in "iuf" or not np.all(np.isfinite(a)) or np.any(a < 0)):
+        raise ValueError(f"sizes must be finite and >= 0, got {a[:8]!r}")
+    return a.astype(np.float64)
