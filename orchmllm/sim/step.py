@@ -1,0 +1,193 @@
+"""One training step at cluster scale: phase times, dispatch traffic, memory and MFU.
+
+Step time is ``sum over phases of max(slowest rank's compute, FSDP traffic of the phase)`` plus
+the dispatch all-to-alls on the critical path:
+
+- compute: each rank's batch in each phase through the calibrated module cost
+  (``orchmllm.sim.compute``); FSDP collectives synchronise every phase, so a phase lasts as long
+  as its slowest rank.
+- FSDP: ZeRO-3 all-gathers the parameters forward and backward and reduce-scatters gradients
+  (three passes of the bf16 weights, one for a frozen module) within the hybrid-shard group,
+  prefetched layer by layer, so the traffic hides behind compute until a rank's batch is too
+  small to cover it. A group larger than one node is bound by the network, else by NVLink.
+- dispatch (``orchmllm.sim.comm``, ``dispatch_collectives``): the all-to-alls the orchestrator
+  runs, each timed on its own.
+- planning runs on the CPU during the previous step (prefetch) and is reported, not added;
+  ``plan_hidden`` says whether it fits in the step.
+
+MFU counts useful FLOPs only (no padding, causal attention halved) over the dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchmllm.models.config import ModelConfig
+from orchmllm.sim import comm
+from orchmllm.sim.batch import Batch
+from orchmllm.sim.compute import H100_PEAK_FLOPS, PHASES, Submodule
+from orchmllm.sim.layout import Layout, frame_bytes, llm_pieces, patch_bytes
+from orchmllm.sim.memory import MemoryModel
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine the step runs on."""
+
+    net: comm.Network = field(default_factory=comm.Network)
+    memory: MemoryModel = field(default_factory=MemoryModel)
+    peak_flops: float = H100_PEAK_FLOPS
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything one simulated step reports (times in seconds, bytes per rank)."""
+
+    step_time_s: float
+    compute_s: dict[str, float]  # slowest rank per phase
+    mean_compute_s: dict[str, float]  # average rank per phase
+    fsdp_s: dict[str, float]
+    dispatch_fwd_s: float
+    dispatch_bwd_s: float
+    useful_flops: float
+    mfu: float
+    peak_memory_bytes: float  # worst rank
+    mean_memory_bytes: float
+    budget_bytes: float
+    dispatchers: dict[str, comm.Volumes]  # forward moves by dispatcher name
+    plan_ms: float
+    plan_hidden: bool
+
+    @property
+    def oom(self) -> bool:
+        return self.peak_memory_bytes > self.budget_bytes
+
+    @property
+    def inter_node_bytes_max_rank(self) -> float:
+        """Busiest rank's inter-node bytes summed over the step's forward dispatchers."""
+        if not self.dispatchers:
+            return 0.0
+        total = sum(self.dispatchers.values(), start=_zero(self.num_ranks))
+        return total.inter_max_rank
+
+    @property
+    def num_ranks(self) -> int:
+        return next(iter(self.dispatchers.values())).num_ranks if self.dispatchers else 0
+
+    def imbalance(self, phase: str) -> float:
+        """Slowest over mean rank compute in ``phase`` (1.0 = perfectly balanced)."""
+        mean = self.mean_compute_s[phase]
+        return self.compute_s[phase] / mean if mean > 0 else 1.0
+
+
+def _zero(num_ranks: int) -> comm.Volumes:
+    z = np.zeros(num_ranks)
+    return comm.Volumes(z, z, z, z, z)
+
+
+def fsdp_seconds(module: Submodule, num_ranks: int, cluster: Cluster) -> float:
+    """ZeRO-3 parameter/gradient traffic of one module per step, per GPU."""
+    group = min(cluster.memory.shard_group, num_ranks)
+    if group <= 1:
+        return 0.0
+    passes = 1 if module.frozen else 3
+    bw = cluster.net.bw_inter if group > cluster.net.ranks_per_node else cluster.net.bw_intra
+    return passes * (group - 1) / group * 2.0 * module.parameters / bw
+
+
+def dispatch_collectives(
+    batch: Batch, layout: Layout, mode: str, config: ModelConfig, ranks_per_node: int
+) -> tuple[list[tuple[str, comm.Volumes]], list[tuple[str, comm.Volumes]]]:
+    """The all-to-alls of one step as ``(dispatcher, volumes)``, forward and backward.
+
+    As ``orchmllm.orchestrator`` runs them: raw encoder inputs to the encoder layouts (``full``
+    only), then one move per encoder output and one for text to the LLM layout; backward, each
+    encoder output's gradient goes back. ``none`` and ``disttrain`` move nothing.
+    """
+    if mode not in ("llm", "full"):
+        return [], []
+    d = batch.num_ranks
+    src = batch.example_src
+
+    def vol(s: np.ndarray, t: np.ndarray, b: np.ndarray) -> comm.Volumes:
+        return comm.volumes(s, t, b, num_ranks=d, ranks_per_node=ranks_per_node)
+
+    fwd, bwd = [], []
+    if mode == "full":
+        img_src, aud_src = src[batch.image_example], src[batch.audio_example]
+        fwd.append(
+            ("vision", vol(img_src, layout.image, batch.image_patches * float(patch_bytes(config))))
+        )
+        fwd.append(
+            ("audio", vol(aud_src, layout.audio, batch.audio_frames * float(frame_bytes(config))))
+        )
+    pieces = llm_pieces(batch, config, layout.image, layout.audio)
+    to = layout.example[pieces.example]
+    for kind in (1, 2, 0):  # encoded images, encoded clips, text
+        k = pieces.kind == kind
+        fwd.append(("llm", vol(pieces.src[k], to[k], pieces.bytes[k])))
+        if kind:
+            bwd.append(("llm", vol(to[k], pieces.src[k], pieces.bytes[k])))
+    return fwd, bwd
+
+
+def by_dispatcher(collectives: list[tuple[str, comm.Volumes]]) -> dict[str, comm.Volumes]:
+    """Volumes summed per dispatcher (the paper's Figure 13 groups traffic this way)."""
+    out: dict[str, comm.Volumes] = {}
+    for name, v in collectives:
+        out[name] = out[name] + v if name in out else v
+    return out
+
+
+def simulate_step(
+    batch: Batch,
+    layout: Layout,
+    mode: str,
+    *,
+    config: ModelConfig,
+    modules: Mapping[str, Submodule],
+    cluster: Cluster | None = None,
+) -> StepResult:
+    """Model one step of ``batch`` laid out as ``layout`` (see the module docstring)."""
+    cluster = cluster or Cluster()
+    d = batch.num_ranks
+    lengths = {
+        "vision": batch.vision_lengths(),
+        "audio": batch.audio_lengths(config),
+        "llm": batch.llm_lengths(config),
+    }
+    dst = {"vision": layout.image, "audio": layout.audio, "llm": layout.example}
+    compute, mean_compute, fsdp, tokens = {}, {}, {}, {}
+    useful = 0.0
+    for phase in PHASES:
+        m = modules[phase]
+        t = m.times_ms(lengths[phase], dst[phase], d) * 1e-3
+        compute[phase] = float(t.max())
+        mean_compute[phase] = float(t.mean())
+        fsdp[phase] = fsdp_seconds(m, d, cluster)
+        tokens[phase] = np.bincount(dst[phase], weights=lengths[phase], minlength=d)
+        useful += m.useful_flops(lengths[phase])
+    fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
+    dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd)
+    dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd)
+    step = sum(max(compute[p], fsdp[p]) for p in PHASES) + dispatch_fwd + dispatch_bwd
+    memory = cluster.memory.peak_bytes(modules, tokens, d)
+    return StepResult(
+        step_time_s=step,
+        compute_s=compute,
+        mean_compute_s=mean_compute,
+        fsdp_s=fsdp,
+        dispatch_fwd_s=dispatch_fwd,
+        dispatch_bwd_s=dispatch_bwd,
+        useful_flops=useful,
+        mfu=useful / (d * step * cluster.peak_flops) if step > 0 else 0.0,
+        peak_memory_bytes=float(memory.max()),
+        mean_memory_bytes=float(memory.mean()),
+        budget_bytes=cluster.memory.budget_bytes,
+        dispatchers=by_dispatcher(fwd),
+        plan_ms=layout.plan_ms,
+        plan_hidden=layout.plan_ms * 1e-3 < step,
+    )

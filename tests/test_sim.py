@@ -1,0 +1,278 @@
+"""The cluster simulator: calibration, communication, memory and step aggregation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from orchmllm.models.config import ModelConfig
+from orchmllm.sim import comm
+from orchmllm.sim.batch import Batch
+from orchmllm.sim.compute import BlockShape, block_fit, load_block_records, submodules
+from orchmllm.sim.layout import MODES, disttrain_reorder, llm_pieces, plan
+from orchmllm.sim.memory import MemoryModel
+from orchmllm.sim.step import Cluster, dispatch_collectives, simulate_step
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _config(name: str) -> ModelConfig:
+    return ModelConfig.from_dict(yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"])
+
+
+@pytest.fixture(scope="module")
+def mllm10b() -> tuple[ModelConfig, dict]:
+    cfg = _config("mllm-10b")
+    return cfg, submodules(cfg)
+
+
+def _random_batch(rng: np.random.Generator, num_ranks: int, per_rank: int) -> Batch:
+    """Heavy-tailed lengths: about 60% of examples hold an image, 30% a clip, some both."""
+    n = num_ranks * per_rank
+    has_img = rng.random(n) < 0.6
+    has_aud = rng.random(n) < 0.3
+    img_ex = np.flatnonzero(has_img)
+    aud_ex = np.flatnonzero(has_aud)
+    return Batch(
+        num_ranks,
+        text=np.minimum(rng.lognormal(5.0, 1.0, n).astype(np.int64) + 1, 4096),
+        image_example=img_ex,
+        image_patches=rng.integers(64, 1025, img_ex.size),
+        audio_example=aud_ex,
+        audio_frames=(rng.uniform(1.0, 30.0, aud_ex.size) * 100).astype(np.int64) // 8 * 8,
+    )
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+def test_calibration_reproduces_measured_blocks_within_15_percent() -> None:
+    for r in load_block_records():
+        shape = BlockShape(r["hidden"], r["ffn"], r["heads"], r["kv_heads"], r["attention"])
+        fit = block_fit(shape)
+        assert fit.source == r["shape"]
+        c = fit.cost
+        if r["attention"] == "padded":  # the padded cost sees count and longest item only
+            predicted = c.batch_cost([r["max_len"]] * r["n"])
+        else:
+            predicted = c.alpha * r["tokens"] + c.beta * r["sum_l2"] + c.const
+        assert abs(predicted / r["ms"] - 1) < 0.15, (r["shape"], r["tokens"], predicted, r["ms"])
+
+
+def test_calibrated_rates_are_physical() -> None:
+    """Achieved rates sit below the H100 dense bf16 peak and above a tenth of it."""
+    for r in load_block_records():
+        fit = block_fit(
+            BlockShape(r["hidden"], r["ffn"], r["heads"], r["kv_heads"], r["attention"])
+        )
+        assert 100e12 < fit.linear_rate < 989.4e12
+        assert 100e12 < fit.attention_rate < 989.4e12
+
+
+def test_unmeasured_shape_scales_with_flops() -> None:
+    """Doubling the FFN of a measured shape raises alpha by its share of the weights."""
+    base = block_fit(BlockShape(3584, 18944, 28, 4, "causal"))
+    wider = block_fit(BlockShape(3584, 2 * 18944, 28, 4, "causal"))
+    assert wider.source.startswith("scaled from")
+    ratio = wider.shape.weights / base.shape.weights
+    assert wider.cost.alpha == pytest.approx(base.cost.alpha * ratio)
+    assert wider.cost.beta == pytest.approx(base.cost.beta)
+
+
+def test_module_parameters_match_table1(mllm10b) -> None:
+    _, mods = mllm10b
+    billions = {k: m.parameters / 1e9 for k, m in mods.items()}
+    assert billions["vision"] == pytest.approx(2.0, rel=0.15)
+    assert billions["audio"] == pytest.approx(0.6, rel=0.1)
+    assert billions["llm"] == pytest.approx(7.0, rel=0.1)
+
+
+def test_frozen_module_costs_a_third() -> None:
+    cfg = _config("mllm-10b")
+    frozen = ModelConfig(
+        cfg.vocab,
+        cfg.vision.__class__(**{**cfg.vision.__dict__, "frozen": True}),
+        cfg.audio,
+        cfg.llm,
+    )
+    a, b = submodules(cfg)["vision"], submodules(frozen)["vision"]
+    lengths = np.array([256, 1024, 700])
+    dst = np.array([0, 0, 1])
+    np.testing.assert_allclose(b.times_ms(lengths, dst, 2), a.times_ms(lengths, dst, 2) / 3)
+    assert b.useful_flops(lengths) == pytest.approx(a.useful_flops(lengths) / 3)
+
+
+# -- communication -------------------------------------------------------------------------
+
+
+def test_comm_volumes_conserve_bytes(rng) -> None:
+    d, c = 32, 8
+    n = 500
+    src, dst = rng.integers(0, d, n), rng.integers(0, d, n)
+    nbytes = rng.integers(0, 10_000, n).astype(np.float64)
+    v = comm.volumes(src, dst, nbytes, num_ranks=d, ranks_per_node=c)
+    assert v.sent_intra.sum() + v.sent_inter.sum() + v.kept.sum() == pytest.approx(nbytes.sum())
+    assert v.sent_inter.sum() == pytest.approx(v.recv_inter.sum())
+    assert v.sent_intra.sum() == pytest.approx(v.recv_intra.sum())
+    origin = np.bincount(src, weights=nbytes, minlength=d)
+    np.testing.assert_allclose(v.sent_intra + v.sent_inter + v.kept, origin)
+    arrive = np.bincount(dst, weights=nbytes, minlength=d)
+    np.testing.assert_allclose(v.recv_intra + v.recv_inter + v.kept, arrive)
+    inter = (src // c) != (dst // c)
+    assert v.inter_total == pytest.approx(nbytes[inter].sum())
+
+
+def test_all_to_all_time_is_the_busiest_rank() -> None:
+    net = comm.Network(ranks_per_node=2, bw_intra=100.0, bw_inter=10.0, peer_latency_s=0.0)
+    # rank 0 -> 2 (inter, 50 B) and rank 1 -> 0 (intra, 300 B): 5 s vs 3 s.
+    v = comm.volumes(
+        np.array([0, 1]), np.array([2, 0]), np.array([50.0, 300.0]), num_ranks=4, ranks_per_node=2
+    )
+    assert comm.all_to_all_seconds(v, net) == pytest.approx(5.0)
+    assert comm.all_to_all_seconds(v, comm.Network(2, 100.0, 10.0, 1e-3)) == pytest.approx(5.003)
+
+
+def test_comm_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="dst"):
+        comm.volumes(np.array([0]), np.array([4]), np.array([1.0]), num_ranks=4, ranks_per_node=2)
+    with pytest.raises(ValueError, match="bw_inter"):
+        comm.Network(bw_inter=0.0)
+
+
+def test_dispatch_moves_every_llm_byte_once(rng, mllm10b) -> None:
+    cfg, mods = mllm10b
+    batch = _random_batch(rng, 16, 12)
+    for mode in ("llm", "full"):
+        layout = plan(batch, mode, config=cfg, modules=mods)
+        fwd, bwd = dispatch_collectives(batch, layout, mode, cfg, 8)
+        pieces = llm_pieces(batch, cfg, layout.image, layout.audio)
+        llm = [v for name, v in fwd if name == "llm"]
+        moved = sum(v.sent_intra.sum() + v.sent_inter.sum() + v.kept.sum() for v in llm)
+        assert moved == pytest.approx(pieces.bytes.sum())
+        # every encoded byte's gradient comes back
+        back = sum(v.recv_intra.sum() + v.recv_inter.sum() + v.kept.sum() for _, v in bwd)
+        assert back == pytest.approx(pieces.bytes[pieces.kind > 0].sum())
+        if mode == "full":
+            raw = dict(fwd[:2])
+            assert raw["vision"].kept.sum() + raw["vision"].sent_inter.sum() + raw[
+                "vision"
+            ].sent_intra.sum() == pytest.approx(batch.image_patches.sum() * 2 * 588)
+
+
+# -- layouts and steps ---------------------------------------------------------------------
+
+
+def test_layouts_keep_every_item(rng, mllm10b) -> None:
+    cfg, mods = mllm10b
+    batch = _random_batch(rng, 16, 10)
+    for mode in MODES:
+        layout = plan(batch, mode, config=cfg, modules=mods)
+        assert layout.example.shape == batch.text.shape
+        assert layout.image.shape == batch.image_patches.shape
+        assert layout.audio.shape == batch.audio_frames.shape
+        for dst in (layout.example, layout.image, layout.audio):
+            assert dst.min(initial=0) >= 0 and dst.max(initial=0) < 16
+
+
+def test_disttrain_reorder_is_literal_ascending_greedy() -> None:
+    # ascending: 1 -> g0, 2 -> g1, 3 -> g0 (load 1), 4 -> g1 (load 2), 10 -> g0 (load 4)
+    dst = disttrain_reorder(np.array([10, 4, 3, 2, 1]), 2)
+    assert dst.tolist() == [0, 1, 0, 1, 0]
+    # zero-size samples spread by count instead of piling onto group 0
+    assert np.bincount(disttrain_reorder(np.zeros(8, np.int64), 4)).tolist() == [2, 2, 2, 2]
+
+
+def test_equal_lengths_give_the_same_step_in_every_mode(mllm10b) -> None:
+    cfg, mods = mllm10b
+    batch = Batch.uniform(16, 6, text=200, patches=576, frames=1200)
+    free = Cluster(net=comm.Network(bw_intra=1e30, bw_inter=1e30, peer_latency_s=0.0))
+    results = {}
+    for mode in MODES:
+        layout = plan(batch, mode, config=cfg, modules=mods)
+        results[mode] = simulate_step(batch, layout, mode, config=cfg, modules=mods, cluster=free)
+    base = results["none"]
+    for mode, r in results.items():
+        assert r.compute_s == pytest.approx(base.compute_s), mode
+        assert r.step_time_s == pytest.approx(base.step_time_s), mode
+        assert r.peak_memory_bytes == pytest.approx(base.peak_memory_bytes), mode
+        assert r.imbalance("llm") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balancing_never_slows_the_step(seed, mllm10b) -> None:
+    """OrchMLLM's modes (llm, full) at a mini-batch big enough to hide FSDP traffic."""
+    cfg, mods = mllm10b
+    batch = _random_batch(np.random.default_rng(seed), 32, 40)
+    none = simulate_step(
+        batch, plan(batch, "none", config=cfg, modules=mods), "none", config=cfg, modules=mods
+    )
+    for mode in ("llm", "full"):
+        for placement in ("none", "node"):
+            layout = plan(batch, mode, config=cfg, modules=mods, placement=placement)
+            r = simulate_step(batch, layout, mode, config=cfg, modules=mods)
+            assert r.step_time_s < none.step_time_s, (mode, placement)
+            assert r.mfu > none.mfu, (mode, placement)
+            balanced = ("vision", "audio", "llm") if mode == "full" else ("llm",)
+            for phase in balanced:
+                assert r.compute_s[phase] <= none.compute_s[phase] * (1 + 1e-9), (mode, phase)
+                assert r.imbalance(phase) < none.imbalance(phase), (mode, phase)
+            assert r.peak_memory_bytes < none.peak_memory_bytes
+
+
+def test_step_waits_for_the_slowest_rank(mllm10b) -> None:
+    cfg, mods = mllm10b
+    # rank 0: one long example, rank 1: one short one; nothing to overlap with FSDP traffic
+    batch = Batch(
+        2,
+        text=np.array([4000, 100]),
+        image_example=np.zeros(0, np.int64),
+        image_patches=np.zeros(0, np.int64),
+        audio_example=np.zeros(0, np.int64),
+        audio_frames=np.zeros(0, np.int64),
+    )
+    layout = plan(batch, "none", config=cfg, modules=mods)
+    r = simulate_step(batch, layout, "none", config=cfg, modules=mods)
+    t = mods["llm"].times_ms(batch.llm_lengths(cfg), layout.example, 2) * 1e-3
+    assert r.compute_s["llm"] == pytest.approx(t.max())
+    assert r.mean_compute_s["llm"] == pytest.approx(t.mean())
+    assert r.step_time_s == pytest.approx(
+        sum(max(r.compute_s[p], r.fsdp_s[p]) for p in r.compute_s)
+    )
+
+
+def test_memory_proxy_counts_worst_rank(mllm10b) -> None:
+    cfg, mods = mllm10b
+    mem = MemoryModel()
+    tokens = {"llm": np.array([1000.0, 3000.0]), "vision": np.array([0.0, 0.0])}
+    act = mem.activation_bytes(mods, tokens)
+    per_token = mods["llm"].layers * mods["llm"].block.shape.hidden * mem.act_bytes
+    np.testing.assert_allclose(act, [1000 * per_token, 3000 * per_token])
+    peak = mem.peak_bytes(mods, tokens, 2)
+    assert peak[1] - peak[0] == pytest.approx(2000 * per_token)
+    with pytest.raises(ValueError, match="act_bytes"):
+        MemoryModel(act_bytes=0.0)
+
+
+def test_batch_rejects_bad_input() -> None:
+    empty = np.zeros(0, np.int64)
+    with pytest.raises(ValueError, match="split evenly"):
+        Batch(
+            2,
+            text=np.array([1, 2, 3]),
+            image_example=empty,
+            image_patches=empty,
+            audio_example=empty,
+            audio_frames=empty,
+        )
+    with pytest.raises(ValueError, match="text"):
+        Batch(
+            1,
+            text=np.array([-1]),
+            image_example=empty,
+            image_patches=empty,
+            audio_example=empty,
+            audio_frames=empty,
+        )
