@@ -1,0 +1,234 @@
+"""One step of post-balancing on a CPU group: gather metadata, plan, move examples.
+
+Shared by the prefetching loader and the collator wrapper. Each step starts with a
+3-int header per rank (status, item count, metadata width), so that a rank that failed
+to prepare its batch, or has run out of data, tells the others instead of leaving them
+waiting in a collective: every rank leaves the step the same way.
+
+Examples travel as pickled bytes in one all-to-all (``comm.move`` on a uint8 buffer), so
+any example type works and the user's collate function runs on the balanced set.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from orchmllm import comm
+from orchmllm.plan import Rearrangement
+
+OK, EXHAUSTED, FAILED = 0, 1, 2
+PAD = -1  # fills metadata rows shorter than the widest one
+_INT64 = 8
+
+Planner = Callable[[np.ndarray, np.ndarray, int], Any]
+"""``planner(meta, src, num_ranks)``: meta (n, m) int64 rows in global order (rank 0's
+items, then rank 1's, ...; shorter rows padded with -1), ``src`` the rank of each row.
+Must be deterministic: every rank calls it on the same input and must get the same plan."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed while preparing this step (its own error is raised there)."""
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Every rank's metadata for one step, identical on all ranks."""
+
+    meta: np.ndarray  # (n, width) int64, global item order
+    src: np.ndarray  # (n,) source rank of each item
+    status: np.ndarray  # (world,) OK / EXHAUSTED per rank
+    bytes_sent: int  # metadata bytes this rank sent (logical: its share times peers)
+
+
+class Group:
+    """The CPU group the loader talks on, or a single process without torch.distributed."""
+
+    def __init__(self, group: dist.ProcessGroup | None, *, timeout: float) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.size = dist.get_world_size(group) if self.distributed else 1
+
+    def all_gather_fixed(self, vec: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(vec, dtype=np.int64).reshape(1, -1)
+        if not self.distributed:
+            return arr
+        return comm.all_gather_fixed(arr[0], group=self.group, timeout=self.timeout)
+
+    def all_gather_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self.distributed:
+            return rows, np.zeros(rows.shape[0], dtype=np.int64)
+        return comm.all_gather_rows(rows, group=self.group, timeout=self.timeout)
+
+
+def new_cpu_group(*, timeout: float) -> dist.ProcessGroup | None:
+    """A gloo group over all ranks, separate from the training group, so the loader's
+    collectives can run in a background thread beside NCCL (or gloo) training traffic.
+    Collective call: every rank must create its loaders in the same order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+def gather_step(
+    g: Group,
+    local: Sequence[Sequence[int]] | None,
+    *,
+    status: int = OK,
+    error: BaseException | None = None,
+    step: int = -1,
+) -> Gathered:
+    """All-gather this rank's metadata rows (one per local item).
+
+    Pass ``error`` when this rank could not prepare its rows: the peers are told, the
+    error is re-raised here and :class:`PeerFailed` is raised on every other rank.
+    """
+    if error is not None:
+        status, local = FAILED, []
+    rows = [list(r) for r in (local or [])]
+    width = max((len(r) for r in rows), default=0)
+    header = g.all_gather_fixed([status, len(rows), width])
+    bytes_sent = 3 * _INT64 * (g.size - 1)
+    if error is not None:
+        raise error
+    failed = np.flatnonzero(header[:, 0] == FAILED)
+    if failed.size:
+        raise PeerFailed(f"rank(s) {failed.tolist()} failed to prepare step {step}; see their logs")
+    width = int(header[:, 2].max())
+    padded = np.full((len(rows), width), PAD, dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    if int(header[:, 1].sum()) == 0:
+        meta = np.zeros((0, width), dtype=np.int64)
+        src = np.zeros(0, dtype=np.int64)
+    else:
+        meta, src = g.all_gather_rows(padded)
+        bytes_sent += (2 + int(header[:, 1].max()) * width) * _INT64 * (g.size - 1)
+    return Gathered(meta=meta, src=src, status=header[:, 0].copy(), bytes_sent=bytes_sent)
+
+
+def check_rearrangement(plan: object, g: Group, num_items: int) -> Rearrangement:
+    """The planner output the loader can execute: a plan over exactly these items."""
+    if not isinstance(plan, Rearrangement):
+        raise ValueError(
+            f"planner must return a Rearrangement in this mode, got {type(plan).__name__}"
+        )
+    if plan.num_ranks != g.size or plan.num_items != num_items:
+        raise ValueError(
+            f"planner returned a plan for {plan.num_items} items on {plan.num_ranks} ranks; "
+            f"expected {num_items} items on {g.size} ranks"
+        )
+    return plan
+
+
+def serialize(examples: Sequence[Any]) -> list[bytes]:
+    """Each example as bytes (pickle protocol 5: numpy and torch arrays as raw buffers)."""
+    return [pickle.dumps(ex, protocol=5) for ex in examples]
+
+
+def move_examples(
+    g: Group, plan: Rearrangement, blobs: Sequence[bytes], nbytes: np.ndarray
+) -> tuple[list[Any], int]:
+    """Send this rank's serialized examples by ``plan``; return (examples this rank now
+    holds in destination-slot order, payload bytes this rank sent to other ranks).
+
+    ``nbytes`` holds every item's size in global order (it came with the metadata), so no
+    size exchange is needed.
+    """
+    mine = plan.items_at(g.rank)
+    leaving = (plan.src_rank == g.rank) & (plan.dst_rank != g.rank)
+    sent = int(nbytes[leaving].sum())
+    if not g.distributed:
+        received = b"".join(blobs)
+    else:  # one buffer of every local example's bytes, in source-slot order
+        buf = bytearray(b"".join(blobs))
+        send = (
+            torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)
+        )
+        out = comm.move(plan, send, sizes=nbytes, group=g.group, timeout=g.timeout)
+        received = out.numpy().tobytes()
+    ends = np.cumsum(nbytes[mine])
+    starts = ends - nbytes[mine]
+    view = memoryview(received)
+    return [pickle.loads(view[a:b]) for a, b in zip(starts, ends, strict=True)], sent
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What was done for one step (the metadata and plan are identical on all ranks)."""
+
+    epoch: int
+    step: int
+    meta: np.ndarray  # (n, m) gathered planner input, global item order
+    src: np.ndarray  # (n,) rank that sampled each item
+    indices: np.ndarray | None  # (n,) dataset index of each item (index mode)
+    plan: Any  # the planner's output
+    plan_s: float  # seconds to gather the metadata and plan
+    prep_s: float  # seconds for the whole step (load, gather, plan, move, collate)
+    bytes_meta: int  # metadata bytes this rank sent
+    bytes_payload: int  # example bytes this rank sent (move mode)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.bytes_meta + self.bytes_payload
+
+
+@dataclass(frozen=True)
+class BalancedStep:
+    examples: list  # this rank's examples after the step (moved, or as sampled)
+    plan: Any
+    meta: np.ndarray
+    gathered: Gathered
+    plan_s: float
+    bytes_payload: int
+
+
+def balance_step(
+    g: Group,
+    planner: Planner,
+    prepare: Callable[[], tuple[list | None, list[list[int]]]],
+    *,
+    step: int,
+    move: bool,
+) -> BalancedStep | None:
+    """Gather metadata, plan and (if ``move``) move the examples, for one step.
+
+    ``prepare()`` loads this rank's examples and their metadata rows, or returns
+    ``(None, [])`` when this rank's data is exhausted; if it raises, every rank fails the
+    step. Returns None when every rank is exhausted (the end of the epoch, on all ranks).
+    """
+    examples: list | None = None
+    rows: list[list[int]] | None = None
+    blobs: list[bytes] = []
+    error: BaseException | None = None
+    try:
+        examples, rows = prepare()
+        if move:
+            blobs = serialize(examples or [])
+            rows = [[len(b), *r] for b, r in zip(blobs, rows, strict=True)]
+    except Exception as exc:
+        error = exc
+    t0 = time.perf_counter()
+    status = EXHAUSTED if examples is None else OK
+    gathered = gather_step(g, rows, status=status, error=error, step=step)
+    if np.all(gathered.status == EXHAUSTED):
+        return None
+    meta = gathered.meta[:, 1:] if move else gathered.meta
+    plan = planner(meta, gathered.src, g.size)
+    if move:
+        plan = check_rearrangement(plan, g, len(gathered.src))
+    plan_s = time.perf_counter() - t0
+    payload = 0
+    if move:
+        examples, payload = move_examples(g, plan, blobs, gathered.meta[:, 0])
+    return BalancedStep(examples or [], plan, meta, gathered, plan_s, payload)

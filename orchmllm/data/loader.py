@@ -1,0 +1,511 @@
+"""BalancedDataLoader: balanced mini-batches with planning hidden behind the training step.
+
+A background thread prepares the next ``prefetch`` steps while the current one trains
+(paper section 6, "Computation overhead overlapping"): it samples the local mini-batch,
+all-gathers its metadata on a CPU (gloo) group of its own, computes the plan (the C++
+balancing core releases the GIL) and, depending on the mode, builds the balanced batch:
+
+- ``"index"``: map-style dataset with lengths known before loading (a length column, a
+  length function mapped once over an HF dataset, or a ``lengths`` array). Ranks exchange
+  only dataset indices and lengths; each rank then loads and collates exactly the examples
+  assigned to it, so no example crosses the network.
+- ``"move"``: iterable/streaming data, or an existing DataLoader, where a rank can read
+  only its own shard: examples are loaded locally, then moved to their destination rank
+  with one all-to-all of their serialized bytes, then collated.
+- ``"local"``: the local batch is collated as sampled and yielded with the planner's
+  output (for the multimodal orchestrator, which moves data per phase on the device).
+
+Every rank yields the same number of steps per epoch, ``set_epoch`` reshuffles, and
+``state_dict()`` records the steps the training loop consumed (not what was prefetched),
+so a job restarted from it sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+from orchmllm.data import exchange as ex
+from orchmllm.data.exchange import StepInfo
+from orchmllm.data.lengths import LengthFn, check_lengths, dataset_lengths, example_length
+from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.prefetch import Prefetcher
+from orchmllm.data.sampling import local_batches
+
+MODES = ("auto", "index", "move", "local")
+_HANDSHAKE = (
+    "world_size",
+    "num_replicas",
+    "batch_size",
+    "dataset_len",
+    "epoch",
+    "step",
+    "mode",
+    "seed",
+    "shuffle",
+    "drop_last",
+)
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """``mode="local"``: the batch as sampled on this rank, plus the plan for it."""
+
+    batch: Any
+    plan: Any
+    info: StepInfo
+
+
+def _as_list(examples: list) -> list:
+    """Collate for the wrapped DataLoader's workers: keep examples as a list."""
+    return list(examples)
+
+
+def _load(dataset: Any, indices: Sequence[int]) -> list:
+    keys = [int(i) for i in indices]
+    if not keys:
+        return []
+    if hasattr(dataset, "__getitems__"):
+        return list(dataset.__getitems__(keys))
+    return [dataset[i] for i in keys]
+
+
+def _is_map_style(source: Any) -> bool:
+    if isinstance(source, (DataLoader, IterableDataset, datasets.IterableDataset)):
+        return False
+    return hasattr(source, "__getitem__") and hasattr(source, "__len__")
+
+
+class _Sampled:
+    """Local mini-batches of a map-style dataset, by distributed-sampler indices."""
+
+    def __init__(self, dataset: Any, loader: BalancedDataLoader) -> None:
+        self.dataset = dataset
+        self.loader = loader
+        self.batches: list[list[int]] = []
+
+    def start(self, epoch: int, step: int) -> int:
+        lo = self.loader
+        self.batches = local_batches(
+            len(self.dataset),
+            rank=lo._group.rank,
+            num_replicas=lo.num_replicas,
+            batch_size=lo.batch_size,
+            epoch=epoch,
+            seed=lo.seed,
+            shuffle=lo.shuffle,
+            drop_last=lo.drop_last,
+        )
+        return len(self.batches)
+
+    def local(self, step: int) -> list | None:
+        if step >= len(self.batches):
+            return None
+        return _load(self.dataset, self.batches[step])
+
+
+class _Streamed:
+    """Local mini-batches read in order from an iterable (this rank's shard) or a DataLoader."""
+
+    def __init__(self, source: Any, batch_size: int | None) -> None:
+        self.batch_size = batch_size
+        self.source = source
+        if isinstance(source, DataLoader):
+            self.iterable = _list_loader(source)
+        else:
+            self.iterable = source
+        self.it: Iterator | None = None
+
+    def start(self, epoch: int, step: int) -> None:
+        for obj in (
+            self.source,
+            getattr(self.source, "sampler", None),
+            getattr(self.source, "batch_sampler", None),
+            getattr(getattr(self.source, "batch_sampler", None), "sampler", None),
+            getattr(self.source, "dataset", None),
+        ):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+        self.it = iter(self.iterable)
+        for _ in range(step):  # resume: the skipped steps' local batches, without planning
+            if self.local(-1) is None:
+                break
+
+    def local(self, step: int) -> list | None:
+        assert self.it is not None
+        if self.batch_size is None:  # a DataLoader already yields lists of examples
+            batch = next(self.it, None)
+        else:
+            batch = list(itertools.islice(self.it, self.batch_size))
+        return batch or None
+
+
+def _list_loader(dl: DataLoader) -> DataLoader:
+    """The same DataLoader (dataset, sampler, workers) yielding lists of raw examples, so
+    examples can be balanced before the user's collate function runs."""
+    if dl.batch_size is None and dl.batch_sampler is None:
+        raise ValueError("dataloader must batch (batch_size or batch_sampler), got batch_size=None")
+    kwargs: dict[str, Any] = {
+        "num_workers": dl.num_workers,
+        "collate_fn": _as_list,
+        "timeout": dl.timeout,
+        "worker_init_fn": dl.worker_init_fn,
+        "multiprocessing_context": dl.multiprocessing_context,
+        "generator": dl.generator,
+        "persistent_workers": dl.persistent_workers,
+    }
+    if dl.num_workers:
+        kwargs["prefetch_factor"] = dl.prefetch_factor
+    if isinstance(dl.dataset, IterableDataset):
+        return DataLoader(dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, **kwargs)
+    return DataLoader(dl.dataset, batch_sampler=dl.batch_sampler, **kwargs)
+
+
+class BalancedDataLoader:
+    """Iterate balanced mini-batches; see the module docstring for the modes.
+
+    ``source``: a map-style dataset (HF ``datasets.Dataset`` or anything with
+    ``__getitem__``/``__len__``), an iterable dataset holding this rank's shard, or a
+    ``DataLoader`` (its sampler, workers and, unless ``collate_fn`` is given, its collate
+    function are kept; examples are balanced before collation). Lengths come from
+    ``length_column``, ``length_fn(example)`` (on HF datasets mapped once with
+    ``num_proc`` processes, reading only ``length_columns`` if given) or ``lengths``.
+    ``planner(meta, src, num_ranks)`` replaces the default single-phase
+    :class:`~orchmllm.data.planners.BalancePlanner`; ``meta_fn(example)`` gives the
+    integer row gathered per example (default: ``[length]``).
+
+    Collective: create and iterate it on every rank in the same order; every rank must
+    consume the same number of batches before breaking out of an epoch.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        batch_size: int | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        length_fn: LengthFn | None = None,
+        length_column: str | None = None,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        length_columns: Sequence[str] | None = None,
+        meta_fn: Callable[[Any], Sequence[int]] | None = None,
+        planner: ex.Planner | None = None,
+        policy: str = "greedy",
+        cost: Any = None,
+        mode: str = "auto",
+        prefetch: int = 2,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: float = 600.0,
+        num_proc: int | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        given = [
+            n
+            for n, v in (
+                ("length_fn", length_fn),
+                ("length_column", length_column),
+                ("lengths", lengths),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"pass at most one of length_fn, length_column, lengths; got {given}")
+        if not given and meta_fn is None:
+            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
+        is_loader = isinstance(source, DataLoader)
+        if is_loader:
+            if batch_size is not None:
+                raise ValueError("batch_size comes from the dataloader; do not pass it too")
+        elif batch_size is None or batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        map_style = _is_map_style(source)
+        if mode == "auto":
+            known = lengths is not None or (
+                isinstance(source, datasets.Dataset) and meta_fn is None
+            )
+            mode = "index" if map_style and known else "move"
+        if mode == "index" and not map_style:
+            raise ValueError(
+                f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
+                "use mode='move' for iterable data or a DataLoader"
+            )
+        if mode == "index" and meta_fn is not None:
+            raise ValueError(
+                "mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'"
+            )
+        if lengths is not None and not map_style:
+            raise ValueError("lengths= needs a map-style dataset (one length per index)")
+
+        self.source = source
+        self.mode = mode
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or (source.collate_fn if is_loader else default_collate)
+        self.length_fn = length_fn
+        self.length_column = length_column
+        self.meta_fn = meta_fn
+        self.planner = planner or BalancePlanner(policy=policy, cost=cost)
+        self.prefetch = prefetch
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.timeout = timeout
+        self._group = ex.Group(
+            group if group is not None else ex.new_cpu_group(timeout=timeout), timeout=timeout
+        )
+        self.num_replicas = self._group.size if num_replicas is None else num_replicas
+        sampler = getattr(source, "sampler", None) if is_loader else None
+        if sampler is not None and hasattr(sampler, "num_replicas") and num_replicas is None:
+            self.num_replicas = sampler.num_replicas
+        self._lengths: np.ndarray | None = None
+        if mode == "index":
+            if lengths is not None:
+                self._lengths = check_lengths(lengths, source="lengths")
+                if self._lengths.size != len(source):
+                    raise ValueError(
+                        f"lengths has {self._lengths.size} entries, the dataset {len(source)}"
+                    )
+            else:
+                self._lengths = dataset_lengths(
+                    source,
+                    length_column=length_column,
+                    length_fn=length_fn,
+                    columns=length_columns,
+                    num_proc=num_proc,
+                )
+        elif (
+            isinstance(source, datasets.Dataset)
+            and length_column is not None
+            and length_column not in source.column_names
+        ):
+            raise ValueError(
+                f"length_column={length_column!r} is not a column of the dataset; "
+                f"columns are {source.column_names}"
+            )
+        self._sampled = _Sampled(source, self) if map_style else None
+        self._streamed = None if map_style else _Streamed(source, None if is_loader else batch_size)
+        self.epoch = 0
+        self._step = 0  # steps of self.epoch the training loop has consumed
+        self._active: _EpochIterator | None = None
+        self.last_step: StepInfo | None = None
+
+    # -- sampler semantics ----------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` at its first step on the next iteration (reshuffles)."""
+        self.epoch = int(epoch)
+        self._step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the training loop: batches it consumed, not those prefetched."""
+        return {"epoch": self.epoch, "step": self._step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration yields the batches from ``state['step']`` on."""
+        missing = {"epoch", "step", "seed"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing {sorted(missing)}")
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state seed {state['seed']} differs from seed={self.seed}")
+        if int(state["step"]) < 0:
+            raise ValueError(f"state step must be >= 0, got {state['step']}")
+        self.close()
+        self.epoch, self._step = int(state["epoch"]), int(state["step"])
+
+    def __len__(self) -> int:
+        """Steps per epoch (map-style sources only)."""
+        if self._sampled is None:
+            raise TypeError("the number of steps of iterable data is known only at its end")
+        return self._sampled.start(self.epoch, 0)
+
+    # -- iteration ---------------------------------------------------------------------
+
+    def __iter__(self) -> _EpochIterator:
+        self.close()
+        self._handshake()
+        self._active = _EpochIterator(self, self.epoch, self._step)
+        return self._active
+
+    def close(self) -> None:
+        """Stop the background thread of the current iteration (collective-safe)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _handshake(self) -> None:
+        """Every rank checks that all ranks agree on the set-up, so a mismatch fails here
+        with a clear message instead of hanging in a later collective."""
+        g = self._group
+        dataset_len = len(self.source) if self._sampled is not None else -1
+        mine = [
+            g.size,
+            self.num_replicas,
+            self.batch_size or -1,
+            dataset_len,
+            self.epoch,
+            self._step,
+            MODES.index(self.mode),
+            self.seed,
+            int(self.shuffle),
+            int(self.drop_last),
+        ]
+        table = g.all_gather_fixed(mine)
+        for col, name in enumerate(_HANDSHAKE):
+            if np.any(table[:, col] != table[0, col]):
+                raise ValueError(
+                    f"{name} differs between ranks: {table[:, col].tolist()} (rank order)"
+                )
+        if self.num_replicas != g.size:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} but the process group has {g.size} ranks"
+            )
+
+    # -- one step (runs in the background thread) ---------------------------------------
+
+    def _meta_row(self, example: Any, index: int) -> list[int]:
+        if self.meta_fn is not None:
+            row = [int(v) for v in self.meta_fn(example)]
+            return row
+        return [
+            example_length(
+                example, index=index, length_column=self.length_column, length_fn=self.length_fn
+            )
+        ]
+
+    def _produce(self, epoch: int, num_steps: int | None, step: int) -> tuple[Any, StepInfo]:
+        if num_steps is not None and step >= num_steps:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if self.mode == "index":
+            return self._produce_index(epoch, step, t0)
+        return self._produce_local_or_move(epoch, num_steps, step, t0)
+
+    def _after_gather(self, step: int, num_steps: int | None, work: Callable[[], Any]) -> Any:
+        """Run this rank's work that follows the gather; if it fails, tell the peers at
+        the next step's header (where they will be) so that they fail instead of wait."""
+        try:
+            return work()
+        except Exception as exc:
+            if num_steps is None or step + 1 < num_steps:
+                ex.gather_step(self._group, None, error=exc, step=step + 1)
+            raise
+
+    def _produce_index(self, epoch: int, step: int, t0: float) -> tuple[Any, StepInfo]:
+        g = self._group
+        assert self._sampled is not None and self._lengths is not None
+        local = self._sampled.batches[step]
+        rows = [[i, int(self._lengths[i])] for i in local]
+        gathered = ex.gather_step(g, rows, step=step)
+        plan = ex.check_rearrangement(
+            self.planner(gathered.meta[:, 1:], gathered.src, g.size), g, len(gathered.src)
+        )
+        plan_s = time.perf_counter() - t0
+        indices = gathered.meta[:, 0]
+
+        def load() -> Any:
+            return self.collate_fn(_load(self.source, indices[plan.items_at(g.rank)]))
+
+        batch = self._after_gather(step, len(self._sampled.batches), load)
+        info = StepInfo(
+            epoch,
+            step,
+            gathered.meta[:, 1:],
+            gathered.src,
+            indices,
+            plan,
+            plan_s,
+            time.perf_counter() - t0,
+            gathered.bytes_sent,
+            0,
+        )
+        return batch, info
+
+    def _produce_local_or_move(
+        self, epoch: int, num_steps: int | None, step: int, t0: float
+    ) -> tuple[Any, StepInfo]:
+        source = self._sampled if self._sampled is not None else self._streamed
+        assert source is not None
+
+        def prepare() -> tuple[list | None, list[list[int]]]:
+            examples = source.local(step)
+            return examples, [self._meta_row(e, i) for i, e in enumerate(examples or [])]
+
+        done = ex.balance_step(
+            self._group, self.planner, prepare, step=step, move=self.mode == "move"
+        )
+        if done is None:
+            raise StopIteration
+        batch = self._after_gather(step, num_steps, lambda: self.collate_fn(done.examples))
+        info = StepInfo(
+            epoch,
+            step,
+            done.meta,
+            done.gathered.src,
+            None,
+            done.plan,
+            done.plan_s,
+            time.perf_counter() - t0,
+            done.gathered.bytes_sent,
+            done.bytes_payload,
+        )
+        if self.mode == "local":
+            return PlannedBatch(batch, done.plan, info), info
+        return batch, info
+
+
+class _EpochIterator(Iterator[Any]):
+    """One pass over an epoch from a start step; owns the background thread."""
+
+    def __init__(self, loader: BalancedDataLoader, epoch: int, start: int) -> None:
+        self.loader = loader
+        num_steps = None
+        if loader._sampled is not None:
+            num_steps = loader._sampled.start(epoch, start)
+        else:
+            assert loader._streamed is not None
+            loader._streamed.start(epoch, start)
+
+        def produce(step: int) -> tuple[Any, StepInfo]:
+            return loader._produce(epoch, num_steps, step)
+
+        self.prefetcher = Prefetcher(
+            produce,
+            start=start,
+            depth=loader.prefetch,
+            name=f"orchmllm-loader-e{epoch}",
+            close_timeout=loader.timeout,
+        )
+
+    def __next__(self) -> Any:
+        try:
+            batch, info = next(self.prefetcher)
+        except StopIteration:
+            self.loader._step = 0
+            self.close()
+            raise
+        self.loader._step = info.step + 1
+        self.loader.last_step = info
+        return batch
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the training loop spent waiting for batches (planning not hidden)."""
+        return self.prefetcher.wait_s
+
+    def close(self) -> None:
+        self.prefetcher.close()

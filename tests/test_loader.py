@@ -1,0 +1,338 @@
+"""BalancedDataLoader on real gloo processes: coverage, balance, prefetch, resume, errors."""
+
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from orchmllm.data.collate import BalancedCollator
+from orchmllm.data.exchange import PeerFailed
+from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.sampling import local_batches
+from orchmllm.data.schema import EncodingRates, example_metadata
+from tests.multiproc import run_distributed
+
+T = 30.0  # collective timeout inside the workers
+
+
+def _dataset(n: int, seed: int = 0) -> datasets.Dataset:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 60, size=n)
+    return datasets.Dataset.from_dict(
+        {
+            "id": list(range(n)),
+            "input_ids": [list(range(i, i + s)) for i, s in enumerate(sizes)],
+            "n_tokens": sizes.tolist(),
+        }
+    )
+
+
+def _ids(examples: list) -> list[int]:
+    """Collate that checks the payload survived and keeps only the ids."""
+    for e in examples:
+        ids = list(e["input_ids"])
+        assert len(ids) == e["n_tokens"] and ids[:1] == [e["id"]], e
+    return [int(e["id"]) for e in examples]
+
+
+def _len_ids(example) -> int:
+    return len(example["input_ids"])
+
+
+def _epoch(loader, steps=None):
+    """Batches (and per-step plan info) of one pass, up to ``steps`` batches."""
+    out, infos = [], []
+    for batch in loader:
+        out.append(batch)
+        infos.append(loader.last_step)
+        if steps is not None and len(out) == steps:
+            break
+    return out, infos
+
+
+def _loads(info, ranks):
+    dst = info.plan.dst_rank
+    lengths = info.meta[:, 0]
+    return [int(lengths[dst == r].sum()) for r in range(ranks)]
+
+
+def _index_mode_worker(rank, world, n, batch):
+    ds = _dataset(n)
+    res = {}
+    kw = dict(batch_size=batch, length_column="n_tokens", collate_fn=_ids, seed=3, timeout=T)
+    sync = BalancedDataLoader(ds, prefetch=0, **kw)
+    fetch = BalancedDataLoader(ds, prefetch=2, **kw)
+    assert fetch.mode == "index"
+    for epoch in (0, 1):
+        sync.set_epoch(epoch)
+        fetch.set_epoch(epoch)
+        s_batches, s_infos = _epoch(sync)
+        f_batches, f_infos = _epoch(fetch)
+        res[f"sync{epoch}"], res[f"fetch{epoch}"] = s_batches, f_batches
+        res[f"dst{epoch}"] = [i.plan.dst_rank.tolist() for i in f_infos]
+        res[f"dst_sync{epoch}"] = [i.plan.dst_rank.tolist() for i in s_infos]
+        res[f"loads{epoch}"] = [_loads(i, world) for i in f_infos]
+        res[f"max_item{epoch}"] = [int(i.meta[:, 0].max()) for i in f_infos]
+        res[f"bytes_payload{epoch}"] = sum(i.bytes_payload for i in f_infos)
+    # Resume: stop after 2 steps (2 more prefetched), restart a fresh loader from the state.
+    fetch.set_epoch(1)
+    head, _ = _epoch(fetch, steps=2)
+    state = fetch.state_dict()
+    fetch.close()
+    again = BalancedDataLoader(ds, prefetch=2, **kw)
+    again.load_state_dict(state)
+    tail, _ = _epoch(again)
+    res["resumed"] = head + tail
+    res["state"] = state
+    # An abandoned epoch leaves the group usable: the next pass is complete and correct.
+    again.set_epoch(0)
+    _epoch(again, steps=1)
+    again.set_epoch(0)
+    res["after_break"], _ = _epoch(again)
+    # Local mode: the batch as sampled, plus the plan (what the orchestrator consumes).
+    local = BalancedDataLoader(
+        ds,
+        mode="local",
+        prefetch=1,
+        length_fn=_len_ids,
+        **{k: v for k, v in kw.items() if k != "length_column"},
+    )
+    local_out = list(local)
+    assert all(isinstance(b, PlannedBatch) for b in local_out)
+    res["local"] = [b.batch for b in local_out]
+    res["local_plan_ok"] = all(
+        np.array_equal(b.plan.dst_rank, BalancePlanner()(b.info.meta, b.info.src, world).dst_rank)
+        for b in local_out
+    )
+    return res
+
+
+def _sampler_epoch(n, world, batch, epoch, seed=3):
+    return [
+        local_batches(n, rank=r, num_replicas=world, batch_size=batch, epoch=epoch, seed=seed)
+        for r in range(world)
+    ]
+
+
+def test_index_mode_epoch_prefetch_resume_uneven():
+    world, n, batch = 3, 47, 4  # 47 is not a multiple of 3: DistributedSampler pads
+    out = run_distributed(_index_mode_worker, world, n, batch, timeout=60)
+    for epoch in (0, 1):
+        expected = _sampler_epoch(n, world, batch, epoch)
+        steps = {len(r[f"fetch{epoch}"]) for r in out}
+        assert steps == {len(expected[0])}  # equal step counts on every rank
+        got = Counter(i for r in out for b in r[f"fetch{epoch}"] for i in b)
+        assert got == Counter(i for b in (bb for r in expected for bb in r) for i in b)
+        assert set(got) == set(range(n))
+        for s in range(len(expected[0])):  # every step: same examples, just rebalanced
+            step_ids = sorted(i for r in out for i in r[f"fetch{epoch}"][s])
+            assert step_ids == sorted(i for r in expected for i in r[s])
+        for r in out:
+            assert r[f"fetch{epoch}"] == r[f"sync{epoch}"]  # prefetched == synchronous
+            assert r[f"dst{epoch}"] == r[f"dst_sync{epoch}"]
+            assert r[f"bytes_payload{epoch}"] == 0  # index mode moves no example
+        for loads, max_item in zip(
+            out[0][f"loads{epoch}"], out[0][f"max_item{epoch}"], strict=True
+        ):
+            assert max(loads) <= sum(loads) / world + max_item  # list-scheduling bound
+    for r in out:
+        assert r["state"]["step"] == 2 and r["state"]["epoch"] == 1
+        assert r["resumed"] == r["fetch1"]
+        assert r["after_break"] == r["fetch0"]
+    # local mode: each rank's batch is exactly its DistributedSampler batch
+    expected = _sampler_epoch(n, world, batch, 0)
+    for rank, r in enumerate(out):
+        assert r["local"] == expected[rank]
+        assert r["local_plan_ok"]
+
+
+class _Shard(IterableDataset):
+    """This rank's shard of a stream: uneven sizes across ranks, so one runs out first."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.ds, self.rank, self.world = _dataset(n), rank, world
+
+    def __iter__(self):
+        for i in range(self.rank, len(self.ds), self.world):
+            yield self.ds[i]
+
+
+def _move_mode_worker(rank, world, n, batch):
+    res = {}
+    kw = dict(batch_size=batch, length_fn=_len_ids, collate_fn=_ids, timeout=T)
+    shard = _Shard(n, rank, world)
+    sync = BalancedDataLoader(shard, prefetch=0, **kw)
+    fetch = BalancedDataLoader(shard, prefetch=3, **kw)
+    assert fetch.mode == "move"
+    res["sync"], s_infos = _epoch(sync)
+    res["fetch"], f_infos = _epoch(fetch)
+    res["plans_equal"] = all(
+        np.array_equal(a.plan.dst_rank, b.plan.dst_rank)
+        for a, b in zip(s_infos, f_infos, strict=True)
+    )
+    res["payload"] = sum(i.bytes_payload for i in f_infos)
+    res["moved_items"] = sum(
+        int(((i.plan.src_rank == rank) & (i.plan.dst_rank != rank)).sum()) for i in f_infos
+    )
+    head, _ = _epoch(fetch, steps=2)
+    state = fetch.state_dict()
+    fetch.close()
+    again = BalancedDataLoader(shard, prefetch=2, **kw)
+    again.load_state_dict(state)
+    res["resumed"] = head + _epoch(again)[0]
+
+    # An existing DataLoader (with DistributedSampler and 1 worker) wrapped as it is.
+    ds = _dataset(n)
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=5)
+    dl = DataLoader(ds, batch_size=batch, sampler=sampler, collate_fn=_ids, num_workers=1)
+    wrapped = BalancedDataLoader(dl, length_column="n_tokens", prefetch=2, timeout=T)
+    res["dl"], _ = _epoch(wrapped)
+    # A user keeping their own DataLoader: only the collate function changes.
+    col = BalancedCollator(_ids, length_column="n_tokens", timeout=T)
+    res["collator"] = list(DataLoader(ds, batch_size=batch, sampler=sampler, collate_fn=col))
+    res["collator_bytes"] = col.last_step.bytes_payload if col.last_step else -1
+    return res
+
+
+def test_move_mode_iterable_dataloader_and_collator():
+    world, n, batch = 3, 25, 4  # shards of 9, 8, 8 items: rank 0 has one step more
+    out = run_distributed(_move_mode_worker, world, n, batch, timeout=60)
+    steps = {len(r["fetch"]) for r in out}
+    assert steps == {3}  # no rank stops early (rank 0's last item is balanced too)
+    assert sorted(i for r in out for b in r["fetch"] for i in b) == list(range(n))
+    for r in out:
+        assert r["fetch"] == r["sync"] and r["plans_equal"]
+        assert r["resumed"] == r["fetch"]
+    assert sum(r["moved_items"] for r in out) > 0 and all(
+        (r["payload"] > 0) == (r["moved_items"] > 0) for r in out
+    )
+    sampler_epoch = Counter(
+        i
+        for rank in range(world)
+        for i in DistributedSampler(range(n), num_replicas=world, rank=rank, seed=5)
+    )
+    for key in ("dl", "collator"):
+        assert len({len(r[key]) for r in out}) == 1
+        assert Counter(i for r in out for b in r[key] for i in b) == sampler_epoch
+    assert any(r["collator_bytes"] > 0 for r in out)
+
+
+def _seq_len(example, rates=EncodingRates()):
+    return example_metadata(example["segments"], rates).seq_len
+
+
+def _synthetic_worker(rank, world):
+    from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
+
+    ds = build_dataset(
+        SyntheticConfig(num_examples=30, seed=4, scale=0.05), EncodingRates(), keep_in_memory=True
+    )
+    loader = BalancedDataLoader(
+        ds,
+        batch_size=3,
+        length_fn=_seq_len,
+        length_columns=["segments"],
+        timeout=T,
+        collate_fn=lambda rows: [as_example(r) for r in rows],
+    )
+    out = []
+    for batch in loader:
+        info = loader.last_step
+        mine = info.indices[info.plan.items_at(rank)]
+        assert [e["id"] for e in batch] == mine.tolist()
+        out.append([(e["id"], _seq_len(e)) for e in batch])
+    return out
+
+
+def test_synthetic_multimodal_dataset_index_mode():
+    out = run_distributed(_synthetic_worker, 2, timeout=60)
+    items = [x for r in out for b in r for x in b]
+    assert sorted(i for i, _ in items) == list(range(30))
+    assert all(length > 0 for _, length in items)
+
+
+class _FailingCollate:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __call__(self, examples):
+        if self.rank == 1:
+            raise RuntimeError("collate failed on rank 1")
+        return examples
+
+
+def _bad_length(example):
+    return -5 if example["id"] == 7 else len(example["input_ids"])
+
+
+def _errors_worker(rank, world):
+    ds = _dataset(16)
+    res = {}
+    shard = _Shard(16, rank, world)
+    # A bad length on one rank's example: that rank raises it, the peer is told (no hang).
+    loader = BalancedDataLoader(
+        shard, batch_size=4, length_fn=_bad_length, collate_fn=_ids, timeout=T
+    )
+    try:
+        _epoch(loader)
+    except (ValueError, PeerFailed) as exc:
+        res["bad_length"] = f"{type(exc).__name__}: {exc}"
+    # A failure after the gather (collate) on rank 1 only.
+    loader = BalancedDataLoader(
+        ds, batch_size=2, length_column="n_tokens", timeout=T, collate_fn=_FailingCollate(rank)
+    )
+    try:
+        _epoch(loader)
+    except (RuntimeError, PeerFailed) as exc:
+        res["collate"] = f"{type(exc).__name__}: {exc}"
+    # Ranks that disagree on the world size fail at the start of the epoch.
+    loader = BalancedDataLoader(
+        ds, batch_size=2, length_column="n_tokens", timeout=T, num_replicas=world + rank
+    )
+    try:
+        iter(loader)
+    except ValueError as exc:
+        res["world"] = str(exc)
+    dist.barrier()
+    return res
+
+
+def test_errors_surface_on_every_rank_without_hanging():
+    out = run_distributed(_errors_worker, 2, timeout=40)
+    bad = [r["bad_length"] for r in out]
+    owner = 7 % 2  # rank whose shard holds example 7
+    assert "length_fn must return a non-negative integer" in bad[owner]
+    assert bad[1 - owner].startswith("PeerFailed") and f"[{owner}]" in bad[1 - owner]
+    assert out[1]["collate"] == "RuntimeError: collate failed on rank 1"
+    assert out[0]["collate"].startswith("PeerFailed")
+    for r in out:
+        assert "num_replicas differs between ranks: [2, 3]" in r["world"]
+
+
+def test_single_process_and_bad_arguments():
+    ds = _dataset(10)
+    loader = BalancedDataLoader(ds, batch_size=3, length_column="n_tokens", collate_fn=_ids)
+    assert sorted(i for b in loader for i in b) == list(range(10)) and len(loader) == 4
+    with pytest.raises(ValueError, match="length_column='nope' is not a column"):
+        BalancedDataLoader(ds, batch_size=3, length_column="nope")
+    with pytest.raises(ValueError, match="length_column='nope' is not a column"):
+        BalancedDataLoader(ds, batch_size=3, length_column="nope", mode="move")
+    with pytest.raises(ValueError, match="mode='index' needs a map-style dataset"):
+        BalancedDataLoader(_Shard(4, 0, 1), batch_size=3, length_fn=_len_ids, mode="index")
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        BalancedDataLoader(ds, batch_size=0, length_column="n_tokens")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        BalancedDataLoader(ds, batch_size=2, length_column="n_tokens", mode="fast")
+    with pytest.raises(ValueError, match="lengths must be non-negative"):
+        BalancedDataLoader(ds, batch_size=2, lengths=[-1] * 10)
+    with pytest.raises(ValueError, match="at most one"):
+        BalancedDataLoader(ds, batch_size=2, lengths=[1] * 10, length_column="n_tokens")
+    bad = BalancedDataLoader(_Shard(4, 0, 1), batch_size=2, length_fn=lambda e: 1.5)
+    with pytest.raises(ValueError, match=r"length_fn must return a non-negative integer.*1\.5"):
+        list(bad)
