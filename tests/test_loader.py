@@ -5,7 +5,6 @@ from collections import Counter
 import datasets
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -223,8 +222,11 @@ def test_move_mode_iterable_dataloader_and_collator():
     assert any(r["collator_bytes"] > 0 for r in out)
 
 
-def _seq_len(example, rates=EncodingRates()):
-    return example_metadata(example["segments"], rates).seq_len
+_RATES = EncodingRates()
+
+
+def _seq_len(example):
+    return example_metadata(example["segments"], _RATES).seq_len
 
 
 def _synthetic_worker(rank, world):
