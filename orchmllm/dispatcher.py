@@ -1,0 +1,384 @@
+"""Batch Post-Balancing Dispatcher: gather lengths, plan, move the batch, and move it back.
+
+Each rank passes the mini-batch it sampled. Only the lengths are all-gathered (on a CPU
+group, so it can overlap with GPU work); every rank then runs the same balancing policy on
+the same numbers, builds the same :class:`~orchmllm.plan.Rearrangement`, and moves its
+examples with one all-to-all per dtype. :meth:`BatchDispatcher.undo` moves results computed
+on the balanced layout back (autograd-aware), so a loss normalised over the global batch
+has the same gradient with or without dispatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from orchmllm import comm
+from orchmllm.balance import POLICIES, balance
+from orchmllm.cost import CostModel
+from orchmllm.plan import Rearrangement
+
+__all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
+
+LAYOUTS = ("packed", "padded")
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different plans (or pass differently shaped tensors)."""
+
+
+def debug_enabled() -> bool:
+    """Debug mode: ``ORCHMLLM_DEBUG=1`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
+    flag = os.environ.get("ORCHMLLM_DEBUG", "").strip().lower()
+    return flag in ("1", "true", "yes", "on") or (
+        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
+
+
+@dataclass
+class Dispatched:
+    """A batch in the balanced layout, and what :meth:`BatchDispatcher.undo` needs.
+
+    ``tokens``: token-major tensors (packed: ``[sum(lengths), ...]``; padded:
+    ``[B, max(lengths), ...]``), ``lengths``: int64 ``[B]``, ``items``: item-major tensors
+    ``[B, ...]``, all in destination-slot order. ``global_lengths`` are the gathered lengths
+    in global item order (``plan.items_at(rank)`` indexes them).
+    """
+
+    tokens: dict[str, torch.Tensor]
+    lengths: torch.Tensor
+    items: dict[str, torch.Tensor]
+    plan: Rearrangement
+    stats: dict[str, Any]
+    global_lengths: np.ndarray
+    layout: str
+    rank: int
+    source_pad_to: dict[str, int] = field(default_factory=dict)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _row_bytes(t: torch.Tensor, lead: int) -> int:
+    """Bytes per row once the ``lead`` leading dims are flattened into rows."""
+    return int(np.prod(t.shape[lead:], dtype=np.int64)) * t.element_size()
+
+
+def _pack(t: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, T, ...]`` -> ``[sum(lengths), ...]`` (valid positions, item by item)."""
+    mask = torch.arange(t.shape[1], device=t.device)[None, :] < lengths.to(t.device)[:, None]
+    return t[mask]
+
+
+def _pad(packed: torch.Tensor, lengths: torch.Tensor, pad_to: int, value: float) -> torch.Tensor:
+    """``[sum(lengths), ...]`` -> ``[B, pad_to, ...]`` filled with ``value`` elsewhere."""
+    lengths = lengths.to(packed.device)
+    out = packed.new_full((lengths.numel(), pad_to, *packed.shape[1:]), value)
+    mask = torch.arange(pad_to, device=packed.device)[None, :] < lengths[:, None]
+    out[mask] = packed
+    return out
+
+
+class BatchDispatcher:
+    """Rebalances variable-length mini-batches across the ranks of ``group``.
+
+    ``policy``: a name from ``orchmllm.POLICIES`` (default ``greedy`` for the packed layout,
+    ``padded_cost`` for the padded one). ``layout``: ``packed`` (token tensors are
+    ``[sum(lengths), ...]``) or ``padded`` (``[B, T, ...]``, re-padded to the new local
+    maximum after the move). ``meta_group``: a CPU (gloo) group for the lengths gather; by
+    default ``group`` itself when it is gloo, otherwise a gloo group over the same ranks is
+    created here (a collective: construct the dispatcher on every rank). ``check_plan``:
+    all-gather a fingerprint of the plan and of the tensor schema and raise
+    :class:`PlanMismatchError` when ranks disagree (default: on in debug mode, see
+    :func:`debug_enabled`). ``timeout``: seconds any one collective may wait.
+    """
+
+    def __init__(
+        self,
+        policy: str | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        ranks_per_node: int | None = None,
+        placement: str = "none",
+        cost: CostModel | None = None,
+        timeout: float = 600.0,
+        layout: str = "packed",
+        meta_group: dist.ProcessGroup | None = None,
+        check_plan: bool | None = None,
+        max_items_per_rank: int | None = None,
+        pad_value: float = 0,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if policy is None:
+            policy = "greedy" if layout == "packed" else "padded_cost"
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if ranks_per_node is not None and not (_is_int(ranks_per_node) and ranks_per_node >= 1):
+            raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+        if placement != "none" and ranks_per_node is None:
+            raise ValueError(f"placement={placement!r} needs ranks_per_node, got None")
+        if cost is not None and not isinstance(cost, CostModel):
+            raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("BatchDispatcher needs an initialised torch.distributed group")
+        self.policy = policy
+        self.group = group
+        self.ranks_per_node = ranks_per_node
+        self.placement = placement
+        self.layout = layout
+        self.timeout = float(timeout)
+        self.max_items_per_rank = max_items_per_rank
+        self.pad_value = pad_value
+        self.check_plan = debug_enabled() if check_plan is None else bool(check_plan)
+        # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
+        self.cost = cost
+        self.stats_cost = cost if cost is not None else CostModel(layout)
+        if meta_group is None and dist.get_backend(group) != "gloo":
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            meta_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+        self.meta_group = group if meta_group is None else meta_group
+
+    # -- public -------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        tokens: dict[str, torch.Tensor],
+        lengths: torch.Tensor,
+        items: dict[str, torch.Tensor] | None = None,
+    ) -> Dispatched:
+        """Move this rank's items to their balanced ranks; every rank calls this together."""
+        items = {} if items is None else dict(items)
+        local_lengths = self._check_inputs(tokens, lengths, items)
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+
+        t0 = time.perf_counter()
+        rows, src = comm.all_gather_rows(
+            local_lengths[:, None], group=self.meta_group, timeout=self.timeout
+        )
+        glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
+        t1 = time.perf_counter()
+        assignment = balance(
+            glob,
+            world,
+            self.policy,
+            src=src,
+            cost=self.cost,
+            ranks_per_node=self.ranks_per_node,
+            placement=self.placement,
+            max_items_per_rank=self.max_items_per_rank,
+        )
+        plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
+        t2 = time.perf_counter()
+        if self.check_plan:
+            self._check_agreement(plan, glob, tokens, items)
+
+        new_ids = plan.items_at(rank)
+        new_lengths = torch.as_tensor(glob[new_ids], dtype=torch.int64, device=lengths.device)
+        tok_names, item_names = sorted(tokens), sorted(items)
+        flat = [self._to_packed(tokens[k], lengths) for k in tok_names]
+        moved = comm.move_many(
+            plan,
+            flat + [items[k] for k in item_names],
+            [glob] * len(flat) + [np.ones_like(glob)] * len(item_names),
+            group=self.group,
+            timeout=self.timeout,
+        )
+        t3 = time.perf_counter()
+        new_max = int(glob[new_ids].max()) if new_ids.size else 0
+        new_tokens = {
+            k: self._from_packed(m, new_lengths, new_max)
+            for k, m in zip(tok_names, moved[: len(flat)], strict=True)
+        }
+        new_items = dict(zip(item_names, moved[len(flat) :], strict=True))
+        stats = self._stats(plan, glob, assignment, tokens, items)
+        stats.update(gather_ms=1e3 * (t1 - t0), plan_ms=1e3 * (t2 - t1), move_ms=1e3 * (t3 - t2))
+        return Dispatched(
+            tokens=new_tokens,
+            lengths=new_lengths,
+            items=new_items,
+            plan=plan,
+            stats=stats,
+            global_lengths=glob,
+            layout=self.layout,
+            rank=rank,
+            source_pad_to={k: int(tokens[k].shape[1]) for k in tok_names}
+            if self.layout == "padded"
+            else {},
+        )
+
+    def undo(
+        self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool = False
+    ) -> torch.Tensor:
+        """Move a tensor computed on the balanced layout back to the original layout.
+
+        Token-major by default (packed ``[sum(new lengths), ...]`` or padded
+        ``[B', T', ...]``, returned as ``[B, T, ...]`` with the original ``T`` when the
+        dispatched tensors were padded); ``items=True`` for item-major ``[B', ...]``.
+        Autograd-aware: the backward is the forward move. Every rank calls this together.
+        """
+        plan = dispatched.plan
+        glob = dispatched.global_lengths
+        back = plan.inverse()
+        if items:
+            return comm.move(
+                back, tensor, sizes=np.ones_like(glob), group=self.group, timeout=self.timeout
+            )
+        flat = self._to_packed(tensor, dispatched.lengths, layout=dispatched.layout)
+        out = comm.move(back, flat, sizes=glob, group=self.group, timeout=self.timeout)
+        if dispatched.layout == "packed":
+            return out
+        orig_ids = plan.source_items_at(dispatched.rank)
+        orig_lengths = torch.as_tensor(glob[orig_ids], dtype=torch.int64)
+        pad_to = max(dispatched.source_pad_to.values(), default=0)
+        pad_to = max(pad_to, int(orig_lengths.max()) if orig_ids.size else 0)
+        return _pad(out, orig_lengths, pad_to, self.pad_value)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _to_packed(
+        self, t: torch.Tensor, lengths: torch.Tensor, layout: str | None = None
+    ) -> torch.Tensor:
+        return _pack(t, lengths) if (layout or self.layout) == "padded" else t
+
+    def _from_packed(self, t: torch.Tensor, lengths: torch.Tensor, pad_to: int) -> torch.Tensor:
+        return _pad(t, lengths, pad_to, self.pad_value) if self.layout == "padded" else t
+
+    def _check_inputs(
+        self,
+        tokens: dict[str, torch.Tensor],
+        lengths: torch.Tensor,
+        items: dict[str, torch.Tensor],
+    ) -> np.ndarray:
+        if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+            raise ValueError(f"lengths must be a 1-D tensor, got {lengths!r}")
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
+        local = lengths.detach().cpu().numpy().astype(np.int64)
+        if local.size and local.min() < 0:
+            raise ValueError(f"lengths must be >= 0, got {int(local.min())}")
+        if not isinstance(tokens, dict) or not isinstance(items, dict):
+            raise ValueError("tokens and items must be dicts of tensors")
+        b, total = local.size, int(local.sum())
+        top = int(local.max()) if b else 0
+        for name, t in tokens.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"tokens[{name!r}] must be a tensor, got {type(t).__name__}")
+            if self.layout == "packed" and (t.dim() < 1 or t.shape[0] != total):
+                raise ValueError(
+                    f"tokens[{name!r}] has shape {tuple(t.shape)}; packed layout needs dim 0 = "
+                    f"sum(lengths) = {total}"
+                )
+            if self.layout == "padded" and (t.dim() < 2 or t.shape[0] != b or t.shape[1] < top):
+                raise ValueError(
+                    f"tokens[{name!r}] has shape {tuple(t.shape)}; padded layout needs "
+                    f"[B={b}, T>={top}, ...]"
+                )
+        for name, t in items.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != b:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"items[{name!r}] must be [B={b}, ...], got {shape}")
+        return local
+
+    def _schema(self, tokens: dict, items: dict) -> bytes:
+        lead = 2 if self.layout == "padded" else 1
+        parts = [self.layout]
+        for tag, tensors, skip in (("t", tokens, lead), ("i", items, 1)):
+            for k in sorted(tensors):
+                t = tensors[k]
+                parts.append(f"{tag}:{k}:{t.dtype}:{tuple(t.shape[skip:])}:{t.requires_grad}")
+        return "|".join(parts).encode()
+
+    def _check_agreement(
+        self, plan: Rearrangement, glob: np.ndarray, tokens: dict, items: dict
+    ) -> None:
+        h = hashlib.blake2b(self._schema(tokens, items), digest_size=8)
+        schema = int.from_bytes(h.digest(), "little") >> 1
+        mine = np.array([plan.fingerprint(), schema], dtype=np.int64)
+        everyone = comm.all_gather_fixed(mine, group=self.meta_group, timeout=self.timeout)
+        bad_plan = np.flatnonzero(everyone[:, 0] != everyone[0, 0])
+        bad_schema = np.flatnonzero(everyone[:, 1] != everyone[0, 1])
+        if bad_plan.size or bad_schema.size:
+            raise PlanMismatchError(
+                "ranks disagree: "
+                + (
+                    f"ranks {bad_plan.tolist()} computed a different plan than rank 0 from the "
+                    f"same gathered lengths ({glob.size} items; plan fingerprints per rank "
+                    f"{everyone[:, 0].tolist()}); every rank must use the same policy, cost, "
+                    "placement and orchmllm version. "
+                    if bad_plan.size
+                    else ""
+                )
+                + (
+                    f"ranks {bad_schema.tolist()} pass tensors with other names, dtypes, "
+                    "trailing shapes or requires_grad than rank 0 (this rank: "
+                    f"{self._schema(tokens, items).decode()!r})."
+                    if bad_schema.size
+                    else ""
+                )
+            )
+
+    def _stats(
+        self,
+        plan: Rearrangement,
+        glob: np.ndarray,
+        assignment: Any,
+        tokens: dict[str, torch.Tensor],
+        items: dict[str, torch.Tensor],
+    ) -> dict[str, Any]:
+        lead = 2 if self.layout == "padded" else 1
+        token_bytes = sum(_row_bytes(t, lead) for t in tokens.values())
+        item_bytes = sum(_row_bytes(t, 1) for t in items.values())
+        per_item = glob * token_bytes + item_bytes
+        traffic = plan.traffic(sizes=per_item, ranks_per_node=self.ranks_per_node)
+        rank = dist.get_rank(self.group)
+        before = self.stats_cost.loads(glob, plan.src_rank, plan.num_ranks)
+        after = self.stats_cost.loads(glob, plan.dst_rank, plan.num_ranks)
+        stay = plan.src_rank == plan.dst_rank
+        stats: dict[str, Any] = {
+            "imbalance_before": _ratio(before),
+            "imbalance_after": _ratio(after),
+            "loads_before": before.tolist(),
+            "loads_after": after.tolist(),
+            "bytes_intra": traffic["intra"],
+            "bytes_inter": traffic["inter"],
+            "bytes_sent": int(plan.send_counts(rank, sizes=per_item)[~_eye(plan, rank)].sum()),
+            "bytes_recv": int(plan.recv_counts(rank, sizes=per_item)[~_eye(plan, rank)].sum()),
+            "bytes_sent_max_rank": traffic["max_sent_rank"],
+            "items_moved": int((~stay).sum()),
+            "tokens_moved": int(glob[~stay].sum()),
+            "tokens_kept": int(glob[stay].sum()),
+            "num_items": int(glob.size),
+        }
+        if self.layout == "padded":
+            stats["padded_tokens_before"] = _padded_tokens(glob, plan.src_rank, plan.num_ranks)
+            stats["padded_tokens_after"] = _padded_tokens(glob, plan.dst_rank, plan.num_ranks)
+        stats.update({k: v for k, v in assignment.stats.items() if k not in stats})
+        return stats
+
+
+def _eye(plan: Rearrangement, rank: int) -> np.ndarray:
+    return np.arange(plan.num_ranks) == rank
+
+
+def _ratio(loads: np.ndarray) -> float:
+    mean = float(loads.mean()) if loads.size else 0.0
+    return float(loads.max()) / mean if mean > 0 else 1.0
+
+
+def _padded_tokens(lengths: np.ndarray, ranks: np.ndarray, num_ranks: int) -> int:
+    """Sum over ranks of B_r * max(l on r): the padded tensor sizes."""
+    top = np.zeros(num_ranks, dtype=np.int64)
+    np.maximum.at(top, ranks, lengths)
+    return int((np.bincount(ranks, minlength=num_ranks) * top).sum())

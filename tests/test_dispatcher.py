@@ -1,0 +1,225 @@
+"""BatchDispatcher on real gloo groups: conservation, exact undo, unchanged gradients, checks."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import orchmllm
+from orchmllm import comm
+from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
+from tests.multiproc import run_distributed
+
+TIMEOUT = 20.0
+
+
+def _cases(world: int) -> list[list[list[int]]]:
+    """Per-rank length lists, identical on every rank."""
+    rng = np.random.default_rng(world)
+    random = [rng.integers(1, 40, size=rng.integers(1, 7)).tolist() for _ in range(world)]
+    skewed = [[int(x) for x in rng.integers(1, 60, size=6)]] + [[] for _ in range(world - 1)]
+    one = [[] for _ in range(world)]
+    one[-1] = [9]
+    few = [[5] if r % 2 == 0 else [] for r in range(world)]  # more ranks than items
+    zero_len = [[0, 3], [7, 0, 2]] + [[1] for _ in range(world - 2)]
+    nothing = [[] for _ in range(world)]
+    return [random, skewed, one, few, zero_len, nothing]
+
+
+def _global_ids(per_rank: list[list[int]], rank: int) -> np.ndarray:
+    start = sum(len(x) for x in per_rank[:rank])
+    return np.arange(start, start + len(per_rank[rank]), dtype=np.int64)
+
+
+def _token_keys(ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+    """Token-major key ``global id * 1000 + position`` for items ``ids``."""
+    if ids.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate([i * 1000 + np.arange(lengths[i]) for i in ids]))
+
+
+def _w_packed(rank: int, world: int):
+    disp = BatchDispatcher("greedy", ranks_per_node=2, timeout=TIMEOUT, check_plan=True)
+    for per_rank in _cases(world):
+        glob = np.array([x for r in per_rank for x in r], dtype=np.int64)
+        src = np.repeat(np.arange(world), [len(x) for x in per_rank])
+        ids = _global_ids(per_rank, rank)
+        key = _token_keys(ids, glob)
+        tokens = {
+            "key": key,
+            "emb": key.double()[:, None, None].mul(0.5).repeat(1, 2, 3).float(),
+            "mask": key % 2 == 0,
+        }
+        items = {"id": torch.from_numpy(ids), "i16": torch.from_numpy(ids[:, None] * [1, -1])}
+        items["i16"] = items["i16"].to(torch.int16)
+        d = disp.dispatch(tokens, torch.tensor(per_rank[rank], dtype=torch.int32), items)
+
+        # The plan is the policy's plan; every item arrives exactly once, at its rank, intact.
+        expect_dst = orchmllm.balance(glob, world, "greedy", src=src).dst
+        assert np.array_equal(d.plan.dst_rank, expect_dst)
+        mine = d.plan.items_at(rank)
+        assert np.array_equal(d.plan.dst_rank[mine], np.full(mine.size, rank))
+        assert d.items["id"].tolist() == mine.tolist()
+        assert d.items["i16"].tolist() == [[i, -i] for i in mine.tolist()]
+        assert d.lengths.tolist() == glob[mine].tolist()
+        assert torch.equal(d.tokens["key"], _token_keys(mine, glob))
+        assert torch.equal(
+            d.tokens["emb"],
+            d.tokens["key"].double()[:, None, None].mul(0.5).repeat(1, 2, 3).float(),
+        )
+        assert torch.equal(d.tokens["mask"], d.tokens["key"] % 2 == 0)
+        everywhere, _ = comm.all_gather_rows(d.items["id"].numpy()[:, None], timeout=TIMEOUT)
+        assert sorted(everywhere[:, 0].tolist()) == list(range(glob.size))
+
+        # undo(dispatch(x)) == x exactly, token- and item-major.
+        assert torch.equal(disp.undo(d, d.tokens["emb"]), tokens["emb"])
+        assert torch.equal(disp.undo(d, d.tokens["key"] * 3), key * 3)
+        assert torch.equal(disp.undo(d, d.items["i16"], items=True), items["i16"])
+
+        # Statistics agree with an independent count.
+        per_item = glob * (8 + 24 + 1) + (8 + 4)
+        moved = d.plan.src_rank != d.plan.dst_rank
+        inter = moved & (d.plan.src_rank // 2 != d.plan.dst_rank // 2)
+        assert d.stats["bytes_inter"] == per_item[inter].sum()
+        assert d.stats["bytes_intra"] == per_item[moved & ~inter].sum()
+        assert d.stats["bytes_sent"] == per_item[moved & (d.plan.src_rank == rank)].sum()
+        assert d.stats["tokens_moved"] + d.stats["tokens_kept"] == glob.sum()
+        assert d.stats["imbalance_after"] <= d.stats["imbalance_before"] + 1e-9
+        assert sum(d.stats["loads_after"]) == pytest.approx(glob.sum())
+    return True
+
+
+def test_packed_conservation_and_undo():
+    assert run_distributed(_w_packed, 4, timeout=TIMEOUT) == [True] * 4
+
+
+def _w_padded(rank: int, world: int):
+    disp = BatchDispatcher(layout="padded", timeout=TIMEOUT, check_plan=True)
+    assert disp.policy == "padded_cost"
+    for per_rank in _cases(world):
+        glob = np.array([x for r in per_rank for x in r], dtype=np.int64)
+        ids = _global_ids(per_rank, rank)
+        lengths = torch.tensor(per_rank[rank], dtype=torch.int64)
+        pad_to = (max(per_rank[rank]) if per_rank[rank] else 0) + rank  # T may exceed max
+        x = torch.zeros(len(ids), pad_to, 2)
+        for b, i in enumerate(ids):
+            x[b, : glob[i], 0] = torch.arange(glob[i]) + 1000.0 * i
+            x[b, : glob[i], 1] = -float(i)
+        d = disp.dispatch({"x": x}, lengths, {"id": torch.from_numpy(ids)})
+
+        mine = d.plan.items_at(rank)
+        new_max = int(glob[mine].max()) if mine.size else 0
+        assert d.tokens["x"].shape == (mine.size, new_max, 2)  # re-padded to the new local max
+        assert d.items["id"].tolist() == mine.tolist()
+        for b, i in enumerate(mine):
+            row = d.tokens["x"][b]
+            assert torch.equal(row[: glob[i], 0], torch.arange(glob[i]) + 1000.0 * i)
+            assert torch.all(row[: glob[i], 1] == -float(i))
+            assert torch.all(row[glob[i] :] == 0)
+        assert torch.equal(disp.undo(d, d.tokens["x"]), x)
+        assert d.stats["imbalance_after"] <= d.stats["imbalance_before"] + 1e-9
+        assert d.stats["padded_tokens_after"] <= d.stats["padded_tokens_before"] or glob.size == 0
+    return True
+
+
+def test_padded_conservation_and_undo():
+    assert run_distributed(_w_padded, 3, timeout=TIMEOUT) == [True] * 3
+
+
+def _losses(x: torch.Tensor, w: torch.Tensor, lin: torch.nn.Linear, total: int) -> torch.Tensor:
+    """A per-token loss normalised by the global token count (not the local one)."""
+    return ((lin(x) ** 2).sum(-1) * w + x.sin().sum(-1)).sum() / total
+
+
+def _grads(lin: torch.nn.Linear) -> list[torch.Tensor]:
+    out = []
+    for p in lin.parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)  # what DDP/FSDP do
+        out.append(g)
+    return out
+
+
+def _w_grad(rank: int, world: int):
+    per_rank = [[30, 2, 5, 40], [], [3, 3]]
+    glob = np.array([x for r in per_rank for x in r])
+    n_local = sum(per_rank[rank])
+    gen = torch.Generator().manual_seed(rank)
+    x0 = torch.randn(n_local, 4, generator=gen, dtype=torch.float64)
+    w = torch.rand(n_local, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor(per_rank[rank], dtype=torch.int64)
+    results = {}
+    for mode in ("plain", "packed", "padded"):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3).double()
+        x = x0.clone().requires_grad_(True)
+        if mode == "plain":
+            loss = _losses(x, w, lin, int(glob.sum()))
+        elif mode == "packed":
+            disp = BatchDispatcher(timeout=TIMEOUT)
+            d = disp.dispatch({"x": x, "w": w}, lengths)
+            loss = _losses(d.tokens["x"], d.tokens["w"], lin, int(d.global_lengths.sum()))
+        else:  # padded: [B, T, 4]; padding positions carry weight 0
+            disp = BatchDispatcher(layout="padded", timeout=TIMEOUT)
+            top = int(lengths.max()) if lengths.numel() else 0
+            mask = torch.arange(top)[None, :] < lengths[:, None]
+            xp = x.new_zeros(len(lengths), top, 4)
+            xp[mask] = x
+            wp = w.new_zeros(len(lengths), top)
+            wp[mask] = w
+            d = disp.dispatch({"x": xp, "w": wp}, lengths)
+            m = torch.arange(d.tokens["x"].shape[1])[None, :] < d.lengths[:, None]
+            loss = _losses(d.tokens["x"][m], d.tokens["w"][m], lin, int(d.global_lengths.sum()))
+        loss.backward()
+        results[mode] = (x.grad.clone(), _grads(lin))
+    for mode in ("packed", "padded"):
+        assert torch.allclose(results[mode][0], results["plain"][0], rtol=1e-12, atol=1e-14)
+        for a, b in zip(results[mode][1], results["plain"][1], strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    return True
+
+
+def test_gradient_unchanged_by_dispatch():
+    assert run_distributed(_w_grad, 3, timeout=TIMEOUT) == [True] * 3
+
+
+def _w_mismatch(rank: int, world: int):
+    assert debug_enabled() and BatchDispatcher(timeout=TIMEOUT).check_plan  # env: debug mode
+    lengths = torch.tensor([10, 10, 10] if rank == 0 else [1])
+    x = torch.zeros(int(lengths.sum()), 2)
+    # Rank 1 really computes a different plan: another policy on the same lengths.
+    disp = BatchDispatcher("greedy" if rank == 0 else "identity", timeout=TIMEOUT)
+    with pytest.raises(PlanMismatchError, match=r"ranks \[1\] computed a different plan"):
+        disp.dispatch({"x": x}, lengths)
+    # Same plan, but rank 1 passes another dtype: caught before the all-to-all.
+    disp = BatchDispatcher("greedy", timeout=TIMEOUT)
+    with pytest.raises(PlanMismatchError, match="dtypes"):
+        disp.dispatch({"x": x.double() if rank == 1 else x}, lengths)
+    # The same dispatcher works once inputs agree.
+    d = disp.dispatch({"x": x}, lengths)
+    assert d.stats["num_items"] == 4
+    # Bad input raises ValueError naming the argument (no collective is entered).
+    with pytest.raises(ValueError, match="lengths"):
+        disp.dispatch({"x": x}, lengths.float())
+    with pytest.raises(ValueError, match="tokens\\['x'\\]"):
+        disp.dispatch({"x": x[:-1]}, lengths)
+    with pytest.raises(ValueError, match="items\\['y'\\]"):
+        disp.dispatch({"x": x}, lengths, {"y": torch.zeros(7)})
+    with pytest.raises(ValueError, match="policy"):
+        BatchDispatcher("nope")
+    with pytest.raises(ValueError, match="layout"):
+        BatchDispatcher(layout="ragged")
+    return True
+
+
+def test_plan_mismatch_is_detected():
+    out = run_distributed(_w_mismatch, 2, timeout=TIMEOUT, env={"ORCHMLLM_DEBUG": "1"})
+    assert out == [True, True]
+
+
+def test_debug_mode_flag(monkeypatch):
+    monkeypatch.delenv("ORCHMLLM_DEBUG", raising=False)
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    assert not debug_enabled()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert debug_enabled()
