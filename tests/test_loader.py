@@ -12,9 +12,12 @@ from torch.utils.data.distributed import DistributedSampler
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import PeerFailed
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.sampling import local_batches
 from orchmllm.data.schema import EncodingRates, example_metadata
+from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
+from orchmllm.orchestrator import LocalBatch, Orchestrator, default_phases
 from tests.multiproc import run_distributed
 
 T = 30.0  # collective timeout inside the workers
@@ -230,11 +233,8 @@ def _seq_len(example):
 
 
 def _synthetic_worker(rank, world):
-    from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
-
-    ds = build_dataset(
-        SyntheticConfig(num_examples=30, seed=4, scale=0.05), EncodingRates(), keep_in_memory=True
-    )
+    cfg = SyntheticConfig(num_examples=30, seed=4, scale=0.05)
+    ds = build_dataset(cfg, _RATES, keep_in_memory=True)
     loader = BalancedDataLoader(
         ds,
         batch_size=3,
@@ -249,14 +249,26 @@ def _synthetic_worker(rank, world):
         mine = info.indices[info.plan.items_at(rank)]
         assert [e["id"] for e in batch] == mine.tolist()
         out.append([(e["id"], _seq_len(e)) for e in batch])
-    return out
+    # The orchestrator's per-phase plans, prefetched, equal the plans computed in the step
+    # (which gathers on the training group while the loader thread uses its own group).
+    orch = Orchestrator(
+        default_phases(_RATES, patch_dim=cfg.patch_dim, n_mels=cfg.n_mels), timeout=T
+    )
+    same, steps = [], 0
+    for planned in orchestrated_loader(ds, orch, batch_size=3, seed=1, timeout=T):
+        assert isinstance(planned.batch, LocalBatch)
+        same.append(orch.plan_batch(planned.batch).same_as(planned.plan))
+        steps += 1
+    return out, same, steps
 
 
-def test_synthetic_multimodal_dataset_index_mode():
+def test_synthetic_multimodal_index_mode_and_orchestrator_plans():
     out = run_distributed(_synthetic_worker, 2, timeout=60)
-    items = [x for r in out for b in r for x in b]
+    items = [x for r, _, _ in out for b in r for x in b]
     assert sorted(i for i, _ in items) == list(range(30))
     assert all(length > 0 for _, length in items)
+    for _, same, steps in out:
+        assert steps == 5 and all(same) and len(same) == steps
 
 
 class _FailingCollate:

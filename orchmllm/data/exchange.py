@@ -95,7 +95,7 @@ def gather_step(
     """
     if error is not None:
         status, local = FAILED, []
-    rows = [list(r) for r in (local or [])]
+    rows = [list(r) for r in (local if local is not None else [])]
     width = max((len(r) for r in rows), default=0)
     header = g.all_gather_fixed([status, len(rows), width])
     bytes_sent = 3 * _INT64 * (g.size - 1)
@@ -185,7 +185,7 @@ class StepInfo:
 
 @dataclass(frozen=True)
 class BalancedStep:
-    examples: list  # this rank's examples after the step (moved, or as sampled)
+    examples: Any  # move: this rank's examples after the move; else what prepare() gave
     plan: Any
     meta: np.ndarray
     gathered: Gathered
@@ -196,19 +196,20 @@ class BalancedStep:
 def balance_step(
     g: Group,
     planner: Planner,
-    prepare: Callable[[], tuple[list | None, list[list[int]]]],
+    prepare: Callable[[], tuple[Any, Sequence[Sequence[int]]]],
     *,
     step: int,
     move: bool,
 ) -> BalancedStep | None:
     """Gather metadata, plan and (if ``move``) move the examples, for one step.
 
-    ``prepare()`` loads this rank's examples and their metadata rows, or returns
-    ``(None, [])`` when this rank's data is exhausted; if it raises, every rank fails the
-    step. Returns None when every rank is exhausted (the end of the epoch, on all ranks).
+    ``prepare()`` loads this rank's examples (a list, when ``move``) and their metadata
+    rows, or returns ``(None, [])`` when this rank's data is exhausted; if it raises,
+    every rank fails the step. Returns None when every rank is exhausted (the end of the
+    epoch, on all ranks).
     """
-    examples: list | None = None
-    rows: list[list[int]] | None = None
+    examples: Any = None
+    rows: Sequence[Sequence[int]] | None = None
     blobs: list[bytes] = []
     error: BaseException | None = None
     try:
@@ -231,4 +232,4 @@ def balance_step(
     payload = 0
     if move:
         examples, payload = move_examples(g, plan, blobs, gathered.meta[:, 0])
-    return BalancedStep(examples or [], plan, meta, gathered, plan_s, payload)
+    return BalancedStep(examples, plan, meta, gathered, plan_s, payload)

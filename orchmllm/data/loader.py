@@ -181,7 +181,9 @@ class BalancedDataLoader:
     ``num_proc`` processes, reading only ``length_columns`` if given) or ``lengths``.
     ``planner(meta, src, num_ranks)`` replaces the default single-phase
     :class:`~orchmllm.data.planners.BalancePlanner`; ``meta_fn(example)`` gives the
-    integer row gathered per example (default: ``[length]``).
+    integer row gathered per example (default: ``[length]``). In ``mode="local"`` the
+    batch is collated before the gather and ``batch_meta_fn(batch)`` may give the rows
+    instead (any number per batch, e.g. the orchestrator's segment table).
 
     Collective: create and iterate it on every rank in the same order; every rank must
     consume the same number of batches before breaking out of an epoch.
@@ -198,6 +200,7 @@ class BalancedDataLoader:
         lengths: Sequence[int] | np.ndarray | None = None,
         length_columns: Sequence[str] | None = None,
         meta_fn: Callable[[Any], Sequence[int]] | None = None,
+        batch_meta_fn: Callable[[Any], np.ndarray] | None = None,
         planner: ex.Planner | None = None,
         policy: str = "greedy",
         cost: Any = None,
@@ -226,8 +229,10 @@ class BalancedDataLoader:
         ]
         if len(given) > 1:
             raise ValueError(f"pass at most one of length_fn, length_column, lengths; got {given}")
-        if not given and meta_fn is None:
+        if not given and meta_fn is None and batch_meta_fn is None:
             raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
+        if batch_meta_fn is not None and mode != "local":
+            raise ValueError(f"batch_meta_fn needs mode='local', got mode={mode!r}")
         is_loader = isinstance(source, DataLoader)
         if is_loader:
             if batch_size is not None:
@@ -259,6 +264,7 @@ class BalancedDataLoader:
         self.length_fn = length_fn
         self.length_column = length_column
         self.meta_fn = meta_fn
+        self.batch_meta_fn = batch_meta_fn
         self.planner = planner or BalancePlanner(policy=policy, cost=cost)
         self.prefetch = prefetch
         self.shuffle = shuffle
@@ -441,16 +447,25 @@ class BalancedDataLoader:
         source = self._sampled if self._sampled is not None else self._streamed
         assert source is not None
 
-        def prepare() -> tuple[list | None, list[list[int]]]:
-            examples = source.local(step)
-            return examples, [self._meta_row(e, i) for i, e in enumerate(examples or [])]
+        local = self.mode == "local"
 
-        done = ex.balance_step(
-            self._group, self.planner, prepare, step=step, move=self.mode == "move"
-        )
+        def prepare() -> tuple[Any, Sequence[Sequence[int]]]:
+            examples = source.local(step)
+            if examples is None:
+                return None, []
+            if local and self.batch_meta_fn is not None:
+                batch = self.collate_fn(examples)
+                return batch, np.asarray(self.batch_meta_fn(batch), dtype=np.int64)
+            rows = [self._meta_row(e, i) for i, e in enumerate(examples)]
+            return (self.collate_fn(examples) if local else examples), rows
+
+        done = ex.balance_step(self._group, self.planner, prepare, step=step, move=not local)
         if done is None:
             raise StopIteration
-        batch = self._after_gather(step, num_steps, lambda: self.collate_fn(done.examples))
+        if local:  # collated before the gather: nothing can fail after it
+            batch = done.examples
+        else:
+            batch = self._after_gather(step, num_steps, lambda: self.collate_fn(done.examples))
         info = StepInfo(
             epoch,
             step,
@@ -463,7 +478,7 @@ class BalancedDataLoader:
             done.gathered.bytes_sent,
             done.bytes_payload,
         )
-        if self.mode == "local":
+        if local:
             return PlannedBatch(batch, done.plan, info), info
         return batch, info
 
