@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ METHODS = ("identity", "assign", "ilp", "auto")
 # every ILP solve must be time-limited.
 TIME_LIMIT_OPTIONS = {"CBC": "maximumSeconds", "HIGHS": "time_limit", "GUROBI": "TimeLimit"}
 
-# Measured on CBC through cvxpy 1.9 (2-core x86): building the model costs about
+# Measured on CBC through cvxpy 1.9 (2-core x86), in CPU seconds: building the model costs about
 # _COMPILE_S + _COMPILE_S_PER_VAR * binaries, and CBC's root processing, which ignores its
 # time limit, about _ROOT_S_PER_VAR * binaries. The ILP is only attempted when that fits the
 # remaining budget, so the wall time stays near the limit at every cluster size.
@@ -53,6 +54,36 @@ _COMPILE_S_PER_VAR = 5e-6
 _ROOT_S_PER_VAR = 2.5e-5
 # CBC overshoots its own limit by a few milliseconds per solve; it gets this share of what is left.
 _SOLVER_SHARE = 0.8
+
+
+class _Clock:
+    """Wall-clock budget of one call, and the share of a CPU this process gets meanwhile.
+
+    CBC's time limit counts CPU seconds; on a busy machine (other processes, the training step
+    itself) those pass slower than wall seconds, so every CPU-time figure is divided by this
+    share before it is compared with the wall budget. The share is measured since the call
+    began once that is long enough to mean something, and never assumed above what the
+    1-minute load average leaves per core.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.wall0 = time.perf_counter()
+        self.cpu0 = time.process_time()
+        self.deadline = self.wall0 + limit_s
+        self.share = 1.0
+        if hasattr(os, "getloadavg") and hasattr(os, "sched_getaffinity"):
+            cores = len(os.sched_getaffinity(0))
+            self.share = min(1.0, cores / max(os.getloadavg()[0], 1e-9))
+
+    def remaining(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def cpu_share(self) -> float:
+        wall = time.perf_counter() - self.wall0
+        if wall < 0.005:
+            return max(self.share, 0.05)
+        measured = (time.process_time() - self.cpu0) / wall
+        return min(max(min(measured, self.share), 0.05), 1.0)
 
 
 @dataclass(frozen=True)
@@ -109,7 +140,7 @@ def place_batches(
     cvxpy solver used by the ILP (one of ``TIME_LIMIT_OPTIONS``). Never raises on solver
     trouble: it warns and returns the ``assign`` placement.
     """
-    start = time.perf_counter()
+    clock = _Clock(float(time_limit_s) if isinstance(time_limit_s, numbers.Real) else 0.0)
     d, c = _topology(num_ranks, ranks_per_node)
     l = _lengths(lengths)
     s = _ranks("src", src, l.size, d)
@@ -128,13 +159,12 @@ def place_batches(
         volumes = _Volumes(l, s, t, d, c)
         node_of = _assign_nodes(volumes)
         if method in ("ilp", "auto"):
-            deadline = start + float(time_limit_s)
             node_of, optimal, ilp_improved = _refine_ilp(
-                volumes, node_of, deadline, solver, strict=method == "ilp"
+                volumes, node_of, clock, solver, strict=method == "ilp"
             )
         perm = _assign_ranks(volumes, node_of)
     new_dst = perm[t]
-    elapsed_ms = (time.perf_counter() - start) * 1e3
+    elapsed_ms = (time.perf_counter() - clock.wall0) * 1e3
 
     before = _traffic(l, s, t, d, c)
     after = _traffic(l, s, new_dst, d, c)
@@ -197,8 +227,8 @@ def movement_lower_bound(
     order = np.lexsort((-density, s))  # by rank, densest first
     ws, zs, ss = w[order], z[order], s[order]
     cum = np.cumsum(ws)
-    first = np.searchsorted(ss, np.arange(d))
-    shed_before = cum - ws - (cum - ws)[first][ss]  # weight shed by earlier items of the rank
+    before = cum - ws
+    shed_before = before - before[np.searchsorted(ss, ss)]  # by earlier items of the same rank
     need = excess[ss] - shed_before
     frac = np.clip(np.divide(need, ws, out=np.zeros_like(ws), where=ws > 0), 0.0, 1.0)
     return float((frac * zs).sum())
@@ -289,19 +319,20 @@ def _ilp_estimate_s(v: _Volumes) -> float:
 
 
 def _refine_ilp(
-    v: _Volumes, warm: np.ndarray, deadline: float, solver: str, *, strict: bool
+    v: _Volumes, warm: np.ndarray, clock: _Clock, solver: str, *, strict: bool
 ) -> tuple[np.ndarray, bool, bool]:
-    """Algorithm 3 from the warm start ``warm``, bounded by ``deadline``.
+    """Algorithm 3 from the warm start ``warm``, within the budget of ``clock``.
 
     Returns ``(node_of, proven_optimal, improved)``; ``node_of`` is never worse than ``warm``.
     ``strict`` (method ``ilp``) warns when the model cannot be solved in the budget at all;
     ``auto`` then skips it silently. The first call also pays cvxpy's one-time import.
     """
     keep = (warm, False, False)
-    if time.perf_counter() + _ilp_estimate_s(v) > deadline:
+    if _ilp_estimate_s(v) / clock.cpu_share() > clock.remaining():
         if strict:
             warnings.warn(
-                f"placement ILP with {v.d * v.m} binaries does not fit time_limit_s; "
+                f"placement ILP with {v.d * v.m} binaries does not fit the time left "
+                f"({clock.remaining():.3f} s at {clock.cpu_share():.2f} of a CPU); "
                 "returning the assign placement",
                 RuntimeWarning,
                 stacklevel=3,
@@ -327,10 +358,10 @@ def _refine_ilp(
             worst <= warm_value,  # the warm start bounds the search
         ]
         problem = cp.Problem(cp.Minimize(worst), constraints)
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        cpu_left = clock.remaining() * clock.cpu_share()
+        if cpu_left <= 0:
             return keep
-        options = {TIME_LIMIT_OPTIONS[solver]: max(remaining * _SOLVER_SHARE, 1e-3)}
+        options = {TIME_LIMIT_OPTIONS[solver]: max(cpu_left * _SOLVER_SHARE, 1e-3)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate" on time-outs
             problem.solve(solver=solver, **options)
