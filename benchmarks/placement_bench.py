@@ -1,0 +1,218 @@
+"""Node-wise placement and movement-aware balancing at cluster scale (no GPUs needed).
+
+For each cluster size, every rank samples a mini-batch of the image+audio mix; each phase
+(vision items, audio clips, whole LLM sequences) is balanced with the paper's greedy, and the new
+batches are placed on ranks with each placement method. Printed per case: the inter-node volume
+(worst source rank and total, in the phase's tokens: raw patches, mel frames, LLM tokens) and its
+reduction versus identity placement, the solve time (wall and CPU), and for the movement-aware
+policy (greedy_stay) the tokens moved against the lower bound and its makespan against greedy.
+
+    python benchmarks/placement_bench.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+import numpy as np
+
+import orchmllm
+from orchmllm.placement import movement_lower_bound, place_batches
+
+RANKS = (16, 64, 256, 1024, 2560)
+QUICK_RANKS = (16, 64)
+PAPER_REDUCTION = (0.436, 0.722)  # paper Fig. 13: worst-rank inter-node volume reduction
+TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
+TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)
+# Median text tokens and log-spread per task.
+TEXT = {"caption": (60, 0.5), "vqa": (150, 0.8), "asr": (40, 0.5), "spoken_qa": (120, 0.7)}
+TEXT["chat"] = (600, 0.9)
+
+
+def sample_phases(
+    rng: np.random.Generator, num_ranks: int, per_rank: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per phase, (tokens per item, source rank) of one step of the image+audio mix.
+
+    Images: side 224-896 px in 28 px steps, 14 px patches, 2x2 merge into the LLM. Audio:
+    log-normal duration (median 8 s, 1-30 s), 100 mel frames/s, stride 2 then 4 into the LLM.
+    """
+    n = num_ranks * per_rank
+    src = np.repeat(np.arange(num_ranks, dtype=np.int64), per_rank)
+    task = rng.choice(len(TASKS), size=n, p=TASK_MIX)
+    text = np.zeros(n, dtype=np.int64)
+    for k, name in enumerate(TASKS):
+        median, spread = TEXT[name]
+        pick = task == k
+        text[pick] = np.clip(rng.lognormal(np.log(median), spread, pick.sum()), 4, 2048)
+    has_image = task <= 1
+    has_audio = (task == 2) | (task == 3)
+    side = rng.integers(8, 33, n) * 28
+    patches = (side // 14) ** 2
+    seconds = np.clip(rng.lognormal(np.log(8.0), 0.6, n), 1.0, 30.0)
+    frames = (seconds * 100).astype(np.int64) // 8 * 8
+    llm = text + has_image * patches // 4 + has_audio * frames // 8
+    return {
+        "vision": (patches[has_image], src[has_image]),
+        "audio": (frames[has_audio], src[has_audio]),
+        "llm": (llm, src),
+    }
+
+
+def _timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+
+
+def run_case(lengths, src, d, c, *, ilp_limit_s: float, ilp_max_ranks: int) -> list[dict]:
+    """All placement methods for one phase's greedy plan, plus greedy_stay."""
+    greedy = orchmllm.balance(lengths, d, "greedy", src=src)
+    kw = dict(num_ranks=d, ranks_per_node=c)
+    records = []
+    base = None
+    methods = [("identity", 0.05), ("assign", 0.05), ("auto", 0.05)]
+    if d <= ilp_max_ranks:
+        methods.append(("ilp", ilp_limit_s))
+    for method, limit in methods:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            p, wall, cpu = _timed(
+                lambda m=method, t=limit: place_batches(
+                    lengths, src, greedy.dst, method=m, time_limit_s=t, **kw
+                )
+            )
+        s = p.stats
+        if method == "identity":
+            base = s
+        records.append(_record("greedy", method, limit, s, base, wall, cpu))
+
+    stay, wall, cpu = _timed(lambda: orchmllm.balance(lengths, d, "greedy_stay", src=src))
+    p, pwall, pcpu = _timed(lambda: place_batches(lengths, src, stay.dst, method="auto", **kw))
+    rec = _record("greedy_stay", "auto", 0.05, p.stats, base, pwall, pcpu)
+    makespan = stay.loads.max()
+    moved = int(lengths[stay.dst != src].sum())
+    bound = movement_lower_bound(lengths.astype(float), src, d, makespan)
+    greedy_moved = int(lengths[greedy.dst != src].sum())
+    rec.update(
+        policy_ms=wall,
+        policy_cpu_ms=cpu,
+        tokens_moved=moved,
+        tokens_moved_lower_bound=bound,
+        moved_over_bound=moved / bound if bound > 0 else float(moved == 0),
+        greedy_tokens_moved=greedy_moved,
+        makespan_over_greedy=makespan / greedy.loads.max(),
+    )
+    records.append(rec)
+    return records
+
+
+def _record(policy, method, limit, s, base, wall, cpu) -> dict:
+    def reduction(key: str) -> float:
+        ref = base[f"{key}_after"]
+        return 1.0 - s[f"{key}_after"] / ref if ref > 0 else 0.0
+
+    return {
+        "policy": policy,
+        "method": method,
+        "time_limit_s": limit,
+        "inter_max_rank": s["inter_node_tokens_max_rank_after"],
+        "inter_total": s["inter_node_tokens_total_after"],
+        "intra_total": s["intra_node_tokens_total_after"],
+        "tokens_kept": s["tokens_kept_after"],
+        "reduction_max_rank": reduction("inter_node_tokens_max_rank"),
+        "reduction_total": reduction("inter_node_tokens_total"),
+        "solve_ms": wall,
+        "solve_cpu_ms": cpu,
+        "optimal": s["placement_optimal"],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="16 and 64 ranks, one seed")
+    ap.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--examples-per-rank", type=int, default=32)
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--ilp-time-limit", type=float, default=1.0, help="for method=ilp")
+    ap.add_argument("--ilp-max-ranks", type=int, default=256, help="largest cluster for ilp")
+    args = ap.parse_args(argv)
+    ranks = QUICK_RANKS if args.quick else RANKS
+    seeds = 1 if args.quick else args.seeds
+    c = args.ranks_per_node
+
+    records = []
+    hdr = (
+        f"{'ranks':>5} {'phase':>6} {'policy':>11} {'method':>8} {'inter max':>10} "
+        f"{'red.max':>7} {'inter tot':>11} {'red.tot':>7} {'ms':>7} {'cpu ms':>7} {'opt':>3}"
+    )
+    print(hdr)
+    for d in ranks:
+        for seed in range(seeds):
+            rng = np.random.default_rng(seed)
+            for phase, (lengths, src) in sample_phases(rng, d, args.examples_per_rank).items():
+                for rec in run_case(
+                    lengths,
+                    src,
+                    d,
+                    c,
+                    ilp_limit_s=args.ilp_time_limit,
+                    ilp_max_ranks=args.ilp_max_ranks,
+                ):
+                    rec.update(
+                        workload="image+audio",
+                        phase=phase,
+                        num_ranks=d,
+                        ranks_per_node=c,
+                        seed=seed,
+                        items=int(lengths.size),
+                    )
+                    records.append(rec)
+                    print(
+                        f"{d:>5} {phase:>6} {rec['policy']:>11} {rec['method']:>8} "
+                        f"{rec['inter_max_rank']:>10.0f} {rec['reduction_max_rank']:>7.3f} "
+                        f"{rec['inter_total']:>11.0f} {rec['reduction_total']:>7.3f} "
+                        f"{rec['solve_ms']:>7.1f} {rec['solve_cpu_ms']:>7.1f} "
+                        f"{int(rec['optimal']):>3}"
+                    )
+    _summary(records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return records
+
+
+def _summary(records: list[dict]) -> None:
+    print("\nSummary (mean over seeds; reduction = 1 - after/identity, worst source rank)")
+    lo, hi = PAPER_REDUCTION
+    print(f"paper's reported range for this reduction: {lo}-{hi}")
+    keys = sorted({(r["num_ranks"], r["phase"]) for r in records})
+    for d, phase in keys:
+        rows = [r for r in records if r["num_ranks"] == d and r["phase"] == phase]
+
+        def mean(field, policy, method, rows=rows):
+            vals = [r[field] for r in rows if r["policy"] == policy and r["method"] == method]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        stay = [r for r in rows if r["policy"] == "greedy_stay"]
+        red = "reduction_max_rank"
+        print(
+            f"{d:>5} ranks {phase:>6}: greedy+assign {mean(red, 'greedy', 'assign'):.3f}"
+            f"  greedy+auto {mean(red, 'greedy', 'auto'):.3f}"
+            f"  greedy+ilp {mean(red, 'greedy', 'ilp'):.3f}"
+            f"  greedy_stay+auto {mean(red, 'greedy_stay', 'auto'):.3f}"
+            f" | auto {mean('solve_ms', 'greedy', 'auto'):.1f} ms"
+            f" ({mean('solve_cpu_ms', 'greedy', 'auto'):.1f} cpu)"
+            f" | stay: moved/bound {max(r['moved_over_bound'] for r in stay):.3f}"
+            f", makespan/greedy {max(r['makespan_over_greedy'] for r in stay):.4f}"
+            f", moved/greedy moved "
+            f"{np.mean([r['tokens_moved'] / r['greedy_tokens_moved'] for r in stay]):.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
