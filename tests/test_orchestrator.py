@@ -289,10 +289,21 @@ def _check_composition(results, world):
         assert s["llm"]["bytes_intra"] + s["llm"]["bytes_inter"] > 0
 
 
-def test_composition_conservation_and_one_move_per_encoder():
-    world = 4
-    results = run_distributed(_composition_worker, world, timeout=60)
-    _check_composition(results, world)
+WORLD = 4
+
+
+def _worker(rank, world):
+    """Both distributed checks in one spawn (process start-up dominates their cost)."""
+    return {"composition": _composition_worker(rank, world), "grad": _grad_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    return run_distributed(_worker, WORLD, timeout=60)
+
+
+def test_composition_conservation_and_one_move_per_encoder(distributed):
+    _check_composition([r["composition"] for r in distributed], WORLD)
 
 
 # -- gradients: balancing never changes them ------------------------------------------------
@@ -307,7 +318,7 @@ def _seq_cumsum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _linear_encoder(weight: torch.Tensor, group_width: int):
     """Merge consecutive raw rows into one token, then a differentiable projection."""
-    return lambda x, lengths: torch.tanh(x.reshape(-1, group_width) @ weight)
+    return lambda x, lengths: torch.tanh(x.double().reshape(-1, group_width) @ weight)
 
 
 def _plan_into(orch: Orchestrator, batch: LocalBatch, box: dict) -> None:
@@ -333,11 +344,13 @@ def _grad_worker(rank, world):
         torch.manual_seed(0)
         hidden = 6
         w = {
-            "vision": torch.randn(cfg.patch_dim * 2, hidden, requires_grad=True),
-            "audio": torch.randn(cfg.n_mels * 4, hidden, requires_grad=True),
+            "vision": torch.randn(cfg.patch_dim * 2, hidden, dtype=torch.float64),
+            "audio": torch.randn(cfg.n_mels * 4, hidden, dtype=torch.float64),
         }
-        emb = torch.randn(cfg.vocab_size, hidden, requires_grad=True)
-        head = torch.randn(hidden, cfg.vocab_size, requires_grad=True)
+        emb = torch.randn(cfg.vocab_size, hidden, dtype=torch.float64)
+        head = torch.randn(hidden, cfg.vocab_size, dtype=torch.float64)
+        for p in (*w.values(), emb, head):
+            p.requires_grad_(True)
         encoders = {
             "vision": _linear_encoder(w["vision"], cfg.patch_dim * 2),
             "audio": _linear_encoder(w["audio"], cfg.n_mels * 4),
@@ -370,11 +383,11 @@ def _grad_worker(rank, world):
     return out
 
 
-def test_gradients_equal_across_modes_with_an_empty_rank():
-    results = run_distributed(_grad_worker, 3, timeout=60)
+def test_gradients_equal_across_modes_with_an_empty_rank(distributed):
+    results = [r["grad"] for r in distributed]
     ref_loss, ref = results[0]["none"]
     for r in results:
         for mode in MODES:
             loss, grad = r[mode]
-            assert np.isclose(loss, ref_loss, rtol=1e-5)
-            np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-7)
+            assert np.isclose(loss, ref_loss, rtol=1e-12)
+            np.testing.assert_allclose(grad, ref, rtol=1e-9, atol=1e-12)

@@ -38,9 +38,7 @@ def _same(a: dict, b: dict) -> bool:
             for x, y in zip(a["image_patches"], b["image_patches"], strict=True)
         )
         and len(a["audio_mels"]) == len(b["audio_mels"])
-        and all(
-            np.array_equal(x, y) for x, y in zip(a["audio_mels"], b["audio_mels"], strict=True)
-        )
+        and all(np.array_equal(x, y) for x, y in zip(a["audio_mels"], b["audio_mels"], strict=True))
     )
 
 

@@ -1,4 +1,10 @@
-"""Data: the multimodal example schema, synthetic workloads, and the balanced loader."""
+"""Data: the multimodal example schema, synthetic workloads, and the balanced loader.
+
+The synthetic generator's names are loaded on first use, so importing the schema (as the
+orchestrator does) does not import HF ``datasets``.
+"""
+
+from typing import Any
 
 from orchmllm.data.schema import (
     AUDIO,
@@ -10,7 +16,8 @@ from orchmllm.data.schema import (
     example_metadata,
     validate_example,
 )
-from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset, generate_example
+
+_SYNTHETIC = ("SyntheticConfig", "as_example", "build_dataset", "generate_example")
 
 __all__ = [
     "AUDIO",
@@ -19,10 +26,15 @@ __all__ = [
     "TEXT",
     "EncodingRates",
     "ExampleMeta",
-    "SyntheticConfig",
-    "as_example",
-    "build_dataset",
     "example_metadata",
-    "generate_example",
     "validate_example",
+    *_SYNTHETIC,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SYNTHETIC:
+        from orchmllm.data import synthetic
+
+        return getattr(synthetic, name)
+    raise AttributeError(f"module 'orchmllm.data' has no attribute {name!r}")

@@ -54,11 +54,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from orchmllm.data.schema import AUDIO, IMAGE, TASKS, TEXT, EncodingRates
+
+if TYPE_CHECKING:  # generating examples needs only numpy; HF datasets is for storage
+    import datasets
 
 _DEFAULT_MIX = {"caption": 0.25, "vqa": 0.30, "asr": 0.25, "spoken_qa": 0.10, "chat": 0.10}
 _FRAMES_PER_S = 100  # Whisper: 16 kHz audio, hop 160
@@ -114,6 +117,8 @@ class SyntheticConfig:
 
 def features(cfg: SyntheticConfig) -> datasets.Features:
     """HF ``datasets`` features of the schema (fixed widths, variable item counts)."""
+    import datasets
+
     return datasets.Features(
         {
             "id": datasets.Value("int64"),
@@ -290,6 +295,8 @@ def build_dataset(
     cache_dir: str | None = None,
 ) -> datasets.Dataset:
     """Generate the dataset as an HF ``Dataset`` (numpy format; see :func:`as_example`)."""
+    import datasets
+
     shard = 256
     shards = [range(a, min(a + shard, cfg.num_examples)) for a in range(0, cfg.num_examples, shard)]
     ds = datasets.Dataset.from_generator(
@@ -314,6 +321,8 @@ def save_dataset(
 
 def load_dataset(path: str) -> datasets.Dataset:
     """``load_from_disk`` in numpy format; rows go through :func:`as_example`."""
+    import datasets
+
     return datasets.load_from_disk(path).with_format("numpy")
 
 
