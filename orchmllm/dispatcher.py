@@ -307,27 +307,24 @@ class BatchDispatcher:
         schema = int.from_bytes(h.digest(), "little") >> 1
         mine = np.array([plan.fingerprint(), schema], dtype=np.int64)
         everyone = comm.all_gather_fixed(mine, group=self.meta_group, timeout=self.timeout)
-        bad_plan = np.flatnonzero(everyone[:, 0] != everyone[0, 0])
-        bad_schema = np.flatnonzero(everyone[:, 1] != everyone[0, 1])
-        if bad_plan.size or bad_schema.size:
-            raise PlanMismatchError(
-                "ranks disagree: "
-                + (
-                    f"ranks {bad_plan.tolist()} computed a different plan than rank 0 from the "
-                    f"same gathered lengths ({glob.size} items; plan fingerprints per rank "
-                    f"{everyone[:, 0].tolist()}); every rank must use the same policy, cost, "
-                    "placement and orchmllm version. "
-                    if bad_plan.size
-                    else ""
-                )
-                + (
-                    f"ranks {bad_schema.tolist()} pass tensors with other names, dtypes, "
-                    "trailing shapes or requires_grad than rank 0 (this rank: "
-                    f"{self._schema(tokens, items).decode()!r})."
-                    if bad_schema.size
-                    else ""
-                )
+        bad_plan, bad_schema = _outliers(everyone[:, 0]), _outliers(everyone[:, 1])
+        if not (bad_plan.size or bad_schema.size):
+            return
+        msg = ["ranks disagree:"]
+        if bad_plan.size:
+            msg.append(
+                f"ranks {bad_plan.tolist()} computed a different plan than the others from the "
+                f"same gathered lengths ({glob.size} items; plan fingerprint per rank "
+                f"{everyone[:, 0].tolist()}); every rank must use the same policy, cost, "
+                "placement and orchmllm version."
             )
+        if bad_schema.size:
+            msg.append(
+                f"ranks {bad_schema.tolist()} pass tensors with other names, dtypes, trailing "
+                f"shapes or requires_grad than the others (this rank: "
+                f"{self._schema(tokens, items).decode()!r})."
+            )
+        raise PlanMismatchError(" ".join(msg))
 
     def _stats(
         self,
@@ -366,6 +363,13 @@ class BatchDispatcher:
             stats["padded_tokens_after"] = _padded_tokens(glob, plan.dst_rank, plan.num_ranks)
         stats.update({k: v for k, v in assignment.stats.items() if k not in stats})
         return stats
+
+
+def _outliers(values: np.ndarray) -> np.ndarray:
+    """Ranks whose value differs from the most common one (ties: the lowest rank's)."""
+    uniq, first, counts = np.unique(values, return_index=True, return_counts=True)
+    majority = uniq[np.lexsort((first, -counts))[0]]
+    return np.flatnonzero(values != majority)
 
 
 def _eye(plan: Rearrangement, rank: int) -> np.ndarray:
