@@ -224,7 +224,11 @@ def _balance_phase(
     placement: str,
     ranks_per_node: int | None,
 ) -> tuple[np.ndarray, dict]:
-    """Destination rank per item, and the phase's load statistics."""
+    """Destination rank per item, and the phase's load statistics.
+
+    Loads are measured with the phase's cost model; a heuristic plan whose slowest rank is no
+    faster than the sampled layout's is replaced by the sampled layout (nothing moves).
+    """
     from orchmllm.balance import balance
 
     t0 = time.perf_counter()
@@ -236,10 +240,12 @@ def _balance_phase(
         dst = np.asarray(a.dst, dtype=np.int64)
     else:
         dst = src.copy()
-    plan_ms = (time.perf_counter() - t0) * 1e3
     model = _default_cost(policy, cost)
     before = model.loads(lengths, src, num_ranks)
     after = model.loads(lengths, dst, num_ranks)
+    if after.max() >= before.max():  # never move for a plan that is no better than staying
+        dst, after = src.copy(), before
+    plan_ms = (time.perf_counter() - t0) * 1e3
     stats = {
         "imbalance_before": _imbalance(before),
         "imbalance_after": _imbalance(after),

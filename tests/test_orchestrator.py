@@ -156,6 +156,19 @@ def test_full_mode_balances_synthetic_phases():
     assert stats["vision"]["imbalance_after"] < 1.15 and stats["llm"]["imbalance_after"] < 1.25
 
 
+def test_balanced_sampling_moves_nothing():
+    # Two ranks holding mirror-image batches are already balanced in every phase: a plan that
+    # is not strictly better than staying put is dropped, so nothing moves.
+    segs = [[[TEXT, 3], [IMAGE, 8]], [[TEXT, 5], [AUDIO, 16], [TEXT, 2]], [[TEXT, 9]]]
+    batch = [_payload_example(i, s) for i, s in enumerate(segs)]
+    rows, src = _gathered([batch, batch])
+    plan = plan_step(rows, src, num_ranks=2, phases=PHASES, mode="full")
+    for move in [plan.llm] + [p.encoder for p in plan.phases.values()]:
+        assert np.array_equal(move.src_rank, move.dst_rank)
+    for s in plan.stats().values():
+        assert s["imbalance_after"] == s["imbalance_before"] == 1.0
+
+
 def test_bad_input_raises():
     batches = _payload_batches(2)
     rows, src = _gathered(batches)
