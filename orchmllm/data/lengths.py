@@ -9,17 +9,26 @@ dataset's fingerprint, so a second loader over the same data pays nothing.
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-from datasets.fingerprint import Hasher
+
+if TYPE_CHECKING:  # HF datasets is imported only by code that is handed one
+    import datasets
 
 LengthFn = Callable[[Any], int]
 
 # (dataset fingerprint, length function hash, columns) -> lengths; read-only arrays.
 _CACHE: dict[str, np.ndarray] = {}
+
+
+def is_hf_dataset(obj: object, *, iterable: bool = False) -> bool:
+    """Whether ``obj`` is an HF ``Dataset`` (or ``IterableDataset``), without importing
+    ``datasets``: if it was never imported, ``obj`` cannot be one."""
+    hf = sys.modules.get("datasets")
+    return hf is not None and isinstance(obj, hf.IterableDataset if iterable else hf.Dataset)
 
 
 def check_length(value: object, *, index: int, source: str) -> int:
@@ -73,6 +82,8 @@ def _map_lengths(batch: dict[str, list], indices: list[int], *, fn: LengthFn) ->
 
 
 def _cache_key(dataset: datasets.Dataset, fn: LengthFn, columns: Sequence[str] | None) -> str:
+    from datasets.fingerprint import Hasher
+
     try:
         return Hasher.hash((dataset._fingerprint, fn, tuple(columns or ())))
     except Exception:  # an unhashable closure: compute without caching
@@ -140,7 +151,7 @@ def dataset_lengths(
     """
     if (length_column is None) == (length_fn is None):
         raise ValueError("pass exactly one of length_column= or length_fn=")
-    if isinstance(dataset, datasets.Dataset):
+    if is_hf_dataset(dataset):
         if length_column is not None:
             return column_lengths(dataset, length_column)
         return map_lengths(dataset, length_fn, columns=columns, num_proc=num_proc)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
@@ -36,7 +35,13 @@ from torch.utils.data._utils.collate import default_collate
 
 from orchmllm.data import exchange as ex
 from orchmllm.data.exchange import StepInfo
-from orchmllm.data.lengths import LengthFn, check_lengths, dataset_lengths, example_length
+from orchmllm.data.lengths import (
+    LengthFn,
+    check_lengths,
+    dataset_lengths,
+    example_length,
+    is_hf_dataset,
+)
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import local_batches
@@ -80,7 +85,7 @@ def _load(dataset: Any, indices: Sequence[int]) -> list:
 
 
 def _is_map_style(source: Any) -> bool:
-    if isinstance(source, (DataLoader, IterableDataset, datasets.IterableDataset)):
+    if isinstance(source, (DataLoader, IterableDataset)) or is_hf_dataset(source, iterable=True):
         return False
     return hasattr(source, "__getitem__") and hasattr(source, "__len__")
 
@@ -241,9 +246,7 @@ class BalancedDataLoader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         map_style = _is_map_style(source)
         if mode == "auto":
-            known = lengths is not None or (
-                isinstance(source, datasets.Dataset) and meta_fn is None
-            )
+            known = lengths is not None or (is_hf_dataset(source) and meta_fn is None)
             mode = "index" if map_style and known else "move"
         if mode == "index" and not map_style:
             raise ValueError(
@@ -295,7 +298,7 @@ class BalancedDataLoader:
                     num_proc=num_proc,
                 )
         elif (
-            isinstance(source, datasets.Dataset)
+            is_hf_dataset(source)
             and length_column is not None
             and length_column not in source.column_names
         ):
