@@ -1,0 +1,695 @@
+"""What balancing buys in step time: data parallelism emulated faithfully on one device.
+
+One GPU cannot run many NCCL ranks, so this emulates ``--ranks`` data-parallel ranks:
+
+1. sample every rank's mini-batch from the synthetic multimodal mix (the training generator,
+   ``orchmllm.data.synthetic``), disjoint examples per rank and per step;
+2. gather their segment tables and plan them exactly as training does, with the orchestrator's
+   pure planning function (``orchmllm.orchestrator.plan_step``, the config's policies) for each
+   mode: ``none`` (no rearrangement), ``llm`` (only the LLM phase balanced, the pre-balancing
+   ablation) and ``full`` (every phase balanced, OrchMLLM);
+3. run each rank's step on the device, one rank after another, in training order: vision
+   forward, audio forward, LLM forward+backward, audio backward, vision backward. The LLM gets
+   the rank's examples in the LLM layout: text embeddings interleaved with stand-in encoder
+   outputs (leaf tensors of the encoded lengths; their gradients are what the all-to-all would
+   send back), so its compute and memory are those of the real step. Each encoder's backward
+   takes a random upstream gradient of its output's shape. Pieces are timed with CUDA events
+   after warm-up on GPU, with ``time.perf_counter`` on CPU.
+
+The emulated step time is, per phase, the slowest rank's time (FSDP's collectives make every
+rank wait for it), summed over phases, plus the dispatch cost: the measured planning time
+(zero for ``none``, which plans nothing) and the all-to-all time estimated from the planned
+moves (largest per-rank send or receive volume of each move over ``--link-gbs``; one device
+cannot measure NVLink). The ideal step gives every phase its mean rank time.
+
+Per mode it reports: step time, speed-up over ``none`` (and ``llm``), per-phase imbalance
+(measured max/mean time; also the planner's cost-model imbalance), peak memory of the worst
+rank, LLM tokens/s per GPU and the ratio to the ideal step.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over a rank's whole step (gradients
+are dropped between ranks, so every rank starts from the parameters alone). On CPU there is no
+allocator counter, so a documented proxy is used: parameter bytes + gradient bytes + the bytes
+of every tensor autograd saved for backward during the rank's three forwards (deduplicated by
+storage), which is what is alive when the LLM backward starts.
+
+Model. On CUDA the default is ``configs/mllm-10b.yaml`` (the paper's MLLM-10B: hidden and FFN
+sizes, heads, vocabulary 152064, downsample rates and image/audio bounds unchanged) with every
+module's layer count divided by ``--layer-divisor`` (default 4: LLM 28 -> 7, vision 36 -> 9,
+audio 32 -> 8 layers), so parameters, gradients and the activations of 60 examples fit one
+80 GB GPU; the layer ratios between modules, and so the phases' shares of the step, are kept
+(the embedding, LM head and connectors are not scaled). bf16 parameters, activation
+checkpointing per transformer block (as large-model training does) and a chunked LM-head loss
+(the full ``[tokens, 152064]`` logits would not fit). With no GPU it runs ``configs/tiny.yaml``
+on CPU in float32, so the whole path is testable.
+
+    python benchmarks/gpu_step.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from orchmllm.data import TEXT, generate_example
+from orchmllm.models import MLLM, build_model
+from orchmllm.orchestrator import MODES, default_phases, local_metadata, plan_step
+from orchmllm.train import RunConfig, load_config, synthetic_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("vision", "audio", "llm")
+IGNORE_INDEX = -100
+
+
+# -- model set-up --------------------------------------------------------------------------
+
+
+def scale_layers(cfg: RunConfig, divisor: int) -> RunConfig:
+    """Every module's layer count divided by ``divisor`` (at least 1); nothing else changes."""
+    if divisor < 1:
+        raise ValueError(f"layer_divisor must be >= 1, got {divisor!r}")
+    m = cfg.model
+
+    def fewer(sub):
+        return dataclasses.replace(sub, layers=max(1, round(sub.layers / divisor)))
+
+    model = dataclasses.replace(m, vision=fewer(m.vision), audio=fewer(m.audio), llm=fewer(m.llm))
+    return dataclasses.replace(cfg, model=model)
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (only its input is kept)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def checkpoint_blocks(model: MLLM) -> None:
+    for module in (model.vision, model.audio, model.llm):
+        module.blocks = nn.ModuleList(_Checkpointed(b) for b in module.blocks)
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` over targets, normalised by ``denom``.
+
+    Computes the logits ``chunk`` rows at a time and their gradients in the same pass (as fused
+    linear-cross-entropy kernels do), so the ``[T, vocab]`` logits never exist at once. The
+    FLOPs are those of the plain head: one logits matmul forward, two backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, denom: float):
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 accumulates in fp32
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            t = targets[start : start + chunk]
+            logits = (h @ weight.T).to(acc)
+            valid = t != IGNORE_INDEX
+            safe = torch.where(valid, t, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place
+            grad[torch.arange(t.shape[0], device=t.device), safe] -= 1.0
+            grad *= valid[:, None] / denom
+            grad = grad.to(hidden.dtype)
+            grad_hidden[start : start + chunk] = grad @ weight
+            grad_weight += (grad.T @ h).to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss / denom
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
+
+
+def chunked_head_loss(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, denom: float, chunk: int = 4096
+) -> Tensor:
+    """Equals ``F.cross_entropy(hidden @ weight.T, targets, reduction="sum") / denom``."""
+    return ChunkedHeadLoss.apply(hidden, weight, targets, chunk, float(denom))
+
+
+# -- sampling and planning -------------------------------------------------------------------
+
+
+def sample_ranks(cfg: RunConfig, *, step: int, ranks: int, per_rank: int, seed: int) -> list:
+    """``ranks`` mini-batches of ``per_rank`` synthetic examples; disjoint ids across steps."""
+    syn = synthetic_config(cfg, num_examples=0, seed=seed)
+    base = step * ranks * per_rank
+    return [
+        [generate_example(base + r * per_rank + j, syn, cfg.rates) for j in range(per_rank)]
+        for r in range(ranks)
+    ]
+
+
+def gathered_rows(batches: Sequence[Sequence[dict]]) -> tuple[np.ndarray, np.ndarray]:
+    """What ``comm.all_gather_rows(local_metadata(...))`` returns on every rank: rank order."""
+    tables = [local_metadata(b) for b in batches]
+    src = np.concatenate([np.full(t.shape[0], r, dtype=np.int64) for r, t in enumerate(tables)])
+    return np.concatenate(tables), src
+
+
+def make_phases(cfg: RunConfig):
+    """The encoder phases as training plans them (policies from the config)."""
+    return default_phases(
+        cfg.rates,
+        patch_dim=cfg.model.vision.patch_dim,
+        n_mels=cfg.model.audio.n_mels,
+        vision_policy=cfg.balance.vision_policy,
+        audio_policy=cfg.balance.audio_policy,
+    )
+
+
+def ranks_per_node(cfg: RunConfig, ranks: int) -> int:
+    """The config's ranks per node (8, one H100 node, when unset), at most ``ranks``."""
+    rpn = min(cfg.balance.ranks_per_node or 8, ranks)
+    if ranks % rpn:
+        raise ValueError(f"ranks={ranks} is not a multiple of ranks_per_node={rpn}")
+    return rpn
+
+
+def plan_mode(
+    rows: np.ndarray, src: np.ndarray, cfg: RunConfig, *, ranks: int, mode: str, repeats: int = 3
+):
+    """One mode's plan, as training makes it (``orchmllm.train.make_orchestrator``: the
+    config's policies and node-wise placement), and its planning time, the dispatch cost on
+    the critical path: the fastest of ``repeats`` runs, since planning is deterministic CPU
+    work and slower runs measure only interference from other processes."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_step(
+            rows,
+            src,
+            num_ranks=ranks,
+            phases=make_phases(cfg),
+            mode=mode,
+            llm_policy=cfg.balance.llm_policy,
+            placement=cfg.balance.placement,
+            ranks_per_node=ranks_per_node(cfg, ranks),
+        )
+        best = min(best, time.perf_counter() - t0)
+    return plan, best
+
+
+def a2a_estimate_s(plan, cfg: RunConfig, *, elem_bytes: int, link_bytes_per_s: float) -> float:
+    """All-to-all time of the plan's moves at ``link_bytes_per_s`` per rank and direction.
+
+    Per encoder: raw inputs to the encoder layout, outputs to the LLM layout (forward) and
+    their gradients back (backward); text ids and loss mask (2 x int64) to the LLM layout.
+    Each move waits for its busiest rank.
+    """
+    row_bytes = {
+        "vision": cfg.model.vision.patch_dim * elem_bytes,
+        "audio": cfg.model.audio.n_mels * elem_bytes,
+    }
+    out_bytes = cfg.model.llm.hidden * elem_bytes
+
+    def busiest(move, sizes, width) -> float:
+        t = move.traffic(sizes=sizes)
+        return max(t["max_sent_rank"], t["max_recv_rank"]) * width
+
+    total = busiest(plan.llm, plan.text_len, 16)
+    for name, pp in plan.phases.items():
+        total += busiest(pp.encoder, pp.raw, row_bytes[name])
+        total += 2 * busiest(pp.to_llm, pp.encoded, out_bytes)
+    return total / link_bytes_per_s
+
+
+# -- one rank's step ---------------------------------------------------------------------------
+
+
+@dataclass
+class RankWork:
+    """One rank's inputs in its planned layouts (CPU tensors)."""
+
+    patches: Tensor
+    image_lengths: Tensor
+    mels: Tensor
+    audio_lengths: Tensor
+    input_ids: Tensor
+    targets: Tensor  # per LLM position
+    seq_lengths: Tensor
+    order: Tensor  # LLM input = cat([text embeds, stand-in encoder tokens])[order]
+    encoder_tokens: int  # rows of the stand-in encoder outputs
+
+    @property
+    def llm_tokens(self) -> int:
+        return int(self.seq_lengths.sum())
+
+
+def _cat(arrays: list, width: int, dtype: torch.dtype) -> Tensor:
+    if not arrays:
+        return torch.zeros(0, width, dtype=dtype)
+    return torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float32) for a in arrays])).to(
+        dtype
+    )
+
+
+def _ints(parts: list) -> Tensor:
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+def rank_work(plan, rank: int, examples: list[dict], cfg: RunConfig, dtype) -> RankWork:
+    """``rank``'s encoder items and LLM sequences under ``plan``; ``examples`` in gather order."""
+    images = [a for ex in examples for a in ex["image_patches"]]
+    audios = [a for ex in examples for a in ex["audio_mels"]]
+    vis, aud = plan.phases["vision"], plan.phases["audio"]
+    v_items, a_items = vis.encoder.items_at(rank), aud.encoder.items_at(rank)
+    ids, labels, text_rows, standin_rows, seq_lengths = [], [], [], [], []
+    pos = 0
+    for e in plan.llm.items_at(rank):
+        ex = examples[e]
+        tokens = np.asarray(ex["input_ids"], dtype=np.int64)
+        mask = np.asarray(ex["loss_mask"]) != 0
+        start, text_at = pos, 0
+        for kind, count in ex["segments"]:
+            if kind == TEXT:
+                piece = slice(text_at, text_at + count)
+                ids.append(tokens[piece])
+                labels.append(np.where(mask[piece], tokens[piece], IGNORE_INDEX))
+                text_rows.append(np.arange(pos, pos + count))
+                text_at += count
+                pos += count
+            else:
+                n = count // cfg.rates.divisor(kind)
+                labels.append(np.full(n, IGNORE_INDEX, dtype=np.int64))
+                standin_rows.append(np.arange(pos, pos + n))
+                pos += n
+        seq_lengths.append(pos - start)
+    # Position p predicts the label at p + 1 of the same sequence.
+    label = _ints(labels)
+    targets = torch.cat([label[1:], torch.tensor([IGNORE_INDEX])]) if pos else label
+    ends = torch.cumsum(torch.as_tensor(seq_lengths, dtype=torch.int64), 0) - 1
+    targets[ends] = IGNORE_INDEX
+    return RankWork(
+        patches=_cat([images[i] for i in v_items], cfg.model.vision.patch_dim, dtype),
+        image_lengths=torch.as_tensor(vis.raw[v_items], dtype=torch.int64),
+        mels=_cat([audios[i] for i in a_items], cfg.model.audio.n_mels, dtype),
+        audio_lengths=torch.as_tensor(aud.raw[a_items], dtype=torch.int64),
+        input_ids=_ints(ids),
+        targets=targets,
+        seq_lengths=torch.as_tensor(seq_lengths, dtype=torch.int64),
+        order=torch.argsort(_ints(text_rows + standin_rows)),
+        encoder_tokens=sum(r.size for r in standin_rows),
+    )
+
+
+@dataclass
+class RankResult:
+    times: dict[str, float]  # phase -> forward + backward seconds
+    peak_bytes: int
+    llm_tokens: int
+    images: int
+    audio_clips: int
+
+
+class _Clock:
+    """CUDA events on GPU (read after one synchronize), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class _SavedBytes:
+    """CPU memory proxy: bytes of the storages autograd saves for backward (not parameters)."""
+
+    def __init__(self, params: Sequence[Tensor]):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: dict[int, int] = {}
+
+    def _pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.skip:
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+@dataclass
+class Emulator:
+    """The model on the device, run as one rank at a time."""
+
+    cfg: RunConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: MLLM
+    head: nn.Linear
+
+    @classmethod
+    def build(cls, cfg: RunConfig, *, device: torch.device, seed: int) -> Emulator:
+        cuda = device.type == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = build_model(cfg.model, seed=seed, dtype=dtype, device=str(device))
+        head = model.llm.lm_head
+        model.llm.lm_head = nn.Identity()  # LLM.forward returns the normed hidden states
+        if cuda:
+            checkpoint_blocks(model)
+        return cls(cfg, device, dtype, model, head)
+
+    def params(self) -> list[Tensor]:
+        return [*self.model.parameters(), *self.head.parameters()]
+
+    def run(self, work: RankWork, *, denom: float) -> RankResult:
+        """One rank's step in training order; times each phase's forward and backward."""
+        dev, dt, hidden = self.device, self.dtype, self.cfg.model.llm.hidden
+        params = self.params()
+        for p in params:
+            p.grad = None
+        x = {f.name: getattr(work, f.name) for f in dataclasses.fields(work)}
+        x = {k: v.to(dev, non_blocking=True) if isinstance(v, Tensor) else v for k, v in x.items()}
+        n_img = int(work.image_lengths.sum()) // self.cfg.model.vision.downsample
+        n_aud = int(work.audio_lengths.sum()) // self.cfg.model.audio.frames_per_token
+        grad_v = torch.randn(n_img, hidden, device=dev, dtype=dt)
+        grad_a = torch.randn(n_aud, hidden, device=dev, dtype=dt)
+        standin = torch.randn(work.encoder_tokens, hidden, device=dev, dtype=dt)
+        standin.requires_grad_(True)
+        clock = _Clock(dev)
+        saved = _SavedBytes(params)
+        if clock.cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        with saved.hooks():
+            m0 = clock.mark()
+            out_v = self.model.vision(x["patches"], x["image_lengths"])
+            m1 = clock.mark()
+            out_a = self.model.audio(x["mels"], x["audio_lengths"])
+            m2 = clock.mark()
+            embeds = torch.cat([self.model.llm.embed(x["input_ids"]), standin])[x["order"]]
+            hidden_states = self.model.llm(embeds, x["seq_lengths"])
+            loss = chunked_head_loss(hidden_states, self.head.weight, x["targets"], denom=denom)
+        loss.backward()
+        m3 = clock.mark()
+        if out_a.requires_grad:
+            out_a.backward(grad_a)
+        m4 = clock.mark()
+        if out_v.requires_grad:
+            out_v.backward(grad_v)
+        m5 = clock.mark()
+        if clock.cuda:
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev)
+        else:
+            grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+            peak = sum(p.nbytes for p in params) + grads + saved.total
+        times = {
+            "vision": clock.seconds(m0, m1) + clock.seconds(m4, m5),
+            "audio": clock.seconds(m1, m2) + clock.seconds(m3, m4),
+            "llm": clock.seconds(m2, m3),
+        }
+        return RankResult(
+            times,
+            int(peak),
+            work.llm_tokens,
+            work.image_lengths.numel(),
+            work.audio_lengths.numel(),
+        )
+
+
+# -- the emulated step -------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """One emulated step of one mode."""
+
+    phase_times: np.ndarray  # (3, ranks) seconds, PHASES order
+    plan_s: float
+    a2a_s: float
+    plan_imbalance: dict[str, float]
+    peak_bytes: int
+    llm_tokens: int
+    images: int
+    audio_clips: int
+
+    @property
+    def dispatch_s(self) -> float:
+        return self.plan_s + self.a2a_s
+
+    @property
+    def step_s(self) -> float:
+        return float(self.phase_times.max(axis=1).sum()) + self.dispatch_s
+
+    @property
+    def ideal_s(self) -> float:
+        return float(self.phase_times.mean(axis=1).sum())
+
+
+def emulate_step(
+    emu: Emulator,
+    batches: Sequence[Sequence[dict]],
+    *,
+    mode: str,
+    link_bytes_per_s: float,
+    only_ranks: Sequence[int] | None = None,
+) -> StepResult:
+    """Plan ``batches`` (one per rank) for ``mode`` and run every rank's step in turn."""
+    ranks = len(batches)
+    rows, src = gathered_rows(batches)
+    plan, plan_s = plan_mode(rows, src, emu.cfg, ranks=ranks, mode=mode)
+    examples = [ex for b in batches for ex in b]
+    elem = torch.empty((), dtype=emu.dtype).element_size()
+    a2a_s = a2a_estimate_s(plan, emu.cfg, elem_bytes=elem, link_bytes_per_s=link_bytes_per_s)
+    times = np.zeros((len(PHASES), ranks))
+    results = []
+    for r in range(ranks) if only_ranks is None else only_ranks:
+        res = emu.run(rank_work(plan, r, examples, emu.cfg, emu.dtype), denom=plan.num_targets)
+        times[:, r] = [res.times[p] for p in PHASES]
+        results.append(res)
+    stats = plan.stats()
+    return StepResult(
+        phase_times=times,
+        plan_s=0.0 if mode == "none" else plan_s,  # training without balancing plans nothing
+        a2a_s=a2a_s,
+        plan_imbalance={p: float(stats[p]["imbalance_after"]) for p in PHASES},
+        peak_bytes=max(r.peak_bytes for r in results),
+        llm_tokens=sum(r.llm_tokens for r in results),
+        images=sum(r.images for r in results),
+        audio_clips=sum(r.audio_clips for r in results),
+    )
+
+
+def _imbalance(times: np.ndarray) -> float:
+    mean = float(times.mean())
+    return float(times.max()) / mean if mean > 0 else 1.0
+
+
+def summarize_mode(steps: Sequence[StepResult], *, ranks: int) -> dict:
+    """Flat record of one mode over the measured steps (means, worst-rank memory)."""
+    step_s = float(np.mean([s.step_s for s in steps]))
+    ideal_s = float(np.mean([s.ideal_s for s in steps]))
+    rec = {
+        "step_time_s": step_s,
+        "ideal_step_s": ideal_s,
+        "step_over_ideal": step_s / ideal_s,
+        "plan_s": float(np.mean([s.plan_s for s in steps])),
+        "a2a_est_s": float(np.mean([s.a2a_s for s in steps])),
+        "peak_mem_bytes": max(s.peak_bytes for s in steps),
+        "llm_tokens_per_step": float(np.mean([s.llm_tokens for s in steps])),
+        "images_per_step": float(np.mean([s.images for s in steps])),
+        "audio_clips_per_step": float(np.mean([s.audio_clips for s in steps])),
+    }
+    rec["tokens_per_s"] = rec["llm_tokens_per_step"] / ranks / step_s
+    for i, p in enumerate(PHASES):
+        rec[f"{p}_max_s"] = float(np.mean([s.phase_times[i].max() for s in steps]))
+        rec[f"{p}_mean_s"] = float(np.mean([s.phase_times[i].mean() for s in steps]))
+        rec[f"{p}_imbalance"] = float(np.mean([_imbalance(s.phase_times[i]) for s in steps]))
+        rec[f"{p}_plan_imbalance"] = float(np.mean([s.plan_imbalance[p] for s in steps]))
+    return rec
+
+
+def run_benchmark(
+    cfg: RunConfig,
+    *,
+    device: torch.device,
+    ranks: int,
+    examples_per_rank: Sequence[int],
+    steps: int,
+    seed: int,
+    link_gbs: float,
+    warmup: bool,
+) -> list[dict]:
+    """Records for every (examples per rank, mode), all modes on the same sampled batches."""
+    emu = Emulator.build(cfg, device=device, seed=seed)
+    link = link_gbs * 1e9
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    records = []
+    for per_rank in examples_per_rank:
+        if warmup:  # unmeasured batches (ids after the measured ones); all ranks on GPU
+            batches = sample_ranks(cfg, step=steps, ranks=ranks, per_rank=per_rank, seed=seed)
+            only = None if device.type == "cuda" else [0]
+            emulate_step(emu, batches, mode="full", link_bytes_per_s=link, only_ranks=only)
+        results: dict[str, list[StepResult]] = {m: [] for m in MODES}
+        for step in range(steps):
+            batches = sample_ranks(cfg, step=step, ranks=ranks, per_rank=per_rank, seed=seed)
+            for mode in MODES:  # interleaved, so drift hits every mode alike
+                results[mode].append(emulate_step(emu, batches, mode=mode, link_bytes_per_s=link))
+        summary = {m: summarize_mode(results[m], ranks=ranks) for m in MODES}
+        for mode in MODES:
+            rec = {
+                "mode": mode,
+                "device": dev_name,
+                "ranks": ranks,
+                "examples_per_rank": per_rank,
+                "steps": steps,
+                "dtype": str(emu.dtype).removeprefix("torch."),
+                "llm_layers": cfg.model.llm.layers,
+                "vision_layers": cfg.model.vision.layers,
+                "audio_layers": cfg.model.audio.layers,
+                "peak_mem_source": "cuda_max_memory_allocated"
+                if device.type == "cuda"
+                else "cpu_proxy_params_grads_saved_tensors",
+                **summary[mode],
+            }
+            rec["speedup_vs_none"] = summary["none"]["step_time_s"] / rec["step_time_s"]
+            rec["speedup_vs_llm"] = summary["llm"]["step_time_s"] / rec["step_time_s"]
+            records.append(rec)
+    return records
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def print_table(records: Sequence[dict]) -> None:
+    head = (
+        f"{'B/rank':>6} {'mode':>5} {'step s':>9} {'x none':>7} {'x llm':>6} {'/ideal':>7}"
+        f" {'imb vis':>8} {'imb aud':>8} {'imb llm':>8} {'plan ms':>8} {'a2a ms':>7}"
+        f" {'peak GiB':>9} {'tok/s/GPU':>10}"
+    )
+    print(head)
+    for r in records:
+        print(
+            f"{r['examples_per_rank']:>6} {r['mode']:>5} {r['step_time_s']:>9.4f}"
+            f" {r['speedup_vs_none']:>7.3f} {r['speedup_vs_llm']:>6.3f}"
+            f" {r['step_over_ideal']:>7.3f} {r['vision_imbalance']:>8.3f}"
+            f" {r['audio_imbalance']:>8.3f} {r['llm_imbalance']:>8.3f}"
+            f" {r['plan_s'] * 1e3:>8.2f} {r['a2a_est_s'] * 1e3:>7.3f}"
+            f" {r['peak_mem_bytes'] / 2**30:>9.3f} {r['tokens_per_s']:>10.1f}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument(
+        "--config", default=None, help="run config (default: mllm-10b on CUDA, tiny on CPU)"
+    )
+    ap.add_argument(
+        "--layer-divisor",
+        type=int,
+        default=None,
+        help="divide every module's layers by this (default: 4 for the "
+        "default CUDA config, else 1)",
+    )
+    ap.add_argument("--ranks", type=int, default=None, help="emulated DP ranks (8 GPU, 4 CPU)")
+    ap.add_argument(
+        "--examples-per-rank",
+        type=int,
+        nargs="+",
+        default=None,
+        help="mini-batch sizes (default: 60 20 on CUDA, the config's on CPU)",
+    )
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (3 GPU, 2 CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--link-gbs",
+        type=float,
+        default=450.0,
+        help="all-to-all bandwidth per rank and direction, GB/s (H100 NVLink)",
+    )
+    ap.add_argument("--quick", action="store_true", help="small sizes, seconds on CPU")
+    ap.add_argument("--json", default=None, help="write the records (a JSON list) here")
+    args = ap.parse_args(argv)
+    for name in ("layer_divisor", "ranks", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.examples_per_rank and min(args.examples_per_rank) < 1:
+        ap.error(f"--examples-per-rank must be >= 1, got {args.examples_per_rank}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        # Small CPU ops are far slower with threads fighting over shared cores; one thread
+        # gives stable per-rank timings (ranks run one after another anyway).
+        torch.set_num_threads(1)
+    default_config = "mllm-10b.yaml" if cuda else "tiny.yaml"
+    cfg = load_config(args.config or str(ROOT / "configs" / default_config))
+    divisor = args.layer_divisor or (4 if cuda and args.config is None else 1)
+    cfg = scale_layers(cfg, divisor)
+    if args.quick:
+        ranks, sizes, steps = 4 if not cuda else 8, [4] if not cuda else [20], 1
+    else:
+        ranks = 8 if cuda else 4
+        sizes = [60, 20] if cuda else [cfg.data.examples_per_rank]
+        steps = 3 if cuda else 2
+    ranks = args.ranks or ranks
+    sizes = args.examples_per_rank or sizes
+    steps = args.steps or steps
+    print(
+        f"device={device} config={args.config or default_config} layers/{divisor}: "
+        f"llm {cfg.model.llm.layers}, vision {cfg.model.vision.layers}, "
+        f"audio {cfg.model.audio.layers}; ranks={ranks} examples/rank={sizes} steps={steps}",
+        flush=True,
+    )
+    records = run_benchmark(
+        cfg,
+        device=device,
+        ranks=ranks,
+        examples_per_rank=sizes,
+        steps=steps,
+        seed=args.seed,
+        link_gbs=args.link_gbs,
+        warmup=True,
+    )
+    print_table(records)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,152 @@
+"""benchmarks/gpu_step.py on CPU (tiny config), and the single-process NCCL training smoke path."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_step  # noqa: E402
+
+from orchmllm.train import load_config  # noqa: E402
+
+FIELDS = ("mode", "device", "step_time_s", "speedup_vs_none", "peak_mem_bytes", "tokens_per_s")
+PHASES = ("vision", "audio", "llm")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_quick_cpu_records(tmp_path):
+    out = tmp_path / "gpu_step.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--quick", "--device", "cpu",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    by_mode = {r["mode"]: r for r in records}
+    assert sorted(by_mode) == ["full", "llm", "none"] and len(records) == 3
+    for r in records:
+        assert all(k in r for k in FIELDS), r
+        assert r["device"] == "cpu" and r["peak_mem_source"].startswith("cpu_proxy")
+        assert r["peak_mem_bytes"] > 0 and r["tokens_per_s"] > 0
+        # The emulated step waits for the slowest rank in every phase: never below the ideal.
+        assert r["ideal_step_s"] <= r["step_time_s"] and r["step_over_ideal"] >= 1.0
+        for p in PHASES:
+            assert r[f"{p}_mean_s"] <= r[f"{p}_max_s"] and r[f"{p}_imbalance"] >= 1.0
+        assert r["speedup_vs_none"] == pytest.approx(
+            by_mode["none"]["step_time_s"] / r["step_time_s"]
+        )
+    none, llm, full = by_mode["none"], by_mode["llm"], by_mode["full"]
+    assert none["speedup_vs_none"] == 1.0 and none["plan_s"] == 0.0 and none["a2a_est_s"] == 0.0
+    # Same sampled batches in every mode: nothing lost or duplicated by a layout.
+    for key in ("llm_tokens_per_step", "images_per_step", "audio_clips_per_step"):
+        assert none[key] == llm[key] == full[key] > 0, key
+    # The planner's cost-model imbalance: full balances every phase, llm only the LLM.
+    for p in PHASES:
+        assert full[f"{p}_plan_imbalance"] <= none[f"{p}_plan_imbalance"] + 1e-9, p
+    assert llm["llm_plan_imbalance"] <= none["llm_plan_imbalance"] + 1e-9
+    for p in ("vision", "audio"):
+        assert llm[f"{p}_plan_imbalance"] == pytest.approx(none[f"{p}_plan_imbalance"])
+    assert "speedup" not in proc.stderr
+    assert "x none" in proc.stdout
+
+
+def test_chunked_head_loss_equals_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (37,), generator=g)
+    targets[::3] = gpu_step.IGNORE_INDEX
+    loss = gpu_step.chunked_head_loss(hidden, weight, targets, denom=5.0, chunk=10)
+    (loss * 2).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, targets, ignore_index=-100, reduction="sum") / 5.0
+    (ref * 2).backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+
+
+def test_rank_work_conserves_items_and_targets():
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))
+    batches = gpu_step.sample_ranks(cfg, step=0, ranks=4, per_rank=4, seed=1)
+    rows, src = gpu_step.gathered_rows(batches)
+    examples = [ex for b in batches for ex in b]
+    for mode in ("none", "full"):
+        plan, _ = gpu_step.plan_mode(rows, src, cfg, ranks=4, mode=mode, repeats=1)
+        works = [gpu_step.rank_work(plan, r, examples, cfg, torch.float32) for r in range(4)]
+        patches = torch.cat([w.patches for w in works])
+        expected = np.concatenate([a for ex in examples for a in ex["image_patches"]])
+        # Every image exactly once (order differs by layout): compare sorted row sums.
+        assert torch.equal(
+            patches.sum(1).sort().values, torch.from_numpy(expected).sum(1).sort().values
+        )
+        assert sum(int(w.audio_lengths.sum()) for w in works) == sum(
+            len(a) for ex in examples for a in ex["audio_mels"]
+        )
+        assert sum(w.llm_tokens for w in works) == int(plan.seq_len.sum())
+        # Targets are exactly the prediction targets the orchestrator normalises by.
+        assert sum(int((w.targets != gpu_step.IGNORE_INDEX).sum()) for w in works) == (
+            plan.num_targets
+        )
+        for w in works:
+            n = w.llm_tokens
+            assert sorted(w.order.tolist()) == list(range(n))
+            assert w.input_ids.numel() + w.encoder_tokens == n
+
+
+def test_emulator_runs_a_rank_with_no_image_or_audio():
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))
+    emu = gpu_step.Emulator.build(cfg, device=torch.device("cpu"), seed=0)
+    chat = {**cfg.data.mix, "caption": 0.0, "vqa": 0.0, "asr": 0.0, "spoken_qa": 0.0}
+    text_only = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=chat))
+    batches = gpu_step.sample_ranks(text_only, step=0, ranks=2, per_rank=2, seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmark does on CPU: tiny ops, shared cores
+    try:
+        res = gpu_step.emulate_step(emu, batches, mode="full", link_bytes_per_s=1e11)
+    finally:
+        torch.set_num_threads(threads)
+    assert res.images == 0 and res.audio_clips == 0 and res.llm_tokens > 0
+    assert np.all(res.phase_times >= 0) and res.phase_times[2].min() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the NCCL backend")
+def test_single_process_nccl_training_smoke(tmp_path):
+    """World size 1 on CUDA: the real entry point under torchrun, NCCL, FSDP2, orchestrator."""
+    metrics = tmp_path / "metrics.jsonl"
+    env = {**_env(), "NCCL_DEBUG": "INFO"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         "-m", "orchmllm.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         "--steps", "3", "--balance", "full", "--metrics", str(metrics),
+         "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "NCCL INFO" in log, "no NCCL communicator was created"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    assert len(records) == 3
+    for r in records:
+        assert r["world_size"] == 1 and r["balance"] == "full"
+        assert math.isfinite(r["loss"]) and r["step_time_s"] > 0
+        assert set(r["phases"]) == set(PHASES)
+        for ph in r["phases"].values():
+            assert len(ph["loads_after"]) == 1 and ph["imbalance_after"] == pytest.approx(1.0)
