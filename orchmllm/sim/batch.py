@@ -85,6 +85,27 @@ class Batch:
         )
         return self.text + img.astype(np.int64) + aud.astype(np.int64)
 
+    def take(self, examples_per_rank: int) -> Batch:
+        """The first ``examples_per_rank`` examples of every rank (nested mini-batches).
+
+        Growing the mini-batch only adds examples, so the memory a rank needs grows with it and
+        a search over mini-batch sizes sees one sample, not a fresh draw per size.
+        """
+        b = self.examples_per_rank
+        if not 1 <= examples_per_rank <= b:
+            raise ValueError(f"examples_per_rank must be in [1, {b}], got {examples_per_rank!r}")
+        idx = np.arange(self.text.size, dtype=np.int64)
+        keep = idx % b < examples_per_rank
+        new_id = np.cumsum(keep) - 1
+
+        def items(owner: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            k = keep[owner]
+            return new_id[owner[k]], size[k]
+
+        img_ex, img = items(self.image_example, self.image_patches)
+        aud_ex, aud = items(self.audio_example, self.audio_frames)
+        return Batch(self.num_ranks, self.text[keep], img_ex, img, aud_ex, aud)
+
     @classmethod
     def uniform(
         cls, num_ranks: int, examples_per_rank: int, *, text: int, patches: int, frames: int

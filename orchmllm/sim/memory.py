@@ -31,14 +31,16 @@ class MemoryModel:
     gpu_bytes: float = 80e9
     reserve_bytes: float = 6e9  # CUDA context, NCCL buffers, allocator fragmentation
     act_bytes: float = 4.0
+    logit_bytes: float = 6.0  # per vocabulary entry per LLM token (bf16 logits, fp32 loss)
     shard_group: int = 256  # hybrid-shard group size (paper section 8.1)
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "act_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.reserve_bytes < 0:
-            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes!r}")
+        for name in ("reserve_bytes", "logit_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.shard_group < 1:
             raise ValueError(f"shard_group must be >= 1, got {self.shard_group!r}")
 
@@ -57,9 +59,10 @@ class MemoryModel:
         total = None
         for phase, per_rank in tokens.items():
             m = modules[phase]
-            part = np.asarray(per_rank, dtype=np.float64) * (
-                m.layers * m.block.shape.hidden * self.act_bytes
+            per_token = (
+                m.layers * m.block.shape.hidden * self.act_bytes + m.vocab * self.logit_bytes
             )
+            part = np.asarray(per_rank, dtype=np.float64) * per_token
             total = part if total is None else total + part
         if total is None:
             raise ValueError("tokens must name at least one phase")

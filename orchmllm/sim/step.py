@@ -47,12 +47,14 @@ class StepResult:
     """Everything one simulated step reports (times in seconds, bytes per rank)."""
 
     step_time_s: float
+    forward_s: float  # forward pass alone, dispatch included (the paper's Table 2 "duration")
     compute_s: dict[str, float]  # slowest rank per phase
     mean_compute_s: dict[str, float]  # average rank per phase
     fsdp_s: dict[str, float]
     dispatch_fwd_s: float
     dispatch_bwd_s: float
     useful_flops: float
+    llm_tokens: int  # tokens through the LLM (the paper's throughput counts these)
     mfu: float
     peak_memory_bytes: float  # worst rank
     mean_memory_bytes: float
@@ -174,15 +176,20 @@ def simulate_step(
     dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd)
     dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd)
     step = sum(max(compute[p], fsdp[p]) for p in PHASES) + dispatch_fwd + dispatch_bwd
+    # forward share: a third of a trained module's compute and FSDP traffic, all of a frozen one
+    fwd_share = {p: 1.0 if modules[p].frozen else 1.0 / 3.0 for p in PHASES}
+    forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in PHASES) + dispatch_fwd
     memory = cluster.memory.peak_bytes(modules, tokens, d)
     return StepResult(
         step_time_s=step,
+        forward_s=forward,
         compute_s=compute,
         mean_compute_s=mean_compute,
         fsdp_s=fsdp,
         dispatch_fwd_s=dispatch_fwd,
         dispatch_bwd_s=dispatch_bwd,
         useful_flops=useful,
+        llm_tokens=int(lengths["llm"].sum()),
         mfu=useful / (d * step * cluster.peak_flops) if step > 0 else 0.0,
         peak_memory_bytes=float(memory.max()),
         mean_memory_bytes=float(memory.mean()),

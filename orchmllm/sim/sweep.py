@@ -1,0 +1,216 @@
+"""Simulated cases: sample a global batch, plan it with the real planner, model the step.
+
+A case is one (model, ranks, mode, placement, policies, mini-batch) over a few sampled steps;
+:func:`run_case` returns one flat record (the benchmark's JSON row). :func:`max_examples_per_rank`
+is the paper's rule for the mini-batch (the largest that never runs out of memory), applied to
+the memory proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from orchmllm.models.config import ModelConfig
+from orchmllm.sim.batch import Batch
+from orchmllm.sim.compute import PHASES, Submodule, submodules
+from orchmllm.sim.layout import TAILORED, plan
+from orchmllm.sim.step import Cluster, StepResult, simulate_step
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PAPER_MODELS = ("mllm-10b", "mllm-18b", "mllm-84b")
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """A run config's model and data sections, with its calibrated submodules."""
+
+    name: str
+    config: ModelConfig
+    data: Mapping[str, Any]
+    modules: Mapping[str, Submodule] = field(repr=False)
+
+
+def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
+    """``configs/<name>.yaml`` (or a path to a run config) as a simulated model."""
+    path = Path(name)
+    if not path.suffix:
+        path = configs_dir / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"name: no run config at {path}")
+    raw = yaml.safe_load(path.read_text())
+    config = ModelConfig.from_dict(raw["model"])
+    return SimModel(path.stem, config, raw["data"], submodules(config))
+
+
+def sample_pool(model: SimModel, num_ranks: int, examples_per_rank: int, seed: int) -> Batch:
+    """One step's global batch drawn from the model's data mix (seeded)."""
+    from orchmllm.sim.workload import sample_batch
+
+    return sample_batch(
+        model.data,
+        model.config,
+        num_ranks=num_ranks,
+        examples_per_rank=examples_per_rank,
+        seed=seed,
+    )
+
+
+def policy_label(policies: Mapping[str, str] | None) -> str:
+    """``tailored`` for the paper's choice, else the policies that differ from it."""
+    diff = {k: v for k, v in (policies or {}).items() if TAILORED.get(k) != v}
+    return ",".join(f"{k}={v}" for k, v in sorted(diff.items())) or "tailored"
+
+
+def _steps(
+    model: SimModel,
+    num_ranks: int,
+    mode: str,
+    *,
+    examples_per_rank: int,
+    placement: str,
+    steps: int,
+    seed: int,
+    policies: Mapping[str, str] | None,
+    cluster: Cluster,
+    pools: Mapping[int, Batch] | None,
+) -> list[StepResult]:
+    out = []
+    for step in range(steps):
+        if pools is not None and step in pools:
+            batch = pools[step].take(examples_per_rank)
+        else:
+            batch = sample_pool(model, num_ranks, examples_per_rank, seed + step)
+        layout = plan(
+            batch,
+            mode,
+            config=model.config,
+            modules=model.modules,
+            placement=placement,
+            ranks_per_node=cluster.net.ranks_per_node,
+            policies=policies,
+        )
+        out.append(
+            simulate_step(
+                batch, layout, mode, config=model.config, modules=model.modules, cluster=cluster
+            )
+        )
+    return out
+
+
+def run_case(
+    model: SimModel,
+    num_ranks: int,
+    mode: str,
+    *,
+    examples_per_rank: int,
+    placement: str = "none",
+    steps: int = 1,
+    seed: int = 0,
+    policies: Mapping[str, str] | None = None,
+    cluster: Cluster | None = None,
+    pools: Mapping[int, Batch] | None = None,
+) -> dict[str, Any]:
+    """Mean over ``steps`` sampled steps of one configuration, as a flat record.
+
+    Step ``k`` uses seed ``seed + k`` (or ``pools[k].take(...)``), so every mode of a
+    comparison sees the same batches.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps!r}")
+    cluster = cluster or Cluster()
+    results = _steps(
+        model,
+        num_ranks,
+        mode,
+        examples_per_rank=examples_per_rank,
+        placement=placement,
+        steps=steps,
+        seed=seed,
+        policies=policies,
+        cluster=cluster,
+        pools=pools,
+    )
+    total_time = sum(r.step_time_s for r in results)
+    llm_tokens = sum(r.llm_tokens for r in results)
+    record: dict[str, Any] = {
+        "model": model.name,
+        "ranks": num_ranks,
+        "mode": mode,
+        "placement": placement,
+        "policies": policy_label(policies),
+        "examples_per_rank": examples_per_rank,
+        "steps": steps,
+        "step_time_s": total_time / steps,
+        "forward_s": float(np.mean([r.forward_s for r in results])),
+        "mfu": sum(r.useful_flops for r in results) / (num_ranks * total_time * cluster.peak_flops),
+        "tokens_per_s_per_gpu": llm_tokens / (num_ranks * total_time),
+        "dispatch_fwd_ms": 1e3 * float(np.mean([r.dispatch_fwd_s for r in results])),
+        "dispatch_bwd_ms": 1e3 * float(np.mean([r.dispatch_bwd_s for r in results])),
+        "inter_node_bytes_max_rank": float(np.mean([r.inter_node_bytes_max_rank for r in results])),
+        "plan_ms": float(np.mean([r.plan_ms for r in results])),
+        "plan_hidden": all(r.plan_hidden for r in results),
+        "peak_memory_gb": max(r.peak_memory_bytes for r in results) / 1e9,
+        "memory_budget_gb": results[0].budget_bytes / 1e9,
+        "oom": any(r.oom for r in results),
+    }
+    for phase in PHASES:
+        record[f"compute_{phase}_s"] = float(np.mean([r.compute_s[phase] for r in results]))
+        record[f"imbalance_{phase}"] = float(np.mean([r.imbalance(phase) for r in results]))
+        record[f"fsdp_{phase}_s"] = results[0].fsdp_s[phase]
+        record[f"inter_node_bytes_mean_rank_{phase}"] = float(
+            np.mean(
+                [
+                    r.dispatchers[phase].inter_mean_rank if phase in r.dispatchers else 0.0
+                    for r in results
+                ]
+            )
+        )
+    return record
+
+
+def max_examples_per_rank(
+    model: SimModel,
+    num_ranks: int,
+    mode: str,
+    *,
+    pools: Mapping[int, Batch],
+    policies: Mapping[str, str] | None = None,
+    cluster: Cluster | None = None,
+) -> int:
+    """Largest mini-batch whose worst rank fits the memory budget in every pooled step (0 if
+    not even one example fits). Placement permutes whole batches, so it changes no rank's peak
+    and is left out."""
+    cluster = cluster or Cluster()
+    hi = min(p.examples_per_rank for p in pools.values())
+
+    def fits(b: int) -> bool:
+        return not any(
+            r.oom
+            for r in _steps(
+                model,
+                num_ranks,
+                mode,
+                examples_per_rank=b,
+                placement="none",
+                steps=len(pools),
+                seed=0,
+                policies=policies,
+                cluster=cluster,
+                pools=pools,
+            )
+        )
+
+    lo, top = 0, hi  # invariant: lo fits (0 trivially), every b > top is out of range
+    while lo < top:
+        mid = (lo + top + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            top = mid - 1
+    return lo
