@@ -578,7 +578,9 @@ class Orchestrator:
 
         ``encoders[name](raw_rows, lengths)`` gets the phase's items in its balanced layout and
         must return ``[sum(lengths // divisor), hidden]``. It is called on every rank, with
-        empty tensors where a rank has no items.
+        empty tensors where a rank has no items. ``stats[phase]["bytes_intra"/"bytes_inter"]``
+        are the forward bytes that leave their rank, summed over all ranks (raw inputs plus
+        encoder outputs for an encoder phase, token ids and loss mask for ``llm``).
         """
         rank = dist.get_rank(self.group)
         missing = [p.name for p in self.phases if p.name not in encoders]
