@@ -18,8 +18,11 @@ Methods of :func:`place_batches`:
   time-limited, starts from the ``assign`` solution (as an upper bound on the objective, and it
   never returns anything worse), and falls back to ``assign`` with a warning when the solver is
   missing or fails.
-- ``auto``: ``assign``, then the ILP refinement only when the model can be solved within the
-  time budget (small clusters) and ``assign`` is not already provably optimal.
+- ``auto``: ``assign``, then the ILP refinement only where it is certain to finish within the
+  budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8), solved to
+  proven optimality. The choice depends on the problem size alone, never on a clock, so every
+  rank planning independently gets the same placement. ``ilp`` with a binding time limit
+  returns whatever the solver reached in time, which can differ between machines.
 
 :func:`movement_aware_dst` is the ``greedy_stay`` policy: the paper's greedy rebuilds every
 batch from scratch, so nearly every token moves; this keeps items on their source rank unless
@@ -54,6 +57,11 @@ _COMPILE_S_PER_VAR = 5e-6
 _ROOT_S_PER_VAR = 2.5e-5
 # CBC overshoots its own limit by a few milliseconds per solve; it gets this share of what is left.
 _SOLVER_SHARE = 0.8
+# ``auto`` must give every rank the same plan, so it cannot let a time limit decide anything:
+# it runs the ILP only on models this small (16 ranks of 8: two nodes), which CBC solves to
+# proven optimality in tens of milliseconds, and keeps the result only when proven optimal.
+AUTO_ILP_MAX_BINARIES = 32
+_AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 
 
 class _Clock:
@@ -136,9 +144,10 @@ def place_batches(
     """Permute the balanced batches ``dst`` over the ranks to cut inter-node traffic.
 
     ``lengths`` are tokens per item (the volume an item moves), ``src``/``dst`` its current and
-    planned rank. ``time_limit_s`` bounds the whole call for ``ilp``/``auto``; ``solver`` is the
-    cvxpy solver used by the ILP (one of ``TIME_LIMIT_OPTIONS``). Never raises on solver
-    trouble: it warns and returns the ``assign`` placement.
+    planned rank. ``time_limit_s`` bounds the whole ``ilp`` call (CBC's CPU-time limit scaled
+    by the CPU share this process gets); ``auto`` is deterministic instead (module docstring).
+    ``solver`` is the cvxpy solver of the ILP (one of ``TIME_LIMIT_OPTIONS``). Never raises on
+    solver trouble: it warns and returns the ``assign`` placement.
     """
     clock = _Clock(float(time_limit_s) if isinstance(time_limit_s, numbers.Real) else 0.0)
     d, c = _topology(num_ranks, ranks_per_node)
@@ -158,9 +167,9 @@ def place_batches(
     else:
         volumes = _Volumes(l, s, t, d, c)
         node_of = _assign_nodes(volumes)
-        if method in ("ilp", "auto"):
+        if method == "ilp" or (method == "auto" and d * volumes.m <= AUTO_ILP_MAX_BINARIES):
             node_of, optimal, ilp_improved = _refine_ilp(
-                volumes, node_of, clock, solver, strict=method == "ilp"
+                volumes, node_of, solver, clock=clock if method == "ilp" else None
             )
         perm = _assign_ranks(volumes, node_of)
     new_dst = perm[t]
@@ -319,24 +328,25 @@ def _ilp_estimate_s(v: _Volumes) -> float:
 
 
 def _refine_ilp(
-    v: _Volumes, warm: np.ndarray, clock: _Clock, solver: str, *, strict: bool
+    v: _Volumes, warm: np.ndarray, solver: str, *, clock: _Clock | None
 ) -> tuple[np.ndarray, bool, bool]:
-    """Algorithm 3 from the warm start ``warm``, within the budget of ``clock``.
+    """Algorithm 3 from the warm start ``warm``.
 
     Returns ``(node_of, proven_optimal, improved)``; ``node_of`` is never worse than ``warm``.
-    ``strict`` (method ``ilp``) warns when the model cannot be solved in the budget at all;
-    ``auto`` then skips it silently. The first call also pays cvxpy's one-time import.
+    With a ``clock`` (method ``ilp``) the solve is bounded by its budget and returns the best
+    found, warning when the model cannot be solved in the budget at all; the first call also
+    pays cvxpy's one-time import. Without (``auto``), the result is used only if proven optimal,
+    so it does not depend on the machine's speed.
     """
     keep = (warm, False, False)
-    if _ilp_estimate_s(v) / clock.cpu_share() > clock.remaining():
-        if strict:
-            warnings.warn(
-                f"placement ILP with {v.d * v.m} binaries does not fit the time left "
-                f"({clock.remaining():.3f} s at {clock.cpu_share():.2f} of a CPU); "
-                "returning the assign placement",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    if clock is not None and _ilp_estimate_s(v) / clock.cpu_share() > clock.remaining():
+        warnings.warn(
+            f"placement ILP with {v.d * v.m} binaries does not fit the time left "
+            f"({clock.remaining():.3f} s at {clock.cpu_share():.2f} of a CPU); "
+            "returning the assign placement",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return keep
     warm_value = v.max_inter(warm)
     if warm_value <= v.lower_bound():
@@ -358,10 +368,12 @@ def _refine_ilp(
             worst <= warm_value,  # the warm start bounds the search
         ]
         problem = cp.Problem(cp.Minimize(worst), constraints)
-        cpu_left = clock.remaining() * clock.cpu_share()
-        if cpu_left <= 0:
-            return keep
-        options = {TIME_LIMIT_OPTIONS[solver]: max(cpu_left * _SOLVER_SHARE, 1e-3)}
+        cpu_left = _AUTO_SAFETY_S
+        if clock is not None:
+            cpu_left = clock.remaining() * clock.cpu_share() * _SOLVER_SHARE
+            if cpu_left <= 0:
+                return keep
+        options = {TIME_LIMIT_OPTIONS[solver]: max(cpu_left, 1e-3)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate" on time-outs
             problem.solve(solver=solver, **options)
@@ -374,6 +386,8 @@ def _refine_ilp(
         return keep
 
     proven = problem.status == cp.OPTIMAL
+    if clock is None and not proven:
+        return keep
     node_of = _rounded_assignment(x.value, v.c)
     if node_of is not None and v.max_inter(node_of) < warm_value:
         return node_of, proven, True

@@ -122,6 +122,27 @@ def test_ilp_is_exact(seed):
     assert placed.stats["inter_node_tokens_max_rank_after"] == inter.max(axis=1).min()
 
 
+def test_auto_is_exact_and_deterministic_at_two_nodes():
+    """16 ranks of 8: auto solves the ILP to optimality (checked over all node splits)."""
+    rng = np.random.default_rng(11)
+    d, c = 16, 8
+    lengths, src = _instance(rng, d, 6)
+    dst = _greedy(lengths, src, d)
+    first = place_batches(lengths, src, dst, num_ranks=d, ranks_per_node=c, method="auto")
+    again = place_batches(lengths, src, dst, num_ranks=d, ranks_per_node=c, method="auto")
+    np.testing.assert_array_equal(first.perm, again.perm)
+    assert first.stats["placement_optimal"] == 1.0
+
+    v = _rank_batch(lengths, src, dst, d)
+    best = np.inf
+    for node0 in itertools.combinations(range(d), c):
+        on_node0 = np.zeros(d, dtype=bool)
+        on_node0[list(node0)] = True
+        same = (np.arange(d)[:, None] < c) == on_node0[None, :]  # [rank, batch]
+        best = min(best, (v.sum(axis=1) - (v * same).sum(axis=1)).max())
+    assert first.stats["inter_node_tokens_max_rank_after"] == best
+
+
 def test_ilp_never_worse_than_assign(rng):
     d, c = 32, 4
     lengths, src = _instance(rng, d, 12)
