@@ -248,7 +248,8 @@ def test_memory_proxy_counts_worst_rank(mllm10b) -> None:
     mem = MemoryModel()
     tokens = {"llm": np.array([1000.0, 3000.0]), "vision": np.array([0.0, 0.0])}
     act = mem.activation_bytes(mods, tokens)
-    per_token = mods["llm"].layers * mods["llm"].block.shape.hidden * mem.act_bytes
+    llm = mods["llm"]
+    per_token = llm.layers * llm.block.shape.hidden * mem.act_bytes + llm.vocab * mem.logit_bytes
     np.testing.assert_allclose(act, [1000 * per_token, 3000 * per_token])
     peak = mem.peak_bytes(mods, tokens, 2)
     assert peak[1] - peak[0] == pytest.approx(2000 * per_token)
