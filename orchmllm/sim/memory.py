@@ -1,13 +1,17 @@
 """Memory proxy: activation bytes held on the worst rank against a per-GPU budget.
 
 With FSDP and activation checkpointing a rank keeps, at the peak (end of the LLM forward), the
-checkpointed input of every block of every phase for every token it processed in that phase, so
-activation memory is ``sum_phase tokens_on_rank * layers * hidden * act_bytes``. ``act_bytes`` is
-bytes per hidden unit per layer and token: 2 for the bf16 block input alone; the default 4 also
-covers the recompute working set and the connector outputs, and is the single constant of this
-proxy (chosen, not fitted per model). Static memory is the ZeRO-3 shard of bf16 parameters and
-gradients plus fp32 Adam state (16 bytes per parameter over the shard group) and two unsharded
-blocks of the largest module (the one computing and the one prefetched).
+checkpointed input of every block of every phase for every token it processed in that phase,
+plus the LLM's logits for the loss, so activation memory is
+``sum_phase tokens_on_rank * (layers * hidden * act_bytes + vocab * logit_bytes)`` (vocab only
+for the LLM). ``act_bytes`` is bytes per hidden unit per layer and token: 2 for the bf16 block
+input alone, default 4 to cover the recompute working set and connector outputs;
+``logit_bytes`` default 6 is bf16 logits plus an fp32 copy for the loss. The two defaults were
+picked from the grid {2, 3, 4} x {0, 6, 10} as the point whose largest safe mini-batches come
+closest to the paper's six settings (80/60/30 balanced, 65/40/15 not); no per-model constant.
+Static memory is the ZeRO-3 shard of bf16 parameters and gradients plus fp32 Adam state (16
+bytes per parameter over the shard group) and two unsharded blocks of the largest module (the
+one computing and the one prefetched).
 
 The paper sets each run's mini-batch to the largest that does not run out of memory (section
 8.1): without balancing that is set by the heaviest of all mini-batches, with balancing by the
