@@ -1,0 +1,52 @@
+"""Smoke test of benchmarks/loader_bench.py: records have the fields and sane values."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_json(tmp_path):
+    out = tmp_path / "loader.json"
+    cmd = [
+        sys.executable,
+        "benchmarks/loader_bench.py",
+        "--quick",
+        "--step-ms",
+        "30",
+        "--json",
+        str(out),
+    ]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=240, capture_output=True)
+    records = json.loads(out.read_text())
+    assert {(r["mode"], r["prefetch"]) for r in records} == {
+        ("index", 0),
+        ("index", 2),
+        ("move", 0),
+        ("move", 2),
+    }
+    for r in records:
+        for key in (
+            "mode",
+            "step_s",
+            "plan_s",
+            "prep_s",
+            "wait_s",
+            "hidden_fraction",
+            "bytes_sent",
+            "bytes_meta",
+            "bytes_payload",
+        ):
+            assert key in r
+        assert 0.0 <= r["hidden_fraction"] <= 1.0
+        assert r["plan_s"] > 0 and r["prep_s"] >= r["plan_s"] and r["steps"] == 5
+        assert r["bytes_sent"] == r["bytes_meta"] + r["bytes_payload"]
+    index = [r for r in records if r["mode"] == "index"]
+    move = [r for r in records if r["mode"] == "move"]
+    assert all(r["bytes_payload"] == 0 and r["bytes_meta"] > 0 for r in index)
+    assert all(r["bytes_payload"] > 10 * r["bytes_meta"] for r in move)  # examples dominate
+    assert all(0 < r["bytes_saved_vs_move"] < 1 for r in index)
+    # Without prefetch the loop waits for every batch: nothing is hidden.
+    assert all(r["hidden_fraction"] < 0.5 for r in records if r["prefetch"] == 0)
