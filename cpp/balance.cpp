@@ -9,7 +9,9 @@
 #include "balance.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <utility>
@@ -20,38 +22,116 @@ namespace {
 
 using Slot = std::pair<double, int64_t>;  // (load, rank): the smaller pair is the better rank
 
-// Item indices by key, descending (or ascending), ties by index ascending.
+// Order-preserving map of a double to uint64 (-0.0 counts as +0.0, like Python's comparison).
+uint64_t sortable(double x) {
+    x += 0.0;
+    uint64_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return (bits >> 63) ? ~bits : bits | (uint64_t{1} << 63);
+}
+uint64_t sortable(int64_t x) { return static_cast<uint64_t>(x) ^ (uint64_t{1} << 63); }
+
+// Item indices by key, descending (or ascending), ties by index ascending: a stable LSD radix
+// sort over the bits that vary between keys (integer lengths below 4096 need one pass).
 template <typename T>
 std::vector<int64_t> order_by(const T* key, int64_t n, bool descending) {
-    std::vector<std::pair<T, int64_t>> tagged(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) tagged[i] = {descending ? -key[i] : key[i], i};
-    std::sort(tagged.begin(), tagged.end());
+    struct Tagged {
+        uint64_t key;
+        int64_t index;
+    };
+    std::vector<Tagged> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+    uint64_t all_and = ~uint64_t{0}, all_or = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t k = descending ? ~sortable(key[i]) : sortable(key[i]);
+        a[i] = {k, i};
+        all_and &= k;
+        all_or |= k;
+    }
+    // Sort only the bits that vary, in as few passes of at most 12 bits as cover them.
+    const uint64_t varying = all_and ^ all_or;
+    if (varying != 0) {
+        int low = 0, high = 63;
+        while (!((varying >> low) & 1)) ++low;
+        while (!((varying >> high) & 1)) --high;
+        const int width = high - low + 1, passes = (width + 11) / 12;
+        const int bits = (width + passes - 1) / passes;
+        const uint64_t mask = (uint64_t{1} << bits) - 1;
+        std::vector<size_t> start(size_t{1} << bits);
+        for (int shift = low; shift <= high; shift += bits) {
+            std::fill(start.begin(), start.end(), 0);
+            for (const auto& t : a) ++start[(t.key >> shift) & mask];
+            size_t sum = 0;
+            for (auto& s : start) sum += std::exchange(s, sum);
+            for (const auto& t : a) b[start[(t.key >> shift) & mask]++] = t;
+            a.swap(b);
+        }
+    }
     std::vector<int64_t> order(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) order[i] = tagged[i].second;
+    for (int64_t i = 0; i < n; ++i) order[i] = a[i].index;
     return order;
 }
 
-// Min-heap of (load, rank) over ranks that still have room; assigns `order[from:]` greedily.
+// Least-loaded open rank, ties to the lowest rank. Loads sit in groups of kGroup ranks, each
+// with its minimum; a query scans the group minima, then the winning group, both front to back
+// so the first minimum is the lowest rank. Scans are short, independent and branch-light,
+// which beats a heap's dependent chain of unpredictable compares. Full ranks hold +inf.
+class LeastLoaded {
+  public:
+    LeastLoaded(const std::vector<double>& load, const std::vector<int64_t>& count, int64_t cap) {
+        const size_t d = load.size();
+        groups_ = (d + kGroup - 1) / kGroup;
+        key_.assign(groups_ * kGroup, kInf);
+        for (size_t r = 0; r < d; ++r)
+            if (count[r] < cap) key_[r] = load[r];
+        group_min_.resize(groups_);
+        for (size_t g = 0; g < groups_; ++g) group_min_[g] = min_of(&key_[g * kGroup], kGroup);
+        locate();
+    }
+    int64_t top() const { return static_cast<int64_t>(top_); }
+    // The top rank's load became `load`; `full`: it takes no more items.
+    void update_top(double load, bool full) {
+        key_[top_] = full ? kInf : load;
+        const size_t g = top_ / kGroup;
+        group_min_[g] = min_of(&key_[g * kGroup], kGroup);
+        locate();
+    }
+
+  private:
+    static constexpr size_t kGroup = 32;
+    static constexpr double kInf = std::numeric_limits<double>::infinity();
+    static double min_of(const double* x, size_t size) {
+        double m[4] = {kInf, kInf, kInf, kInf};  // four independent chains
+        size_t i = 0;
+        for (; i + 4 <= size; i += 4)
+            for (size_t j = 0; j < 4; ++j) m[j] = x[i + j] < m[j] ? x[i + j] : m[j];
+        for (; i < size; ++i) m[0] = x[i] < m[0] ? x[i] : m[0];
+        return std::min(std::min(m[0], m[1]), std::min(m[2], m[3]));
+    }
+    static size_t first_equal(const double* x, double value) {
+        size_t i = 0;
+        while (x[i] != value) ++i;
+        return i;
+    }
+    void locate() {
+        const double best = min_of(group_min_.data(), groups_);
+        const size_t g = first_equal(group_min_.data(), best);
+        top_ = g * kGroup + first_equal(&key_[g * kGroup], best);
+    }
+    size_t groups_ = 0, top_ = 0;
+    std::vector<double> key_, group_min_;
+};
+
+// Assigns `order[from:]` greedily to the least-loaded rank that still has room.
 void fill_least_loaded(const double* w, const std::vector<int64_t>& order, size_t from,
                        std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
                        int64_t* dst) {
-    std::vector<Slot> heap;
-    for (int64_t r = 0; r < static_cast<int64_t>(load.size()); ++r)
-        if (count[r] < cap) heap.emplace_back(load[r], r);
-    const auto cmp = std::greater<Slot>();
-    std::make_heap(heap.begin(), heap.end(), cmp);
+    LeastLoaded heap(load, count, cap);
     for (size_t k = from; k < order.size(); ++k) {
         const int64_t i = order[k];
-        std::pop_heap(heap.begin(), heap.end(), cmp);
-        const int64_t r = heap.back().second;
+        const int64_t r = heap.top();
         dst[i] = r;
         load[r] += w[i];
-        if (++count[r] < cap) {
-            heap.back().first = load[r];
-            std::push_heap(heap.begin(), heap.end(), cmp);
-        } else {
-            heap.pop_back();
-        }
+        heap.update_top(load[r], ++count[r] >= cap);
     }
 }
 
