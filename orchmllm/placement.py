@@ -19,10 +19,12 @@ Methods of :func:`place_batches`:
   never returns anything worse), and falls back to ``assign`` with a warning when the solver is
   missing or fails.
 - ``auto``: ``assign``, then the ILP refinement only where it is certain to finish within the
-  budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8), solved to
-  proven optimality. The choice depends on the problem size alone, never on a clock, so every
-  rank planning independently gets the same placement. ``ilp`` with a binding time limit
-  returns whatever the solver reached in time, which can differ between machines.
+  budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8) when
+  ``time_limit_s >= AUTO_ILP_MIN_BUDGET_S``, solved to proven optimality (so with the default
+  50 ms budget ``auto`` is ``assign``). The choice depends on the problem size and the budget
+  alone, never on a clock, so every rank planning independently gets the same placement.
+  ``ilp`` with a binding time limit returns whatever the solver reached in time, which can
+  differ between machines: plan it on one rank and broadcast it.
 
 :func:`movement_aware_dst` is the ``greedy_stay`` policy: the paper's greedy rebuilds every
 batch from scratch, so nearly every token moves; this keeps items on their source rank unless
@@ -57,10 +59,12 @@ _COMPILE_S_PER_VAR = 5e-6
 _ROOT_S_PER_VAR = 2.5e-5
 # CBC overshoots its own limit by a few milliseconds per solve; it gets this share of what is left.
 _SOLVER_SHARE = 0.8
-# ``auto`` must give every rank the same plan, so it cannot let a time limit decide anything:
-# it runs the ILP only on models this small (16 ranks of 8: two nodes), which CBC solves to
-# proven optimality in tens of milliseconds, and keeps the result only when proven optimal.
+# ``auto`` must give every rank the same plan, so it cannot let a clock decide anything: it
+# runs the ILP only on models this small (16 ranks of 8: two nodes), and only when the budget
+# covers what solving one to proven optimality costs (cvxpy + CBC, CPU seconds measured on a
+# busy 2-core x86), and keeps the result only when proven optimal.
 AUTO_ILP_MAX_BINARIES = 32
+AUTO_ILP_MIN_BUDGET_S = 0.15
 _AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 
 
@@ -167,7 +171,8 @@ def place_batches(
     else:
         volumes = _Volumes(l, s, t, d, c)
         node_of = _assign_nodes(volumes)
-        if method == "ilp" or (method == "auto" and d * volumes.m <= AUTO_ILP_MAX_BINARIES):
+        tiny = d * volumes.m <= AUTO_ILP_MAX_BINARIES and time_limit_s >= AUTO_ILP_MIN_BUDGET_S
+        if method == "ilp" or (method == "auto" and tiny):
             node_of, optimal, ilp_improved = _refine_ilp(
                 volumes, node_of, solver, clock=clock if method == "ilp" else None
             )
