@@ -305,8 +305,8 @@ def all_gather_move(
     """The paper's strawman: every rank gathers every batch, then keeps its own items.
 
     Same inputs and result as :func:`move` (no autograd). Each rank receives
-    ``(d - 1) * max batch`` rows (ring all-gather of padded buffers) and holds all of
-    them at once, which is what the all-to-all avoids.
+    ``(d - 1) * max batch`` rows (all-gather of buffers padded to the largest batch) and
+    holds ``(d + 1) * max batch`` extra rows at once, which is what the all-to-all avoids.
     """
     rank = _check_plan(plan, group)
     w = _check_sizes(plan, sizes)
@@ -314,20 +314,19 @@ def all_gather_move(
     rows_per_rank = np.bincount(plan.src_rank, weights=w, minlength=d).astype(np.int64)
     if tensor.shape[0] != rows_per_rank[rank]:
         raise ValueError(f"tensor has {tensor.shape[0]} rows, expected {rows_per_rank[rank]}")
-    wire, k = _to_wire(tensor.detach())
     max_rows = int(rows_per_rank.max())
+    mine = plan.items_at(rank)
+    if max_rows == 0:  # every rank knows this from the plan: nobody enters the collective
+        return tensor.new_empty((0, *tensor.shape[1:]))
+    wire, k = _to_wire(tensor.detach())
     padded = wire.new_zeros(max_rows * k)
     padded[: wire.numel()] = wire
-    gathered = [torch.empty_like(padded) for _ in range(d)]
-    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout)
-    # Rows of every rank's batch, stacked in rank order = global item order by source slot.
-    parts = [
-        _from_wire(g[: rows_per_rank[r] * k], tensor, int(rows_per_rank[r]))
-        for r, g in enumerate(gathered)
-    ]
-    everything = torch.cat(parts)
-    order = np.concatenate([plan.source_items_at(r) for r in range(d)])
-    offset = np.zeros(plan.num_items, dtype=np.int64)
-    offset[order] = np.cumsum(w[order]) - w[order]
-    mine = plan.items_at(rank)
-    return _index(everything, expand_rows(offset[mine], w[mine]))
+    gathered = wire.new_empty((d, max_rows * k))
+    _wait(dist.all_gather(list(gathered.unbind(0)), padded, group=group, async_op=True), timeout)
+    # Rank r's batch starts at row r * max_rows; items follow in source-slot order.
+    start = np.zeros(plan.num_items, dtype=np.int64)
+    for r in range(d):
+        ids = plan.source_items_at(r)
+        start[ids] = r * max_rows + np.cumsum(w[ids]) - w[ids]
+    everything = _from_wire(gathered.reshape(-1), tensor, d * max_rows)
+    return _index(everything, expand_rows(start[mine], w[mine]))
