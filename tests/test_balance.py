@@ -1,0 +1,259 @@
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import orchmllm
+from orchmllm.balance import PADDED_POLICIES, POLICIES, balance
+from orchmllm.cost import CostModel
+from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
+
+# greedy_stay is the placement module's algorithm; its own tests check it.
+OWN = tuple(p for p in POLICIES if p != "greedy_stay")
+CAPPED = ("greedy", "greedy_cost", "greedy_tolerance", "binary_search", "padded_cost", "conv")
+QUAD = CostModel("packed", alpha=3.5e-4, beta=3.0e-8, const=0.6)  # H100 hidden-1280 block fit
+AUDIO = CostModel("padded", alpha=3.6e-4, beta=6.3e-8, const=0.73)  # H100 audio-10b fit
+
+
+def _cost_for(policy: str) -> CostModel | None:
+    if policy in PADDED_POLICIES:
+        return AUDIO
+    return QUAD if policy in ("greedy_cost", "kk", "kk_equal") else None
+
+
+def _with_src(lengths: list[int], d: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, d, size=len(lengths))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 5000), min_size=0, max_size=40),
+    d=st.integers(1, 9),
+    policy=st.sampled_from(OWN),
+    seed=st.integers(0, 2**16),
+    capped=st.booleans(),
+)
+def test_cpp_matches_reference_and_loads(lengths, d, policy, seed, capped):
+    src = _with_src(lengths, d, seed)
+    n = len(lengths)
+    kwargs = {"src": src, "cost": _cost_for(policy)}
+    if capped and policy in CAPPED:
+        kwargs["max_items_per_rank"] = max(1, -(-n // d))
+    a = balance(lengths, d, policy, **kwargs)
+    b = balance(lengths, d, policy, backend="python", **kwargs)
+    assert a.dst.dtype == np.int64 and a.dst.shape == (n,)
+    assert ((a.dst >= 0) & (a.dst < d)).all()
+    np.testing.assert_array_equal(a.dst, b.dst)
+    cost = kwargs["cost"] or CostModel("padded" if policy in PADDED_POLICIES else "packed")
+    expected = [cost.batch_cost(np.asarray(lengths, dtype=np.int64)[a.dst == r]) for r in range(d)]
+    np.testing.assert_allclose(a.loads, expected, rtol=1e-12, atol=1e-12)
+    if "max_items_per_rank" in kwargs:
+        assert np.bincount(a.dst, minlength=d).max() <= kwargs["max_items_per_rank"]
+    assert a.stats["tokens_moved"] + a.stats["tokens_kept"] == sum(lengths)
+    assert a.stats["imbalance_after"] >= 1.0 - 1e-12
+    assert a.stats["gap_to_lb"] >= 1.0 - 1e-12
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_cpp_matches_reference_on_workloads(dist):
+    lengths = sample_lengths(dist, 24 * 16, rng=7)
+    for policy in OWN:
+        kwargs = {"cost": _cost_for(policy), "src": np.repeat(np.arange(24), 16)}
+        a = balance(lengths, 24, policy, **kwargs).dst
+        np.testing.assert_array_equal(
+            a, balance(lengths, 24, policy, backend="python", **kwargs).dst
+        )
+
+
+def test_deterministic_and_thread_safe():
+    lengths = sample_lengths("text", 64 * 60, rng=3)
+    serial = [balance(lengths, 64, p, cost=_cost_for(p)).dst for p in OWN if p != "identity"]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(balance, lengths, 64, p, cost=_cost_for(p)) for p in OWN[1:]]
+        parallel = [f.result().dst for f in futures]
+    for s, p in zip(serial, parallel, strict=True):
+        np.testing.assert_array_equal(s, p)
+
+
+def test_ties_break_by_index():
+    a = balance([5, 5, 5, 5], 2, "greedy")
+    assert a.dst.tolist() == [0, 1, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# quality against the exact optimum (brute force over all d^n assignments)
+
+
+def _brute_force(lengths: np.ndarray, d: int, cost: CostModel) -> float:
+    best = np.inf
+    for dst in itertools.product(range(d), repeat=lengths.size):
+        best = min(best, cost.loads(lengths, np.array(dst), d).max())
+    return best
+
+
+def test_greedy_within_lpt_bound_of_optimum():
+    rng = np.random.default_rng(0)
+    packed = CostModel("packed")
+    for trial in range(40):
+        d = 2 + trial % 2
+        lengths = rng.integers(1, 100, size=rng.integers(d + 1, 9 if d == 2 else 8))
+        opt = _brute_force(lengths, d, packed)
+        got = balance(lengths, d, "greedy").loads.max()
+        assert got <= (4 / 3 - 1 / (3 * d)) * opt + 1e-9
+
+
+def test_padded_searches_are_exact_on_their_objective():
+    # Optimal padded batches are contiguous in length order, so the bound search is exact.
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        d = 2 + trial % 2
+        lengths = rng.integers(1, 60, size=rng.integers(d + 1, 8))
+        proxy = _brute_force(lengths, d, CostModel("padded"))
+        assert balance(lengths, d, "binary_search").loads.max() == proxy
+        full = _brute_force(lengths, d, AUDIO)
+        got = balance(lengths, d, "padded_cost", cost=AUDIO).loads.max()
+        assert got == pytest.approx(full, rel=1e-12)
+
+
+def test_binary_search_never_worse_than_unbalanced():
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        d = int(rng.integers(1, 17))
+        lengths = rng.integers(1, 3000, size=int(rng.integers(1, 200)))
+        src = rng.integers(0, d, size=lengths.size)
+        a = balance(lengths, d, "binary_search", src=src)
+        assert a.loads.max() <= CostModel("padded").loads(lengths, src, d).max()
+        assert len(a.loads) == d
+
+
+def test_greedy_cost_beats_greedy_tolerance_on_quadratic_objective():
+    rng = np.random.default_rng(3)
+    diffs = []
+    for _ in range(200):
+        d = int(rng.integers(2, 17))
+        lengths = sample_lengths("pareto", d * int(rng.integers(2, 9)), rng=rng) * 4
+        gc = QUAD.loads(lengths, balance(lengths, d, "greedy_cost", cost=QUAD).dst, d).max()
+        gt = QUAD.loads(lengths, balance(lengths, d, "greedy_tolerance").dst, d).max()
+        diffs.append(gt / gc - 1)
+    assert np.mean(diffs) >= 0
+
+
+def test_padded_cost_closes_binary_search_gap_on_audio():
+    # Alg. 2 balances count*max; under the measured audio cost the slowest batch stays slower.
+    rng = np.random.default_rng(4)
+    ratios = []
+    for _ in range(5):
+        lengths = sample_lengths("spoken_qa", 64 * 16, rng=rng) // 2
+        bs = balance(lengths, 64, "binary_search", cost=AUDIO)
+        pc = balance(lengths, 64, "padded_cost", cost=AUDIO)
+        ratios.append(pc.loads.max() / bs.loads.max())
+        assert pc.stats["imbalance_after"] < bs.stats["imbalance_after"]
+    assert max(ratios) <= 1.0
+
+
+def test_packed_policies_near_lower_bound_with_many_items():
+    for dist in DISTRIBUTIONS:
+        lengths = sample_lengths(dist, 64 * 16, rng=5)
+        # kk_equal is left out: equal counts can force a long item onto a full rank.
+        for policy in ("greedy", "greedy_cost", "kk"):
+            assert balance(lengths, 64, policy).stats["gap_to_lb"] < 1.01, (dist, policy)
+
+
+# ---------------------------------------------------------------------------------------------
+# constraints
+
+
+def test_item_caps_are_enforced():
+    lengths = sample_lengths("pareto", 8 * 10 + 3, rng=6)
+    for policy in (*CAPPED, "kk_equal"):
+        a = balance(lengths, 8, policy, max_items_per_rank=11, cost=_cost_for(policy))
+        assert np.bincount(a.dst, minlength=8).max() <= 11, policy
+    counts = np.bincount(balance(lengths, 8, "kk_equal").dst, minlength=8)
+    assert counts.max() - counts.min() <= 1
+
+
+def test_impossible_caps_name_the_smallest_value():
+    lengths = [10] * 9
+    with pytest.raises(ValueError, match=r"max_items_per_rank=2 .* smallest value that works is 3"):
+        balance(lengths, 4, "greedy", max_items_per_rank=2)
+    with pytest.raises(ValueError, match=r"max_items_per_rank=3 .* smallest value .* is 9"):
+        balance(lengths, 4, "identity", src=[0] * 9, max_items_per_rank=3)
+    with pytest.raises(ValueError, match=r"max_load_per_rank=20 .* smallest value .* is 30"):
+        balance(lengths, 4, "greedy", max_load_per_rank=20)
+    assert balance(lengths, 4, "greedy", max_load_per_rank=30).loads.max() == 30
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"lengths": [1, -2]}, "lengths"),
+        ({"lengths": [1.5, 2]}, "lengths"),
+        ({"lengths": [[1, 2]]}, "lengths"),
+        ({"lengths": ["a"]}, "lengths"),
+        ({"num_ranks": 0}, "num_ranks"),
+        ({"num_ranks": 2.5}, "num_ranks"),
+        ({"num_ranks": True}, "num_ranks"),
+        ({"src": [0]}, "src"),
+        ({"src": [0, 4]}, "src"),
+        ({"src": [0, -1]}, "src"),
+        ({"policy": "magic"}, "policy"),
+        ({"placement": "magic"}, "placement"),
+        ({"placement": "auto"}, "placement"),
+        ({"cost": CostModel("padded")}, "cost"),
+        ({"cost": "packed"}, "cost"),
+        ({"policy": "identity"}, "src"),
+        ({"max_items_per_rank": 0}, "max_items_per_rank"),
+        ({"max_load_per_rank": -1.0}, "max_load_per_rank"),
+        ({"ranks_per_node": 0}, "ranks_per_node"),
+        ({"tolerance": -0.1}, "tolerance"),
+        ({"backend": "gpu"}, "backend"),
+    ],
+)
+def test_bad_input_names_argument(kwargs, name):
+    call = {"lengths": [3, 4], "num_ranks": 4, "policy": "greedy", **kwargs}
+    with pytest.raises(ValueError, match=name):
+        balance(call.pop("lengths"), call.pop("num_ranks"), call.pop("policy"), **call)
+
+
+def test_padded_policy_rejects_packed_cost():
+    with pytest.raises(ValueError, match="cost"):
+        balance([1, 2], 2, "binary_search", cost=CostModel("packed"))
+
+
+def test_public_names():
+    assert orchmllm.POLICIES == POLICIES
+    assert orchmllm.balance is balance
+    a = orchmllm.balance([], 3)
+    assert a.dst.shape == (0,) and a.loads.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_stats_with_src():
+    lengths = np.array([8, 1, 1, 1, 1])
+    a = balance(lengths, 2, "greedy", src=[0, 0, 0, 1, 1])
+    assert a.stats["imbalance_before"] == pytest.approx(10 / 6)
+    assert a.stats["imbalance_after"] == pytest.approx(8 / 6)
+    assert a.stats["gap_to_lb"] == pytest.approx(1.0)  # the single item of 8 is the bound
+    assert a.stats["tokens_moved"] + a.stats["tokens_kept"] == 12
+
+
+def test_greedy_stay_and_placement_dispatch():
+    pytest.importorskip("orchmllm.placement")
+    lengths = sample_lengths("text", 8 * 8, rng=8)
+    src = np.repeat(np.arange(8), 8)
+    stay = balance(lengths, 8, "greedy_stay", src=src)
+    greedy = balance(lengths, 8, "greedy", src=src)
+    assert stay.stats["tokens_moved"] <= greedy.stats["tokens_moved"]
+    placed = balance(lengths, 8, "greedy", src=src, ranks_per_node=4, placement="assign")
+    assert sorted(placed.loads.tolist()) == pytest.approx(sorted(greedy.loads.tolist()))
+    for r in range(8):
+        assert placed.loads[r] == pytest.approx(lengths[placed.dst == r].sum())
+    assert "inter_node_tokens_total_after" in placed.stats
+    after = placed.stats["inter_node_tokens_total_after"]
+    assert after <= placed.stats["inter_node_tokens_total_before"]
