@@ -132,8 +132,9 @@ def _timed(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Summary numbers of a run; flat keys, ``<phase>_<stat>`` for per-phase numbers.
 
-    Step time and throughput are means over the steps after the first (warm-up), or over the
-    only step. ``<phase>_max_load_ratio`` is the mean over steps of
+    Step time, throughput and planning time are means over the steps after the first (warm-up:
+    allocator, lazy imports, solver start-up), or over the only step; imbalance and bytes over
+    all steps. ``<phase>_max_load_ratio`` is the mean over steps of
     max(loads_before)/max(loads_after): how much faster the slowest rank of that phase got.
     """
     if not records:
@@ -143,6 +144,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "steps": len(records),
         "world_size": int(records[0]["world_size"]),
         "balance": str(records[0].get("balance", "unknown")),
+        "placement": str(records[0].get("placement", "unknown")),
         "phases": phase_names(records),
         "timed_steps": len(timed),
         "step_time_mean_s": float(np.mean([r["step_time_s"] for r in timed])),
@@ -160,7 +162,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[f"{name}_imbalance_before_mean"] = float(np.mean([p["imbalance_before"] for p in phs]))
         out[f"{name}_imbalance_after_mean"] = float(np.mean([p["imbalance_after"] for p in phs]))
         out[f"{name}_max_load_ratio_mean"] = float(np.mean(ratios)) if ratios else float("nan")
-        out[f"{name}_plan_ms_mean"] = float(np.mean([p["plan_ms"] for p in phs]))
+        timed_phs = [r["phases"][name] for r in timed if name in r["phases"]] or phs
+        out[f"{name}_plan_ms_mean"] = float(np.mean([p["plan_ms"] for p in timed_phs]))
         out[f"{name}_bytes_intra_total"] = float(np.sum([p["bytes_intra"] for p in phs]))
         out[f"{name}_bytes_inter_total"] = float(np.sum([p["bytes_inter"] for p in phs]))
     return out
@@ -170,7 +173,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable text of :func:`summarize`'s dict (a header and one row per phase)."""
     s = summary
     lines = [
-        f"balance={s['balance']}  world_size={s['world_size']}  steps={s['steps']}",
+        f"balance={s['balance']}  placement={s['placement']}  world_size={s['world_size']}"
+        f"  steps={s['steps']}",
         f"step time (mean of {s['timed_steps']} step(s)): {s['step_time_mean_s']:.4f} s",
         f"tokens/s (mean of {s['timed_steps']} step(s)): {s['tokens_per_s_mean']:.1f}",
     ]
@@ -209,7 +213,7 @@ def plot_loads(record: dict[str, Any], path: str | os.PathLike) -> None:
         x = np.arange(len(before))
         ax.bar(x - 0.2, before, 0.4, label="before", color="#c44e52")
         ax.bar(x + 0.2, after, 0.4, label="after", color="#4c72b0")
-        ax.axhline(before.mean(), color="grey", lw=0.8, ls="--", label="mean")
+        ax.axhline(before.mean(), color="grey", lw=0.8, ls="--", label="mean before")
         ax.set_title(
             f"{name}: max/mean {ph['imbalance_before']:.2f} -> {ph['imbalance_after']:.2f}",
             fontsize=9,
@@ -217,9 +221,14 @@ def plot_loads(record: dict[str, Any], path: str | os.PathLike) -> None:
         ax.set_xlabel("rank")
         ax.set_xticks(x)
         ax.set_ylabel("load (cost model units)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Per-rank load, step {record['step']} (balance={record.get('balance', '?')})")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(
+        f"Per-rank load, step {record['step']} (balance={record.get('balance', '?')})",
+        x=0.02,
+        ha="left",
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -235,7 +244,7 @@ def plot_step_time(records: Sequence[dict[str, Any]], path: str | os.PathLike) -
             color="grey",
             ls="--",
             lw=0.8,
-            label="mean (after step 1)",
+            label="mean (after the first step)",
         )
         ax.legend(fontsize=8)
     ax.set_xlabel("step")
