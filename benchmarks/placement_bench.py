@@ -13,6 +13,7 @@ policy (greedy_stay) the tokens moved against the lower bound and its makespan a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import warnings
@@ -20,7 +21,7 @@ import warnings
 import numpy as np
 
 import orchmllm
-from orchmllm.placement import movement_lower_bound, place_batches
+from orchmllm.placement import movement_aware_dst, movement_lower_bound, place_batches
 
 RANKS = (16, 64, 256, 1024, 2560)
 QUICK_RANKS = (16, 64)
@@ -69,7 +70,8 @@ def _timed(fn):
 
 
 def run_case(lengths, src, d, c, *, ilp_limit_s: float, ilp_max_ranks: int) -> list[dict]:
-    """All placement methods for one phase's greedy plan, plus greedy_stay."""
+    """All placement methods for one phase's greedy plan, plus the movement-aware policy
+    (``greedy_stay`` through ``balance()``, and its node-aware form) placed with ``auto``."""
     greedy = orchmllm.balance(lengths, d, "greedy", src=src)
     kw = dict(num_ranks=d, ranks_per_node=c)
     records = []
@@ -90,23 +92,29 @@ def run_case(lengths, src, d, c, *, ilp_limit_s: float, ilp_max_ranks: int) -> l
             base = s
         records.append(_record("greedy", method, limit, s, base, wall, cpu))
 
-    stay, wall, cpu = _timed(lambda: orchmllm.balance(lengths, d, "greedy_stay", src=src))
-    p, pwall, pcpu = _timed(lambda: place_batches(lengths, src, stay.dst, method="auto", **kw))
-    rec = _record("greedy_stay", "auto", 0.05, p.stats, base, pwall, pcpu)
-    makespan = stay.loads.max()
-    moved = int(lengths[stay.dst != src].sum())
-    bound = movement_lower_bound(lengths.astype(float), src, d, makespan)
+    weights = lengths.astype(np.float64)  # greedy's packed cost with alpha=1: tokens
+    variants = {
+        "greedy_stay": lambda: orchmllm.balance(lengths, d, "greedy_stay", src=src).dst,
+        "greedy_stay_node": lambda: movement_aware_dst(weights, src, d, ranks_per_node=c),
+    }
     greedy_moved = int(lengths[greedy.dst != src].sum())
-    rec.update(
-        policy_ms=wall,
-        policy_cpu_ms=cpu,
-        tokens_moved=moved,
-        tokens_moved_lower_bound=bound,
-        moved_over_bound=moved / bound if bound > 0 else float(moved == 0),
-        greedy_tokens_moved=greedy_moved,
-        makespan_over_greedy=makespan / greedy.loads.max(),
-    )
-    records.append(rec)
+    for policy, plan in variants.items():
+        dst, wall, cpu = _timed(plan)
+        p, pwall, pcpu = _timed(lambda dst=dst: place_batches(lengths, src, dst, **kw))
+        rec = _record(policy, "auto", 0.05, p.stats, base, pwall, pcpu)
+        makespan = np.bincount(dst, weights=weights, minlength=d).max()
+        moved = int(lengths[dst != src].sum())
+        bound = movement_lower_bound(weights, src, d, makespan)
+        rec.update(
+            policy_ms=wall,
+            policy_cpu_ms=cpu,
+            tokens_moved=moved,
+            tokens_moved_lower_bound=bound,
+            moved_over_bound=moved / bound if bound > 0 else float(moved == 0),
+            greedy_tokens_moved=greedy_moved,
+            makespan_over_greedy=makespan / greedy.loads.max(),
+        )
+        records.append(rec)
     return records
 
 
@@ -136,49 +144,57 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="16 and 64 ranks, one seed")
     ap.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--examples-per-rank", type=int, default=32)
+    ap.add_argument(
+        "--examples-per-rank",
+        default="15,65",
+        help="comma-separated mini-batch sizes (paper: 65, 40, 15 for MLLM-10B/18B/84B)",
+    )
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--ilp-time-limit", type=float, default=1.0, help="for method=ilp")
     ap.add_argument("--ilp-max-ranks", type=int, default=256, help="largest cluster for ilp")
     args = ap.parse_args(argv)
     ranks = QUICK_RANKS if args.quick else RANKS
     seeds = 1 if args.quick else args.seeds
+    per_rank = [int(x) for x in args.examples_per_rank.split(",")]
+    if args.quick:
+        per_rank = per_rank[:1]
     c = args.ranks_per_node
 
     records = []
     hdr = (
-        f"{'ranks':>5} {'phase':>6} {'policy':>11} {'method':>8} {'inter max':>10} "
+        f"{'ex/rk':>5} {'ranks':>5} {'phase':>6} {'policy':>16} {'method':>8} {'inter max':>10} "
         f"{'red.max':>7} {'inter tot':>11} {'red.tot':>7} {'ms':>7} {'cpu ms':>7} {'opt':>3}"
     )
     print(hdr)
-    for d in ranks:
-        for seed in range(seeds):
-            rng = np.random.default_rng(seed)
-            for phase, (lengths, src) in sample_phases(rng, d, args.examples_per_rank).items():
-                for rec in run_case(
-                    lengths,
-                    src,
-                    d,
-                    c,
-                    ilp_limit_s=args.ilp_time_limit,
-                    ilp_max_ranks=args.ilp_max_ranks,
-                ):
-                    rec.update(
-                        workload="image+audio",
-                        phase=phase,
-                        num_ranks=d,
-                        ranks_per_node=c,
-                        seed=seed,
-                        items=int(lengths.size),
-                    )
-                    records.append(rec)
-                    print(
-                        f"{d:>5} {phase:>6} {rec['policy']:>11} {rec['method']:>8} "
-                        f"{rec['inter_max_rank']:>10.0f} {rec['reduction_max_rank']:>7.3f} "
-                        f"{rec['inter_total']:>11.0f} {rec['reduction_total']:>7.3f} "
-                        f"{rec['solve_ms']:>7.1f} {rec['solve_cpu_ms']:>7.1f} "
-                        f"{int(rec['optimal']):>3}"
-                    )
+    for b, d, seed in itertools.product(per_rank, ranks, range(seeds)):
+        rng = np.random.default_rng(seed)
+        for phase, (lengths, src) in sample_phases(rng, d, b).items():
+            for rec in run_case(
+                lengths,
+                src,
+                d,
+                c,
+                ilp_limit_s=args.ilp_time_limit,
+                ilp_max_ranks=args.ilp_max_ranks,
+            ):
+                rec.update(
+                    workload="image+audio",
+                    phase=phase,
+                    examples_per_rank=b,
+                    num_ranks=d,
+                    ranks_per_node=c,
+                    seed=seed,
+                    items=int(lengths.size),
+                )
+                records.append(rec)
+                print(
+                    f"{b:>5} {d:>5} {phase:>6} {rec['policy']:>16} {rec['method']:>8} "
+                    f"{rec['inter_max_rank']:>10.0f} {rec['reduction_max_rank']:>7.3f} "
+                    f"{rec['inter_total']:>11.0f} {rec['reduction_total']:>7.3f} "
+                    f"{rec['solve_ms']:>7.1f} {rec['solve_cpu_ms']:>7.1f} "
+                    f"{int(rec['optimal']):>3}",
+                    flush=True,
+                )
     _summary(records)
     if args.json:
         with open(args.json, "w") as f:
@@ -190,21 +206,27 @@ def _summary(records: list[dict]) -> None:
     print("\nSummary (mean over seeds; reduction = 1 - after/identity, worst source rank)")
     lo, hi = PAPER_REDUCTION
     print(f"paper's reported range for this reduction: {lo}-{hi}")
-    keys = sorted({(r["num_ranks"], r["phase"]) for r in records})
-    for d, phase in keys:
-        rows = [r for r in records if r["num_ranks"] == d and r["phase"] == phase]
+    keys = sorted({(r["examples_per_rank"], r["num_ranks"], r["phase"]) for r in records})
+    for b, d, phase in keys:
+        rows = [
+            r
+            for r in records
+            if (r["examples_per_rank"], r["num_ranks"], r["phase"]) == (b, d, phase)
+        ]
 
         def mean(field, policy, method, rows=rows):
             vals = [r[field] for r in rows if r["policy"] == policy and r["method"] == method]
             return float(np.mean(vals)) if vals else float("nan")
 
-        stay = [r for r in rows if r["policy"] == "greedy_stay"]
+        stay = [r for r in rows if r["policy"].startswith("greedy_stay")]
         red = "reduction_max_rank"
         print(
-            f"{d:>5} ranks {phase:>6}: greedy+assign {mean(red, 'greedy', 'assign'):.3f}"
+            f"{b:>3}/rank {d:>5} ranks {phase:>6}: "
+            f"greedy+assign {mean(red, 'greedy', 'assign'):.3f}"
             f"  greedy+auto {mean(red, 'greedy', 'auto'):.3f}"
             f"  greedy+ilp {mean(red, 'greedy', 'ilp'):.3f}"
             f"  greedy_stay+auto {mean(red, 'greedy_stay', 'auto'):.3f}"
+            f"  node-aware {mean(red, 'greedy_stay_node', 'auto'):.3f}"
             f" | auto {mean('solve_ms', 'greedy', 'auto'):.1f} ms"
             f" ({mean('solve_cpu_ms', 'greedy', 'auto'):.1f} cpu)"
             f" | stay: moved/bound {max(r['moved_over_bound'] for r in stay):.3f}"

@@ -113,11 +113,14 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
 // Movement-aware balancing: items stay on their source rank unless the rank is above the
 // makespan target T = (1 + tolerance) * LPT makespan. Each rank keeps its heaviest items
 // first while they fit under T (so only small items are shed, overshooting the required
-// shedding by less than one small item); the shed items are then placed largest first on the
-// least-loaded rank. If that misses T, the same is retried with T = the LPT makespan, and if
-// that misses too the plain LPT assignment is returned: the tolerance is always met.
+// shedding by less than one small item); the shed items are then placed largest first: on
+// the least-loaded rank of their own node if it stays under T (ranks_per_node > 0), else on
+// the least-loaded rank anywhere. If that misses T, the same is retried with T = the LPT
+// makespan, and if that misses too the plain LPT assignment is returned: the tolerance
+// always holds.
 std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t n,
-                                    int64_t num_ranks, double tolerance) {
+                                    int64_t num_ranks, double tolerance,
+                                    int64_t ranks_per_node) {
     std::vector<int64_t> greedy(n);
     lpt(w, n, num_ranks, n, greedy.data());
     std::vector<double> greedy_load(num_ranks, 0.0);
@@ -144,15 +147,30 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
                 shed.push_back(i);
             }
         }
+        // Min-heap of (load, rank) with lazy deletion: every load change pushes a fresh entry,
+        // and an entry whose load is no longer the rank's is dropped when it surfaces.
         std::vector<Slot> heap;
         for (int64_t r = 0; r < num_ranks; ++r) heap.emplace_back(load[r], r);
         std::make_heap(heap.begin(), heap.end(), cmp);
+        const auto least_loaded = [&]() {
+            while (heap.front().first != load[heap.front().second]) {
+                std::pop_heap(heap.begin(), heap.end(), cmp);
+                heap.pop_back();
+            }
+            return heap.front().second;
+        };
         for (const int64_t i : shed) {
-            std::pop_heap(heap.begin(), heap.end(), cmp);
-            const int64_t r = heap.back().second;
+            int64_t r = -1;
+            if (ranks_per_node > 0) {
+                const int64_t first = src[i] / ranks_per_node * ranks_per_node;
+                const int64_t last = std::min(first + ranks_per_node, num_ranks);
+                for (int64_t q = first; q < last; ++q)
+                    if (load[q] + w[i] <= target && (r < 0 || load[q] < load[r])) r = q;
+            }
+            if (r < 0) r = least_loaded();
             dst[i] = r;
             load[r] += w[i];
-            heap.back().first = load[r];
+            heap.emplace_back(load[r], r);
             std::push_heap(heap.begin(), heap.end(), cmp);
         }
         if (*std::max_element(load.begin(), load.end()) <= limit) return dst;
@@ -202,7 +220,7 @@ void register_movement(py::module_& m) {
         "Max-profit assignment of CSR rows to columns of equal capacity; -1 = unmatched.");
     m.def(
         "movement_aware",
-        [](F64 weights, I64 src, int64_t num_ranks, double tolerance) {
+        [](F64 weights, I64 src, int64_t num_ranks, double tolerance, int64_t ranks_per_node) {
             const int64_t n = weights.size();
             if (src.size() != n) throw std::invalid_argument("movement_aware: size mismatch");
             for (int64_t i = 0; i < n; ++i)
@@ -211,10 +229,13 @@ void register_movement(py::module_& m) {
             std::vector<int64_t> out;
             {
                 py::gil_scoped_release release;
-                out = orch::movement_aware(weights.data(), src.data(), n, num_ranks, tolerance);
+                out = orch::movement_aware(weights.data(), src.data(), n, num_ranks, tolerance,
+                                           ranks_per_node);
             }
             return to_array(out);
         },
         py::arg("weights"), py::arg("src"), py::arg("num_ranks"), py::arg("tolerance"),
-        "Balance within (1 + tolerance) of LPT while keeping items on their source rank.");
+        py::arg("ranks_per_node") = 0,
+        "Balance within (1 + tolerance) of LPT while keeping items on their source rank "
+        "(and moved items on their node where they fit; ranks_per_node 0 = ignore nodes).");
 }

@@ -199,15 +199,18 @@ def movement_aware_dst(
     *,
     sizes: Any = None,
     tolerance: float = 0.005,
+    ranks_per_node: int | None = None,
 ) -> np.ndarray:
     """Balance like greedy (makespan within ``tolerance`` of LPT) while moving few items.
 
     ``weights``: additive per-item cost; ``src``: current rank of each item. Every rank keeps
     its heaviest items while they fit under ``(1 + tolerance) * LPT makespan``; only the rest
-    moves, largest first to the least-loaded rank. Items are kept by weight alone, so ``sizes``
-    (tokens per item) only has to be valid; it is accepted for the ``balance()`` contract and
-    used by :func:`movement_lower_bound`. Falls back to plain LPT if the target is missed, so
-    the tolerance always holds. Deterministic: ties break by item index, then rank index.
+    moves, largest first, to the least-loaded rank of its own node where it fits under that
+    target (with ``ranks_per_node``), else to the least-loaded rank. Items are kept by weight
+    alone, so ``sizes`` (tokens per item) only has to be valid; it is accepted for the
+    ``balance()`` contract and used by :func:`movement_lower_bound`. Falls back to plain LPT if
+    the target is missed, so the tolerance always holds. Deterministic: ties break by item
+    index, then rank index.
     """
     w = _weights(weights)
     d = _count("num_ranks", num_ranks)
@@ -216,9 +219,10 @@ def movement_aware_dst(
         _sizes(sizes, w.size)
     if not (isinstance(tolerance, numbers.Real) and 0 <= tolerance < math.inf):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    c = 0 if ranks_per_node is None else _topology(d, ranks_per_node)[1]
     from orchmllm import _core
 
-    return np.asarray(_core.movement_aware(w, s, d, float(tolerance)), dtype=np.int64)
+    return np.asarray(_core.movement_aware(w, s, d, float(tolerance), c), dtype=np.int64)
 
 
 def movement_lower_bound(

@@ -319,6 +319,25 @@ def test_greedy_stay_with_placement_keeps_traffic_on_node(rng):
     assert a.stats["inter_node_tokens_total_after"] < 0.2 * g.stats["inter_node_tokens_total_after"]
 
 
+def test_node_aware_greedy_stay_keeps_moves_on_node(rng):
+    d, c = 256, 8
+    lengths, src = _instance(rng, d, 30)
+    w = lengths.astype(float)
+    greedy_max = orchmllm.balance(lengths, d, "greedy").loads.max()
+    plain = movement_aware_dst(w, src, d)
+    nodes = movement_aware_dst(w, src, d, ranks_per_node=c)
+    kw = dict(num_ranks=d, ranks_per_node=c)
+    for dst in (plain, nodes):
+        assert np.bincount(dst, weights=w, minlength=d).max() <= greedy_max * 1.005 * (1 + 1e-12)
+    moved = lengths[nodes != src].sum()
+    makespan = np.bincount(nodes, weights=w, minlength=d).max()
+    assert moved <= 1.5 * movement_lower_bound(w, src, d, makespan)
+    t_plain = traffic(lengths, src, plain, **kw)
+    t_nodes = traffic(lengths, src, nodes, **kw)
+    assert t_nodes.inter_total < 0.5 * t_plain.inter_total
+    assert t_nodes.inter_sent.max() <= t_plain.inter_sent.max()
+
+
 def test_movement_aware_is_deterministic_and_exact_when_balanced():
     src = np.repeat(np.arange(4), 3)
     weights = np.full(12, 10.0)  # already perfectly balanced: nothing may move
@@ -364,3 +383,5 @@ def test_movement_aware_bad_input(args, match):
         movement_aware_dst([1.0], [0], 1, tolerance=-0.1)
     with pytest.raises(ValueError, match="sizes"):
         movement_aware_dst([1.0], [0], 1, sizes=[1, 2])
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        movement_aware_dst([1.0, 1.0], [0, 1], 2, ranks_per_node=3)
