@@ -138,8 +138,7 @@ def balance(
     if tolerance is not None and not (isinstance(tolerance, numbers.Real) and tolerance >= 0):
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
 
-    impl = _core() if backend == "cpp" else REFERENCE
-    dst = _plan(policy, l, d, cost, cap, tolerance, s, impl)
+    dst = plan_dst(policy, l, d, cost=cost, cap=cap, tolerance=tolerance, src=s, backend=backend)
     loads = cost.loads(l, dst, d)
     _check_caps(policy, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
 
@@ -294,16 +293,21 @@ def _core() -> Any:
     return _core
 
 
-def _plan(
+def plan_dst(
     policy: str,
     lengths: np.ndarray,
     d: int,
+    *,
     cost: CostModel,
     cap: int,
-    tolerance: float | None,
-    src: np.ndarray | None,
-    impl: Any,
+    tolerance: float | None = None,
+    src: np.ndarray | None = None,
+    backend: str = "cpp",
 ) -> np.ndarray:
+    """The policy's ``dst`` alone, on inputs :func:`balance` has validated (int64 lengths,
+    a cost of the policy's kind, ``cap * d >= n``). The benchmark times the C++ core against
+    the Python reference here, without the validation and statistics both share."""
+    impl = _core() if backend == "cpp" else REFERENCE
     n = lengths.size
     if policy == "identity":
         return src.copy()

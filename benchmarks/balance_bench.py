@@ -1,0 +1,275 @@
+"""Balancing benchmark: quality and planning time of every policy on realistic length mixes.
+
+Cases: policies x length distributions (``orchmllm.workloads``) x num_ranks x items per rank.
+Each rank's mini-batch is a random draw, so ``imbalance_before`` is what data parallelism
+without balancing pays. Times are CPU time of the calling thread (``time.thread_time``), so
+other processes on a shared machine do not inflate them; targets are ratios from this run:
+
+- greedy on 2560 x 60 items plans in at most 3x the time numpy argsorts the same lengths;
+- the C++ core is at least 20x faster than the Python reference (where that is timed);
+- packed policies (greedy, greedy_cost, kk) end within 1% of the lower bound;
+- where kk wins or loses against greedy, on quality and on time.
+
+A second table replays the audio phase with the H100 audio-10b block cost fitted from
+``h100_table1_blocks.json``: Alg. 2 (binary_search) versus padded_cost.
+
+    python benchmarks/balance_bench.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from orchmllm.balance import PADDED_POLICIES, POLICIES, balance, plan_dst
+from orchmllm.cost import CostModel, fit_padded
+from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
+
+# H100 block at hidden 1280 (h100_block_fwd_bwd.json fit): the quadratic objective.
+QUAD = CostModel("packed", alpha=3.488e-4, beta=3.013e-8, const=0.605)
+PACKED_TARGET = ("greedy", "greedy_cost", "kk")
+# Policies with a C++ implementation (identity copies src; greedy_stay is orchmllm.placement's).
+CORE = tuple(p for p in POLICIES if p not in ("identity", "greedy_stay"))
+# O(n*d) per call in Python, or O(n*d) in C++ as well: timed on the smaller cases only.
+SLOW = {"greedy_tolerance": 512, "kk": 2560, "greedy_stay": 512}
+_DATA = Path(__file__).resolve().parents[1]
+
+
+def _cpu_ms(fn, reps: int) -> float:
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best * 1e3
+
+
+def _cost(policy: str) -> CostModel | None:
+    return QUAD if policy == "greedy_cost" else None
+
+
+def run_cases(ranks, per_ranks, policies, ref_cases, seed: int) -> list[dict]:
+    records = []
+    for dist in DISTRIBUTIONS:
+        for d in ranks:
+            for per in per_ranks:
+                n = d * per
+                lengths = sample_lengths(dist, n, rng=seed + d + per)
+                src = np.repeat(np.arange(d, dtype=np.int64), per)
+                reps = 5 if n <= 10_000 else 2
+                argsort_ms = _cpu_ms(partial(np.argsort, lengths), reps * 2)
+                for policy in policies:
+                    if d > SLOW.get(policy, d):
+                        continue
+                    kw = {"src": src, "cost": _cost(policy)}
+                    a = balance(lengths, d, policy, **kw)
+                    plan_ms = _cpu_ms(partial(balance, lengths, d, policy, **kw), reps)
+                    ref_ms = math.nan
+                    core_ms = math.nan
+                    if policy in CORE and (
+                        (dist, d, per, policy) in ref_cases or (d, per) in ref_cases
+                    ):
+                        # The algorithm alone: C++ core against the Python reference.
+                        cost = kw["cost"] or CostModel(
+                            "padded" if policy in PADDED_POLICIES else "packed"
+                        )
+                        args = (policy, lengths, d)
+                        plan = partial(plan_dst, *args, cost=cost, cap=n, src=src)
+                        core_ms = _cpu_ms(plan, reps)
+                        ref_ms = _cpu_ms(partial(plan, backend="python"), 1)
+                    records.append(
+                        {
+                            "policy": policy,
+                            "dist": dist,
+                            "ranks": d,
+                            "per_rank": per,
+                            "cost": "h100_1280" if policy == "greedy_cost" else "default",
+                            "imbalance_before": a.stats["imbalance_before"],
+                            "imbalance_after": a.stats["imbalance_after"],
+                            "gap_to_lb": a.stats["gap_to_lb"],
+                            "plan_ms": plan_ms,
+                            "argsort_ms": argsort_ms,
+                            "python_ms": ref_ms,
+                            "core_ms": core_ms,
+                            "speedup_vs_python": ref_ms / core_ms if core_ms > 0 else math.nan,
+                        }
+                    )
+    return records
+
+
+def audio_cases(ranks, per_ranks, seed: int, draws: int) -> list[dict]:
+    for d in (_DATA / "data", _DATA.parent / "shared" / "data"):
+        if (d / "h100_table1_blocks.json").exists():
+            rows = json.loads((d / "h100_table1_blocks.json").read_text())
+            break
+    else:
+        print("audio table skipped: h100_table1_blocks.json not found")
+        return []
+    fit = fit_padded([r for r in rows if r["shape"] == "audio-10b"])
+    records = []
+    for dist in ("librispeech", "spoken_qa"):
+        for d in ranks:
+            for per in per_ranks:
+                for policy in ("binary_search", "padded_cost"):
+                    before, after, slowest = [], [], []
+                    for k in range(draws):
+                        # Encoder positions: mel frames after the stride-2 convolution.
+                        lengths = sample_lengths(dist, d * per, rng=seed + 100 * k + d) // 2
+                        src = np.repeat(np.arange(d), per)
+                        t0 = time.thread_time()
+                        a = balance(lengths, d, policy, src=src, cost=fit.model)
+                        plan_ms = (time.thread_time() - t0) * 1e3
+                        before.append(a.stats["imbalance_before"])
+                        after.append(a.stats["imbalance_after"])
+                        slowest.append(a.loads.max())
+                    records.append(
+                        {
+                            "policy": policy,
+                            "dist": dist,
+                            "ranks": d,
+                            "per_rank": per,
+                            "cost": "h100_audio_10b",
+                            "imbalance_before": float(np.mean(before)),
+                            "imbalance_after": float(np.mean(after)),
+                            "gap_to_lb": math.nan,
+                            "slowest_ms": float(np.mean(slowest)),
+                            "plan_ms": plan_ms,
+                        }
+                    )
+    return records
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report(records: list[dict], audio: list[dict]) -> dict[str, float]:
+    print(
+        f"{'policy':17s} {'dist':12s} {'ranks':>5s} {'per':>4s} {'before':>7s} {'after':>7s}"
+        f" {'gap_lb':>7s} {'plan_ms':>9s} {'x_argsort':>9s} {'x_python':>8s}"
+    )
+    for r in records:
+        print(
+            f"{r['policy']:17s} {r['dist']:12s} {r['ranks']:5d} {r['per_rank']:4d}"
+            f" {r['imbalance_before']:7.3f} {r['imbalance_after']:7.3f} {r['gap_to_lb']:7.4f}"
+            f" {r['plan_ms']:9.2f} {r['plan_ms'] / r['argsort_ms']:9.2f}"
+            f" {_fmt(r['speedup_vs_python'], '8.0f'):>8s}"
+        )
+    summary: dict[str, float] = {}
+    big = max(r["ranks"] * r["per_rank"] for r in records)
+    greedy_big = [
+        r for r in records if r["policy"] == "greedy" and r["ranks"] * r["per_rank"] == big
+    ]
+    summary["greedy_largest_items"] = float(big)
+    summary["greedy_over_argsort_max"] = max(r["plan_ms"] / r["argsort_ms"] for r in greedy_big)
+    summary["greedy_over_argsort_median"] = float(
+        np.median([r["plan_ms"] / r["argsort_ms"] for r in greedy_big])
+    )
+    speedups = [r["speedup_vs_python"] for r in records if not math.isnan(r["speedup_vs_python"])]
+    timed = [r for r in records if not math.isnan(r["speedup_vs_python"])]
+    summary["speedup_min"] = min(speedups) if speedups else math.nan
+    summary["speedup_median"] = float(np.median(speedups)) if speedups else math.nan
+    largest = [r for r in timed if r["ranks"] * r["per_rank"] == big]
+    summary["speedup_min_largest"] = min(
+        (r["speedup_vs_python"] for r in largest), default=math.nan
+    )
+    packed = [r for r in records if r["policy"] in PACKED_TARGET and r["per_rank"] >= 16]
+    summary["packed_gap_to_lb_max"] = max(r["gap_to_lb"] for r in packed)
+    for p in ("greedy_tolerance", "kk_equal", "greedy_stay"):
+        gaps = [r["gap_to_lb"] for r in records if r["policy"] == p]
+        if gaps:
+            summary[f"{p}_gap_to_lb_max"] = max(gaps)
+    kk = {(r["dist"], r["ranks"], r["per_rank"]): r for r in records if r["policy"] == "kk"}
+    pairs = [
+        (r, kk[(r["dist"], r["ranks"], r["per_rank"])])
+        for r in records
+        if r["policy"] == "greedy" and (r["dist"], r["ranks"], r["per_rank"]) in kk
+    ]
+    if pairs:
+        summary["kk_better_cases"] = float(
+            sum(k["gap_to_lb"] < g["gap_to_lb"] - 1e-12 for g, k in pairs)
+        )
+        summary["kk_worse_cases"] = float(
+            sum(k["gap_to_lb"] > g["gap_to_lb"] + 1e-12 for g, k in pairs)
+        )
+        summary["kk_cases"] = float(len(pairs))
+        summary["kk_mean_gap_to_lb"] = float(np.mean([k["gap_to_lb"] for _, k in pairs]))
+        summary["greedy_mean_gap_to_lb"] = float(np.mean([g["gap_to_lb"] for g, _ in pairs]))
+        summary["kk_max_gap_to_lb"] = float(max(k["gap_to_lb"] for _, k in pairs))
+        summary["greedy_max_gap_to_lb"] = float(max(g["gap_to_lb"] for g, _ in pairs))
+        for d in sorted({g["ranks"] for g, _ in pairs}):
+            ratio = [k["plan_ms"] / g["plan_ms"] for g, k in pairs if g["ranks"] == d]
+            summary[f"kk_time_over_greedy_ranks{d}"] = float(np.median(ratio))
+    if audio:
+        print("\naudio phase under the H100 audio-10b fit (mean over draws)")
+        print(
+            f"{'policy':14s} {'dist':12s} {'ranks':>5s} {'per':>4s} {'before':>7s} {'after':>7s}"
+            f" {'slowest_ms':>10s}"
+        )
+        for r in audio:
+            print(
+                f"{r['policy']:14s} {r['dist']:12s} {r['ranks']:5d} {r['per_rank']:4d}"
+                f" {r['imbalance_before']:7.3f} {r['imbalance_after']:7.3f}"
+                f" {r['slowest_ms']:10.2f}"
+            )
+        bs = [r for r in audio if r["policy"] == "binary_search"]
+        pc = [r for r in audio if r["policy"] == "padded_cost"]
+        summary["audio_binary_search_excess_mean"] = float(
+            np.mean([r["imbalance_after"] - 1 for r in bs])
+        )
+        summary["audio_padded_cost_excess_mean"] = float(
+            np.mean([r["imbalance_after"] - 1 for r in pc])
+        )
+        summary["audio_slowest_ratio_mean"] = float(
+            np.mean([p["slowest_ms"] / b["slowest_ms"] for b, p in zip(bs, pc, strict=True)])
+        )
+    print("\nsummary")
+    for k, v in summary.items():
+        print(f"  {k}: {v:.4g}")
+    checks = {
+        "greedy <= 3x argsort": summary["greedy_over_argsort_max"] <= 3.0,
+        "C++ >= 20x Python reference": summary["speedup_min"] >= 20.0,
+        "packed within 1% of lower bound": summary["packed_gap_to_lb_max"] <= 1.01,
+    }
+    for name, ok in checks.items():
+        print(f"  target {name}: {'met' if ok else 'NOT met'}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
+    parser.add_argument("--json", type=Path, help="write one flat record per case")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    policies = POLICIES
+    if args.quick:
+        ranks, per_ranks = (8, 64), (16,)
+        ref_cases = {(8, 16), (64, 16)}
+        audio = audio_cases((64,), (16,), args.seed, draws=2)
+    else:
+        ranks, per_ranks = (8, 64, 512, 2560), (16, 60)
+        # Python reference on every policy at 64 x 60; the fast policies also at 2560 x 60.
+        ref_cases = {(64, 60)} | {
+            ("text", 2560, 60, p) for p in ("greedy", "greedy_cost", "binary_search", "kk_equal")
+        }
+        audio = audio_cases((8, 64, 512), (16, 60), args.seed, draws=5)
+    records = run_cases(ranks, per_ranks, policies, ref_cases, args.seed)
+    summary = report(records, audio)
+    if args.json:
+        out = records + audio + [{"policy": "summary", **summary}]
+        clean = [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+            for r in out
+        ]
+        args.json.write_text(json.dumps(clean, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Smoke test of benchmarks/balance_bench.py: --quick --json records are complete and sane."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from orchmllm.balance import POLICIES
+from orchmllm.workloads import DISTRIBUTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_after", "plan_ms"}
+
+
+def test_balance_bench_quick(tmp_path):
+    out = tmp_path / "balance.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    subprocess.run(
+        [sys.executable, "benchmarks/balance_bench.py", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    records = json.loads(out.read_text())
+    summary = [r for r in records if r["policy"] == "summary"]
+    cases = [r for r in records if r["policy"] != "summary" and r["cost"] != "h100_audio_10b"]
+    assert len(summary) == 1
+    assert {r["policy"] for r in cases} == set(POLICIES)
+    assert {r["dist"] for r in cases} == set(DISTRIBUTIONS)
+    assert {r["ranks"] for r in cases} == {8, 64}
+    for r in cases:
+        assert FIELDS | {"gap_to_lb"} <= r.keys()
+        assert r["imbalance_before"] >= 1.0 and r["imbalance_after"] >= 1.0
+        assert r["gap_to_lb"] >= 1.0 - 1e-9 and r["plan_ms"] >= 0
+        if r["policy"] == "identity":
+            assert math.isclose(r["imbalance_after"], r["imbalance_before"])
+        if r["policy"] in ("greedy", "greedy_cost", "kk"):
+            assert r["gap_to_lb"] <= 1.05
+            assert r["imbalance_after"] <= r["imbalance_before"] + 1e-9
+    audio = [r for r in records if r.get("cost") == "h100_audio_10b"]
+    if audio:  # needs the H100 measurement file
+        bs = {(r["dist"], r["ranks"]): r for r in audio if r["policy"] == "binary_search"}
+        for r in audio:
+            if r["policy"] == "padded_cost":
+                assert r["slowest_ms"] <= bs[(r["dist"], r["ranks"])]["slowest_ms"] + 1e-9
