@@ -49,7 +49,7 @@ from orchmllm import balance, comm  # noqa: E402
 from orchmllm.plan import Rearrangement  # noqa: E402
 
 FULL = dict(
-    worlds=[2, 4], batch=8, mean_len=1024, hidden=512, reps=5,
+    worlds=[2, 4], batch=8, mean_len=1024, hidden=512, reps=7,
     sim_worlds=[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], sim_seeds=5,
 )  # fmt: skip
 QUICK = dict(
