@@ -232,7 +232,7 @@ def figure8(sw: Sweep, ranks: Sequence[int]) -> None:
 def minibatch(sw: Sweep, ranks: int) -> None:
     rows = []
     for model in sw.models:
-        hi = 2 * PAPER["minibatch_full"][model]
+        hi = 3 * PAPER["minibatch_full"][model] // 2
         pools = sw.pools(model, ranks, hi)
         found = {}
         for mode in ("none", "llm", "disttrain", "full"):
@@ -432,6 +432,39 @@ def figure13(sw: Sweep, d: int) -> None:
     )
 
 
+def speedups(sw: Sweep) -> None:
+    """Step-time speed-up over no balancing at a fixed mini-batch (MLLM-10B, 64 GPUs)."""
+    model, d, rows = "mllm-10b", 64, []
+    if model not in sw.models:
+        return
+    for b in (60, 20):
+        recs = {
+            mode: sw.case(
+                "speedup",
+                model,
+                d,
+                mode,
+                b,
+                60,
+                placement="node" if mode in ("llm", "full") else "none",
+            )
+            for mode in ("none", "llm", "disttrain", "full")
+        }
+        base = recs["none"]["step_time_s"]
+        for rec in recs.values():
+            rec["speedup_over_none"] = base / rec["step_time_s"]
+        rows.append(
+            [b]
+            + [recs[m]["speedup_over_none"] for m in ("llm", "disttrain", "full")]
+            + [recs["none"][f"imbalance_{p}"] for p in ("vision", "audio", "llm")]
+        )
+    _table(
+        f"Step-time speed-up over none at a fixed mini-batch ({model}, {d} GPUs)",
+        ["b", "llm", "disttrain", "full", "none imb vis", "aud", "llm"],
+        rows,
+    )
+
+
 def table2(sw: Sweep, ranks: Sequence[int]) -> None:
     model, b, rows = "mllm-10b", 60, []
     if model not in sw.models:
@@ -620,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablation = QUICK_ABLATION_RANKS if args.quick else ABLATION_RANKS
     sw.records.extend(calibration())
     sections: list[tuple[str, Callable[[], None]]] = [
+        ("speedup", lambda: speedups(sw)),
         ("fig8", lambda: figure8(sw, ranks)),
         ("minibatch", lambda: minibatch(sw, ranks[-1])),
         ("fig10", lambda: figure10(sw, ablation)),

@@ -277,3 +277,31 @@ def test_batch_rejects_bad_input() -> None:
             audio_example=empty,
             audio_frames=empty,
         )
+
+
+# -- workload ------------------------------------------------------------------------------
+
+
+def test_workload_batches_follow_the_config() -> None:
+    from orchmllm import workloads
+    from orchmllm.sim.sweep import load_model, sample_pool
+
+    for name, side in (("mllm-10b", 448), ("mllm-84b", 896)):
+        model = load_model(name)
+        a = sample_pool(model, 8, 50, seed=3)
+        b = sample_pool(model, 8, 50, seed=3)
+        np.testing.assert_array_equal(a.text, b.text)
+        np.testing.assert_array_equal(a.image_patches, b.image_patches)
+        assert workloads.MAX_IMAGE_SIDE == 448  # the bound is restored after sampling
+        grid = -(-side // 14)
+        assert 0 < a.image_patches.max() <= grid * grid
+        assert (a.image_patches % model.config.vision.downsample == 0).all()
+        assert (a.audio_frames % model.config.audio.frames_per_token == 0).all()
+        assert a.audio_frames.max() <= model.data["max_audio_s"] * 100
+        assert a.text.min() >= 1 and a.text.max() <= model.data["max_text_tokens"]
+        # about 0.55 images and 0.35 clips per example with the configs' task mix
+        assert 0.4 < a.image_patches.size / a.text.size < 0.75
+        assert 0.2 < a.audio_frames.size / a.text.size < 0.55
+    nested = a.take(20)
+    assert nested.examples_per_rank == 20
+    assert nested.image_patches.size <= a.image_patches.size
