@@ -122,9 +122,34 @@ def _sampler_epoch(n, world, batch, epoch, seed=3):
     ]
 
 
-def test_index_mode_epoch_prefetch_resume_uneven():
-    world, n, batch = 2, 47, 4  # 47 is odd: DistributedSampler pads one example
-    out = run_distributed(_index_mode_worker, world, n, batch, timeout=60)
+WORLD = 2
+INDEX_N, INDEX_BATCH = 47, 4  # 47 is odd: DistributedSampler pads one example
+MOVE_N, MOVE_BATCH = 25, 4  # shards of 13 and 12 items: rank 0 has one step more
+
+
+def _index_and_synthetic_worker(rank, world):
+    return _index_mode_worker(rank, world, INDEX_N, INDEX_BATCH), _synthetic_worker(rank, world)
+
+
+def _move_and_errors_worker(rank, world):
+    return _move_mode_worker(rank, world, MOVE_N, MOVE_BATCH), _errors_worker(rank, world)
+
+
+@pytest.fixture(scope="module")
+def index_run():
+    """One set of processes for the index-mode and synthetic-data checks (start-up is
+    most of a multi-process test's time)."""
+    return run_distributed(_index_and_synthetic_worker, WORLD, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def move_run():
+    return run_distributed(_move_and_errors_worker, WORLD, timeout=90)
+
+
+def test_index_mode_epoch_prefetch_resume_uneven(index_run):
+    world, n, batch = WORLD, INDEX_N, INDEX_BATCH
+    out = [r[0] for r in index_run]
     for epoch in (0, 1):
         expected = _sampler_epoch(n, world, batch, epoch)
         steps = {len(r[f"fetch{epoch}"]) for r in out}
@@ -202,9 +227,9 @@ def _move_mode_worker(rank, world, n, batch):
     return res
 
 
-def test_move_mode_iterable_dataloader_and_collator():
-    world, n, batch = 2, 25, 4  # shards of 13 and 12 items: rank 0 has one step more
-    out = run_distributed(_move_mode_worker, world, n, batch, timeout=60)
+def test_move_mode_iterable_dataloader_and_collator(move_run):
+    world, n = WORLD, MOVE_N
+    out = [r[0] for r in move_run]
     steps = {len(r["fetch"]) for r in out}
     assert steps == {4}  # no rank stops early (rank 0's last item is balanced too)
     assert sorted(i for r in out for b in r["fetch"] for i in b) == list(range(n))
@@ -262,8 +287,8 @@ def _synthetic_worker(rank, world):
     return out, same, steps
 
 
-def test_synthetic_multimodal_index_mode_and_orchestrator_plans():
-    out = run_distributed(_synthetic_worker, 2, timeout=60)
+def test_synthetic_multimodal_index_mode_and_orchestrator_plans(index_run):
+    out = [r[1] for r in index_run]
     items = [x for r, _, _ in out for b in r for x in b]
     assert sorted(i for i, _ in items) == list(range(30))
     assert all(length > 0 for _, length in items)
@@ -314,11 +339,16 @@ def _errors_worker(rank, world):
     except ValueError as exc:
         res["world"] = str(exc)
     dist.barrier()
+    # Leaving an epoch early without close(): the process still exits (no hang at exit).
+    abandoned = BalancedDataLoader(
+        ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, timeout=T
+    )
+    next(iter(abandoned))
     return res
 
 
-def test_errors_surface_on_every_rank_without_hanging():
-    out = run_distributed(_errors_worker, 2, timeout=40)
+def test_errors_surface_on_every_rank_without_hanging(move_run):
+    out = [r[1] for r in move_run]
     bad = [r["bad_length"] for r in out]
     owner = 7 % 2  # rank whose shard holds example 7
     assert "length_fn must return a non-negative integer" in bad[owner]

@@ -351,10 +351,18 @@ class BalancedDataLoader:
         return self._active
 
     def close(self) -> None:
-        """Stop the background thread of the current iteration (collective-safe)."""
+        """Stop the background thread of the current iteration (collective-safe: call it
+        on every rank after the same number of batches). Iterating again, set_epoch's next
+        iteration and ``with`` blocks close it too."""
         if self._active is not None:
             self._active.close()
             self._active = None
+
+    def __enter__(self) -> BalancedDataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _handshake(self) -> None:
         """Every rank checks that all ranks agree on the set-up, so a mismatch fails here
