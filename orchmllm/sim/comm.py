@@ -64,6 +64,11 @@ class Volumes:
         return float(self.sent_inter.mean()) if self.num_ranks else 0.0
 
     @property
+    def moves(self) -> bool:
+        """Whether any byte changes rank (else the all-to-all is skipped)."""
+        return bool(self.sent_intra.any() or self.sent_inter.any())
+
+    @property
     def inter_total(self) -> float:
         return float(self.sent_inter.sum())
 

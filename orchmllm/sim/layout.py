@@ -80,12 +80,19 @@ def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
 def _balance(
     lengths: np.ndarray, src: np.ndarray, num_ranks: int, policy: str, cost: CostModel
 ) -> np.ndarray:
-    """The real planner; the module's calibrated cost goes along when the policy's kind fits."""
+    """The real planner, with the module's calibrated cost when the policy's kind fits.
+
+    As ``orchmllm.orchestrator`` does, a plan whose slowest rank (under the calibrated cost) is
+    no faster than the sampled layout's is dropped and nothing moves.
+    """
     if lengths.size == 0:
         return src.copy()
     kind = "padded" if policy in PADDED_POLICIES else "packed"
     use = cost if cost.kind == kind and cost.alpha >= 0 and cost.beta >= 0 else None
-    return np.asarray(orchmllm.balance(lengths, num_ranks, policy, src=src, cost=use).dst)
+    dst = np.asarray(orchmllm.balance(lengths, num_ranks, policy, src=src, cost=use).dst)
+    if cost.loads(lengths, dst, num_ranks).max() >= cost.loads(lengths, src, num_ranks).max():
+        return src.copy()
+    return dst
 
 
 def _place(

@@ -173,8 +173,9 @@ def simulate_step(
         tokens[phase] = np.bincount(dst[phase], weights=lengths[phase], minlength=d)
         useful += m.useful_flops(lengths[phase])
     fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
-    dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd)
-    dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd)
+    # a move where every item stays is skipped by all ranks together (the plan is global)
+    dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd if v.moves)
+    dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd if v.moves)
     step = sum(max(compute[p], fsdp[p]) for p in PHASES) + dispatch_fwd + dispatch_bwd
     # forward share: a third of a trained module's compute and FSDP traffic, all of a frozen one
     fwd_share = {p: 1.0 if modules[p].frozen else 1.0 / 3.0 for p in PHASES}
