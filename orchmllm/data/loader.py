@@ -44,7 +44,7 @@ from orchmllm.data.lengths import (
 )
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.prefetch import Prefetcher
-from orchmllm.data.sampling import local_batches
+from orchmllm.data.sampling import local_batches, steps_per_epoch
 
 MODES = ("auto", "index", "move", "local")
 _HANDSHAKE = (
@@ -340,7 +340,12 @@ class BalancedDataLoader:
         """Steps per epoch (map-style sources only)."""
         if self._sampled is None:
             raise TypeError("the number of steps of iterable data is known only at its end")
-        return self._sampled.start(self.epoch, 0)
+        return steps_per_epoch(
+            len(self.source),
+            num_replicas=self.num_replicas,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     # -- iteration ---------------------------------------------------------------------
 
