@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from torch import Tensor
 
 from orchmllm.data import EncodingRates, SyntheticConfig, as_example
 from orchmllm.data.prefetch import Prefetcher
@@ -35,6 +37,7 @@ from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
 from orchmllm.orchestrator import (
     IGNORE_INDEX,
+    LLMBatch,
     LocalBatch,
     Orchestrator,
     StepPlan,
@@ -133,6 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--placement", choices=PLACEMENTS, default=None, help="override balance.placement"
     )
     p.add_argument("--metrics", default=None, help="write one JSON object per step to this path")
+    p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
@@ -277,8 +281,25 @@ def _all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dict], MLLM]:
-    """Run the training loop; returns this rank's per-step records and the (sharded) model."""
+@dataclass
+class Run:
+    """Everything one training run holds: model, optimizer, orchestrator, data source."""
+
+    args: argparse.Namespace
+    cfg: RunConfig
+    steps: int
+    placement: str
+    rpn: int
+    dtype: torch.dtype
+    device: torch.device
+    model: MLLM
+    optim: torch.optim.Optimizer
+    orch: Orchestrator
+    produce: Callable[[int], Prepared]
+
+
+def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
+    """Load the config and data, build and shard the model (collective: every rank)."""
     cfg = load_config(args.config)
     steps = args.steps or cfg.train.steps
     seed = cfg.train.seed if args.seed is None else args.seed
@@ -308,17 +329,31 @@ def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dic
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    return Run(args, cfg, steps, placement, rpn, dtype, device, model, optim, orch, produce)
 
+
+def forward_backward(run: Run, prepared: Prepared) -> tuple[Tensor, LLMBatch]:
+    """One step's forward over all phases and its backward (gradients reduce-scattered)."""
+    loss, out = run.model(step_forward(run.orch, prepared, dtype=run.dtype, device=run.device))
+    loss.backward()
+    return loss, out
+
+
+def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dict], MLLM]:
+    """Run the training loop; returns this rank's per-step records and the (sharded) model."""
+    run = setup(args, timeout=timeout)
+    world = dist.get_world_size()
     records = []
-    prefetch = Prefetcher(produce, depth=args.prefetch, close_timeout=timeout)
+    prefetch = Prefetcher(run.produce, depth=args.prefetch, close_timeout=timeout)
     try:
         for step, prepared in enumerate(prefetch):
             t0 = time.perf_counter()
-            loss, out = model(step_forward(orch, prepared, dtype=dtype, device=device))
-            loss.backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            global_loss, n_tokens = _all_reduce_sum([loss.item(), float(out.lengths.sum())], device)
+            loss, out = forward_backward(run, prepared)
+            run.optim.step()
+            run.optim.zero_grad(set_to_none=True)
+            global_loss, n_tokens = _all_reduce_sum(
+                [loss.item(), float(out.lengths.sum())], run.device
+            )
             dt = time.perf_counter() - t0
             records.append(
                 {
@@ -328,17 +363,17 @@ def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dic
                     "tokens_per_s": n_tokens / dt,
                     "balance": args.balance,
                     "world_size": world,
-                    "ranks_per_node": rpn,
-                    "placement": placement,
+                    "ranks_per_node": run.rpn,
+                    "placement": run.placement,
                     "prep_s": prepared.prep_s,
                     "phases": {name: out.stats[name] for name in PHASES},
                 }
             )
-            if rank == 0 and not args.quiet:
+            if dist.get_rank() == 0 and not args.quiet:
                 print(_progress(records[-1]), flush=True)
     finally:
         prefetch.close()
-    return records, model
+    return records, run.model
 
 
 def _progress(r: dict) -> str:
@@ -387,7 +422,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     created, _ = init_distributed()
     try:
-        records, _ = train(args)
+        records, model = train(args)
+        if args.save:
+            # Collective: every rank contributes its shards; rank 0 writes.
+            state = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+            if dist.get_rank() == 0:
+                torch.save(state, args.save)
         if dist.get_rank() == 0:
             if args.metrics:
                 with open(args.metrics, "w") as f:

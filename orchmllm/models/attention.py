@@ -9,16 +9,24 @@ result independent of which other sequences share its batch (what rebalancing re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.9 has no public varlen kernel
-    varlen_attn = None
-
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _varlen_kernel():
+    """torch's flash varlen kernel, or None (torch < 2.9). Imported on first CUDA use only:
+    the module pulls in torch._dynamo, seconds of start-up a CPU run does not need."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def cu_seqlens_from_lengths(lengths: Tensor) -> Tensor:
@@ -50,11 +58,13 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, causal
         # Keep the output attached to q (and through a fused qkv projection to k and v) so
         # every parameter still receives a (zero) gradient on a rank with nothing to do.
         return q.clone()
-    if varlen_attn is not None and q.is_cuda and q.dtype in _FUSED_DTYPES:
+    if q.is_cuda and q.dtype in _FUSED_DTYPES and _varlen_kernel() is not None:
         cu = cu_seqlens_from_lengths(lengths).to(torch.int32)
         max_len = int(lengths.max())
         window = (-1, 0) if causal else (-1, -1)
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window, enable_gqa=gqa)
+        return _varlen_kernel()(
+            q, k, v, cu, cu, max_len, max_len, window_size=window, enable_gqa=gqa
+        )
     outs = []
     for qs, ks, vs in zip(*(t.split(lengths.tolist()) for t in (q, k, v)), strict=True):
         o = F.scaled_dot_product_attention(
