@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -305,3 +306,21 @@ def test_workload_batches_follow_the_config() -> None:
     nested = a.take(20)
     assert nested.examples_per_rank == 20
     assert nested.image_patches.size <= a.image_patches.size
+
+
+def test_calibration_predicts_an_independent_measurement() -> None:
+    """The llm-10b fit (Table 1 data) predicts the separately measured hidden-3584 blocks of
+    h100_block_fwd_bwd.json (same shape, other batches) within 15%."""
+    from importlib import resources
+
+    rows = json.loads(
+        resources.files("orchmllm.sim").joinpath("data/h100_block_fwd_bwd.json").read_text()
+    )
+    fit = block_fit(BlockShape(3584, 18944, 28, 4, "causal")).cost
+    checked = 0
+    for r in rows:
+        if r["hidden"] == 3584:
+            predicted = fit.alpha * r["tokens"] + fit.beta * r["sum_l2"] + fit.const
+            assert abs(predicted / r["ms"] - 1) < 0.15, r
+            checked += 1
+    assert checked >= 10
