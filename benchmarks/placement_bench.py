@@ -1,11 +1,12 @@
 """Node-wise placement and movement-aware balancing at cluster scale (no GPUs needed).
 
 For each cluster size, every rank samples a mini-batch of the image+audio mix; each phase
-(vision items, audio clips, whole LLM sequences) is balanced with the paper's greedy, and the new
-batches are placed on ranks with each placement method. Printed per case: the inter-node volume
-(worst source rank and total, in the phase's tokens: raw patches, mel frames, LLM tokens) and its
-reduction versus identity placement, the solve time (wall and CPU), and for the movement-aware
-policy (greedy_stay) the tokens moved against the lower bound and its makespan against greedy.
+(vision items, audio clips, whole LLM sequences) is balanced with the paper's tailored policy
+(greedy, binary_search, greedy), and the new batches are placed on ranks with each method.
+Printed per case: the inter-node volume (worst source rank and total, in the phase's tokens:
+raw patches, mel frames, LLM tokens) and its reduction versus identity placement, the solve
+time (wall and CPU), and for the movement-aware policy (greedy_stay, and its node-aware form)
+the tokens moved against the lower bound and the makespan against greedy.
 
     python benchmarks/placement_bench.py [--quick] [--json PATH]
 """
@@ -22,15 +23,17 @@ import numpy as np
 
 import orchmllm
 from orchmllm.placement import movement_aware_dst, movement_lower_bound, place_batches
+from orchmllm.workloads import sample_lengths
 
 RANKS = (16, 64, 256, 1024, 2560)
 QUICK_RANKS = (16, 64)
 PAPER_REDUCTION = (0.436, 0.722)  # paper Fig. 13: worst-rank inter-node volume reduction
 TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
-TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)
-# Median text tokens and log-spread per task.
-TEXT = {"caption": (60, 0.5), "vqa": (150, 0.8), "asr": (40, 0.5), "spoken_qa": (120, 0.7)}
-TEXT["chat"] = (600, 0.9)
+TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)  # configs/mllm-10b.yaml data.mix
+AUDIO_RATE = 4  # mel frames per LLM token: conv stride 2, downsample 2 (MLLM-10B)
+MAX_TEXT = 2048
+# The paper's tailored policy per phase (configs/mllm-10b.yaml balance.*_policy).
+PHASE_POLICY = {"vision": "greedy", "audio": "binary_search", "llm": "greedy"}
 
 
 def sample_phases(
@@ -38,28 +41,27 @@ def sample_phases(
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per phase, (tokens per item, source rank) of one step of the image+audio mix.
 
-    Images: side 224-896 px in 28 px steps, 14 px patches, 2x2 merge into the LLM. Audio:
-    log-normal duration (median 8 s, 1-30 s), 100 mel frames/s, stride 2 then 4 into the LLM.
+    Lengths come from :mod:`orchmllm.workloads` (the balancing benchmark's distributions):
+    images ``llava_image`` patches (vision downsample 1), ASR clips ``librispeech`` and spoken
+    QA clips ``spoken_qa`` mel frames (``AUDIO_RATE`` frames per LLM token), text ``text``.
     """
     n = num_ranks * per_rank
     src = np.repeat(np.arange(num_ranks, dtype=np.int64), per_rank)
     task = rng.choice(len(TASKS), size=n, p=TASK_MIX)
-    text = np.zeros(n, dtype=np.int64)
-    for k, name in enumerate(TASKS):
-        median, spread = TEXT[name]
-        pick = task == k
-        text[pick] = np.clip(rng.lognormal(np.log(median), spread, pick.sum()), 4, 2048)
     has_image = task <= 1
-    has_audio = (task == 2) | (task == 3)
-    side = rng.integers(8, 33, n) * 28
-    patches = (side // 14) ** 2
-    seconds = np.clip(rng.lognormal(np.log(8.0), 0.6, n), 1.0, 30.0)
-    frames = (seconds * 100).astype(np.int64) // 8 * 8
-    llm = text + has_image * patches // 4 + has_audio * frames // 8
+    asr, spoken = task == 2, task == 3
+    patches = np.zeros(n, dtype=np.int64)
+    frames = np.zeros(n, dtype=np.int64)
+    patches[has_image] = sample_lengths("llava_image", int(has_image.sum()), rng)
+    frames[asr] = sample_lengths("librispeech", int(asr.sum()), rng)
+    frames[spoken] = sample_lengths("spoken_qa", int(spoken.sum()), rng)
+    frames -= frames % AUDIO_RATE
+    text = np.minimum(sample_lengths("text", n, rng), MAX_TEXT)
+    has_audio = asr | spoken
     return {
         "vision": (patches[has_image], src[has_image]),
         "audio": (frames[has_audio], src[has_audio]),
-        "llm": (llm, src),
+        "llm": (text + patches + frames // AUDIO_RATE, src),
     }
 
 
@@ -69,9 +71,13 @@ def _timed(fn):
     return out, (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 
-def run_case(lengths, src, d, c, *, ilp_limit_s: float, ilp_max_ranks: int) -> list[dict]:
-    """All placement methods for one phase's greedy plan, plus the movement-aware policy
-    (``greedy_stay`` through ``balance()``, and its node-aware form) placed with ``auto``."""
+def run_case(
+    lengths, src, d, c, *, policy: str, ilp_limit_s: float, ilp_max_ranks: int
+) -> list[dict]:
+    """All placement methods for one phase's plan by ``policy``, plus the movement-aware
+    policy (``greedy_stay`` through ``balance()``, and its node-aware form) placed with
+    ``auto``; the movement-aware figures are compared with ``greedy``."""
+    planned = orchmllm.balance(lengths, d, policy, src=src)
     greedy = orchmllm.balance(lengths, d, "greedy", src=src)
     kw = dict(num_ranks=d, ranks_per_node=c)
     records = []
@@ -84,13 +90,13 @@ def run_case(lengths, src, d, c, *, ilp_limit_s: float, ilp_max_ranks: int) -> l
             warnings.simplefilter("ignore", RuntimeWarning)
             p, wall, cpu = _timed(
                 lambda m=method, t=limit: place_batches(
-                    lengths, src, greedy.dst, method=m, time_limit_s=t, **kw
+                    lengths, src, planned.dst, method=m, time_limit_s=t, **kw
                 )
             )
         s = p.stats
         if method == "identity":
             base = s
-        records.append(_record("greedy", method, limit, s, base, wall, cpu))
+        records.append(_record(policy, method, limit, s, base, wall, cpu))
 
     weights = lengths.astype(np.float64)  # greedy's packed cost with alpha=1: tokens
     variants = {
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 src,
                 d,
                 c,
+                policy=PHASE_POLICY[phase],
                 ilp_limit_s=args.ilp_time_limit,
                 ilp_max_ranks=args.ilp_max_ranks,
             ):
@@ -220,15 +227,16 @@ def _summary(records: list[dict]) -> None:
 
         stay = [r for r in rows if r["policy"].startswith("greedy_stay")]
         red = "reduction_max_rank"
+        pol = PHASE_POLICY[phase]
         print(
             f"{b:>3}/rank {d:>5} ranks {phase:>6}: "
-            f"greedy+assign {mean(red, 'greedy', 'assign'):.3f}"
-            f"  greedy+auto {mean(red, 'greedy', 'auto'):.3f}"
-            f"  greedy+ilp {mean(red, 'greedy', 'ilp'):.3f}"
+            f"{pol}+assign {mean(red, pol, 'assign'):.3f}"
+            f"  +auto {mean(red, pol, 'auto'):.3f}"
+            f"  +ilp {mean(red, pol, 'ilp'):.3f}"
             f"  greedy_stay+auto {mean(red, 'greedy_stay', 'auto'):.3f}"
             f"  node-aware {mean(red, 'greedy_stay_node', 'auto'):.3f}"
-            f" | auto {mean('solve_ms', 'greedy', 'auto'):.1f} ms"
-            f" ({mean('solve_cpu_ms', 'greedy', 'auto'):.1f} cpu)"
+            f" | auto {mean('solve_ms', pol, 'auto'):.1f} ms"
+            f" ({mean('solve_cpu_ms', pol, 'auto'):.1f} cpu)"
             f" | stay: moved/bound {max(r['moved_over_bound'] for r in stay):.3f}"
             f", makespan/greedy {max(r['makespan_over_greedy'] for r in stay):.4f}"
             f", moved/greedy moved "

@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <limits>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -110,14 +110,16 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
     return col_of;
 }
 
-// Movement-aware balancing: items stay on their source rank unless the rank is above the
-// makespan target T = (1 + tolerance) * LPT makespan. Each rank keeps its heaviest items
-// first while they fit under T (so only small items are shed, overshooting the required
-// shedding by less than one small item); the shed items are then placed largest first: on
-// the least-loaded rank of their own node if it stays under T (ranks_per_node > 0), else on
-// the least-loaded rank anywhere. If that misses T, the same is retried with T = the LPT
-// makespan, and if that misses too the plain LPT assignment is returned: the tolerance
-// always holds.
+// Movement-aware balancing: items stay on their source rank unless the rank is above a
+// makespan target T, starting from T = (1 + tolerance) * LPT makespan. Each rank keeps its
+// heaviest items first while they fit under T (so mostly small items are shed, overshooting
+// the required shedding by less than one small item); the shed items are then placed
+// largest first, best fit: on the fullest rank they still fit on under T, preferring the
+// item's own node (ranks_per_node > 0), and on the least-loaded rank if none fits. If the
+// result misses (1 + tolerance) * LPT makespan, variants are tried: shed items placed in the
+// same pass as the keeps, at their turn in weight order, and lower targets T, which shed more
+// and leave more freedom; the variant moving the least weight wins. If all miss, the LPT
+// assignment itself is returned, so the tolerance always holds.
 std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t n,
                                     int64_t num_ranks, double tolerance,
                                     int64_t ranks_per_node) {
@@ -133,48 +135,75 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return w[a] > w[b]; });
 
-    using Slot = std::pair<double, int64_t>;
-    const auto cmp = std::greater<Slot>();
-    std::vector<int64_t> dst(n);
-    for (const double target : {limit, makespan}) {
-        std::vector<double> load(num_ranks, 0.0);
+    using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
+    std::vector<int64_t> dst(n), best;
+    std::vector<double> load(num_ranks);
+    std::set<Slot> slots;  // kept in step with `load` while `live`
+    bool live = false;
+    double target = limit;
+    const auto add = [&](int64_t i, int64_t r) {
+        if (live) slots.erase({load[r], r});
+        dst[i] = r;
+        load[r] += w[i];
+        if (live) slots.emplace(load[r], r);
+    };
+    const auto place = [&](int64_t i) {
+        int64_t r = -1;
+        if (ranks_per_node > 0) {  // fullest rank of the own node that still fits
+            const int64_t first = src[i] / ranks_per_node * ranks_per_node;
+            const int64_t last = std::min(first + ranks_per_node, num_ranks);
+            for (int64_t q = first; q < last; ++q)
+                if (load[q] + w[i] <= target && (r < 0 || load[q] > load[r])) r = q;
+        }
+        if (r < 0) {  // fullest rank anywhere that still fits, else the least loaded
+            auto it = slots.upper_bound({target - w[i], num_ranks});
+            r = it == slots.begin() ? slots.begin()->second : std::prev(it)->second;
+            if (load[r] + w[i] > target) r = slots.begin()->second;
+        }
+        add(i, r);
+    };
+    // Candidates (target scale, interleave): all keeps first, then the shed items (keeps the
+    // most), or one pass in weight order with shed items placed at their turn (closer to LPT
+    // when items are coarse). The first candidate almost always meets the limit; otherwise
+    // the one meeting it with the least weight moved wins (ties: the earlier candidate).
+    std::vector<std::pair<double, bool>> candidates = {{1.0, false}, {1.0, true}};
+    for (const double scale : {0.995, 0.98, 0.95, 0.9, 0.8, 0.6, 0.3})
+        for (const bool interleave : {false, true}) candidates.emplace_back(scale, interleave);
+    double best_moved = 0.0;
+    for (size_t k = 0; k < candidates.size(); ++k) {
+        const auto [scale, interleave] = candidates[k];
+        target = scale * limit;
+        std::fill(load.begin(), load.end(), 0.0);
+        slots.clear();
+        live = interleave;
+        if (live)
+            for (int64_t r = 0; r < num_ranks; ++r) slots.emplace(0.0, r);
         std::vector<int64_t> shed;
         for (const int64_t i : order) {
             if (load[src[i]] + w[i] <= target) {
-                dst[i] = src[i];
-                load[src[i]] += w[i];
+                add(i, src[i]);
+            } else if (interleave) {
+                place(i);
             } else {
                 shed.push_back(i);
             }
         }
-        // Min-heap of (load, rank) with lazy deletion: every load change pushes a fresh entry,
-        // and an entry whose load is no longer the rank's is dropped when it surfaces.
-        std::vector<Slot> heap;
-        for (int64_t r = 0; r < num_ranks; ++r) heap.emplace_back(load[r], r);
-        std::make_heap(heap.begin(), heap.end(), cmp);
-        const auto least_loaded = [&]() {
-            while (heap.front().first != load[heap.front().second]) {
-                std::pop_heap(heap.begin(), heap.end(), cmp);
-                heap.pop_back();
-            }
-            return heap.front().second;
-        };
-        for (const int64_t i : shed) {
-            int64_t r = -1;
-            if (ranks_per_node > 0) {
-                const int64_t first = src[i] / ranks_per_node * ranks_per_node;
-                const int64_t last = std::min(first + ranks_per_node, num_ranks);
-                for (int64_t q = first; q < last; ++q)
-                    if (load[q] + w[i] <= target && (r < 0 || load[q] < load[r])) r = q;
-            }
-            if (r < 0) r = least_loaded();
-            dst[i] = r;
-            load[r] += w[i];
-            heap.emplace_back(load[r], r);
-            std::push_heap(heap.begin(), heap.end(), cmp);
+        if (!live) {
+            for (int64_t r = 0; r < num_ranks; ++r) slots.emplace(load[r], r);
+            live = true;
         }
-        if (*std::max_element(load.begin(), load.end()) <= limit) return dst;
+        for (const int64_t i : shed) place(i);
+        if (*std::max_element(load.begin(), load.end()) > limit) continue;
+        if (k == 0) return dst;
+        double moved = 0.0;
+        for (int64_t i = 0; i < n; ++i)
+            if (dst[i] != src[i]) moved += w[i];
+        if (best.empty() || moved < best_moved) {
+            best = dst;
+            best_moved = moved;
+        }
     }
+    if (!best.empty()) return best;
     return greedy;
 }
 
