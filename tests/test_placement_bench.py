@@ -42,6 +42,8 @@ def test_placement_bench_quick(tmp_path):
             assert r["makespan_over_greedy"] <= 1.005 + 1e-9
             assert r["tokens_moved"] < r["greedy_tokens_moved"]
     methods = {
-        (r["num_ranks"], r["phase"], r["method"]) for r in records if r["policy"] == "greedy"
+        (r["num_ranks"], r["phase"], r["method"])
+        for r in records
+        if not r["policy"].startswith("greedy_stay")
     }
     assert len(methods) == 2 * 3 * 4  # identity, assign, auto, ilp at each size and phase
