@@ -27,6 +27,7 @@ from orchmllm.plan import Rearrangement
 
 OK, EXHAUSTED, FAILED = 0, 1, 2
 PAD = -1  # fills metadata rows shorter than the widest one
+CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
 _INT64 = 8
 
 Planner = Callable[[np.ndarray, np.ndarray, int], Any]
@@ -143,22 +144,30 @@ def move_examples(
     holds in destination-slot order, payload bytes this rank sent to other ranks).
 
     ``nbytes`` holds every item's size in global order (it came with the metadata), so no
-    size exchange is needed.
+    size exchange is needed. Each example travels as whole rows of ``CHUNK`` bytes (the
+    last one zero-padded), so the all-to-all indexes rows, not single bytes.
     """
+    rows = -(-np.asarray(nbytes, dtype=np.int64) // CHUNK)
     mine = plan.items_at(g.rank)
     leaving = (plan.src_rank == g.rank) & (plan.dst_rank != g.rank)
-    sent = int(nbytes[leaving].sum())
+    sent = int(rows[leaving].sum()) * CHUNK
     if not g.distributed:
         received = b"".join(blobs)
-    else:  # one buffer of every local example's bytes, in source-slot order
-        buf = bytearray(b"".join(blobs))
+        ends = np.cumsum(nbytes[mine])
+        starts = ends - nbytes[mine]
+    else:  # every local example in source-slot order, each padded to whole rows
+        buf = bytearray(int(sum(-(-len(b) // CHUNK) for b in blobs)) * CHUNK)
+        offset = 0
+        for blob in blobs:
+            buf[offset : offset + len(blob)] = blob
+            offset += -(-len(blob) // CHUNK) * CHUNK
         send = (
             torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)
         )
-        out = comm.move(plan, send, sizes=nbytes, group=g.group, timeout=g.timeout)
+        out = comm.move(plan, send.view(-1, CHUNK), sizes=rows, group=g.group, timeout=g.timeout)
         received = out.numpy().tobytes()
-    ends = np.cumsum(nbytes[mine])
-    starts = ends - nbytes[mine]
+        starts = (np.cumsum(rows[mine]) - rows[mine]) * CHUNK
+        ends = starts + nbytes[mine]
     view = memoryview(received)
     return [pickle.loads(view[a:b]) for a, b in zip(starts, ends, strict=True)], sent
 
