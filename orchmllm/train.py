@@ -18,7 +18,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,17 +29,15 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
-from orchmllm.data import EncodingRates, SyntheticConfig, as_example
-from orchmllm.data.prefetch import Prefetcher
-from orchmllm.data.sampling import local_batches
+from orchmllm.data import EncodingRates, SyntheticConfig
+from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
 from orchmllm.orchestrator import (
     IGNORE_INDEX,
     LLMBatch,
-    LocalBatch,
     Orchestrator,
-    StepPlan,
     default_phases,
 )
 
@@ -213,18 +210,11 @@ def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: s
 # training loop
 
 
-@dataclass
-class Prepared:
-    """One step prepared ahead by the prefetch thread: local batch and its plan."""
-
-    batch: LocalBatch
-    plan: StepPlan
-    prep_s: float
-
-
-def make_orchestrator(cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float):
-    """The orchestrator with this run's phases and policies. Metadata is gathered on a gloo
-    group of its own, so planning can run in the prefetch thread next to training."""
+def make_orchestrator(
+    cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float
+) -> Orchestrator:
+    """The orchestrator with this run's phases and policies (it plans in the loader's
+    prefetch thread, which gathers metadata on a gloo group of its own)."""
     phases = default_phases(
         cfg.rates,
         patch_dim=cfg.model.vision.patch_dim,
@@ -238,25 +228,24 @@ def make_orchestrator(cfg: RunConfig, *, mode: str, placement: str, rpn: int, ti
         llm_policy=cfg.balance.llm_policy,
         placement=placement,
         ranks_per_node=rpn,
-        meta_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)),
         timeout=timeout,
     )
 
 
-def step_forward(orch: Orchestrator, prepared: Prepared, *, dtype: torch.dtype, device):
+def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtype, device):
     """The whole multimodal forward of one step, run inside the FSDP root call.
 
     Returns this rank's share of the loss (summed over its targets, divided by the global
     target count) and the orchestrator's LLM batch (for metrics).
     """
-    batch = prepared.batch.to(device)
+    batch = planned.batch.to(device)
 
     def forward(model: MLLM):
         encoders = {
             "vision": lambda x, lengths: model.vision(x.to(dtype), lengths),
             "audio": lambda x, lengths: model.audio(x.to(dtype), lengths),
         }
-        out = orch.run(batch, encoders, plan=prepared.plan)
+        out = orch.run(batch, encoders, plan=planned.plan)
         logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)
         loss = F.cross_entropy(logits, out.targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss / max(out.num_targets, 1), out
@@ -295,7 +284,7 @@ class Run:
     model: MLLM
     optim: torch.optim.Optimizer
     orch: Orchestrator
-    produce: Callable[[int], Prepared]
+    loader: BalancedDataLoader
 
 
 def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
@@ -305,36 +294,27 @@ def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
     seed = cfg.train.seed if args.seed is None else args.seed
     placement = args.placement or cfg.balance.placement
     dtype = DTYPES[args.dtype]
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     _, device = init_distributed()
     rpn = ranks_per_node(cfg, world)
     per_rank = cfg.data.examples_per_rank
     dataset = prepare_dataset(
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
-    batches = local_batches(
-        len(dataset), rank=rank, num_replicas=world, batch_size=per_rank, seed=seed
-    )
     orch = make_orchestrator(cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout)
-
-    def produce(step: int) -> Prepared:
-        if step >= steps:
-            raise StopIteration
-        t0 = time.perf_counter()
-        examples = [as_example(dataset[int(i)]) for i in batches[step]]
-        batch = LocalBatch.from_examples(examples, orch.phases)
-        plan = orch.plan_batch(batch)
-        return Prepared(batch, plan, time.perf_counter() - t0)
-
+    # Samples like a DistributedSampler; plans each step in a background thread ahead of it.
+    loader = orchestrated_loader(
+        dataset, orch, batch_size=per_rank, prefetch=args.prefetch, seed=seed, timeout=timeout
+    )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-    return Run(args, cfg, steps, placement, rpn, dtype, device, model, optim, orch, produce)
+    return Run(args, cfg, steps, placement, rpn, dtype, device, model, optim, orch, loader)
 
 
-def forward_backward(run: Run, prepared: Prepared) -> tuple[Tensor, LLMBatch]:
+def forward_backward(run: Run, planned: PlannedBatch) -> tuple[Tensor, LLMBatch]:
     """One step's forward over all phases and its backward (gradients reduce-scattered)."""
-    loss, out = run.model(step_forward(run.orch, prepared, dtype=run.dtype, device=run.device))
+    loss, out = run.model(step_forward(run.orch, planned, dtype=run.dtype, device=run.device))
     loss.backward()
     return loss, out
 
@@ -344,11 +324,10 @@ def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dic
     run = setup(args, timeout=timeout)
     world = dist.get_world_size()
     records = []
-    prefetch = Prefetcher(run.produce, depth=args.prefetch, close_timeout=timeout)
-    try:
-        for step, prepared in enumerate(prefetch):
+    with run.loader:
+        for step, planned in enumerate(run.loader):
             t0 = time.perf_counter()
-            loss, out = forward_backward(run, prepared)
+            loss, out = forward_backward(run, planned)
             run.optim.step()
             run.optim.zero_grad(set_to_none=True)
             global_loss, n_tokens = _all_reduce_sum(
@@ -365,14 +344,13 @@ def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dic
                     "world_size": world,
                     "ranks_per_node": run.rpn,
                     "placement": run.placement,
-                    "prep_s": prepared.prep_s,
+                    "plan_s": planned.info.plan_s,
+                    "prep_s": planned.info.prep_s,
                     "phases": {name: out.stats[name] for name in PHASES},
                 }
             )
             if dist.get_rank() == 0 and not args.quiet:
                 print(_progress(records[-1]), flush=True)
-    finally:
-        prefetch.close()
     return records, run.model
 
 

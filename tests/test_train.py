@@ -117,7 +117,8 @@ def _grads_worker(rank: int, world: int, config: str, tmp_path: str, mode: str):
     """Loss and FSDP2-reduced gradients of step 0, as full tensors (rank 0)."""
     torch.set_num_threads(1)
     run = setup(parse_args(_argv(config, tmp_path, mode, 1)), timeout=90)
-    loss, _ = forward_backward(run, run.produce(0))
+    with run.loader:
+        loss, _ = forward_backward(run, next(iter(run.loader)))
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {n: p.grad.full_tensor() for n, p in run.model.named_parameters()}
