@@ -192,3 +192,15 @@ def test_config_validation_names_the_bad_key():
     raw["llm"] = {**raw["llm"], "layers": 2, "extra": 1}
     with pytest.raises(ValueError, match="extra"):
         ModelConfig.from_dict(raw)
+
+
+def test_frozen_encoders_train_only_their_connectors():
+    with open(TINY) as f:
+        raw = yaml.safe_load(f)["model"]
+    for name in ("vision", "audio"):
+        raw[name] = {**raw[name], "frozen": True}
+    model = build_model(ModelConfig.from_dict(raw), seed=0)
+    for encoder in (model.vision, model.audio):
+        trainable = {n for n, p in encoder.named_parameters() if p.requires_grad}
+        assert trainable and all(n.startswith("connector.") for n in trainable)
+    assert all(p.requires_grad for p in model.llm.parameters())

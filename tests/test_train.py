@@ -168,6 +168,14 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
         torch.testing.assert_close(grads2[name], g, rtol=1e-7, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("name", ["tiny", "mllm-10b", "mllm-18b", "mllm-84b"])
+def test_every_shipped_config_loads(name):
+    cfg = load_config(f"configs/{name}.yaml")
+    assert cfg.rates.divisor(1) == cfg.model.vision.downsample
+    assert cfg.rates.divisor(2) == cfg.model.audio.conv_stride * cfg.model.audio.downsample
+    assert cfg.balance.vision_policy == "greedy" and cfg.balance.audio_policy == "binary_search"
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--balance", "everything"])
