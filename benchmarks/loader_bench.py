@@ -1,14 +1,17 @@
 """Prefetching loader: how much planning is hidden behind the step, and bytes per mode.
 
-Each rank (gloo processes) trains on a simulated step of ``step_s`` seconds (``sleep``, or a
-``matmul`` calibrated to that duration) while BalancedDataLoader prepares the next steps in
-its background thread: load the examples, all-gather their metadata, plan (``--policy``),
-move the examples (``move`` mode) and collate. Per case it prints the time per step the
-background work takes (``plan_s``: gather + plan; ``prep_s``: everything), the time the loop
-still waited for a batch (``wait_s``), the fraction of the preparation hidden behind the step
-(``hidden_fraction = 1 - wait_s / prep_s``, steps after the first), and the bytes each rank
-sent per step: ``index`` mode exchanges dataset indices and lengths only, ``move`` mode also
-ships every moved example. ``prefetch=0`` is the synchronous baseline (nothing hidden).
+Each rank (gloo processes) trains on a simulated step of ``step_s`` seconds (``sleep``, or
+a ``matmul`` calibrated to that duration; then a small all-reduce on the training group
+keeps the ranks in lockstep, as gradient synchronisation does) while BalancedDataLoader
+prepares the next steps in its background thread: load the examples, all-gather their
+metadata, plan (``--policy``), move the examples (``move`` mode) and collate.
+
+Per case it prints the time per step the background work takes (``plan_s``: gather + plan;
+``prep_s``: everything), the time the loop still waited for a batch (``wait_s``), the
+fraction of the preparation hidden behind the step (``hidden_fraction = 1 - wait/prep``
+summed over the steps after the first), and the bytes each rank sent per step: ``index``
+mode exchanges dataset indices and lengths only, ``move`` mode also ships every moved
+example. ``prefetch=0`` is the synchronous baseline (nothing hidden).
 
     python benchmarks/loader_bench.py [--quick] [--json PATH] [--work sleep|matmul]
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from tests.multiproc import run_distributed  # noqa: E402
@@ -87,6 +91,7 @@ def _case(ds, cfg: dict) -> dict:
         timeout=120.0,
     )
     work = _Work(cfg["work"], cfg["step_s"])
+    grad = torch.zeros(1024)
     waits, infos, steps_s = [], [], []
     it = iter(loader)
     while True:
@@ -98,6 +103,7 @@ def _case(ds, cfg: dict) -> dict:
         infos.append(loader.last_step)
         t1 = time.perf_counter()
         work()
+        dist.all_reduce(grad)  # ends like a DP step: ranks in lockstep, as with real gradients
         steps_s.append(time.perf_counter() - t1)
     loader.close()
     keep = slice(1, None)  # the first batch cannot be prefetched
