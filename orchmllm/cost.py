@@ -11,14 +11,17 @@ Both get a constant per non-empty batch (kernel launches, collectives) and a ``m
 a frozen module with nothing trainable upstream runs forward only, about a third of
 forward+backward, which matters when its phase is balanced against a trained one.
 ``fit_packed``/``fit_padded`` calibrate alpha, beta and const by least squares from measured
-``(batch shape, time)`` records, e.g. ``shared/data/h100_block_fwd_bwd.json``.
+``(batch shape, time)`` records; :func:`load_calibration` reads the measured H100 records that
+ship with the package (``orchmllm/sim/data``, the one in-repo copy; the simulator reads it too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -28,6 +31,8 @@ KINDS = ("packed", "padded")
 # Backward costs about twice the forward pass (two matmuls per forward matmul), so forward
 # alone is about a third of forward+backward.
 FORWARD_FRACTION = 1.0 / 3.0
+# Measured H100 block timings shipped in orchmllm/sim/data (see shared/DESIGN.md for fields).
+CALIBRATIONS = ("h100_block_fwd_bwd.json", "h100_table1_blocks.json")
 
 
 @dataclass(frozen=True)
@@ -195,3 +200,15 @@ def fit_padded(
     measured time under ``time_key``. Returns the model and its residual statistics.
     """
     return _fit(records, "padded", _padded_features, time_key, fit_const)
+
+
+def load_calibration(name: str) -> list[dict[str, Any]]:
+    """The measured records of calibration file ``name`` (one of ``CALIBRATIONS``).
+
+    Read from the package (``orchmllm/sim/data``), so tests and benchmarks work from a plain
+    checkout or an installed wheel without the shared data folder.
+    """
+    if name not in CALIBRATIONS:
+        raise ValueError(f"name must be one of {CALIBRATIONS}, got {name!r}")
+    text = resources.files("orchmllm").joinpath("sim", "data", name).read_text()
+    return json.loads(text)

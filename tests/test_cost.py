@@ -1,20 +1,7 @@
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from orchmllm.cost import CostModel, fit_packed, fit_padded
-
-_REPO = Path(__file__).resolve().parents[1]
-_DATA_DIRS = (_REPO / "data", _REPO.parent / "shared" / "data")
-
-
-def _load(name: str) -> list[dict]:
-    for d in _DATA_DIRS:
-        if (d / name).exists():
-            return json.loads((d / name).read_text())
-    pytest.skip(f"{name} not found in {[str(d) for d in _DATA_DIRS]}")
+from orchmllm.cost import CALIBRATIONS, CostModel, fit_packed, fit_padded, load_calibration
 
 
 def test_packed_batch_cost_matches_formula():
@@ -79,7 +66,7 @@ def test_fit_recovers_exact_model_from_lengths(rng):
 
 @pytest.mark.parametrize("hidden,crossover", [(1280, 11_600), (3584, 33_000)])
 def test_h100_block_fit_crossover(hidden, crossover):
-    records = [r for r in _load("h100_block_fwd_bwd.json") if r["hidden"] == hidden]
+    records = [r for r in load_calibration("h100_block_fwd_bwd.json") if r["hidden"] == hidden]
     fit = fit_packed(records)
     assert fit.model.alpha > 0 and fit.model.beta > 0
     assert fit.stats["r2"] > 0.99
@@ -87,7 +74,7 @@ def test_h100_block_fit_crossover(hidden, crossover):
 
 
 def test_table1_shapes_fit():
-    records = _load("h100_table1_blocks.json")
+    records = load_calibration("h100_table1_blocks.json")
     shapes = sorted({r["shape"] for r in records})
     assert any(s.startswith("audio") for s in shapes)
     for shape in shapes:
@@ -101,3 +88,11 @@ def test_table1_shapes_fit():
             assert fit.stats["rms_rel_err"] < 0.04, shape
             assert fit.stats["max_rel_err"] < 0.05, shape
         assert np.isfinite(fit.model.alpha) and fit.model.alpha > 0, shape
+
+
+def test_load_calibration_reads_packaged_records():
+    for name in CALIBRATIONS:
+        records = load_calibration(name)
+        assert len(records) >= 3 and all(r["ms"] > 0 for r in records), name
+    with pytest.raises(ValueError, match="name"):
+        load_calibration("missing.json")
