@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <set>
 #include <stdexcept>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,10 +43,19 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
     std::vector<char> settled(num_cols + 1, 0);
     std::vector<int64_t> touched, scanned, done;
 
+    // Dijkstra frontier: (distance, 0 if the column has room else 1, column); stale entries
+    // (settled, or a distance since improved) are skipped when popped. Ties therefore prefer
+    // a column with room, then the smaller index.
+    using Entry = std::tuple<int64_t, int, int64_t>;
+    std::vector<Entry> frontier;
+    const auto has_room = [&](int64_t k) {
+        return k == none || static_cast<int64_t>(members[k].size()) < capacity;
+    };
     for (int64_t cur = 0; cur < num_rows; ++cur) {
         touched.clear();
         scanned.clear();
         done.clear();
+        frontier.clear();
         int64_t min_val = 0;
         const auto relax = [&](int64_t r) {
             scanned.push_back(r);
@@ -56,6 +67,8 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
                     if (dist[k] == kInf) touched.push_back(k);
                     dist[k] = d;
                     pred[k] = r;
+                    frontier.emplace_back(d, has_room(k) ? 0 : 1, k);
+                    std::push_heap(frontier.begin(), frontier.end(), std::greater<Entry>());
                 }
             };
             for (int64_t e = indptr[r]; e < indptr[r + 1]; ++e) visit(cols[e], -profit[e]);
@@ -64,22 +77,14 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
         relax(cur);
         int64_t sink = -1;
         while (sink < 0) {
-            int64_t best = -1;
-            bool best_free = false;
-            for (const int64_t k : touched) {
-                if (settled[k]) continue;
-                const bool free = k == none || static_cast<int64_t>(members[k].size()) < capacity;
-                if (best < 0 || dist[k] < dist[best] ||
-                    (dist[k] == dist[best] && ((free && !best_free) ||
-                                               (free == best_free && k < best)))) {
-                    best = k;
-                    best_free = free;
-                }
-            }
-            min_val = dist[best];
+            std::pop_heap(frontier.begin(), frontier.end(), std::greater<Entry>());
+            const auto [d, full, best] = frontier.back();
+            frontier.pop_back();
+            if (settled[best] || d != dist[best]) continue;
+            min_val = d;
             settled[best] = 1;
             done.push_back(best);
-            if (best_free) {
+            if (!full) {
                 sink = best;
             } else {
                 for (const int64_t r : members[best]) relax(r);
