@@ -205,12 +205,14 @@ def movement_aware_dst(
 
     ``weights``: additive per-item cost; ``src``: current rank of each item. Every rank keeps
     its heaviest items while they fit under ``(1 + tolerance) * LPT makespan``; only the rest
-    moves, largest first, to the least-loaded rank of its own node where it fits under that
-    target (with ``ranks_per_node``), else to the least-loaded rank. Items are kept by weight
-    alone, so ``sizes`` (tokens per item) only has to be valid; it is accepted for the
-    ``balance()`` contract and used by :func:`movement_lower_bound`. Falls back to plain LPT if
-    the target is missed, so the tolerance always holds. Deterministic: ties break by item
-    index, then rank index.
+    moves, largest first, best fit: to the fullest rank of its own node where it still fits
+    under that target (with ``ranks_per_node``), else the fullest such rank anywhere, else the
+    least-loaded rank. Coarse instances (few items per rank) that miss the target retry with
+    the moves interleaved with the keeps and with lower targets, keeping the variant that moves
+    the least; if all miss, the LPT plan itself is returned, so the tolerance always holds.
+    Items are kept by weight alone, so ``sizes`` (tokens per item) only has to be valid; it is
+    accepted for the ``balance()`` contract and used by :func:`movement_lower_bound`.
+    Deterministic: ties break by item index, then rank index. Runs in the C++ core.
     """
     w = _weights(weights)
     d = _count("num_ranks", num_ranks)
