@@ -104,11 +104,13 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
 
 
 def test_balance_modes_train_identically_on_4_ranks_as_2_nodes(tmp_path):
+    """4 ranks as 2 nodes of 2, node-wise placement by the time-limited ILP (whose plans
+    ranks must share: see RankZeroPlanner)."""
     config = _config(tmp_path, "tiny4", examples_per_rank=4)
-    run_distributed(_modes_worker, 4, config, str(tmp_path), 3, (), timeout=150)
+    run_distributed(_modes_worker, 4, config, str(tmp_path), 3, ("--placement", "ilp"), timeout=150)
     records = _assert_same_training(tmp_path, 4, 3)
     full = records["full"]
-    assert all(r["ranks_per_node"] == 2 for r in full)  # the config's 2 nodes of 2
+    assert all(r["ranks_per_node"] == 2 and r["placement"] == "ilp" for r in full)
     # Something crossed nodes, and node-wise placement was asked for.
     assert sum(r["phases"][p]["bytes_inter"] for r in full for p in PHASES) > 0
 
