@@ -30,7 +30,8 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
-from orchmllm.data import EncodingRates, SyntheticConfig
+import orchmllm
+from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
@@ -115,6 +116,16 @@ def load_config(path: str) -> RunConfig:
         balance=_section(BalanceConfig, "balance", raw["balance"]),
         train=_section(TrainConfig, "train", raw["train"]),
     )
+    for key in ("vision_policy", "audio_policy", "llm_policy"):
+        policy = getattr(cfg.balance, key)
+        if policy not in orchmllm.POLICIES:
+            raise ValueError(f"balance.{key} must be one of {orchmllm.POLICIES}, got {policy!r}")
+    for section, key in (("data", "examples_per_rank"), ("train", "steps")):
+        value = getattr(getattr(cfg, section), key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{section}.{key} must be a positive integer, got {value!r}")
+    if not (isinstance(cfg.train.lr, (int, float)) and cfg.train.lr > 0):
+        raise ValueError(f"train.lr must be a positive number, got {cfg.train.lr!r}")
     if cfg.balance.placement not in PLACEMENTS:
         raise ValueError(
             f"balance.placement must be one of {PLACEMENTS}, got {cfg.balance.placement!r}"
@@ -194,12 +205,16 @@ def synthetic_config(cfg: RunConfig, *, num_examples: int, seed: int) -> Synthet
 
 
 def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
-    """Rank 0 generates the HF dataset once (cached by its parameters); all ranks load it."""
+    """The first rank of every node generates the HF dataset once (cached under a key of its
+    parameters and the generator's source); then every rank loads it."""
     syn = synthetic_config(cfg, num_examples=num_examples, seed=seed)
-    key = hashlib.sha256(repr((syn, cfg.rates)).encode()).hexdigest()[:16]
+    with open(synthetic.__file__, "rb") as f:
+        generator = f.read()
+    key = hashlib.sha256(repr((syn, cfg.rates)).encode() + generator).hexdigest()[:16]
     root = data_dir or os.path.join(tempfile.gettempdir(), "orchmllm-data")
     path = os.path.join(root, f"synthetic-{key}")
-    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "dataset_info.json")):
+    first_on_node = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if first_on_node and not os.path.exists(os.path.join(path, "dataset_info.json")):
         os.makedirs(root, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         save_dataset(syn, cfg.rates, tmp)
@@ -269,6 +284,7 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtyp
         }
         out = orch.run(batch, encoders, plan=planned.plan)
         logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
         loss = F.cross_entropy(logits, out.targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss / max(out.num_targets, 1), out
 

@@ -191,3 +191,9 @@ def test_bad_arguments_are_rejected(tmp_path):
         yaml.safe_dump(raw, f)
     with pytest.raises(ValueError, match="placement"):
         load_config(bad)
+    raw["balance"]["placement"] = "auto"
+    raw["balance"]["audio_policy"] = "fastest"
+    with open(bad, "w") as f:
+        yaml.safe_dump(raw, f)
+    with pytest.raises(ValueError, match="audio_policy"):
+        load_config(bad)
