@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -34,6 +35,8 @@ def _worker(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
+    # torch is already imported here, so OMP_NUM_THREADS alone would not take effect.
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
