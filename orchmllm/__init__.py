@@ -1,6 +1,28 @@
-"""OrchMLLM: post-balancing of variable-length mini-batches for data-parallel MLLM training."""
+"""OrchMLLM: post-balancing of variable-length mini-batches for data-parallel MLLM training.
+
+``balance`` and the cost models need only numpy and the C++ core. The distributed parts
+(``Rearrangement``, ``BatchDispatcher``, ``Orchestrator``, ``BalancedDataLoader``) import torch,
+so they load on first use: ``import orchmllm`` stays cheap for planning-only users.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from orchmllm.balance import POLICIES, Assignment, balance
 from orchmllm.cost import CostModel
 
-__all__ = ["POLICIES", "Assignment", "CostModel", "balance"]
+_LAZY = {
+    "Rearrangement": "orchmllm.plan",
+    "BatchDispatcher": "orchmllm.dispatcher",
+    "Orchestrator": "orchmllm.orchestrator",
+    "BalancedDataLoader": "orchmllm.data.loader",
+    "BalancedCollator": "orchmllm.data.collate",
+}
+
+__all__ = ["POLICIES", "Assignment", "CostModel", "balance", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'orchmllm' has no attribute {name!r}")
