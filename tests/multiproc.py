@@ -7,6 +7,9 @@ The worker function must be importable (defined at module level of a test module
 because processes are started with ``spawn``. It is called as
 ``fn(rank, world_size, *args)`` inside an initialised gloo process group, and its
 return value (picklable) is collected per rank.
+
+:func:`run_checks` runs several such checks in one process session (start-up dominates
+the cost of small checks) and reports each one separately.
 """
 
 from __future__ import annotations
@@ -114,3 +117,41 @@ def run_distributed(
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _run_checks_worker(
+    rank: int, world_size: int, checks: dict[str, Callable[[int, int], Any]]
+) -> dict[str, str | None]:
+    """Run every check in order; after a failure the rest are skipped (ranks may be out of step)."""
+    results: dict[str, str | None] = {}
+    failed = None
+    for name, check in checks.items():
+        if failed:
+            results[name] = f"not run: {failed} failed first"
+            continue
+        try:
+            check(rank, world_size)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+            failed = name
+    return results
+
+
+def run_checks(
+    checks: dict[str, Callable[[int, int], Any]], world_size: int, *, timeout: float
+) -> list[dict[str, str | None]]:
+    """Run ``check(rank, world_size)`` for every entry of ``checks``, in order, in one session.
+
+    The checks must be importable (module level). Returns per rank ``{name: None}`` for a
+    check that passed and ``{name: traceback or reason}`` for one that failed or was not run;
+    pass it to :func:`assert_check_passed` to report one check per test.
+    """
+    return run_distributed(_run_checks_worker, world_size, checks, timeout=timeout)
+
+
+def assert_check_passed(results: list[dict[str, str | None]], name: str) -> None:
+    """Fail with every rank's traceback if check ``name`` did not pass on every rank."""
+    errors = {rank: res[name] for rank, res in enumerate(results) if res[name] is not None}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items()))

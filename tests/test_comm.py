@@ -5,7 +5,6 @@ reports one check.
 """
 
 import threading
-import traceback
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.plan import Rearrangement
-from tests.multiproc import run_distributed
+from tests.multiproc import assert_check_passed, run_checks
 
 TIMEOUT = 20.0
 
@@ -165,29 +164,11 @@ CHECKS = {  # run in this order; the timeout check leaves the group unusable, so
 }
 
 
-def _session(rank: int, world: int) -> dict[str, str | None]:
-    """Run every check; after a failure the rest are skipped (the ranks may be out of step)."""
-    results: dict[str, str | None] = {}
-    failed = None
-    for name, check in CHECKS.items():
-        if failed:
-            results[name] = f"not run: {failed} failed first"
-            continue
-        try:
-            check(rank, world)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-            failed = name
-    return results
-
-
 @pytest.fixture(scope="module")
 def session() -> list[dict[str, str | None]]:
-    return run_distributed(_session, 4, timeout=60)
+    return run_checks(CHECKS, 4, timeout=60)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_check(session, name):
-    errors = {rank: res[name] for rank, res in enumerate(session) if res[name] is not None}
-    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())
+    assert_check_passed(session, name)
