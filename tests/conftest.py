@@ -1,10 +1,61 @@
 """Shared fixtures. Multi-process helpers live in ``tests/multiproc.py``."""
 
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
     """A seeded generator, so a failing case can be replayed."""
     return np.random.default_rng(12345)
+
+
+@pytest.fixture(scope="session")
+def repo_env() -> dict[str, str]:
+    """This environment with the checkout first on ``PYTHONPATH``, for subprocesses."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+@dataclass(frozen=True)
+class BenchmarkRun:
+    """What one ``--quick --json`` benchmark run produced."""
+
+    records: list[dict]
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def run_benchmark(tmp_path_factory, repo_env) -> Callable[..., BenchmarkRun]:
+    """``run_benchmark(script, *args, timeout=s)`` runs ``benchmarks/<script> --quick *args
+    --json PATH`` in a subprocess from the checkout (the smoke test every benchmark gets),
+    fails the test with the tail of stderr if it exits non-zero, and returns its records."""
+
+    def run(script: str, *args: str, timeout: float) -> BenchmarkRun:
+        out = tmp_path_factory.mktemp(Path(script).stem) / "records.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args]
+        proc = subprocess.run(
+            [*cmd, "--json", str(out)],
+            cwd=ROOT,
+            env=repo_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return BenchmarkRun(json.loads(out.read_text()), proc.stdout, proc.stderr)
+
+    return run

@@ -1,27 +1,8 @@
 """Smoke test of benchmarks/dispatch_bench.py: --quick --json records are complete and sane."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_dispatch_bench_quick(tmp_path):
-    out = tmp_path / "dispatch.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    subprocess.run(
-        [sys.executable, "benchmarks/dispatch_bench.py", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=240,
-    )
-    records = json.loads(out.read_text())
+def test_dispatch_bench_quick(run_benchmark):
+    records = run_benchmark("dispatch_bench.py", timeout=240).records
     measured = [r for r in records if r["kind"] == "measured"]
     simulated = [r for r in records if r["kind"] == "simulated"]
     assert [r["world_size"] for r in measured] == [2, 4]

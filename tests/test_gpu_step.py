@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,21 +32,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def test_quick_cpu_records(tmp_path):
-    out = tmp_path / "gpu_step.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--quick", "--device", "cpu",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = json.loads(out.read_text())
+def test_quick_cpu_records(run_benchmark):
+    run = run_benchmark("gpu_step.py", "--device", "cpu", timeout=120)
+    records = run.records
     by_mode = {r["mode"]: r for r in records}
     assert sorted(by_mode) == ["full", "llm", "none"] and len(records) == 3
     for r in records:
@@ -72,8 +59,8 @@ def test_quick_cpu_records(tmp_path):
     assert llm["llm_plan_imbalance"] <= none["llm_plan_imbalance"] + 1e-9
     for p in ("vision", "audio"):
         assert llm[f"{p}_plan_imbalance"] == pytest.approx(none[f"{p}_plan_imbalance"])
-    assert "speedup" not in proc.stderr
-    assert "x none" in proc.stdout
+    assert "speedup" not in run.stderr
+    assert "x none" in run.stdout
 
 
 def test_chunked_head_loss_equals_cross_entropy():
@@ -132,10 +119,10 @@ def test_emulator_runs_a_rank_with_no_image_or_audio(one_thread):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the NCCL backend")
-def test_single_process_nccl_training_smoke(tmp_path):
+def test_single_process_nccl_training_smoke(tmp_path, repo_env):
     """World size 1 on CUDA: the real entry point under torchrun, NCCL, FSDP2, orchestrator."""
     metrics = tmp_path / "metrics.jsonl"
-    env = {**_env(), "NCCL_DEBUG": "INFO"}
+    env = {**repo_env, "NCCL_DEBUG": "INFO"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
          "-m", "orchmllm.train", "--config", str(ROOT / "configs" / "tiny.yaml"),

@@ -1,26 +1,8 @@
 """Smoke test of benchmarks/loader_bench.py: records have the fields and sane values."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_quick_json(tmp_path):
-    out = tmp_path / "loader.json"
-    cmd = [
-        sys.executable,
-        "benchmarks/loader_bench.py",
-        "--quick",
-        "--step-ms",
-        "30",
-        "--json",
-        str(out),
-    ]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=240, capture_output=True)
-    records = json.loads(out.read_text())
+def test_quick_json(run_benchmark):
+    records = run_benchmark("loader_bench.py", "--step-ms", "30", timeout=240).records
     assert {(r["mode"], r["prefetch"]) for r in records} == {
         ("index", 0),
         ("index", 2),

@@ -1,27 +1,8 @@
 """Smoke test of benchmarks/placement_bench.py: --quick --json records are complete and sane."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_placement_bench_quick(tmp_path):
-    out = tmp_path / "placement.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    subprocess.run(
-        [sys.executable, "benchmarks/placement_bench.py", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=240,
-    )
-    records = json.loads(out.read_text())
+def test_placement_bench_quick(run_benchmark):
+    records = run_benchmark("placement_bench.py", timeout=240).records
     assert {r["num_ranks"] for r in records} == {16, 64}
     assert {r["examples_per_rank"] for r in records} == {15}
     assert {r["phase"] for r in records} == {"vision", "audio", "llm"}

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = (
     "model",
     "ranks",
@@ -23,27 +19,11 @@ REQUIRED = (
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> tuple[list[dict], Path]:
+def quick(tmp_path_factory, run_benchmark) -> tuple[list[dict], Path]:
     out = tmp_path_factory.mktemp("reproduce")
-    path = out / "records.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "reproduce_paper.py"),
-            "--quick",
-            "--json",
-            str(path),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Figure 8" in proc.stdout and "Table 2" in proc.stdout
-    return json.loads(path.read_text()), out
+    run = run_benchmark("reproduce_paper.py", "--out", str(out), timeout=240)
+    assert "Figure 8" in run.stdout and "Table 2" in run.stdout
+    return run.records, out
 
 
 def test_records_have_the_fields_and_sane_values(quick) -> None:
