@@ -11,127 +11,371 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <limits>
-#include <numeric>
+#include <memory>
+#include <tuple>
 #include <set>
 #include <utility>
 #include <vector>
+
+#if !defined(__SIZEOF_INT128__)
+#error "the balancing core needs unsigned __int128 (GCC or Clang)"
+#endif
 
 namespace orch {
 namespace {
 
 using Slot = std::pair<double, int64_t>;  // (load, rank): the smaller pair is the better rank
+constexpr uint64_t kSign = uint64_t{1} << 63;
 
-// Order-preserving map of a double to uint64 (-0.0 counts as +0.0, like Python's comparison).
+// Order-preserving map of a value to uint64 (-0.0 counts as +0.0, like Python's comparison),
+// and its inverse.
 uint64_t sortable(double x) {
     x += 0.0;
     uint64_t bits;
     std::memcpy(&bits, &x, sizeof bits);
-    return (bits >> 63) ? ~bits : bits | (uint64_t{1} << 63);
+    return (bits & kSign) ? ~bits : bits | kSign;
 }
-uint64_t sortable(int64_t x) { return static_cast<uint64_t>(x) ^ (uint64_t{1} << 63); }
-
-// Item indices by key, descending (or ascending), ties by index ascending: a stable LSD radix
-// sort over the bits that vary between keys (integer lengths below 4096 need one pass).
+uint64_t sortable(int64_t x) { return static_cast<uint64_t>(x) ^ kSign; }
 template <typename T>
-std::vector<int64_t> order_by(const T* key, int64_t n, bool descending) {
+T unsortable(uint64_t key);
+template <>
+double unsortable<double>(uint64_t key) {
+    const uint64_t bits = (key & kSign) ? key ^ kSign : ~key;
+    double x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
+template <>
+int64_t unsortable<int64_t>(uint64_t key) {
+    return static_cast<int64_t>(key ^ kSign);
+}
+
+// Stable LSD radix sort of `a` on bits [low, low + width) of key(record), in as few passes of at
+// most 11 bits as cover them. `b` is scratch.
+template <typename Record, typename Key>
+void radix_sort(std::vector<Record>& a, std::vector<Record>& b, int low, int width, Key key) {
+    if (width <= 0) return;
+    const int passes = (width + 10) / 11, bits = (width + passes - 1) / passes;
+    const uint64_t mask = (uint64_t{1} << bits) - 1;
+    std::vector<size_t> start(mask + 1);
+    b.resize(a.size());
+    for (int shift = low; shift < low + width; shift += bits) {
+        std::fill(start.begin(), start.end(), 0);
+        for (const auto& t : a) ++start[(key(t) >> shift) & mask];
+        size_t sum = 0;
+        for (auto& s : start) sum += std::exchange(s, sum);
+        for (const auto& t : a) b[start[(key(t) >> shift) & mask]++] = t;
+        a.swap(b);
+    }
+}
+
+// Items sorted by key, descending (or ascending), ties by index ascending: `index` holds item
+// indices, `key` the keys in that order (read sequentially by the callers instead of by index).
+template <typename T>
+struct Sorted {
+    std::vector<int64_t> index;
+    std::vector<T> key;
+};
+
+// Buffers reused by every sort on this thread: fresh multi-megabyte vectors are page-faulted in
+// on every call, which costs as much as the sort itself at 10^5 items.
+template <typename T>
+struct SortScratch {
+    Sorted<T> out;
+    std::vector<uint64_t> a, b;
     struct Tagged {
         uint64_t key;
         int64_t index;
     };
-    std::vector<Tagged> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+    std::vector<Tagged> wide_a, wide_b;
+};
+
+// An LSD radix sort over only the bits that vary between keys. When they fit beside the item
+// index in one uint64, records are 8 bytes (lengths below 2^16: two 8-bit passes) and the key is
+// rebuilt from the record; otherwise records are (key, index) pairs. The result lives in this
+// thread's scratch until the next sort_items<T> call on it.
+template <typename T>
+const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
+    thread_local SortScratch<T> s;
+    const uint64_t flip = descending ? ~uint64_t{0} : 0;
     uint64_t all_and = ~uint64_t{0}, all_or = 0;
     for (int64_t i = 0; i < n; ++i) {
-        const uint64_t k = descending ? ~sortable(key[i]) : sortable(key[i]);
-        a[i] = {k, i};
+        const uint64_t k = sortable(key[i]) ^ flip;
         all_and &= k;
         all_or |= k;
     }
-    // Sort only the bits that vary, in as few passes of at most 12 bits as cover them.
     const uint64_t varying = all_and ^ all_or;
+    int low = 0, width = 0;
     if (varying != 0) {
-        int low = 0, high = 63;
+        int high = 63;
         while (!((varying >> low) & 1)) ++low;
         while (!((varying >> high) & 1)) --high;
-        const int width = high - low + 1, passes = (width + 11) / 12;
-        const int bits = (width + passes - 1) / passes;
-        const uint64_t mask = (uint64_t{1} << bits) - 1;
-        std::vector<size_t> start(size_t{1} << bits);
-        for (int shift = low; shift <= high; shift += bits) {
-            std::fill(start.begin(), start.end(), 0);
-            for (const auto& t : a) ++start[(t.key >> shift) & mask];
-            size_t sum = 0;
-            for (auto& s : start) sum += std::exchange(s, sum);
-            for (const auto& t : a) b[start[(t.key >> shift) & mask]++] = t;
-            a.swap(b);
+        width = high - low + 1;
+    }
+    int index_bits = 1;
+    while (index_bits < 63 && (int64_t{1} << index_bits) < n) ++index_bits;
+    s.out.index.resize(static_cast<size_t>(n));
+    s.out.key.resize(static_cast<size_t>(n));
+    if (width + index_bits <= 64) {
+        const uint64_t field = width == 64 ? ~uint64_t{0} : (uint64_t{1} << width) - 1;
+        const uint64_t index_mask = (uint64_t{1} << index_bits) - 1;
+        const uint64_t fixed = all_and & ~(field << low);  // the bits every key shares
+        auto& a = s.a;
+        a.resize(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) {
+            const uint64_t k = sortable(key[i]) ^ flip;
+            a[i] = (((k >> low) & field) << index_bits) | static_cast<uint64_t>(i);
+        }
+        radix_sort(a, s.b, index_bits, width, [](uint64_t t) { return t; });
+        for (int64_t j = 0; j < n; ++j) {
+            s.out.index[j] = static_cast<int64_t>(a[j] & index_mask);
+            s.out.key[j] = unsortable<T>((((a[j] >> index_bits) << low) | fixed) ^ flip);
+        }
+    } else {
+        auto& a = s.wide_a;
+        a.resize(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) a[i] = {sortable(key[i]) ^ flip, i};
+        radix_sort(a, s.wide_b, low, width, [](const auto& t) { return t.key; });
+        for (int64_t j = 0; j < n; ++j) {
+            s.out.index[j] = a[j].index;
+            s.out.key[j] = unsortable<T>(a[j].key ^ flip);
         }
     }
-    std::vector<int64_t> order(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) order[i] = a[i].index;
-    return order;
+    return s.out;
 }
 
-// Least-loaded open rank, ties to the lowest rank. Loads sit in groups of kGroup ranks, each
-// with its minimum; a query scans the group minima, then the winning group, both front to back
-// so the first minimum is the lowest rank. Scans are short, independent and branch-light,
-// which beats a heap's dependent chain of unpredictable compares. Full ranks hold +inf.
+// Least-loaded open rank, ties to the lowest rank: a loser tree over 128-bit keys
+// (sortable load, rank), one integer compare each. After the winner's load changes, one walk up
+// its leaf's path replays its matches; the path's nodes do not depend on the outcomes, so their
+// loads overlap and each step is a branch-free compare and select. Full ranks hold an all-ones
+// load and never win while a rank is open.
 class LeastLoaded {
   public:
-    LeastLoaded(const std::vector<double>& load, const std::vector<int64_t>& count, int64_t cap) {
-        const size_t d = load.size();
-        groups_ = (d + kGroup - 1) / kGroup;
-        key_.assign(groups_ * kGroup, kInf);
-        for (size_t r = 0; r < d; ++r)
-            if (count[r] < cap) key_[r] = load[r];
-        group_min_.resize(groups_);
-        for (size_t g = 0; g < groups_; ++g) group_min_[g] = min_of(&key_[g * kGroup], kGroup);
-        locate();
+    LeastLoaded(const std::vector<double>& load, const std::vector<int64_t>& count, int64_t cap)
+        : d_(load.size()), loser_(d_) {
+        std::vector<Key> win(2 * d_);
+        for (size_t r = 0; r < d_; ++r) win[d_ + r] = key(load[r], count[r] >= cap, r);
+        for (size_t node = d_ - 1; node >= 1; --node) {
+            const Key x = win[2 * node], y = win[2 * node + 1];
+            win[node] = std::min(x, y);
+            loser_[node] = std::max(x, y);
+        }
+        top_ = win[1];
     }
-    int64_t top() const { return static_cast<int64_t>(top_); }
+    int64_t top() const { return static_cast<int64_t>(static_cast<uint64_t>(top_)); }
     // The top rank's load became `load`; `full`: it takes no more items.
     void update_top(double load, bool full) {
-        key_[top_] = full ? kInf : load;
-        const size_t g = top_ / kGroup;
-        group_min_[g] = min_of(&key_[g * kGroup], kGroup);
-        locate();
+        const uint64_t rank = static_cast<uint64_t>(top_);
+        Key k = key(load, full, rank);
+        for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) {
+            const Key t = loser_[node];
+            loser_[node] = std::max(k, t);
+            k = std::min(k, t);
+        }
+        top_ = k;
     }
 
   private:
-    static constexpr size_t kGroup = 32;
-    static constexpr double kInf = std::numeric_limits<double>::infinity();
-    static double min_of(const double* x, size_t size) {
-        double m[4] = {kInf, kInf, kInf, kInf};  // four independent chains
-        size_t i = 0;
-        for (; i + 4 <= size; i += 4)
-            for (size_t j = 0; j < 4; ++j) m[j] = x[i + j] < m[j] ? x[i + j] : m[j];
-        for (; i < size; ++i) m[0] = x[i] < m[0] ? x[i] : m[0];
-        return std::min(std::min(m[0], m[1]), std::min(m[2], m[3]));
+    using Key = unsigned __int128;
+    static Key key(double load, bool full, uint64_t rank) {
+        return (Key{full ? ~uint64_t{0} : sortable(load)} << 64) | rank;
     }
-    static size_t first_equal(const double* x, double value) {
-        size_t i = 0;
-        while (x[i] != value) ++i;
-        return i;
-    }
-    void locate() {
-        const double best = min_of(group_min_.data(), groups_);
-        const size_t g = first_equal(group_min_.data(), best);
-        top_ = g * kGroup + first_equal(&key_[g * kGroup], best);
-    }
-    size_t groups_ = 0, top_ = 0;
-    std::vector<double> key_, group_min_;
+    size_t d_;
+    std::vector<Key> loser_;  // loser_[node] for internal nodes 1..d-1; leaf r is node d + r
+    Key top_ = 0;
 };
 
-// Assigns `order[from:]` greedily to the least-loaded rank that still has room.
-void fill_least_loaded(const double* w, const std::vector<int64_t>& order, size_t from,
-                       std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-                       int64_t* dst) {
-    LeastLoaded heap(load, count, cap);
-    for (size_t k = from; k < order.size(); ++k) {
-        const int64_t i = order[k];
-        const int64_t r = heap.top();
-        dst[i] = r;
-        load[r] += w[i];
-        heap.update_top(load[r], ++count[r] >= cap);
+// Assigns items `index[k]` of weight `key[k]`, k in [from, size), in that order, each to the
+// least-loaded rank that still has room; rank_at[k] (when given) records the rank in that order.
+void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
+                       std::vector<int64_t>& count, int64_t cap, int64_t* dst,
+                       int64_t* rank_at = nullptr) {
+    LeastLoaded tree(load, count, cap);
+    for (size_t k = from; k < items.index.size(); ++k) {
+        const int64_t r = tree.top();
+        dst[items.index[k]] = r;
+        if (rank_at != nullptr) rank_at[k] = r;
+        load[r] += items.key[k];
+        tree.update_top(load[r], ++count[r] >= cap);
+    }
+}
+
+// The heaviest rank (largest load, then lowest rank) and the lightest (smallest load, then
+// lowest rank) under point updates: two segment trees over 128-bit (load, rank) keys.
+class Extremes {
+  public:
+    explicit Extremes(const std::vector<double>& load)
+        : d_(load.size()), low_(2 * d_), high_(2 * d_) {
+        for (size_t r = 0; r < d_; ++r) set_leaf(r, load[r]);
+        for (size_t node = d_ - 1; node >= 1; --node) pull(node);
+    }
+    int64_t lightest() const { return static_cast<int64_t>(static_cast<uint64_t>(low_[1])); }
+    int64_t heaviest() const { return static_cast<int64_t>(~static_cast<uint64_t>(high_[1])); }
+    void update(size_t rank, double load) {
+        set_leaf(rank, load);
+        for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) pull(node);
+    }
+
+  private:
+    using Key = unsigned __int128;
+    void set_leaf(size_t r, double load) {
+        const Key l = Key{sortable(load)} << 64;
+        low_[d_ + r] = l | r;
+        high_[d_ + r] = l | ~uint64_t{r};  // the larger ~rank is the lower rank
+    }
+    void pull(size_t node) {
+        low_[node] = std::min(low_[2 * node], low_[2 * node + 1]);
+        high_[node] = std::max(high_[2 * node], high_[2 * node + 1]);
+    }
+    size_t d_;
+    std::vector<Key> low_, high_;  // node 1 is the root; leaf r is node d + r (d = 1: node 1)
+};
+
+// One item on a rank's list; lists are ordered by weight descending, then index ascending.
+struct Entry {
+    double w;
+    int64_t index;
+};
+bool before(const Entry& a, const Entry& b) {
+    return a.w > b.w || (a.w == b.w && a.index < b.index);
+}
+
+// Every rank's items as a sorted run in one pool (reused across calls on this thread, so no
+// page faults and no allocation per rank or step). Runs start packed in LPT order, built by
+// one counting-sort pass; a run that outgrows its room moves to the end of the pool with
+// double the room. Runs are addressed by offsets: the pool may reallocate.
+class RankLists {
+  public:
+    RankLists(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+              const std::vector<int64_t>& count)
+        : begin_(count.size() + 1, 0), size_(count.begin(), count.end()) {
+        const size_t d = count.size();
+        for (size_t r = 0; r < d; ++r) begin_[r + 1] = begin_[r] + size_[r];
+        room_.assign(size_.begin(), size_.end());
+        pool().resize(begin_[d]);
+        std::vector<size_t> next(begin_.begin(), begin_.end() - 1);
+        for (size_t k = 0; k < rank_at.size(); ++k)
+            pool()[next[rank_at[k]]++] = {items.key[k], items.index[k]};
+    }
+    Entry* data(int64_t r) { return pool().data() + begin_[r]; }
+    size_t size(int64_t r) const { return size_[r]; }
+    void erase(int64_t r, size_t at) {
+        Entry* x = data(r);
+        std::copy(x + at + 1, x + size_[r], x + at);
+        --size_[r];
+    }
+    void insert(int64_t r, const Entry& e) {
+        if (size_[r] == room_[r]) {
+            auto& p = pool();
+            const size_t from = begin_[r];
+            begin_[r] = p.size();
+            room_[r] = 2 * room_[r] + 1;
+            p.resize(p.size() + room_[r]);
+            std::copy(p.begin() + static_cast<std::ptrdiff_t>(from),
+                      p.begin() + static_cast<std::ptrdiff_t>(from + size_[r]),
+                      p.begin() + static_cast<std::ptrdiff_t>(begin_[r]));
+        }
+        Entry* x = data(r);
+        Entry* at = std::lower_bound(x, x + size_[r], e, before);
+        std::copy_backward(at, x + size_[r], x + size_[r] + 1);
+        *at = e;
+        ++size_[r];
+    }
+
+  private:
+    static std::vector<Entry>& pool() {
+        thread_local std::vector<Entry> p;
+        return p;
+    }
+    std::vector<size_t> begin_, size_, room_;
+};
+
+// A candidate step: move item i from the heaviest rank h to the lightest rank l (j = -1) or swap
+// it with item j of l; m = max of the two new loads. The smallest (m, i, j) wins.
+struct Step {
+    double m;
+    int64_t i, j;
+    size_t at_h, at_l;
+};
+
+// The neighbours of `target` in a run sorted by weight descending: the first entry of the run
+// of the smallest weight above target, and the first entry at or below it (the ends when
+// missing). Either may be the entry whose weight is nearest to target.
+std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
+    const size_t below = static_cast<size_t>(
+        std::partition_point(x, x + size, [&](const Entry& e) { return e.w > target; }) - x);
+    if (below == 0) return {size, 0};
+    const double w = x[below - 1].w;
+    const size_t above = static_cast<size_t>(
+        std::partition_point(x, x + below, [&](const Entry& e) { return e.w > w; }) - x);
+    return {above, below};
+}
+
+// Local search after LPT: while the heaviest rank h can shed load, apply the best single move
+// or swap of one item between h and the lightest rank l that lowers max(load h, load l) below
+// the old load of h. The pair's maximum is smallest when the weight moving from h to l is
+// nearest to half the gap, so a move considers the items of h nearest to half the gap and a
+// swap of item i the items of l nearest to w_i - half (one two-pointer walk for all i). At most
+// `max_steps` steps, each O(items on h and l + log d); the Python reference follows the same
+// rules (with binary searches) and the same float operations.
+void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+            std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+            int64_t max_steps, int64_t* dst) {
+    Extremes extremes(load);
+    std::unique_ptr<RankLists> lists;  // built on the first step that needs them
+    for (int64_t step = 0; step < max_steps; ++step) {
+        const int64_t h = extremes.heaviest(), l = extremes.lightest();
+        // A lone item on h cannot leave it without making l at least as heavy.
+        if (h == l || count[h] <= 1) break;
+        if (!lists) lists = std::make_unique<RankLists>(items, rank_at, count);
+        const Entry* hs = lists->data(h);
+        const Entry* ls = lists->data(l);
+        const size_t kh = lists->size(h), kl = lists->size(l);
+        const double lh = load[h], ll = load[l], half = (lh - ll) * 0.5;
+        Step best{lh, -1, -1, 0, 0};  // improving steps only: m < load of h
+        const auto consider = [&](double m, size_t a, int64_t j, size_t b) {
+            const int64_t i = hs[a].index;
+            if (m < best.m || (m == best.m && best.i >= 0 && std::tie(i, j) < std::tie(best.i, best.j)))
+                best = {m, i, j, a, b};
+        };
+        if (count[l] < cap) {
+            const auto [above, below] = around(hs, kh, half);
+            for (const size_t a : {above, below})
+                if (a < kh && hs[a].w > 0) consider(std::max(lh - hs[a].w, ll + hs[a].w), a, -1, 0);
+        }
+        // around(ls, kl, w_i - half) for every i at once: the target only falls along hs.
+        size_t below = 0, above = 0;
+        for (size_t a = 0; a < kh; ++a) {
+            const double wi = hs[a].w, target = wi - half;
+            while (below < kl && ls[below].w > target) ++below;
+            if (below > 0)
+                while (ls[above].w > ls[below - 1].w) ++above;
+            for (const size_t b : {below > 0 ? above : kl, below}) {
+                if (b >= kl || !(ls[b].w < wi)) continue;
+                const double wj = ls[b].w;
+                consider(std::max((lh - wi) + wj, (ll - wj) + wi), a, ls[b].index, b);
+            }
+        }
+        if (best.i < 0) break;
+        const Entry moved = hs[best.at_h];
+        lists->erase(h, best.at_h);
+        dst[moved.index] = l;
+        if (best.j < 0) {
+            load[h] = lh - moved.w;
+            load[l] = ll + moved.w;
+            --count[h];
+            ++count[l];
+        } else {
+            const Entry back = ls[best.at_l];
+            lists->erase(l, best.at_l);
+            lists->insert(h, back);
+            dst[back.index] = h;
+            load[h] = (lh - moved.w) + back.w;
+            load[l] = (ll - back.w) + moved.w;
+        }
+        lists->insert(l, moved);
+        extremes.update(static_cast<size_t>(h), load[h]);
+        extremes.update(static_cast<size_t>(l), load[l]);
     }
 }
 
@@ -155,16 +399,24 @@ int64_t least_batches(const int64_t* len, const std::vector<int64_t>& asc, int64
 
 }  // namespace
 
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst) {
-    const auto order = order_by(w, n, true);
+void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps) {
+    const auto& items = sort_items(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
-    fill_least_loaded(w, order, 0, load, count, cap, dst);
+    if (max_steps <= 0) {
+        fill_least_loaded(items, 0, load, count, cap, dst);
+        return;
+    }
+    thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
+    rank_at.resize(static_cast<size_t>(n));
+    fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data());
+    refine(items, rank_at, load, count, cap, max_steps, dst);
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,
                       int64_t cap, int64_t* dst) {
-    const auto order = order_by(len, n, true);
+    const auto& order = sort_items(len, n, true).index;
     std::vector<double> sum(static_cast<size_t>(num_ranks), 0.0);
     std::vector<double> sq(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
@@ -191,7 +443,7 @@ void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double t
 
 void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst) {
     if (n == 0) return;
-    const auto asc = order_by(len, n, false);
+    const auto& asc = sort_items(len, n, false).index;
     const auto cost = [](int64_t b, int64_t l) { return b * l; };
     const int64_t longest = len[asc.back()];
     // Bounds: a batch holding the longest item costs at least `longest`; ceil(n/d) items per
@@ -211,7 +463,7 @@ void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap
 void padded_cost(const int64_t* len, int64_t n, int64_t num_ranks, double alpha, double beta,
                  double c, double multiplier, int64_t cap, int64_t* dst) {
     if (n == 0) return;
-    const auto asc = order_by(len, n, false);
+    const auto& asc = sort_items(len, n, false).index;
     const auto cost = [=](int64_t b, int64_t l) {
         const double bd = static_cast<double>(b), ld = static_cast<double>(l);
         return multiplier * (alpha * bd * ld + beta * bd * ld * ld + c);
@@ -248,24 +500,24 @@ void conv(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t
 
     // Phase 1: longest first, a batch grows while its padded size (count * its first, longest
     // item) stays within the bound; a new batch opens until num_ranks are open.
-    const auto order = order_by(len, n, true);
+    const auto& items = sort_items(w.data(), n, true);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
     int64_t cur = 0;
     size_t k = 0;
     double first = 0.0;
-    for (; k < order.size(); ++k) {
-        const int64_t i = order[k];
+    for (; k < items.index.size(); ++k) {
+        const double x = items.key[k];
         if (count[cur] > 0 && (count[cur] >= cap || (count[cur] + 1) * first > bound)) {
             if (cur + 1 >= num_ranks) break;
             ++cur;
         }
-        if (count[cur] == 0) first = w[i];
-        dst[i] = cur;
-        load[cur] += w[i];
+        if (count[cur] == 0) first = x;
+        dst[items.index[k]] = cur;
+        load[cur] += x;
         ++count[cur];
     }
     // Phase 2: the remaining (shortest) items to the smallest sum of lengths.
-    fill_least_loaded(w.data(), order, k, load, count, cap, dst);
+    fill_least_loaded(items, k, load, count, cap, dst);
 }
 
 }  // namespace orch

@@ -11,8 +11,12 @@
 namespace orch {
 
 // Longest-processing-time: items by weight descending into the least-loaded rank (paper Alg. 1
-// when weights are lengths; greedy_cost when they are alpha*l + beta*l^2).
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst);
+// when weights are lengths; greedy_cost when they are alpha*l + beta*l^2). Then, when
+// max_steps > 0, at most max_steps local-search steps, each the best single move or swap of one
+// item between the heaviest and the lightest rank that lowers the heavier of the two below the
+// old maximum (stops when none does); never raises the maximum load.
+void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps = 0);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins.

@@ -36,11 +36,14 @@ Ints run(const Array<T>& input, Fn fn) {
 void register_balance(py::module_& m) {
     m.def(
         "lpt",
-        [](const Floats& w, int64_t d, int64_t cap) {
-            return run(w, [=](const double* x, int64_t n, int64_t* o) { orch::lpt(x, n, d, cap, o); });
+        [](const Floats& w, int64_t d, int64_t cap, int64_t max_steps) {
+            return run(w, [=](const double* x, int64_t n, int64_t* o) {
+                orch::lpt(x, n, d, cap, o, max_steps);
+            });
         },
-        py::arg("weights"), py::arg("num_ranks"), py::arg("cap"),
-        "Longest-processing-time on additive weights (Alg. 1, greedy_cost).");
+        py::arg("weights"), py::arg("num_ranks"), py::arg("cap"), py::arg("max_steps") = 0,
+        "Longest-processing-time on additive weights (Alg. 1, greedy_cost), then at most "
+        "max_steps move/swap steps between the heaviest and the lightest rank.");
     m.def(
         "greedy_tolerance",
         [](const Ints& l, int64_t d, double tol, int64_t cap) {

@@ -11,6 +11,12 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
 - ``greedy`` (paper Alg. 1): longest first into the least-loaded rank, load = sum of lengths.
 - ``greedy_cost``: the same on per-item costs ``alpha*l + beta*l^2`` of a packed cost model;
   for packed batches this is Alg. 1 generalised exactly to the quadratic objective.
+- Both are followed by a bounded local search (``refine=True``, the default): at most
+  ``REFINE_STEPS_PER_RANK * num_ranks`` steps, each the best single move or swap of one item
+  between the heaviest and the lightest rank that lowers the heavier of the two below the old
+  maximum; it stops when no such step exists. It never raises the maximum load, costs
+  O(items on the two ranks + log d) per step, and takes Alg. 1 from up to ~1.1% above the
+  lower bound at 16 items per rank to ~0.3%. ``refine=False`` is the paper's Alg. 1 exactly.
 - ``greedy_tolerance`` (Alg. 4): ranks whose length sums are within ``tolerance`` x the mean
   rank sum of the smallest count as tied; the one with the smallest sum of squares wins.
 - ``kk`` / ``kk_equal``: Karmarkar-Karp largest differencing (verl's baseline), on item costs
@@ -36,6 +42,7 @@ memory cap in the policy's cost) is checked on the plan. A cap the policy cannot
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import numbers
 from collections.abc import Callable
@@ -64,6 +71,9 @@ PLACEMENTS = ("none", "ilp", "assign", "auto")
 BACKENDS = ("cpp", "python")
 # greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
 DEFAULT_TOLERANCE = 0.01
+# greedy/greedy_cost local search: at most this many steps per rank (each O(n/d + log d)).
+REFINE_STEPS_PER_RANK = 2
+_REFINED = frozenset({"greedy", "greedy_cost"})
 # Policies that enforce max_items_per_rank while planning; the others are checked afterwards.
 _CAPPED = frozenset(
     {"greedy", "greedy_cost", "greedy_tolerance", "binary_search", "padded_cost", "conv"}
@@ -98,13 +108,16 @@ def balance(
     max_items_per_rank: int | None = None,
     max_load_per_rank: float | None = None,
     tolerance: float | None = None,
+    refine: bool = True,
     backend: str = "cpp",
 ) -> Assignment:
     """Plan where every item goes so that the most loaded rank is as light as possible.
 
     ``tolerance`` tunes ``greedy_tolerance`` (fraction of the mean rank sum, default
-    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``. ``backend="python"`` runs the
-    plain Python reference instead of the C++ core (same result, for tests and benchmarks).
+    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``. ``refine`` (default on) runs the
+    move/swap local search after ``greedy``/``greedy_cost``; ``refine=False`` keeps the paper's
+    Alg. 1 exactly. ``backend="python"`` runs the plain Python reference instead of the C++
+    core (same result, for tests and benchmarks).
     """
     l = _lengths(lengths)
     n = l.size
@@ -137,8 +150,20 @@ def balance(
         raise ValueError(f"max_load_per_rank must be a number > 0, got {max_load_per_rank!r}")
     if tolerance is not None and not (isinstance(tolerance, numbers.Real) and tolerance >= 0):
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
+    if not isinstance(refine, bool | np.bool_):
+        raise ValueError(f"refine must be True or False, got {refine!r}")
 
-    dst = plan_dst(policy, l, d, cost=cost, cap=cap, tolerance=tolerance, src=s, backend=backend)
+    dst = plan_dst(
+        policy,
+        l,
+        d,
+        cost=cost,
+        cap=cap,
+        tolerance=tolerance,
+        src=s,
+        refine=bool(refine),
+        backend=backend,
+    )
     loads = cost.loads(l, dst, d)
     _check_caps(policy, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
 
@@ -182,7 +207,7 @@ def _int_array(name: str, value: Any) -> np.ndarray:
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
     if a.dtype.kind in "iu":
-        return a.astype(np.int64)
+        return a.astype(np.int64, copy=False)
     if a.dtype.kind == "f":
         bad = ~np.isfinite(a) | (a != np.round(a))
         if bad.any():
@@ -193,7 +218,7 @@ def _int_array(name: str, value: Any) -> np.ndarray:
 
 def _lengths(lengths: Any) -> np.ndarray:
     l = _int_array("lengths", lengths)
-    if (l < 0).any():
+    if l.size and l.min() < 0:
         raise ValueError(f"lengths must be >= 0, got {l[l < 0][0]} at {np.argmax(l < 0)}")
     return l
 
@@ -202,8 +227,8 @@ def _src(src: Any, n: int, d: int) -> np.ndarray:
     s = _int_array("src", src)
     if s.size != n:
         raise ValueError(f"src must have one entry per item ({n}), got {s.size}")
-    bad = (s < 0) | (s >= d)
-    if bad.any():
+    if s.size and (s.min() < 0 or s.max() >= d):
+        bad = (s < 0) | (s >= d)
         raise ValueError(f"src must be in [0, {d}), got {s[bad][0]} at {np.argmax(bad)}")
     return s
 
@@ -276,10 +301,10 @@ def _stats(
     }
     if src is not None:
         before = cost.loads(lengths, src, d)
-        stay = dst == src
+        kept = float(lengths.sum(where=dst == src))
         stats["imbalance_before"] = _ratio(float(before.max()), float(before.mean()))
-        stats["tokens_moved"] = float(lengths[~stay].sum())
-        stats["tokens_kept"] = float(lengths[stay].sum())
+        stats["tokens_moved"] = float(lengths.sum()) - kept
+        stats["tokens_kept"] = kept
     return stats
 
 
@@ -302,6 +327,7 @@ def plan_dst(
     cap: int,
     tolerance: float | None = None,
     src: np.ndarray | None = None,
+    refine: bool = True,
     backend: str = "cpp",
 ) -> np.ndarray:
     """The policy's ``dst`` alone, on inputs :func:`balance` has validated (int64 lengths,
@@ -313,10 +339,11 @@ def plan_dst(
         return src.copy()
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    steps = REFINE_STEPS_PER_RANK * d if refine and policy in _REFINED else 0
     if policy == "greedy":
-        return impl.lpt(lengths.astype(np.float64), d, cap)
+        return impl.lpt(lengths.astype(np.float64), d, cap, steps)
     if policy == "greedy_cost":
-        return impl.lpt(cost.item_costs(lengths), d, cap)
+        return impl.lpt(cost.item_costs(lengths), d, cap, steps)
     if policy == "greedy_tolerance":
         fraction = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
         return impl.greedy_tolerance(lengths, d, fraction * float(lengths.sum()) / d, cap)
@@ -358,10 +385,61 @@ def _fill_least_loaded(w, order, load, count, cap, dst) -> None:
             heapq.heappush(heap, (load[r], r))
 
 
-def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+def _around(neg: list[float], target: float) -> list[int]:
+    # Positions nearest to target in weights sorted descending (given negated): the first of
+    # the run just above target, and the first at or below it.
+    below = bisect.bisect_left(neg, -target)
+    above = [bisect.bisect_left(neg, neg[below - 1])] if below > 0 else []
+    return above + ([below] if below < len(neg) else [])
+
+
+def _refine(w, order, dst, load, count, cap, max_steps) -> None:
+    d = len(load)
+    lists = [[] for _ in range(d)]  # per rank, weight descending then index ascending
+    for i in order:
+        lists[dst[i]].append(i)
+    for _ in range(max_steps):
+        h = max(range(d), key=lambda r: (load[r], -r))
+        l = min(range(d), key=lambda r: (load[r], r))
+        if h == l or count[h] <= 1:
+            break
+        lh, ll = load[h], load[l]
+        half = (lh - ll) * 0.5
+        hs, ls = lists[h], lists[l]
+        neg_h, neg_l = [-w[i] for i in hs], [-w[j] for j in ls]
+        steps = []  # (new max of the pair, item leaving h, item leaving l or -1)
+        if count[l] < cap:
+            moves = [hs[a] for a in _around(neg_h, half)]
+            steps += [(max(lh - w[i], ll + w[i]), i, -1) for i in moves if w[i] > 0]
+        for i in hs:
+            partners = [ls[b] for b in _around(neg_l, w[i] - half)]
+            steps += [
+                (max((lh - w[i]) + w[j], (ll - w[j]) + w[i]), i, j) for j in partners if w[j] < w[i]
+            ]
+        steps = [s for s in steps if s[0] < lh]
+        if not steps:
+            break
+        _, i, j = min(steps)
+        hs.remove(i)
+        dst[i] = l
+        if j < 0:
+            load[h], load[l] = lh - w[i], ll + w[i]
+            count[h] -= 1
+            count[l] += 1
+        else:
+            ls.remove(j)
+            bisect.insort(hs, j, key=lambda k: (-w[k], k))
+            dst[j] = h
+            load[h], load[l] = (lh - w[i]) + w[j], (ll - w[j]) + w[i]
+        bisect.insort(ls, i, key=lambda k: (-w[k], k))
+
+
+def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
     w = [float(x) for x in weights]
     dst = [0] * len(w)
-    _fill_least_loaded(w, _desc(w), [0.0] * num_ranks, [0] * num_ranks, cap, dst)
+    load, count, order = [0.0] * num_ranks, [0] * num_ranks, _desc(w)
+    _fill_least_loaded(w, order, load, count, cap, dst)
+    _refine(w, order, dst, load, count, cap, max_steps)
     return np.array(dst, dtype=np.int64)
 
 

@@ -87,18 +87,33 @@ class CostModel:
         return self.multiplier * (self.alpha * l + self.beta * l * l)
 
     def loads(self, lengths: np.ndarray, dst: np.ndarray, num_ranks: int) -> np.ndarray:
-        """Cost of every destination batch, ``float64[num_ranks]``, vectorised."""
+        """Cost of every destination batch, ``float64[num_ranks]``, vectorised.
+
+        Terms whose coefficient leaves the sum unchanged (``beta = 0``, ``const = 0``, factors
+        of 1) are skipped: one ``bincount`` for plain token sums, same result bit for bit.
+        """
         l = np.asarray(lengths, dtype=np.float64)
         dst = np.asarray(dst, dtype=np.int64)
-        count = np.bincount(dst, minlength=num_ranks).astype(np.float64)
+        count = None
         if self.packed:
-            raw = self.alpha * np.bincount(dst, weights=l, minlength=num_ranks)
-            raw += self.beta * np.bincount(dst, weights=l * l, minlength=num_ranks)
+            # (float64 even with no items, where bincount gives int64)
+            raw = np.bincount(dst, weights=l, minlength=num_ranks).astype(np.float64, copy=False)
+            if self.alpha != 1.0:
+                raw *= self.alpha
+            if self.beta != 0.0:
+                raw += self.beta * np.bincount(dst, weights=l * l, minlength=num_ranks)
         else:
+            count = np.bincount(dst, minlength=num_ranks).astype(np.float64)
             top = np.zeros(num_ranks, dtype=np.float64)
             np.maximum.at(top, dst, l)
             raw = self.alpha * count * top + self.beta * count * top * top
-        return self.multiplier * (raw + self.const * (count > 0))
+        if self.const != 0.0:
+            if count is None:
+                count = np.bincount(dst, minlength=num_ranks)
+            raw += self.const * (count > 0)
+        if self.multiplier != 1.0:
+            raw *= self.multiplier
+        return raw
 
     def scaled(self, factor: float) -> CostModel:
         """The same model with the multiplier scaled (e.g. a cheaper or repeated module)."""
