@@ -31,22 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 from orchmllm import balance, comm  # noqa: E402
 from orchmllm.plan import Rearrangement  # noqa: E402
+from tests.multiproc import run_distributed  # noqa: E402
 
 FULL = dict(
     worlds=[2, 4], batch=8, mean_len=1024, hidden=512, reps=7,
@@ -146,58 +142,31 @@ def _measure(rank: int, d: int, group, cfg: dict, device: torch.device) -> dict:
     return rec
 
 
-def _worker(rank: int, world: int, cfg: dict, backend: str, workdir: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        results = []
-        for d in cfg["worlds"]:
-            group = dist.new_group(list(range(d)))  # every rank joins the creation
-            if rank < d:
-                results.append(dict(_measure(rank, d, group, cfg, device), world_size=d))
-            dist.barrier()
-        with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    results = []
+    for d in cfg["worlds"]:
+        group = dist.new_group(list(range(d)))  # every rank joins the creation
+        if rank < d:
+            results.append(dict(_measure(rank, d, group, cfg, device), world_size=d))
+        dist.barrier()
+    return results
 
 
 def run_measured(cfg: dict, backend: str) -> list[list[dict]]:
     """Launch ``max(worlds)`` processes; per-rank lists of per-world-size records."""
     world = max(cfg["worlds"])
-    with tempfile.TemporaryDirectory(prefix="dispatch_bench_") as workdir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(world, cfg, backend, workdir),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + TIMEOUT_S + 120
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"benchmark processes did not finish in {TIMEOUT_S}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        out = []
-        for rank in range(world):
-            with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-        return out
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # one per process unless the caller says
+    return run_distributed(
+        _worker,
+        world,
+        cfg,
+        timeout=TIMEOUT_S,
+        env={"OMP_NUM_THREADS": threads},
+        backend=backend,
+        startup_s=120.0,
+    )
 
 
 def summarize_measured(per_rank: list[list[dict]], cfg: dict, backend: str) -> list[dict]:

@@ -5,8 +5,9 @@ collective fails the test within ``timeout`` seconds instead of hanging CI.
 
 The worker function must be importable (defined at module level of a test module),
 because processes are started with ``spawn``. It is called as
-``fn(rank, world_size, *args)`` inside an initialised gloo process group, and its
-return value (picklable) is collected per rank.
+``fn(rank, world_size, *args)`` inside an initialised gloo process group (or NCCL, one GPU
+per rank, for benchmarks that ask for it), and its return value (picklable) is collected
+per rank.
 
 :func:`run_checks` runs several such checks in one process session (start-up dominates
 the cost of small checks) and reports each one separately.
@@ -36,6 +37,7 @@ def _worker(
     workdir: str,
     timeout: float,
     env: dict[str, str],
+    backend: str,
 ) -> None:
     os.environ.update(env)
     # torch is already imported here, so OMP_NUM_THREADS alone would not take effect.
@@ -46,8 +48,10 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
         rank=rank,
         world_size=world_size,
@@ -71,33 +75,38 @@ def run_distributed(
     *args: Any,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
+    startup_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     Returns the per-rank return values in rank order. Raises ``RuntimeError`` with
     the failing ranks' tracebacks if any worker fails, and ``TimeoutError`` (after
-    killing every worker) if they do not all finish within ``timeout`` seconds.
-    Collectives inside the workers also use ``timeout``.
+    killing every worker) if they do not all finish within ``timeout`` seconds, plus
+    ``startup_s`` for spawning and imports. Collectives inside the workers also use
+    ``timeout``. ``backend="nccl"`` puts rank ``r`` on GPU ``r``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="orchmllm_mp_") as workdir:
         ctx = mp.start_processes(
             _worker,
-            args=(fn, world_size, args, workdir, timeout, env),
+            args=(fn, world_size, args, workdir, timeout, env, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
         # Startup (spawn + imports) is not the code under test: allow extra time for it.
-        deadline = time.monotonic() + timeout + 60.0
+        deadline = time.monotonic() + timeout + startup_s
         try:
             while not ctx.join(timeout=0.5):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{getattr(fn, '__name__', fn)} did not finish on {world_size} "
-                        f"processes within {timeout:.0f}s (+60s start-up)"
+                        f"processes within {timeout:.0f}s (+{startup_s:.0f}s start-up)"
                     )
         except mp.ProcessRaisedException as exc:
             errors = []
