@@ -58,13 +58,17 @@ def _check_number(path, where: str, value: Any) -> None:
         raise _bad(path, where, f"expected a finite number, got {value!r}")
 
 
-def _check_record(path, lineno: int, rec: Any) -> None:
-    where = f"line {lineno}"
-    if not isinstance(rec, dict):
-        raise _bad(path, where, f"expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in STEP_FIELDS if k not in rec]
+def _check_object(path, where: str, value: Any, fields: tuple[str, ...]) -> None:
+    if not isinstance(value, dict):
+        raise _bad(path, where, f"expected a JSON object, got {type(value).__name__}")
+    missing = [k for k in fields if k not in value]
     if missing:
         raise _bad(path, where, f"missing field(s) {missing}")
+
+
+def _check_record(path, lineno: int, rec: Any) -> None:
+    where = f"line {lineno}"
+    _check_object(path, where, rec, STEP_FIELDS)
     for k in ("step", "step_time_s", "tokens_per_s", "world_size"):
         _check_number(path, f"{where} field {k!r}", rec[k])
     world = rec["world_size"]
@@ -75,11 +79,7 @@ def _check_record(path, lineno: int, rec: Any) -> None:
         raise _bad(path, f"{where} field 'phases'", f"expected a non-empty object, got {phases!r}")
     for name, ph in phases.items():
         pw = f"{where} phase {name!r}"
-        if not isinstance(ph, dict):
-            raise _bad(path, pw, f"expected an object, got {ph!r}")
-        missing = [k for k in PHASE_FIELDS if k not in ph]
-        if missing:
-            raise _bad(path, pw, f"missing field(s) {missing}")
+        _check_object(path, pw, ph, PHASE_FIELDS)
         for k in ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms"):
             _check_number(path, f"{pw} field {k!r}", ph[k])
         for k in ("loads_before", "loads_after"):
