@@ -99,15 +99,23 @@ def test_builds_from_tiny_yaml_with_gqa_shapes(tiny_model):
         assert torch.equal(a, b)  # weights depend only on the seed: identical on every rank
 
 
+def _batch_equals_each_alone(run, inputs: torch.Tensor, lengths: torch.Tensor, shape: tuple):
+    """``run(inputs, lengths)`` has ``shape`` and equals ``run`` on each item alone,
+    concatenated (a batch never mixes its items); returns the batch output."""
+    out = run(inputs, lengths)
+    assert out.shape == shape
+    alone = [run(x, torch.tensor([len(x)])) for x in inputs.split(lengths.tolist())]
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-9, atol=1e-9)
+    return out
+
+
 def test_vision_packed_equals_each_image_alone(tiny_model):
     torch.manual_seed(1)
     cfg = tiny_model.cfg.vision
     lengths = torch.tensor([8, 20, 4]) * cfg.downsample
     patches = torch.randn(int(lengths.sum()), cfg.patch_dim, dtype=torch.float64)
-    out = tiny_model.vision(patches, lengths)
-    assert out.shape == (int(lengths.sum()) // cfg.downsample, tiny_model.cfg.llm.hidden)
-    alone = [tiny_model.vision(p, torch.tensor([len(p)])) for p in patches.split(lengths.tolist())]
-    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-9, atol=1e-9)
+    shape = (int(lengths.sum()) // cfg.downsample, tiny_model.cfg.llm.hidden)
+    _batch_equals_each_alone(tiny_model.vision, patches, lengths, shape)
 
 
 def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
@@ -115,26 +123,22 @@ def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
     cfg = tiny_model.cfg.audio
     lengths = torch.tensor([30, 4, 12]) * cfg.frames_per_token
     mels = torch.randn(int(lengths.sum()), cfg.n_mels, dtype=torch.float64)
-    out = tiny_model.audio(mels, lengths)
-    assert out.shape == (int(lengths.sum()) // cfg.frames_per_token, tiny_model.cfg.llm.hidden)
-    alone = [tiny_model.audio(m, torch.tensor([len(m)])) for m in mels.split(lengths.tolist())]
-    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-9, atol=1e-9)
+    shape = (int(lengths.sum()) // cfg.frames_per_token, tiny_model.cfg.llm.hidden)
+    _batch_equals_each_alone(tiny_model.audio, mels, lengths, shape)
 
 
 def test_llm_packed_is_causal_and_equals_each_sequence_alone(tiny_model):
     torch.manual_seed(3)
     lengths = torch.tensor([7, 1, 12])
     ids = torch.randint(0, tiny_model.cfg.vocab, (int(lengths.sum()),))
-    logits = tiny_model.llm(tiny_model.llm.embed(ids), lengths)
-    assert logits.shape == (int(lengths.sum()), tiny_model.cfg.vocab)
-    alone = [
-        tiny_model.llm(tiny_model.llm.embed(s), torch.tensor([len(s)]))
-        for s in ids.split(lengths.tolist())
-    ]
-    torch.testing.assert_close(logits, torch.cat(alone), rtol=1e-9, atol=1e-9)
+
+    def llm(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return tiny_model.llm(tiny_model.llm.embed(x), lens)
+
+    logits = _batch_equals_each_alone(llm, ids, lengths, (int(lengths.sum()), tiny_model.cfg.vocab))
     changed = ids.clone()
     changed[-1] = (changed[-1] + 1) % tiny_model.cfg.vocab  # future token of the last sequence
-    logits2 = tiny_model.llm(tiny_model.llm.embed(changed), lengths)
+    logits2 = llm(changed, lengths)
     torch.testing.assert_close(logits2[:-1], logits[:-1], rtol=0, atol=0)
 
 
