@@ -3,9 +3,11 @@
 Each rank passes the mini-batch it sampled. Only the lengths are all-gathered (on a CPU
 group, so it can overlap with GPU work); every rank then runs the same balancing policy on
 the same numbers, builds the same :class:`~orchmllm.plan.Rearrangement`, and moves its
-examples with one all-to-all per dtype. :meth:`BatchDispatcher.undo` moves results computed
-on the balanced layout back (autograd-aware), so a loss normalised over the global batch
-has the same gradient with or without dispatch.
+examples with one all-to-all per dtype. A plan that is not a pure function of the lengths
+(``placement="ilp"``, time-limited) is computed on rank 0 and broadcast instead
+(:func:`~orchmllm.data.exchange.agreed_plan`). :meth:`BatchDispatcher.undo` moves results
+computed on the balanced layout back (autograd-aware), so a loss normalised over the
+global batch has the same gradient with or without dispatch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.distributed as dist
 from orchmllm import comm
 from orchmllm.balance import POLICIES, balance
 from orchmllm.cost import CostModel
+from orchmllm.data.exchange import agreed_plan
+from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.plan import Rearrangement
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
@@ -142,6 +146,7 @@ class BatchDispatcher:
         self.max_items_per_rank = max_items_per_rank
         self.pad_value = pad_value
         self.check_plan = debug_enabled() if check_plan is None else bool(check_plan)
+        self.deterministic = plan_is_deterministic(placement=placement, policies=(policy,))
         # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
         self.cost = cost
         self.stats_cost = cost if cost is not None else CostModel(layout)
@@ -169,15 +174,20 @@ class BatchDispatcher:
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
-        assignment = balance(
-            glob,
-            world,
-            self.policy,
-            src=src,
-            cost=self.cost,
-            ranks_per_node=self.ranks_per_node,
-            placement=self.placement,
-            max_items_per_rank=self.max_items_per_rank,
+        assignment = agreed_plan(
+            lambda: balance(
+                glob,
+                world,
+                self.policy,
+                src=src,
+                cost=self.cost,
+                ranks_per_node=self.ranks_per_node,
+                placement=self.placement,
+                max_items_per_rank=self.max_items_per_rank,
+            ),
+            deterministic=self.deterministic,
+            group=self.meta_group,
+            timeout=self.timeout,
         )
         plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
         t2 = time.perf_counter()

@@ -18,7 +18,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,7 +39,6 @@ from orchmllm.orchestrator import (
     IGNORE_INDEX,
     LLMBatch,
     Orchestrator,
-    StepPlan,
     default_phases,
 )
 
@@ -249,26 +247,6 @@ def make_orchestrator(
     )
 
 
-class RankZeroPlanner:
-    """Every rank uses rank 0's plan instead of its own.
-
-    Plans are normally computed by every rank from the same gathered metadata, which is only
-    sound when planning is deterministic. ``placement="ilp"`` is not: its CBC solve has a
-    wall-clock budget and falls back to the ``assign`` placement when the budget runs out, so
-    on a busy machine ranks can reach different plans and the all-to-alls would disagree. The
-    broadcast runs in the loader's prefetch thread, on a gloo group of its own.
-    """
-
-    def __init__(self, planner: Callable, *, timeout: float) -> None:
-        self.planner = planner
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-
-    def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
-        box = [self.planner(rows, src, num_ranks) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-
 def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtype, device):
     """The whole multimodal forward of one step, run inside the FSDP root call.
 
@@ -340,12 +318,11 @@ def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
     orch = make_orchestrator(cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout)
-    # Samples like a DistributedSampler; plans each step in a background thread ahead of it.
+    # Samples like a DistributedSampler; plans each step in a background thread ahead of it
+    # (a time-limited ILP placement on rank 0 alone, broadcast: see exchange.agreed_plan).
     loader = orchestrated_loader(
         dataset, orch, batch_size=per_rank, prefetch=args.prefetch, seed=seed, timeout=timeout
     )
-    if placement == "ilp":
-        loader.planner = RankZeroPlanner(loader.planner, timeout=timeout)
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)

@@ -122,6 +122,78 @@ def _w_padded(rank: int, world: int):
         assert d.stats["padded_tokens_after"] <= d.stats["padded_tokens_before"] or glob.size == 0
 
 
+class _Broadcasts:
+    """Counts ``torch.distributed.broadcast`` calls in a block (a pass-through spy: every
+    call still runs)."""
+
+    def __enter__(self) -> "_Broadcasts":
+        self.calls, self._real = 0, dist.broadcast
+
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return self._real(*args, **kwargs)
+
+        dist.broadcast = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.broadcast = self._real
+
+
+def _same_everywhere(value: int) -> bool:
+    everyone = comm.all_gather_fixed(np.array([value]), timeout=TIMEOUT)[:, 0]
+    return bool(np.all(everyone == everyone[0]))
+
+
+def _check_moved(d, rank: int, glob: np.ndarray) -> None:
+    """Every item arrives exactly once, at its planned rank, with its tokens intact."""
+    mine = d.plan.items_at(rank)
+    assert d.items["id"].tolist() == mine.tolist()
+    assert d.lengths.tolist() == glob[mine].tolist()
+    assert torch.equal(d.tokens["key"], _token_keys(mine, glob))
+    everywhere, _ = comm.all_gather_rows(d.items["id"].numpy()[:, None], timeout=TIMEOUT)
+    assert sorted(everywhere[:, 0].tolist()) == list(range(glob.size))
+
+
+def _dispatch_keys(disp: BatchDispatcher, per_rank: list[list[int]], rank: int, **kwargs):
+    glob = np.array([x for r in per_rank for x in r], dtype=np.int64)
+    ids = _global_ids(per_rank, rank)
+    tokens = {"key": _token_keys(ids, glob)}
+    lengths = torch.tensor(per_rank[rank], dtype=torch.int64)
+    return disp.dispatch(tokens, lengths, {"id": torch.from_numpy(ids)}, **kwargs), glob
+
+
+def _w_ilp_agrees(rank: int, world: int):
+    """``placement="ilp"`` stops CBC at a load-dependent point, so ranks solving it on their
+    own could reach different placements: rank 0 solves, every rank uses its plan."""
+    rng = np.random.default_rng(11)  # the same lengths on every rank
+    disp = BatchDispatcher("greedy", ranks_per_node=1, placement="ilp", timeout=TIMEOUT)
+    assert not disp.deterministic
+    for _ in range(3):
+        per_rank = [rng.integers(1, 900, size=rng.integers(40, 160)).tolist() for _ in range(world)]
+        with _Broadcasts() as b:
+            d, glob = _dispatch_keys(disp, per_rank, rank)
+        assert b.calls == 2  # the plan's size, then the plan
+        assert _same_everywhere(d.plan.fingerprint())
+        # Solved once: rank 0's solve time reached every rank with its plan.
+        solve_ms = np.float64(d.stats["placement_solve_ms"]).view(np.int64)
+        assert _same_everywhere(int(solve_ms))
+        _check_moved(d, rank, glob)
+        assert d.stats["imbalance_after"] < d.stats["imbalance_before"]
+
+
+def _w_deterministic_no_broadcast(rank: int, world: int):
+    per_rank = _cases(world)[0]
+    for policy, placement in (("greedy", "none"), ("greedy_stay", "assign"), ("kk", "auto")):
+        disp = BatchDispatcher(policy, ranks_per_node=2, placement=placement, timeout=TIMEOUT)
+        assert disp.deterministic
+        with _Broadcasts() as b:
+            d, glob = _dispatch_keys(disp, per_rank, rank)
+        assert b.calls == 0
+        assert _same_everywhere(d.plan.fingerprint())
+        _check_moved(d, rank, glob)
+
+
 def _losses(x: torch.Tensor, w: torch.Tensor, lin: torch.nn.Linear, total: int) -> torch.Tensor:
     """A per-token loss normalised by the global token count (not the local one)."""
     return ((lin(x) ** 2).sum(-1) * w + x.sin().sum(-1)).sum() / total
@@ -215,6 +287,8 @@ CHECKS = {
     "padded_conservation_and_undo": _w_padded,
     "gradient_unchanged": _w_grad,
     "plan_mismatch_detected": _w_mismatch,
+    "ilp_plan_computed_once_and_shared": _w_ilp_agrees,
+    "deterministic_plans_local_no_broadcast": _w_deterministic_no_broadcast,
 }
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import PeerFailed
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
@@ -18,6 +19,7 @@ from orchmllm.data.sampling import local_batches
 from orchmllm.data.schema import EncodingRates, example_metadata
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
 from orchmllm.orchestrator import LocalBatch, Orchestrator, default_phases
+from orchmllm.plan import Rearrangement
 from tests.multiproc import run_distributed
 
 T = 30.0  # collective timeout inside the workers
@@ -125,10 +127,15 @@ def _sampler_epoch(n, world, batch, epoch, seed=3):
 WORLD = 2
 INDEX_N, INDEX_BATCH = 47, 4  # 47 is odd: DistributedSampler pads one example
 MOVE_N, MOVE_BATCH = 25, 4  # shards of 13 and 12 items: rank 0 has one step more
+AGREE_N = 24
 
 
 def _index_and_synthetic_worker(rank, world):
-    return _index_mode_worker(rank, world, INDEX_N, INDEX_BATCH), _synthetic_worker(rank, world)
+    return (
+        _index_mode_worker(rank, world, INDEX_N, INDEX_BATCH),
+        _synthetic_worker(rank, world),
+        _agreement_worker(rank, world),
+    )
 
 
 def _move_and_errors_worker(rank, world):
@@ -294,6 +301,98 @@ def test_synthetic_multimodal_index_mode_and_orchestrator_plans(index_run):
     assert all(length > 0 for _, length in items)
     for _, same, steps in out:
         assert steps == 5 and all(same) and len(same) == steps
+
+
+class _Counted:
+    """A real planner, counting the calls it gets on this rank."""
+
+    def __init__(self, planner):
+        self.planner, self.calls = planner, 0
+
+    @property
+    def deterministic(self):
+        return self.planner.deterministic
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.planner(*args)
+
+
+def _fingerprints(plan) -> tuple[int, ...]:
+    if isinstance(plan, Rearrangement):
+        return (plan.fingerprint(),)
+    moves = [plan.llm] + [m for p in plan.phases.values() for m in (p.encoder, p.to_llm)]
+    return tuple(m.fingerprint() for m in moves)
+
+
+def _planned_epoch(loader, planner) -> dict:
+    loader.planner = counted = _Counted(planner)
+    batches, infos = _epoch(loader)
+    return {
+        "calls": counted.calls,
+        "steps": len(infos),
+        "fingerprints": [_fingerprints(i.plan) for i in infos],
+        "batches": batches,
+    }
+
+
+def _agreement_worker(rank, world):
+    """Plans that are not a pure function of the gathered metadata: rank 0's, everywhere."""
+    res = {}
+    res["shared"] = ex.agreed_plan(
+        lambda: ("plan of", rank), deterministic=False, group=None, timeout=T
+    )
+    res["local"] = ex.agreed_plan(
+        lambda: ("plan of", rank), deterministic=True, group=None, timeout=T
+    )
+
+    def fail():
+        raise ValueError("no plan")
+
+    try:
+        ex.agreed_plan(fail, deterministic=False, group=None, timeout=T)
+    except (ValueError, PeerFailed) as exc:
+        res["failed"] = f"{type(exc).__name__}: {exc}"
+
+    ilp = BalancePlanner(ranks_per_node=1, placement="ilp")
+    kw = dict(batch_size=4, collate_fn=_ids, timeout=T)
+    ds = _dataset(AGREE_N)
+    res["ilp_index"] = _planned_epoch(BalancedDataLoader(ds, length_column="n_tokens", **kw), ilp)
+    res["greedy_index"] = _planned_epoch(
+        BalancedDataLoader(ds, length_column="n_tokens", **kw), BalancePlanner()
+    )
+    shard = _Shard(AGREE_N, rank, world)
+    res["ilp_move"] = _planned_epoch(BalancedDataLoader(shard, length_fn=_len_ids, **kw), ilp)
+    syn = SyntheticConfig(num_examples=12, seed=5, scale=0.05)
+    orch = Orchestrator(
+        default_phases(_RATES, patch_dim=syn.patch_dim, n_mels=syn.n_mels),
+        placement="ilp",
+        ranks_per_node=1,
+        timeout=T,
+    )
+    loader = orchestrated_loader(
+        build_dataset(syn, _RATES, keep_in_memory=True), orch, batch_size=3, timeout=T
+    )
+    res["ilp_orchestrated"] = _planned_epoch(loader, loader.planner)
+    res["ilp_orchestrated"]["batches"] = []
+    return res
+
+
+def test_nondeterministic_plans_are_computed_on_rank_zero_and_shared(index_run):
+    out = [r[2] for r in index_run]
+    assert [r["shared"] for r in out] == [("plan of", 0)] * WORLD
+    assert [r["local"] for r in out] == [("plan of", r) for r in range(WORLD)]
+    assert out[0]["failed"] == "ValueError: no plan"
+    assert out[1]["failed"] == "PeerFailed: rank 0 failed to compute the plan: ValueError: no plan"
+    for key in ("ilp_index", "ilp_move", "ilp_orchestrated"):
+        runs = [r[key] for r in out]
+        assert runs[0]["steps"] == runs[1]["steps"] > 0
+        assert runs[0]["fingerprints"] == runs[1]["fingerprints"]  # identical plans
+        assert [r["calls"] for r in runs] == [runs[0]["steps"], 0]  # planned on rank 0 alone
+    # Deterministic plans: every rank plans by itself (no broadcast to wait for).
+    assert all(r["greedy_index"]["calls"] == r["greedy_index"]["steps"] for r in out)
+    for key in ("ilp_index", "greedy_index", "ilp_move"):  # every example arrives once
+        assert sorted(i for r in out for b in r[key]["batches"] for i in b) == list(range(AGREE_N))
 
 
 class _FailingCollate:

@@ -1,10 +1,15 @@
-"""BalancePlanner: the plan of orchmllm.balance on the gathered lengths, as a Rearrangement."""
+"""Planners: the plan of orchmllm.balance on the gathered lengths, and which plans are a pure
+function of them (the others are computed on rank 0 and broadcast)."""
 
 import numpy as np
 import pytest
 
 import orchmllm
-from orchmllm.data.planners import BalancePlanner
+from orchmllm.balance import PLACEMENTS
+from orchmllm.data.orchestrated import OrchestratorPlanner
+from orchmllm.data.planners import BalancePlanner, plan_is_deterministic
+from orchmllm.data.schema import EncodingRates
+from orchmllm.orchestrator import Orchestrator, default_phases
 
 
 @pytest.mark.parametrize("policy", ["greedy", "kk", "identity"])
@@ -31,3 +36,20 @@ def test_deterministic():
     src = np.array([0, 0, 0, 1, 1, 1])
     a, b = BalancePlanner()(lengths, src, 2), BalancePlanner()(lengths, src, 2)
     np.testing.assert_array_equal(a.dst_rank, b.dst_rank)
+
+
+def test_only_time_limited_plans_are_nondeterministic():
+    for placement in PLACEMENTS:
+        assert plan_is_deterministic(placement=placement) == (placement != "ilp")
+        assert BalancePlanner(placement=placement).deterministic == (placement != "ilp")
+    assert all(plan_is_deterministic(policies=[p]) for p in orchmllm.POLICIES)
+
+
+@pytest.mark.parametrize("mode", ["none", "llm", "full"])
+def test_orchestrator_plans_are_nondeterministic_only_when_balanced_with_ilp(mode):
+    phases = default_phases(EncodingRates(), patch_dim=12, n_mels=8)
+    for placement in ("assign", "ilp"):
+        orch = Orchestrator(phases, mode=mode, placement=placement, ranks_per_node=2)
+        # mode="none" balances nothing, so it never reaches the placement.
+        expected = placement != "ilp" or mode == "none"
+        assert OrchestratorPlanner(orch).deterministic == expected

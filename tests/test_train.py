@@ -105,7 +105,7 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
 
 def test_balance_modes_train_identically_on_4_ranks_as_2_nodes(tmp_path):
     """4 ranks as 2 nodes of 2, node-wise placement by the time-limited ILP (whose plans
-    ranks must share: see RankZeroPlanner)."""
+    rank 0 computes for all: see orchmllm.data.exchange.agreed_plan)."""
     config = _config(tmp_path, "tiny4", examples_per_rank=4)
     run_distributed(_modes_worker, 4, config, str(tmp_path), 3, ("--placement", "ilp"), timeout=150)
     records = _assert_same_training(tmp_path, 4, 3)

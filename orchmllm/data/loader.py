@@ -434,7 +434,9 @@ class BalancedDataLoader:
         rows = [[i, int(self._lengths[i])] for i in local]
         gathered = ex.gather_step(g, rows, step=step)
         plan = ex.check_rearrangement(
-            self.planner(gathered.meta[:, 1:], gathered.src, g.size), g, len(gathered.src)
+            ex.run_planner(g, self.planner, gathered.meta[:, 1:], gathered.src),
+            g,
+            len(gathered.src),
         )
         plan_s = time.perf_counter() - t0
         indices = gathered.meta[:, 0]

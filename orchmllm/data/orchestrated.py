@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from orchmllm.data.loader import BalancedDataLoader
+from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import EncoderPhase, LocalBatch, Orchestrator, StepPlan, plan_step
 
@@ -34,10 +35,21 @@ def _segment_table(batch: LocalBatch) -> np.ndarray:
 
 
 class OrchestratorPlanner:
-    """``plan_step`` with an orchestrator's options: a pure function of the gathered rows."""
+    """``plan_step`` with an orchestrator's options (computed on rank 0 alone and broadcast
+    when they make the plan more than a function of the gathered rows: ``placement="ilp"``)."""
 
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.o = orchestrator
+
+    @property
+    def deterministic(self) -> bool:
+        o = self.o
+        balanced = {  # the policies plan_step runs in each mode
+            "none": (),
+            "llm": (o.llm_policy,),
+            "full": (o.llm_policy, *(p.policy for p in o.phases)),
+        }[o.mode]
+        return not balanced or plan_is_deterministic(placement=o.placement, policies=balanced)
 
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
         return plan_step(

@@ -1,20 +1,37 @@
-"""Planners: gathered per-item metadata -> plan. Pure functions of their input.
+"""Planners: gathered per-item metadata -> plan.
 
 The loader calls a planner in its background thread on the metadata every rank gathered
-(see :data:`orchmllm.data.exchange.Planner`), so every rank computes the same plan
-without another exchange. Single-phase balancing returns a
+(see :data:`orchmllm.data.exchange.Planner`). Single-phase balancing returns a
 :class:`~orchmllm.plan.Rearrangement` the loader executes itself; any other planner
 (e.g. the multimodal orchestrator's per-phase plans) is handed to the training loop.
+
+Most plans are a pure function of the gathered metadata, so every rank computes the same
+plan itself. A plan that is not (see :func:`plan_is_deterministic`) is computed on one rank
+and broadcast by :func:`orchmllm.data.exchange.agreed_plan`; a planner says which it is
+with its ``deterministic`` attribute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from orchmllm.plan import Rearrangement
+
+# Options whose plan depends on more than the gathered metadata. ``ilp`` placement is
+# time-limited (CBC's CPU-time limit, scaled by the machine's load), so a busy rank can
+# stop the solve at another point and reach another placement than its peers.
+CLOCKED_PLACEMENTS = frozenset({"ilp"})
+CLOCKED_POLICIES: frozenset[str] = frozenset()
+
+
+def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = ()) -> bool:
+    """Whether a plan with these options is a pure function of the gathered metadata, so
+    every rank can compute it itself (otherwise one rank computes it for all)."""
+    return placement not in CLOCKED_PLACEMENTS and not CLOCKED_POLICIES.intersection(policies)
 
 
 @dataclass(frozen=True)
@@ -25,6 +42,10 @@ class BalancePlanner:
     cost: Any = None  # orchmllm.cost.CostModel or None (the policy's default)
     ranks_per_node: int | None = None
     placement: str = "none"
+
+    @property
+    def deterministic(self) -> bool:
+        return plan_is_deterministic(placement=self.placement, policies=(self.policy,))
 
     def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:
         from orchmllm.balance import balance  # the balancing core loads lazily
