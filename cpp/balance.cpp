@@ -399,6 +399,11 @@ int64_t least_batches(const int64_t* len, const std::vector<int64_t>& asc, int64
 
 }  // namespace
 
+void order_desc(const double* w, int64_t n, int64_t* order) {
+    const auto& items = sort_items(w, n, true);
+    std::copy(items.index.begin(), items.index.end(), order);
+}
+
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps) {
     const auto& items = sort_items(w, n, true);

@@ -10,6 +10,9 @@
 
 namespace orch {
 
+// Item indices by weight descending, ties by index ascending (the radix sort every policy uses).
+void order_desc(const double* w, int64_t n, int64_t* order);
+
 // Longest-processing-time: items by weight descending into the least-loaded rank (paper Alg. 1
 // when weights are lengths; greedy_cost when they are alpha*l + beta*l^2). Then, when
 // max_steps > 0, at most max_steps local-search steps, each the best single move or swap of one
