@@ -162,10 +162,22 @@ class BatchDispatcher:
         tokens: dict[str, torch.Tensor],
         lengths: torch.Tensor,
         items: dict[str, torch.Tensor] | None = None,
+        *,
+        plan: Rearrangement | None = None,
     ) -> Dispatched:
-        """Move this rank's items to their balanced ranks; every rank calls this together."""
+        """Move this rank's items to their balanced ranks; every rank calls this together.
+
+        ``plan``: a plan computed ahead for exactly these items, used instead of planning
+        here, e.g. ``PlannedBatch.plan`` of a ``BalancedDataLoader(mode="local")`` that
+        planned it in its background thread, so only the gather and the all-to-all remain
+        on the step. The lengths are still gathered (the move needs every item's size);
+        a plan whose items are not the gathered ones (count per rank, gather order) raises
+        ``ValueError`` on every rank.
+        """
         items = {} if items is None else dict(items)
         local_lengths = self._check_inputs(tokens, lengths, items)
+        if plan is not None and not isinstance(plan, Rearrangement):
+            raise ValueError(f"plan must be a Rearrangement or None, got {type(plan).__name__}")
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
 
         t0 = time.perf_counter()
@@ -174,22 +186,27 @@ class BatchDispatcher:
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
-        assignment = agreed_plan(
-            lambda: balance(
-                glob,
-                world,
-                self.policy,
-                src=src,
-                cost=self.cost,
-                ranks_per_node=self.ranks_per_node,
-                placement=self.placement,
-                max_items_per_rank=self.max_items_per_rank,
-            ),
-            deterministic=self.deterministic,
-            group=self.meta_group,
-            timeout=self.timeout,
-        )
-        plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
+        if plan is None:
+            assignment = agreed_plan(
+                lambda: balance(
+                    glob,
+                    world,
+                    self.policy,
+                    src=src,
+                    cost=self.cost,
+                    ranks_per_node=self.ranks_per_node,
+                    placement=self.placement,
+                    max_items_per_rank=self.max_items_per_rank,
+                ),
+                deterministic=self.deterministic,
+                group=self.meta_group,
+                timeout=self.timeout,
+            )
+            plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
+            policy_stats = assignment.stats
+        else:
+            _check_given_plan(plan, src, world)
+            policy_stats = {}
         t2 = time.perf_counter()
         if self.check_plan:
             self._check_agreement(plan, glob, tokens, items)
@@ -212,7 +229,7 @@ class BatchDispatcher:
             for k, m in zip(tok_names, moved[: len(flat)], strict=True)
         }
         new_items = dict(zip(item_names, moved[len(flat) :], strict=True))
-        stats = self._stats(plan, glob, assignment, tokens, items)
+        stats = self._stats(plan, glob, policy_stats, tokens, items)
         stats.update(gather_ms=1e3 * (t1 - t0), plan_ms=1e3 * (t2 - t1), move_ms=1e3 * (t3 - t2))
         return Dispatched(
             tokens=new_tokens,
@@ -340,7 +357,7 @@ class BatchDispatcher:
         self,
         plan: Rearrangement,
         glob: np.ndarray,
-        assignment: Any,
+        policy_stats: dict[str, float],
         tokens: dict[str, torch.Tensor],
         items: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
@@ -371,8 +388,31 @@ class BatchDispatcher:
         if self.layout == "padded":
             stats["padded_tokens_before"] = _padded_tokens(glob, plan.src_rank, plan.num_ranks)
             stats["padded_tokens_after"] = _padded_tokens(glob, plan.dst_rank, plan.num_ranks)
-        stats.update({k: v for k, v in assignment.stats.items() if k not in stats})
+        stats.update({k: v for k, v in policy_stats.items() if k not in stats})
         return stats
+
+
+def _check_given_plan(plan: Rearrangement, src: np.ndarray, world: int) -> None:
+    """A plan passed to ``dispatch`` must move exactly the gathered items: as many per rank,
+    numbered in gather order (rank 0's items in local order, then rank 1's, ...)."""
+    in_gather_order = np.arange(src.size) - np.searchsorted(src, src)
+    if (
+        plan.num_ranks == world
+        and np.array_equal(plan.src_rank, src)
+        and np.array_equal(plan.src_slot, in_gather_order)
+    ):
+        return
+    got = np.bincount(plan.src_rank, minlength=plan.num_ranks).tolist()
+    passed = np.bincount(src, minlength=world).tolist()
+    why = (
+        f"it takes {got} items from the ranks, they passed {passed}"
+        if got != passed
+        else "its items are not numbered in gather order"
+    )
+    raise ValueError(
+        f"plan does not match the gathered lengths: {why}; pass the plan made from this "
+        "step's lengths"
+    )
 
 
 def _outliers(values: np.ndarray) -> np.ndarray:

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 import orchmllm
 from orchmllm import comm
+from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
+from orchmllm.plan import Rearrangement
 from tests.multiproc import assert_check_passed, run_checks
 
 TIMEOUT = 20.0
@@ -194,6 +196,66 @@ def _w_deterministic_no_broadcast(rank: int, world: int):
         _check_moved(d, rank, glob)
 
 
+def _n(example: dict) -> int:
+    return example["n"]
+
+
+def _keys(ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+    """Token keys ``id * 1000 + position`` of items with these ids and lengths, packed."""
+    parts = [i * 1000 + np.arange(n) for i, n in zip(ids, lengths, strict=True)]
+    return torch.from_numpy(np.concatenate([np.zeros(0, dtype=np.int64), *parts]))
+
+
+def _collate_keys(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """A local batch: packed token keys, lengths and ids."""
+    ids = np.array([e["id"] for e in examples], dtype=np.int64)
+    lengths = np.array([e["n"] for e in examples], dtype=np.int64)
+    return {
+        "key": _keys(ids, lengths),
+        "lengths": torch.from_numpy(lengths),
+        "id": torch.from_numpy(ids),
+    }
+
+
+def _w_precomputed_plan(rank: int, world: int):
+    """Single-phase prefetching: the loader plans in its thread (``mode="local"``), the
+    dispatcher executes that plan (the same as its own) with the on-device all-to-all."""
+    rng = np.random.default_rng(5)
+    data = [{"id": i, "n": int(n)} for i, n in enumerate(rng.integers(1, 200, size=12 * world))]
+    loader = BalancedDataLoader(
+        data, batch_size=3, mode="local", length_fn=_n, collate_fn=_collate_keys, timeout=TIMEOUT
+    )
+    disp = BatchDispatcher("greedy", timeout=TIMEOUT)
+    steps = 0
+    for planned in loader:
+        b = planned.batch
+        args = ({"key": b["key"]}, b["lengths"], {"id": b["id"]})
+        d = disp.dispatch(*args, plan=planned.plan)
+        own = disp.dispatch(*args)
+        assert d.plan == own.plan and d.plan is planned.plan
+        ids, _ = comm.all_gather_rows(b["id"].numpy()[:, None], timeout=TIMEOUT)
+        mine = ids[d.plan.items_at(rank), 0]
+        assert d.items["id"].tolist() == mine.tolist()
+        assert torch.equal(d.tokens["key"], _keys(mine, d.lengths.numpy()))
+        assert torch.equal(d.tokens["key"], own.tokens["key"])
+        everywhere, _ = comm.all_gather_rows(d.items["id"].numpy()[:, None], timeout=TIMEOUT)
+        assert sorted(everywhere[:, 0].tolist()) == sorted(ids[:, 0].tolist())
+        assert d.stats["imbalance_after"] == own.stats["imbalance_after"]
+        steps += 1
+    assert steps == 4
+    # A plan for other items fails on every rank (the check follows the gather).
+    one = {"key": b["key"][: int(b["lengths"][0])]}, b["lengths"][:1], {"id": b["id"][:1]}
+    with pytest.raises(ValueError, match=r"plan does not match the gathered lengths: it takes"):
+        disp.dispatch(*one, plan=planned.plan)
+    src, slot = own.plan.src_rank, own.plan.src_slot
+    backwards = np.bincount(src, minlength=world)[src] - 1 - slot
+    shuffled = Rearrangement(world, src, backwards, src, backwards)
+    with pytest.raises(ValueError, match="not numbered in gather order"):
+        disp.dispatch(*args, plan=shuffled)
+    with pytest.raises(ValueError, match="plan must be a Rearrangement or None, got PlannedBatch"):
+        disp.dispatch(*args, plan=planned)
+
+
 def _losses(x: torch.Tensor, w: torch.Tensor, lin: torch.nn.Linear, total: int) -> torch.Tensor:
     """A per-token loss normalised by the global token count (not the local one)."""
     return ((lin(x) ** 2).sum(-1) * w + x.sin().sum(-1)).sum() / total
@@ -289,6 +351,7 @@ CHECKS = {
     "plan_mismatch_detected": _w_mismatch,
     "ilp_plan_computed_once_and_shared": _w_ilp_agrees,
     "deterministic_plans_local_no_broadcast": _w_deterministic_no_broadcast,
+    "precomputed_plan_from_loader": _w_precomputed_plan,
 }
 
 
