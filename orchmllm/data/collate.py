@@ -73,17 +73,6 @@ class BalancedCollator:
         done = ex.balance_step(self._group, self.planner, prepare, step=self.step, move=True)
         assert done is not None  # this rank had examples
         batch = self.collate_fn(done.examples)
-        self.last_step = ex.StepInfo(
-            0,
-            self.step,
-            done.meta,
-            done.gathered.src,
-            None,
-            done.plan,
-            done.plan_s,
-            time.perf_counter() - t0,
-            done.gathered.bytes_sent,
-            done.bytes_payload,
-        )
+        self.last_step = done.info(epoch=0, step=self.step, prep_s=time.perf_counter() - t0)
         self.step += 1
         return batch

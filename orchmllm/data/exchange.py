@@ -266,6 +266,22 @@ class BalancedStep:
     plan_s: float
     bytes_payload: int
 
+    def info(self, *, epoch: int, step: int, prep_s: float) -> StepInfo:
+        """The step's record (no dataset indices: only index mode, which does not run
+        through :func:`balance_step`, has them)."""
+        return StepInfo(
+            epoch,
+            step,
+            self.meta,
+            self.gathered.src,
+            None,
+            self.plan,
+            self.plan_s,
+            prep_s,
+            self.gathered.bytes_sent,
+            self.bytes_payload,
+        )
+
 
 def balance_step(
     g: Group,

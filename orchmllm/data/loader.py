@@ -484,18 +484,7 @@ class BalancedDataLoader:
             batch = done.examples
         else:
             batch = self._after_gather(step, num_steps, lambda: self.collate_fn(done.examples))
-        info = StepInfo(
-            epoch,
-            step,
-            done.meta,
-            done.gathered.src,
-            None,
-            done.plan,
-            done.plan_s,
-            time.perf_counter() - t0,
-            done.gathered.bytes_sent,
-            done.bytes_payload,
-        )
+        info = done.info(epoch=epoch, step=step, prep_s=time.perf_counter() - t0)
         if local:
             return PlannedBatch(batch, done.plan, info), info
         return batch, info
