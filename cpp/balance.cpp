@@ -13,7 +13,6 @@
 #include <functional>
 #include <memory>
 #include <tuple>
-#include <set>
 #include <utility>
 #include <vector>
 
@@ -24,7 +23,6 @@
 namespace orch {
 namespace {
 
-using Slot = std::pair<double, int64_t>;  // (load, rank): the smaller pair is the better rank
 constexpr uint64_t kSign = uint64_t{1} << 63;
 
 // Order-preserving map of a value to uint64 (-0.0 counts as +0.0, like Python's comparison),
@@ -379,6 +377,104 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
     }
 }
 
+// Ranks with room for Alg. 4, ordered by (sum, rank) in a treap whose nodes also hold the
+// smallest (sum of squares, sum, rank) of their subtree, so the best rank among those whose sum
+// is within `tolerance` of the smallest (a prefix in sum order) is found in one walk down:
+// O(log d) per item instead of a scan of the window. Priorities are a fixed hash of the rank,
+// so the shape, like the result, is the same on every run.
+class OpenRanks {
+  public:
+    explicit OpenRanks(int64_t d)
+        : sum_(d, 0.0), sq_(d, 0.0), left_(d, kNone), right_(d, kNone), best_(d), prio_(d) {
+        for (int64_t r = 0; r < d; ++r) {
+            uint64_t x = static_cast<uint64_t>(r) + 0x9E3779B97F4A7C15ULL;  // splitmix64
+            x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+            x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+            prio_[r] = x ^ (x >> 31);
+            best_[r] = r;
+            root_ = merge(root_, r);  // all sums 0: rank order is key order
+        }
+    }
+    int64_t best_within(double tolerance) const {
+        int64_t x = root_, lowest = root_;
+        while (left_[lowest] != kNone) lowest = left_[lowest];
+        const double low = sum_[lowest];
+        int64_t best = kNone;
+        while (x != kNone) {
+            if (sum_[x] - low <= tolerance) {  // x and all of its left subtree are inside
+                best = better(best, better(x, left_[x] == kNone ? kNone : best_[left_[x]]));
+                x = right_[x];
+            } else {
+                x = left_[x];
+            }
+        }
+        return best;
+    }
+    // Rank r takes an item: out of the tree, sums updated, back in if it still has room.
+    void add(int64_t r, double l, double l2, bool open) {
+        int64_t below, rest, self;
+        split(root_, r, false, below, rest);  // below: keys < key(r)
+        split(rest, r, true, self, rest);     // self: the key of r alone
+        sum_[r] += l;
+        sq_[r] += l2;
+        root_ = merge(below, rest);
+        if (!open) return;
+        left_[r] = right_[r] = kNone;
+        best_[r] = r;
+        split(root_, r, false, below, rest);
+        root_ = merge(merge(below, r), rest);
+    }
+
+  private:
+    static constexpr int64_t kNone = -1;
+    bool key_less(int64_t a, int64_t b) const {
+        return sum_[a] < sum_[b] || (sum_[a] == sum_[b] && a < b);
+    }
+    int64_t better(int64_t a, int64_t b) const {  // smaller (sq, sum, rank); kNone loses
+        if (a == kNone) return b;
+        if (b == kNone) return a;
+        return std::tie(sq_[a], sum_[a], a) <= std::tie(sq_[b], sum_[b], b) ? a : b;
+    }
+    void pull(int64_t x) {
+        int64_t b = x;
+        if (left_[x] != kNone) b = better(b, best_[left_[x]]);
+        if (right_[x] != kNone) b = better(b, best_[right_[x]]);
+        best_[x] = b;
+    }
+    // Splits t into keys before key(r) (or up to and including it when `inclusive`) and after.
+    void split(int64_t t, int64_t r, bool inclusive, int64_t& a, int64_t& b) {
+        if (t == kNone) {
+            a = b = kNone;
+            return;
+        }
+        const bool goes_left = inclusive ? !key_less(r, t) : key_less(t, r);
+        if (goes_left) {
+            split(right_[t], r, inclusive, right_[t], b);
+            a = t;
+        } else {
+            split(left_[t], r, inclusive, a, left_[t]);
+            b = t;
+        }
+        pull(t);
+    }
+    int64_t merge(int64_t a, int64_t b) {  // every key of a before every key of b
+        if (a == kNone) return b;
+        if (b == kNone) return a;
+        if (prio_[a] > prio_[b]) {
+            right_[a] = merge(right_[a], b);
+            pull(a);
+            return a;
+        }
+        left_[b] = merge(a, left_[b]);
+        pull(b);
+        return b;
+    }
+    std::vector<double> sum_, sq_;
+    std::vector<int64_t> left_, right_, best_;
+    std::vector<uint64_t> prio_;
+    int64_t root_ = kNone;
+};
+
 // GetLeastBatches: cut the ascending order into maximal runs whose cost stays within `bound`.
 // cost(b, l) is the cost of a batch of b items whose longest is l (monotone in both).
 // Writes batch ids into dst when given; returns the number of batches.
@@ -421,28 +517,16 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,
                       int64_t cap, int64_t* dst) {
-    const auto& order = sort_items(len, n, true).index;
-    std::vector<double> sum(static_cast<size_t>(num_ranks), 0.0);
-    std::vector<double> sq(static_cast<size_t>(num_ranks), 0.0);
+    const auto& items = sort_items(len, n, true);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
-    std::set<Slot> open;  // (sum, rank) of ranks with room
-    for (int64_t r = 0; r < num_ranks; ++r) open.emplace(0.0, r);
-    for (const int64_t i : order) {
+    OpenRanks open(num_ranks);
+    for (size_t k = 0; k < items.index.size(); ++k) {
         // The smallest sum sets the window; inside it the smallest sum of squares wins,
         // then the smaller sum, then the lower rank.
-        const double lowest = open.begin()->first;
-        int64_t best = open.begin()->second;
-        for (auto it = std::next(open.begin()); it != open.end(); ++it) {
-            if (it->first - lowest > tolerance) break;
-            const int64_t r = it->second;
-            if (sq[r] < sq[best] || (sq[r] == sq[best] && sum[r] < sum[best])) best = r;
-        }
-        open.erase({sum[best], best});
-        const double l = static_cast<double>(len[i]);
-        dst[i] = best;
-        sum[best] += l;
-        sq[best] += l * l;
-        if (++count[best] < cap) open.emplace(sum[best], best);
+        const int64_t best = open.best_within(tolerance);
+        const double l = static_cast<double>(items.key[k]);
+        dst[items.index[k]] = best;
+        open.add(best, l, l * l, ++count[best] < cap);
     }
 }
 

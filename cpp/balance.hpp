@@ -22,7 +22,8 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
          int64_t max_steps = 0);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
-// smallest sum, the one with the smallest sum of squares wins.
+// smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the
+// ranks keyed by sum answers "best rank within the window" in one walk down.
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,
                       int64_t cap, int64_t* dst);
 

@@ -69,6 +69,17 @@ def test_cpp_matches_reference_on_workloads(dist):
         )
 
 
+@pytest.mark.parametrize("tolerance", [0.0, 0.01, 0.3])
+def test_greedy_tolerance_tree_matches_reference_with_wide_windows(tolerance):
+    # Short lengths on many ranks: most ranks sit inside the window, sums tie often.
+    lengths = np.random.default_rng(9).integers(1, 20, size=96 * 12)
+    kwargs = {"tolerance": tolerance, "max_items_per_rank": 13}
+    a = balance(lengths, 96, "greedy_tolerance", **kwargs).dst
+    np.testing.assert_array_equal(
+        a, balance(lengths, 96, "greedy_tolerance", backend="python", **kwargs).dst
+    )
+
+
 def test_deterministic_and_thread_safe():
     lengths = sample_lengths("text", 64 * 60, rng=3)
     serial = [balance(lengths, 64, p, cost=_cost_for(p)).dst for p in OWN if p != "identity"]
