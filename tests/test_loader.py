@@ -1,5 +1,7 @@
 """BalancedDataLoader on real gloo processes: coverage, balance, prefetch, resume, errors."""
 
+import subprocess
+import sys
 from collections import Counter
 
 import datasets
@@ -12,6 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import PeerFailed
+from orchmllm.data.lengths import dataset_lengths, map_lengths
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
@@ -479,3 +482,29 @@ def test_single_process_and_bad_arguments():
     bad = BalancedDataLoader(_Shard(4, 0, 1), batch_size=2, length_fn=lambda e: 1.5)
     with pytest.raises(ValueError, match=r"length_fn must return a non-negative integer.*1\.5"):
         list(bad)
+
+
+def test_package_exports_load_lazily():
+    """``import orchmllm.data`` stays light; the loader's names load on first use."""
+    heavy = ("torch", "datasets", "orchmllm.data.loader")
+    code = f"import sys, orchmllm.data; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    import orchmllm.data as data
+
+    exported = (
+        (data.BalancedDataLoader, BalancedDataLoader),
+        (data.PlannedBatch, PlannedBatch),
+        (data.BalancedCollator, BalancedCollator),
+        (data.StepInfo, ex.StepInfo),
+        (data.PeerFailed, PeerFailed),
+        (data.BalancePlanner, BalancePlanner),
+        (data.orchestrated_loader, orchestrated_loader),
+        (data.map_lengths, map_lengths),
+        (data.dataset_lengths, dataset_lengths),
+        (data.SyntheticConfig, SyntheticConfig),
+    )
+    assert all(got is defined for got, defined in exported)
+    assert len(set(data.__all__)) == len(data.__all__) and "map_lengths" in data.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        data.nope  # noqa: B018

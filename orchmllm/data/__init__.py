@@ -1,9 +1,10 @@
 """Data: the multimodal example schema, synthetic workloads, and the balanced loader.
 
-The synthetic generator's names are loaded on first use, so importing the schema (as the
-orchestrator does) does not import HF ``datasets``.
+The synthetic generator's and the loader's names are loaded on first use, so importing the
+schema (as the orchestrator does) imports neither HF ``datasets`` nor torch.
 """
 
+from importlib import import_module
 from typing import Any
 
 from orchmllm.data.schema import (
@@ -17,7 +18,21 @@ from orchmllm.data.schema import (
     validate_example,
 )
 
-_SYNTHETIC = ("SyntheticConfig", "as_example", "build_dataset", "generate_example")
+_LAZY = {  # name -> the module of orchmllm.data that defines it, imported on first use
+    "SyntheticConfig": "synthetic",
+    "as_example": "synthetic",
+    "build_dataset": "synthetic",
+    "generate_example": "synthetic",
+    "BalancedDataLoader": "loader",
+    "PlannedBatch": "loader",
+    "BalancedCollator": "collate",
+    "StepInfo": "exchange",
+    "PeerFailed": "exchange",
+    "BalancePlanner": "planners",
+    "orchestrated_loader": "orchestrated",
+    "map_lengths": "lengths",
+    "dataset_lengths": "lengths",
+}
 
 __all__ = [
     "AUDIO",
@@ -28,13 +43,11 @@ __all__ = [
     "ExampleMeta",
     "example_metadata",
     "validate_example",
-    *_SYNTHETIC,
+    *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SYNTHETIC:
-        from orchmllm.data import synthetic
-
-        return getattr(synthetic, name)
+    if name in _LAZY:
+        return getattr(import_module(f"orchmllm.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'orchmllm.data' has no attribute {name!r}")
