@@ -89,9 +89,9 @@ struct SortScratch {
 };
 
 // An LSD radix sort over only the bits that vary between keys. When they fit beside the item
-// index in one uint64, records are 8 bytes (lengths below 2^16: two 8-bit passes) and the key is
-// rebuilt from the record; otherwise records are (key, index) pairs. The result lives in this
-// thread's scratch until the next sort_items<T> call on it.
+// index in one uint64, records are 8 bytes (lengths up to 2^15 as doubles: two passes) and the
+// key is rebuilt from the record; otherwise records are (key, index) pairs. The result lives in
+// this thread's scratch until the next sort_items<T> call on it.
 template <typename T>
 const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
     thread_local SortScratch<T> s;
@@ -333,7 +333,8 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
         Step best{lh, -1, -1, 0, 0};  // improving steps only: m < load of h
         const auto consider = [&](double m, size_t a, int64_t j, size_t b) {
             const int64_t i = hs[a].index;
-            if (m < best.m || (m == best.m && best.i >= 0 && std::tie(i, j) < std::tie(best.i, best.j)))
+            const bool tie = m == best.m && best.i >= 0;
+            if (m < best.m || (tie && std::tie(i, j) < std::tie(best.i, best.j)))
                 best = {m, i, j, a, b};
         };
         if (count[l] < cap) {
@@ -391,8 +392,7 @@ class OpenRanks {
             x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
             x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
             prio_[r] = x ^ (x >> 31);
-            best_[r] = r;
-            root_ = merge(root_, r);  // all sums 0: rank order is key order
+            root_ = insert(root_, r);
         }
     }
     int64_t best_within(double tolerance) const {
@@ -412,17 +412,10 @@ class OpenRanks {
     }
     // Rank r takes an item: out of the tree, sums updated, back in if it still has room.
     void add(int64_t r, double l, double l2, bool open) {
-        int64_t below, rest, self;
-        split(root_, r, false, below, rest);  // below: keys < key(r)
-        split(rest, r, true, self, rest);     // self: the key of r alone
+        root_ = erase(root_, r);
         sum_[r] += l;
         sq_[r] += l2;
-        root_ = merge(below, rest);
-        if (!open) return;
-        left_[r] = right_[r] = kNone;
-        best_[r] = r;
-        split(root_, r, false, below, rest);
-        root_ = merge(merge(below, r), rest);
+        if (open) root_ = insert(root_, r);
     }
 
   private:
@@ -441,21 +434,42 @@ class OpenRanks {
         if (right_[x] != kNone) b = better(b, best_[right_[x]]);
         best_[x] = b;
     }
-    // Splits t into keys before key(r) (or up to and including it when `inclusive`) and after.
-    void split(int64_t t, int64_t r, bool inclusive, int64_t& a, int64_t& b) {
+    // Splits t (not holding r) into the keys before key(r) and those after.
+    void split(int64_t t, int64_t r, int64_t& a, int64_t& b) {
         if (t == kNone) {
             a = b = kNone;
             return;
         }
-        const bool goes_left = inclusive ? !key_less(r, t) : key_less(t, r);
-        if (goes_left) {
-            split(right_[t], r, inclusive, right_[t], b);
+        if (key_less(t, r)) {
+            split(right_[t], r, right_[t], b);
             a = t;
         } else {
-            split(left_[t], r, inclusive, a, left_[t]);
+            split(left_[t], r, a, left_[t]);
             b = t;
         }
         pull(t);
+    }
+    int64_t insert(int64_t t, int64_t r) {  // r: a node outside the tree
+        if (t == kNone || prio_[r] > prio_[t]) {
+            split(t, r, left_[r], right_[r]);
+            pull(r);
+            return r;
+        }
+        if (key_less(r, t))
+            left_[t] = insert(left_[t], r);
+        else
+            right_[t] = insert(right_[t], r);
+        pull(t);
+        return t;
+    }
+    int64_t erase(int64_t t, int64_t r) {  // r: a node in the tree
+        if (t == r) return merge(left_[r], right_[r]);
+        if (key_less(r, t))
+            left_[t] = erase(left_[t], r);
+        else
+            right_[t] = erase(right_[t], r);
+        pull(t);
+        return t;
     }
     int64_t merge(int64_t a, int64_t b) {  // every key of a before every key of b
         if (a == kNone) return b;
