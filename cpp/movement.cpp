@@ -115,100 +115,301 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
     return col_of;
 }
 
-// Movement-aware balancing: items stay on their source rank unless the rank is above a
-// makespan target T, starting from T = (1 + tolerance) * LPT makespan. Each rank keeps its
-// heaviest items first while they fit under T (so mostly small items are shed, overshooting
-// the required shedding by less than one small item); the shed items are then placed
-// largest first, best fit: on the fullest rank they still fit on under T, preferring the
-// item's own node (ranks_per_node > 0), and on the least-loaded rank if none fits. If the
-// result misses (1 + tolerance) * LPT makespan, variants are tried: shed items placed in the
-// same pass as the keeps, at their turn in weight order, and lower targets T, which shed more
-// and leave more freedom; the variant moving the least weight wins. If all miss, the LPT
-// assignment itself is returned, so the tolerance always holds.
+// Movement-aware balancing (greedy_stay). The makespan limit is (1 + tolerance) x what greedy
+// reaches with its refinement (lpt with `greedy_steps`), so the policy is compared with the
+// greedy users actually get. Each candidate plan goes through three phases:
+//   1. shed: ranks above the limit give up items, the rest stay where they are; the shed items
+//      go largest first, best fit, to the fullest rank they still fit on under the limit (the
+//      item's own node first with ranks_per_node), else to the least-loaded rank;
+//   2. repair: while a rank is above the limit, the best move or swap of one item between it and
+//      the lightest rank that admits an improving step (greedy's refinement, with steps that
+//      reach the limit chosen for the least movement added);
+//   3. improve: items away from their source rank go back (alone, or in exchange for an item of
+//      the source rank, preferably one that is away itself) while every rank stays within the
+//      limit and the movement drops.
+// Movement is the weight moved off its source rank; with ranks_per_node, weight leaving its node
+// counts twice, so that ties and near-ties keep traffic inside nodes.
+// Two candidates differ in what a rank sheds: the lightest set of items covering its excess
+// (a subset sum on a grid), or whatever does not fit after keeping its heaviest items first.
+// The one with the least movement wins; if neither reaches the limit, greedy's own plan after
+// phase 3 is returned, so the limit always holds.
+namespace {
+
+constexpr int64_t kGrid = 1024;             // subset-sum resolution: steps per excess
+constexpr int64_t kRepairStepsPerRank = 4;  // phase 2 budget, like greedy's refinement
+constexpr int kImprovePasses = 4;           // phase 3 sweeps (each one only lowers the movement)
+
+using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
+
+class Stay {
+  public:
+    Stay(const double* w, const int64_t* src, int64_t n, int64_t d, int64_t c, double limit)
+        : w_(w), src_(src), n_(n), d_(d), c_(c), limit_(limit), order_(n) {
+        order_desc(w, n, order_.data());
+    }
+
+    double limit() const { return limit_; }
+
+    std::vector<double> loads(const std::vector<int64_t>& dst) const {
+        std::vector<double> load(d_, 0.0);
+        for (int64_t i = 0; i < n_; ++i) load[dst[i]] += w_[i];
+        return load;
+    }
+
+    // Weight moved off its source rank; with nodes, weight moved off its node counts twice.
+    double moved(const std::vector<int64_t>& dst) const {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n_; ++i) sum += cost(i, dst[i]);
+        return sum;
+    }
+
+    // Phase 1, heaviest first: every rank keeps its heaviest items while they fit.
+    std::vector<char> shed_unfit() const {
+        std::vector<double> load(d_, 0.0);
+        std::vector<char> shed(n_, 0);
+        for (const int64_t i : order_) {
+            if (load[src_[i]] + w_[i] <= limit_)
+                load[src_[i]] += w_[i];
+            else
+                shed[i] = 1;
+        }
+        return shed;
+    }
+
+    // Phase 1, fewest: every rank above the limit sheds the lightest set of its items whose
+    // weight covers its excess e: a 0/1 subset sum over weights rounded down to e / kGrid (so
+    // any set reaching kGrid steps covers e), against the lightest single item covering e.
+    std::vector<char> shed_fewest() const {
+        const std::vector<int64_t> src(src_, src_ + n_);
+        const std::vector<double> load = loads(src);
+        std::vector<std::vector<int64_t>> mine(d_);
+        for (const int64_t i : order_) mine[src_[i]].push_back(i);
+        std::vector<char> shed(n_, 0);
+        constexpr int64_t bits = 2 * kGrid + 1, words = (bits + 63) / 64;
+        std::vector<uint64_t> reach(words), fresh(words);
+        std::vector<int32_t> by(bits);
+        std::vector<int64_t> items;
+        for (int64_t r = 0; r < d_; ++r) {
+            const double excess = load[r] - limit_;
+            if (!(excess > 0)) continue;
+            const double step = excess / kGrid;
+            int64_t single = -1;  // the lightest item covering the excess alone
+            items.clear();
+            for (const int64_t i : mine[r]) {
+                if (w_[i] >= excess)
+                    single = i;
+                else if (w_[i] >= step)
+                    items.push_back(i);
+            }
+            std::fill(reach.begin(), reach.end(), 0);
+            reach[0] = 1;
+            for (size_t k = 0; k < items.size(); ++k) {
+                const int64_t u = steps(items[k], step);
+                const int64_t q = u / 64, b = u % 64;
+                for (int64_t t = words - 1; t >= q; --t) {
+                    uint64_t x = reach[t - q] << b;
+                    if (b > 0 && t - q - 1 >= 0) x |= reach[t - q - 1] >> (64 - b);
+                    fresh[t] = x & ~reach[t];
+                }
+                for (int64_t t = 0; t < q; ++t) fresh[t] = 0;
+                fresh[words - 1] &= bits % 64 ? (uint64_t{1} << (bits % 64)) - 1 : ~uint64_t{0};
+                for (int64_t t = 0; t < words; ++t) {
+                    for (uint64_t x = fresh[t]; x; x &= x - 1)
+                        by[t * 64 + __builtin_ctzll(x)] = static_cast<int32_t>(k);
+                    reach[t] |= fresh[t];
+                }
+            }
+            int64_t sum = kGrid;
+            while (sum < bits && !((reach[sum / 64] >> (sum % 64)) & 1)) ++sum;
+            std::vector<int64_t> set;
+            double weight = 0.0;
+            for (int64_t s = sum; s < bits && s > 0;) {
+                const int64_t i = items[by[s]];
+                set.push_back(i);
+                weight += w_[i];
+                s -= steps(i, step);
+            }
+            if (single >= 0 && (set.empty() || w_[single] <= weight)) set = {single};
+            if (set.empty()) {  // rounding left no covering set: shed everything that is left
+                for (const int64_t i : mine[r]) shed[i] = 1;
+                continue;
+            }
+            for (const int64_t i : set) shed[i] = 1;
+        }
+        return shed;
+    }
+
+    // Phase 1, placement: the shed items leave their source rank, largest first, best fit.
+    std::vector<int64_t> place(const std::vector<char>& shed) const {
+        std::vector<int64_t> dst(src_, src_ + n_);
+        std::vector<double> load(d_, 0.0);
+        for (int64_t i = 0; i < n_; ++i)
+            if (!shed[i]) load[src_[i]] += w_[i];
+        std::set<Slot> slots;
+        for (int64_t r = 0; r < d_; ++r) slots.emplace(load[r], r);
+        for (const int64_t i : order_) {
+            if (!shed[i]) continue;
+            int64_t r = -1;
+            if (c_ > 0) {  // fullest rank of the own node that still fits
+                const int64_t first = src_[i] / c_ * c_;
+                for (int64_t q = first; q < std::min(first + c_, d_); ++q)
+                    if (load[q] + w_[i] <= limit_ && (r < 0 || load[q] > load[r])) r = q;
+            }
+            if (r < 0) {  // fullest rank anywhere that still fits, else the least loaded
+                auto it = slots.upper_bound({limit_ - w_[i], d_});
+                r = it == slots.begin() ? slots.begin()->second : std::prev(it)->second;
+                if (load[r] + w_[i] > limit_) r = slots.begin()->second;
+            }
+            slots.erase({load[r], r});
+            dst[i] = r;
+            load[r] += w_[i];
+            slots.emplace(load[r], r);
+        }
+        return dst;
+    }
+
+    // Phase 2; true when every rank ends within the limit.
+    bool repair(std::vector<int64_t>& dst) const {
+        std::vector<double> load = loads(dst);
+        std::vector<std::vector<int64_t>> on = lists(dst);
+        std::set<Slot> slots;
+        for (int64_t r = 0; r < d_; ++r) slots.emplace(load[r], r);
+        for (int64_t step = 0; step < kRepairStepsPerRank * d_; ++step) {
+            const auto [lh, h] = *slots.rbegin();
+            if (lh <= limit_) return true;
+            // (over the limit, primary, secondary, i, j): reaching the limit first, then the
+            // least movement added; otherwise the smallest new maximum of the pair.
+            using Key = std::tuple<bool, double, double, int64_t, int64_t>;
+            Key best{true, lh, 0.0, n_, n_};
+            int64_t to = -1;
+            const auto consider = [&](double m, double cost, int64_t i, int64_t j, int64_t l) {
+                if (!(m < lh)) return;
+                const bool over = m > limit_;
+                const Key key{over, over ? m : cost, over ? cost : m, i, j < 0 ? n_ : j};
+                if (to < 0 || key < best) {
+                    best = key;
+                    to = l;
+                }
+            };
+            for (const auto& [ll, l] : slots) {
+                if (ll >= lh) break;
+                for (const int64_t i : on[h]) {
+                    const double ci = cost(i, l) - cost(i, h);
+                    consider(std::max(lh - w_[i], ll + w_[i]), ci, i, -1, l);
+                    for (const int64_t j : on[l])
+                        if (w_[j] < w_[i])
+                            consider(std::max((lh - w_[i]) + w_[j], (ll - w_[j]) + w_[i]),
+                                     ci + cost(j, h) - cost(j, l), i, j, l);
+                }
+                if (to >= 0) break;
+            }
+            if (to < 0) return false;
+            const int64_t i = std::get<3>(best), j = std::get<4>(best);
+            slots.erase({load[h], h});
+            slots.erase({load[to], to});
+            shift(i, h, to, dst, load, on);
+            if (j < n_) shift(j, to, h, dst, load, on);
+            slots.emplace(load[h], h);
+            slots.emplace(load[to], to);
+        }
+        return slots.rbegin()->first <= limit_;
+    }
+
+    // Phase 3.
+    void improve(std::vector<int64_t>& dst) const {
+        std::vector<double> load = loads(dst);
+        std::vector<std::vector<int64_t>> on = lists(dst);
+        for (int pass = 0; pass < kImprovePasses; ++pass) {
+            bool changed = false;
+            for (const int64_t i : order_) {
+                const int64_t r = dst[i], h = src_[i];
+                if (r == h) continue;
+                if (load[h] + w_[i] <= limit_) {
+                    shift(i, r, h, dst, load, on);
+                    changed = true;
+                    continue;
+                }
+                int64_t best = -1;
+                double best_gain = 0.0;
+                for (const int64_t j : on[h]) {
+                    if (load[h] + w_[i] - w_[j] > limit_ || load[r] - w_[i] + w_[j] > limit_)
+                        continue;
+                    const double gain = cost(i, r) + cost(j, h) - cost(j, r);
+                    if (gain > best_gain || (gain == best_gain && best >= 0 && j < best)) {
+                        best = j;
+                        best_gain = gain;
+                    }
+                }
+                if (best < 0) continue;
+                shift(i, r, h, dst, load, on);
+                shift(best, h, r, dst, load, on);
+                changed = true;
+            }
+            if (!changed) break;
+        }
+    }
+
+  private:
+    // Item i's weight in whole grid steps of `step` (rounded down, so a set reaching kGrid
+    // steps covers kGrid * step).
+    int64_t steps(int64_t i, double step) const {
+        return std::min<int64_t>(static_cast<int64_t>(w_[i] / step), kGrid);
+    }
+    // What item i on rank r costs in movement (see moved()).
+    double cost(int64_t i, int64_t r) const {
+        if (r == src_[i]) return 0.0;
+        return c_ > 0 && r / c_ != src_[i] / c_ ? 2.0 * w_[i] : w_[i];
+    }
+    std::vector<std::vector<int64_t>> lists(const std::vector<int64_t>& dst) const {
+        std::vector<std::vector<int64_t>> on(d_);
+        for (int64_t i = 0; i < n_; ++i) on[dst[i]].push_back(i);
+        return on;
+    }
+    void shift(int64_t i, int64_t from, int64_t to, std::vector<int64_t>& dst,
+               std::vector<double>& load, std::vector<std::vector<int64_t>>& on) const {
+        auto& list = on[from];
+        list.erase(std::find(list.begin(), list.end(), i));
+        on[to].insert(std::lower_bound(on[to].begin(), on[to].end(), i), i);
+        dst[i] = to;
+        load[from] -= w_[i];
+        load[to] += w_[i];
+    }
+
+    const double* w_;
+    const int64_t* src_;
+    int64_t n_, d_, c_;
+    double limit_;
+    std::vector<int64_t> order_;
+};
+
+}  // namespace
+
 std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t n,
-                                    int64_t num_ranks, double tolerance,
-                                    int64_t ranks_per_node) {
+                                    int64_t num_ranks, double tolerance, int64_t ranks_per_node,
+                                    int64_t greedy_steps) {
     std::vector<int64_t> greedy(n);
-    lpt(w, n, num_ranks, n, greedy.data());
+    lpt(w, n, num_ranks, n, greedy.data(), greedy_steps);
     std::vector<double> greedy_load(num_ranks, 0.0);
     for (int64_t i = 0; i < n; ++i) greedy_load[greedy[i]] += w[i];
     const double makespan = *std::max_element(greedy_load.begin(), greedy_load.end());
-    const double limit = (1.0 + tolerance) * makespan;
+    const Stay stay(w, src, n, num_ranks, ranks_per_node, (1.0 + tolerance) * makespan);
 
-    std::vector<int64_t> order(n);
-    for (int64_t i = 0; i < n; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return w[a] > w[b]; });
-
-    using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
-    std::vector<int64_t> dst(n), best;
-    std::vector<double> load(num_ranks);
-    std::set<Slot> slots;  // kept in step with `load` while `live`
-    bool live = false;
-    double target = limit;
-    const auto add = [&](int64_t i, int64_t r) {
-        if (live) slots.erase({load[r], r});
-        dst[i] = r;
-        load[r] += w[i];
-        if (live) slots.emplace(load[r], r);
-    };
-    const auto place = [&](int64_t i) {
-        int64_t r = -1;
-        if (ranks_per_node > 0) {  // fullest rank of the own node that still fits
-            const int64_t first = src[i] / ranks_per_node * ranks_per_node;
-            const int64_t last = std::min(first + ranks_per_node, num_ranks);
-            for (int64_t q = first; q < last; ++q)
-                if (load[q] + w[i] <= target && (r < 0 || load[q] > load[r])) r = q;
-        }
-        if (r < 0) {  // fullest rank anywhere that still fits, else the least loaded
-            auto it = slots.upper_bound({target - w[i], num_ranks});
-            r = it == slots.begin() ? slots.begin()->second : std::prev(it)->second;
-            if (load[r] + w[i] > target) r = slots.begin()->second;
-        }
-        add(i, r);
-    };
-    // Candidates (target scale, interleave): all keeps first, then the shed items (keeps the
-    // most), or one pass in weight order with shed items placed at their turn (closer to LPT
-    // when items are coarse). The first candidate almost always meets the limit; otherwise
-    // the one meeting it with the least weight moved wins (ties: the earlier candidate).
-    std::vector<std::pair<double, bool>> candidates = {{1.0, false}, {1.0, true}};
-    for (const double scale : {0.995, 0.98, 0.95, 0.9, 0.8, 0.6, 0.3})
-        for (const bool interleave : {false, true}) candidates.emplace_back(scale, interleave);
+    std::vector<int64_t> best;
     double best_moved = 0.0;
-    for (size_t k = 0; k < candidates.size(); ++k) {
-        const auto [scale, interleave] = candidates[k];
-        target = scale * limit;
-        std::fill(load.begin(), load.end(), 0.0);
-        slots.clear();
-        live = interleave;
-        if (live)
-            for (int64_t r = 0; r < num_ranks; ++r) slots.emplace(0.0, r);
-        std::vector<int64_t> shed;
-        for (const int64_t i : order) {
-            if (load[src[i]] + w[i] <= target) {
-                add(i, src[i]);
-            } else if (interleave) {
-                place(i);
-            } else {
-                shed.push_back(i);
-            }
-        }
-        if (!live) {
-            for (int64_t r = 0; r < num_ranks; ++r) slots.emplace(load[r], r);
-            live = true;
-        }
-        for (const int64_t i : shed) place(i);
-        if (*std::max_element(load.begin(), load.end()) > limit) continue;
-        if (k == 0) return dst;
-        double moved = 0.0;
-        for (int64_t i = 0; i < n; ++i)
-            if (dst[i] != src[i]) moved += w[i];
+    for (const bool fewest : {true, false}) {
+        std::vector<int64_t> dst = stay.place(fewest ? stay.shed_fewest() : stay.shed_unfit());
+        if (!stay.repair(dst)) continue;
+        stay.improve(dst);
+        const std::vector<double> load = stay.loads(dst);
+        if (*std::max_element(load.begin(), load.end()) > stay.limit()) continue;
+        const double moved = stay.moved(dst);
         if (best.empty() || moved < best_moved) {
-            best = dst;
+            best = std::move(dst);
             best_moved = moved;
         }
     }
     if (!best.empty()) return best;
+    stay.improve(greedy);
     return greedy;
 }
 
@@ -254,7 +455,8 @@ void register_movement(py::module_& m) {
         "Max-profit assignment of CSR rows to columns of equal capacity; -1 = unmatched.");
     m.def(
         "movement_aware",
-        [](F64 weights, I64 src, int64_t num_ranks, double tolerance, int64_t ranks_per_node) {
+        [](F64 weights, I64 src, int64_t num_ranks, double tolerance, int64_t ranks_per_node,
+           int64_t greedy_steps) {
             const int64_t n = weights.size();
             if (src.size() != n) throw std::invalid_argument("movement_aware: size mismatch");
             for (int64_t i = 0; i < n; ++i)
@@ -264,12 +466,13 @@ void register_movement(py::module_& m) {
             {
                 py::gil_scoped_release release;
                 out = orch::movement_aware(weights.data(), src.data(), n, num_ranks, tolerance,
-                                           ranks_per_node);
+                                           ranks_per_node, greedy_steps);
             }
             return to_array(out);
         },
         py::arg("weights"), py::arg("src"), py::arg("num_ranks"), py::arg("tolerance"),
-        py::arg("ranks_per_node") = 0,
-        "Balance within (1 + tolerance) of LPT while keeping items on their source rank "
-        "(and moved items on their node where they fit; ranks_per_node 0 = ignore nodes).");
+        py::arg("ranks_per_node") = 0, py::arg("greedy_steps") = 0,
+        "Balance within (1 + tolerance) of greedy (LPT refined by greedy_steps steps) while "
+        "keeping items on their source rank (and moved items on their node where they fit; "
+        "ranks_per_node 0 = ignore nodes).");
 }

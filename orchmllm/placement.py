@@ -28,7 +28,8 @@ Methods of :func:`place_batches`:
 
 :func:`movement_aware_dst` is the ``greedy_stay`` policy: the paper's greedy rebuilds every
 batch from scratch, so nearly every token moves; this keeps items on their source rank unless
-the rank is over the makespan target, reaching a makespan within ``tolerance`` of greedy.
+the rank is over the makespan limit, reaching a makespan within ``tolerance`` of the default
+(refined) greedy.
 :func:`movement_lower_bound` is what any assignment with that makespan must move.
 """
 
@@ -201,19 +202,25 @@ def movement_aware_dst(
     tolerance: float = 0.005,
     ranks_per_node: int | None = None,
 ) -> np.ndarray:
-    """Balance like greedy (makespan within ``tolerance`` of LPT) while moving few items.
+    """Balance like greedy (makespan within ``tolerance`` of it) while moving few items.
 
-    ``weights``: additive per-item cost; ``src``: current rank of each item. Every rank keeps
-    its heaviest items while they fit under ``(1 + tolerance) * LPT makespan``; only the rest
-    moves, largest first, best fit: to the fullest rank of its own node where it still fits
-    under that target (with ``ranks_per_node``), else the fullest such rank anywhere, else the
-    least-loaded rank. Coarse instances (few items per rank) that miss the target retry with
-    the moves interleaved with the keeps and with lower targets, keeping the variant that moves
-    the least; if all miss, the LPT plan itself is returned, so the tolerance always holds.
-    Items are kept by weight alone, so ``sizes`` (tokens per item) only has to be valid; it is
-    accepted for the ``balance()`` contract and used by :func:`movement_lower_bound`.
-    Deterministic: ties break by item index, then rank index. Runs in the C++ core.
+    ``weights``: additive per-item cost; ``src``: current rank of each item. The reference is
+    the default ``greedy`` of :func:`orchmllm.balance` (LPT plus its bounded refinement), since
+    that is what users compare with. Three phases (cpp/movement.cpp): ranks above the limit
+    shed items (the lightest set covering their excess, or what does not fit after keeping
+    their heaviest items; both are tried) and the shed items go largest first, best fit, to the
+    fullest rank they fit on (their own node first with ``ranks_per_node``); a repair phase of
+    greedy-style moves and swaps brings any rank still above the limit under it; a final phase
+    sends moved items back to their source rank, alone or in exchange for an item that is
+    already away (or a lighter one), while every rank stays within the limit. The plan moving
+    the least weight wins; if none reaches the limit, greedy's plan after the final phase is
+    returned, so the tolerance always holds. Items are chosen by weight alone, so ``sizes``
+    (tokens per item) only has to be valid; it is accepted for the ``balance()`` contract and
+    used by :func:`movement_lower_bound`. Deterministic: ties break by item index, then rank
+    index.
     """
+    from orchmllm.balance import REFINE_STEPS_PER_RANK
+
     w = _weights(weights)
     d = _count("num_ranks", num_ranks)
     s = _ranks("src", src, w.size, d)
@@ -224,7 +231,8 @@ def movement_aware_dst(
     c = 0 if ranks_per_node is None else _topology(d, ranks_per_node)[1]
     from orchmllm import _core
 
-    return np.asarray(_core.movement_aware(w, s, d, float(tolerance), c), dtype=np.int64)
+    steps = REFINE_STEPS_PER_RANK * d
+    return np.asarray(_core.movement_aware(w, s, d, float(tolerance), c, steps), dtype=np.int64)
 
 
 def movement_lower_bound(
