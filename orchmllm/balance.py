@@ -35,7 +35,11 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   first, a batch grows while ``count x its longest item <= b`` (the paper writes the current
   item's length, which in descending order underestimates the padding), new batches open
   until ``num_ranks`` exist, and the remaining shorter items go to the smallest length sum.
-- ``greedy_stay``: movement-aware greedy (``orchmllm.placement.movement_aware_dst``).
+- ``greedy_stay``: movement-aware greedy (``orchmllm.placement.movement_aware_dst``): within
+  ``tolerance`` (default 0.5%) of the default ``greedy``'s makespan while keeping most items
+  on their source rank; with ``ranks_per_node`` the moved items stay on their node where they
+  fit. Its statistics add ``tokens_moved_lower_bound``, the fewest tokens any plan with the
+  same makespan must move (``orchmllm.placement.movement_lower_bound``).
 
 ``max_items_per_rank`` is enforced while planning by the greedy and padded policies and
 checked afterwards for ``identity``, ``kk`` and ``greedy_stay``; ``max_load_per_rank`` (a
@@ -117,10 +121,10 @@ def balance(
     """Plan where every item goes so that the most loaded rank is as light as possible.
 
     ``tolerance`` tunes ``greedy_tolerance`` (fraction of the mean rank sum, default
-    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``. ``refine`` (default on) runs the
-    move/swap local search after ``greedy``/``greedy_cost``; ``refine=False`` keeps the paper's
-    Alg. 1 exactly. ``backend="python"`` runs the plain Python reference instead of the C++
-    core (same result, for tests and benchmarks).
+    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``, as is ``ranks_per_node``.
+    ``refine`` (default on) runs the move/swap local search after ``greedy``/``greedy_cost``;
+    ``refine=False`` keeps the paper's Alg. 1 exactly. ``backend="python"`` runs the plain
+    Python reference instead of the C++ core (same result, for tests and benchmarks).
     """
     l = _lengths(lengths)
     n = l.size
@@ -164,6 +168,7 @@ def balance(
         cap=cap,
         tolerance=tolerance,
         src=s,
+        ranks_per_node=ranks_per_node,
         refine=bool(refine),
         backend=backend,
     )
@@ -183,6 +188,12 @@ def balance(
         loads = permuted
         stats.update({k: float(v) for k, v in placed.stats.items()})
     stats.update(_stats(l, dst, loads, s, d, cost))
+    if policy == "greedy_stay":
+        from orchmllm.placement import movement_lower_bound
+
+        w = cost.item_costs(l)
+        makespan = float(np.bincount(dst, weights=w, minlength=d).max(initial=0.0))
+        stats["tokens_moved_lower_bound"] = movement_lower_bound(w, s, d, makespan, sizes=l)
     return Assignment(dst=dst, loads=loads, stats=stats)
 
 
@@ -330,6 +341,7 @@ def plan_dst(
     cap: int,
     tolerance: float | None = None,
     src: np.ndarray | None = None,
+    ranks_per_node: int | None = None,
     refine: bool = True,
     backend: str = "cpp",
 ) -> np.ndarray:
@@ -363,7 +375,9 @@ def plan_dst(
     from orchmllm.placement import movement_aware_dst
 
     extra = {} if tolerance is None else {"tolerance": float(tolerance)}
-    dst = movement_aware_dst(cost.item_costs(lengths), src, d, sizes=lengths, **extra)
+    dst = movement_aware_dst(
+        cost.item_costs(lengths), src, d, sizes=lengths, ranks_per_node=ranks_per_node, **extra
+    )
     return np.asarray(dst, dtype=np.int64)
 
 

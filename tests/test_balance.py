@@ -299,3 +299,33 @@ def test_greedy_stay_and_placement_dispatch():
     assert "inter_node_tokens_total_after" in placed.stats
     after = placed.stats["inter_node_tokens_total_after"]
     assert after <= placed.stats["inter_node_tokens_total_before"]
+
+
+def test_greedy_stay_passes_ranks_per_node_and_reports_the_movement_bound():
+    from orchmllm.placement import movement_aware_dst, movement_lower_bound, traffic
+
+    d, c = 64, 8
+    rng = np.random.default_rng(5)
+    lengths = sample_lengths("text", d * 30, rng=rng)
+    src = np.repeat(np.arange(d), 30)
+    plain = balance(lengths, d, "greedy_stay", src=src)
+    nodes = balance(lengths, d, "greedy_stay", src=src, ranks_per_node=c)
+    w = lengths.astype(np.float64)
+    np.testing.assert_array_equal(nodes.dst, movement_aware_dst(w, src, d, ranks_per_node=c))
+    np.testing.assert_array_equal(plain.dst, movement_aware_dst(w, src, d))
+    inter = [
+        traffic(lengths, src, a.dst, num_ranks=d, ranks_per_node=c).inter_total
+        for a in (plain, nodes)
+    ]
+    assert inter[1] < 0.5 * inter[0]
+
+    for a in (plain, nodes):
+        bound = a.stats["tokens_moved_lower_bound"]
+        assert bound == movement_lower_bound(w, src, d, a.loads.max(), sizes=lengths)
+        assert 0 < bound <= a.stats["tokens_moved"] <= 1.5 * bound
+    # Costs other than tokens: the bound is in tokens, for the makespan in cost units.
+    quad = balance(lengths, d, "greedy_stay", src=src, cost=QUAD)
+    assert quad.stats["tokens_moved_lower_bound"] <= quad.stats["tokens_moved"]
+    assert "tokens_moved_lower_bound" not in balance(lengths, d, "greedy", src=src).stats
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        balance(lengths, d, "greedy_stay", src=src, ranks_per_node=6)
