@@ -1,6 +1,9 @@
 """Node-wise placement (assign, ILP, auto) and movement-aware balancing (greedy_stay)."""
 
 import itertools
+import json
+import subprocess
+import sys
 import time
 import warnings
 
@@ -164,8 +167,6 @@ def test_ilp_never_worse_than_assign(rng):
 
 def test_time_limit_is_honoured(rng):
     pytest.importorskip("cvxpy")
-    import cvxpy  # noqa: F401  (the one-time import is not part of any solve's budget)
-
     cases = [(64, 8, 0.05), (64, 8, 0.3), (128, 8, 0.1), (512, 8, 0.05)]
     for d, c, limit in cases:
         lengths, src = _instance(rng, d, 20)
@@ -176,10 +177,57 @@ def test_time_limit_is_honoured(rng):
             placed = place_batches(
                 lengths, src, dst, num_ranks=d, ranks_per_node=c, method="ilp", time_limit_s=limit
             )
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start - placed.stats["placement_setup_ms"] / 1e3
         assert wall <= 1.5 * limit + 0.05, (d, limit, wall)
         assert placed.stats["placement_solve_ms"] <= wall * 1e3
         _check_loads_kept(lengths, dst, placed, d)
+
+
+_FIRST_ILP = """
+import json, sys, time
+import numpy as np
+from orchmllm.placement import place_batches, prepare_ilp
+assert "cvxpy" not in sys.modules
+prepared = prepare_ilp() if sys.argv[1] == "prepare" else 0.0
+rng = np.random.default_rng(0)
+d = 64
+lengths = rng.lognormal(6.5, 1.0, d * 20).astype(np.int64) + 1
+src = np.repeat(np.arange(d), 20)
+dst = rng.permutation(src)
+calls = []
+for _ in range(2):
+    start = time.perf_counter()
+    p = place_batches(lengths, src, dst, num_ranks=d, ranks_per_node=8, method="ilp")
+    calls.append(dict(wall=time.perf_counter() - start, **p.stats))
+print(json.dumps(dict(prepared=prepared, calls=calls)))
+"""
+
+
+@pytest.mark.parametrize("prepare", [False, True])
+def test_first_ilp_in_a_process_keeps_the_time_limit(repo_env, prepare):
+    """cvxpy's import and the solver's first load (seconds) are paid outside the 50 ms budget,
+    by prepare_ilp (explicitly, or by the first place_batches before its clock starts), and
+    reported apart; the budgeted part keeps the limit on the first call too."""
+    pytest.importorskip("cvxpy")
+    arg = "prepare" if prepare else "first"
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIRST_ILP, arg],
+        env=repo_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    first, second = out["calls"]
+    limit = 0.05
+    assert (out["prepared"] > 0) == prepare
+    assert (first["placement_setup_ms"] > 0) != prepare
+    assert second["placement_setup_ms"] == 0.0
+    for call in (first, second):
+        budgeted = call["wall"] - call["placement_setup_ms"] / 1e3
+        assert budgeted <= 1.5 * limit + 0.05, call
+        assert call["placement_solve_ms"] <= budgeted * 1e3
 
 
 def test_large_ilp_request_falls_back_with_warning(rng):
