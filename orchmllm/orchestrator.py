@@ -6,9 +6,11 @@ step the orchestrator
 1. all-gathers the examples' segment tables once (:func:`local_metadata`: one int64 row per
    segment: example, kind, raw count, prediction targets), a few KB;
 2. plans, as a pure function of the gathered rows (:func:`plan_step`, so a loader can run it
-   in a background thread and every rank gets the same plan): each encoder phase balances its
-   own items (images, audio clips) by their raw lengths with its own policy, and the LLM phase
-   balances whole examples by their interleaved sequence lengths;
+   in a background thread and every rank gets the same plan; a time-limited ILP placement is
+   not one, so :meth:`Orchestrator.plan` solves it on one rank and broadcasts it): each
+   encoder phase balances its own items (images, audio clips) by their raw lengths with its
+   own policy, and the LLM phase balances whole examples by their interleaved sequence
+   lengths;
 3. executes (:meth:`Orchestrator.run`): raw encoder inputs move to the encoder layout, every
    encoder runs on every rank (FSDP2 needs the calls even with no items), encoder outputs go
    straight to the LLM layout with ``Pi_llm o Pi_enc^-1`` (the LLM plan lifted to items: an
@@ -27,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -502,6 +505,14 @@ class Orchestrator:
     gathered (a separate gloo group lets a loader gather in a background thread; default
     ``group``). ``ranks_per_node``/``placement`` are passed to :func:`orchmllm.balance` and
     split the reported bytes into intra- and inter-node.
+
+    A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
+    stopped by a clock) is computed on rank 0 of ``meta_group`` and broadcast there
+    (:func:`orchmllm.data.exchange.agreed_plan`), which needs a CPU (gloo) group: when
+    ``meta_group`` is None and ``group`` is not gloo, a gloo group over the same ranks is
+    created here, a collective, so construct the orchestrator on every rank together. Such an
+    orchestrator also pays the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp`
+    on the rank that solves), not in the first step.
     """
 
     def __init__(
@@ -529,23 +540,57 @@ class Orchestrator:
         self.group = group
         self.meta_group = meta_group if meta_group is not None else group
         self.timeout = timeout
+        if self._deterministic() or not (dist.is_available() and dist.is_initialized()):
+            return
+        if meta_group is None and dist.get_backend(group) != "gloo":
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self.meta_group = dist.new_group(ranks, backend="gloo", timeout=self._agree_timeout())
+        self._check_meta_group()
+        if dist.get_rank(self.meta_group) == 0:
+            from orchmllm.placement import prepare_ilp
+
+            prepare_ilp()
+
+    def _deterministic(self) -> bool:
+        from orchmllm.data.orchestrated import OrchestratorPlanner  # it imports this module
+
+        return OrchestratorPlanner(self).deterministic
+
+    def _agree_timeout(self) -> timedelta:
+        return dist.default_pg_timeout if self.timeout is None else timedelta(seconds=self.timeout)
+
+    def _check_meta_group(self) -> None:
+        backend = dist.get_backend(self.meta_group)
+        if backend != "gloo":
+            raise ValueError(
+                f"placement={self.placement!r} plans on rank 0 and broadcasts the plan on "
+                f"meta_group, which must be a gloo group, got backend {backend!r}"
+            )
 
     def gather(self, metadata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """All-gather every rank's :func:`local_metadata` rows (the step's only metadata)."""
         return comm.all_gather_rows(metadata, group=self.meta_group, timeout=self.timeout)
 
     def plan(self, rows: np.ndarray, src: np.ndarray) -> StepPlan:
-        """:func:`plan_step` with this orchestrator's options (pure; safe in a thread)."""
-        return plan_step(
-            rows,
-            src,
-            num_ranks=dist.get_world_size(self.group),
-            phases=self.phases,
-            mode=self.mode,
-            llm_policy=self.llm_policy,
-            llm_cost=self.llm_cost,
-            placement=self.placement,
-            ranks_per_node=self.ranks_per_node,
+        """:func:`plan_step` with this orchestrator's options, the same plan on every rank.
+
+        Pure and computed on each rank when the options make it a function of ``rows`` and
+        ``src`` alone; otherwise (``placement="ilp"``) computed on rank 0 of ``meta_group`` and
+        broadcast, a collective: every rank calls this together. Safe in a thread either way.
+        """
+        from orchmllm.data.exchange import agreed_plan
+        from orchmllm.data.orchestrated import OrchestratorPlanner  # it imports this module
+
+        planner = OrchestratorPlanner(self)
+        deterministic = planner.deterministic
+        if not deterministic and dist.is_available() and dist.is_initialized():
+            self._check_meta_group()
+        num_ranks = dist.get_world_size(self.group)
+        return agreed_plan(
+            lambda: planner(rows, src, num_ranks),
+            deterministic=deterministic,
+            group=self.meta_group,
+            timeout=self._agree_timeout().total_seconds(),
         )
 
     def plan_batch(self, batch: LocalBatch) -> StepPlan:

@@ -302,12 +302,57 @@ def _check_composition(results, world):
         assert s["llm"]["bytes_intra"] + s["llm"]["bytes_inter"] > 0
 
 
+class _Broadcasts:
+    """Counts this process's broadcasts (instrumentation, not a replacement)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.orig = dist.broadcast
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.orig(*args, **kwargs)
+
+
+def _agreement_worker(rank, world):
+    """ILP placement stops CBC on a clock, so each rank solving it could reach another plan:
+    Orchestrator.plan computes it on rank 0 and broadcasts it; deterministic plans do not."""
+    batch = LocalBatch.from_examples(_payload_batches(world)[rank], PHASES)
+    weights = {n: torch.eye(WIDTH) for n in ("vision", "audio")}
+    counter = _Broadcasts()
+    dist.broadcast = counter
+    out = {}
+    try:
+        for placement in ("ilp", "assign"):
+            orch = Orchestrator(PHASES, placement=placement, ranks_per_node=2, timeout=30)
+            counter.calls = 0
+            plan = orch.plan_batch(batch)
+            res = orch.run(batch, _identity_encoders(weights, []))  # plans again, inside
+            out[placement] = {
+                "broadcasts": counter.calls,
+                "plans": [plan.llm.fingerprint()]
+                + [p.encoder.fingerprint() for p in plan.phases.values()]
+                + [p.to_llm.fingerprint() for p in plan.phases.values()],
+                "plan_ms": [plan.llm_stats["plan_ms"]]
+                + [p.stats["plan_ms"] for p in plan.phases.values()],
+                "examples": res.example_ids.tolist(),
+                "mine": plan.llm.items_at(rank).tolist(),
+            }
+    finally:
+        dist.broadcast = counter.orig
+    return out
+
+
 WORLD = 4
 
 
 def _worker(rank, world):
-    """Both distributed checks in one spawn (process start-up dominates their cost)."""
-    return {"composition": _composition_worker(rank, world), "grad": _grad_worker(rank, world)}
+    """The distributed checks in one spawn (process start-up dominates their cost)."""
+    return {
+        "composition": _composition_worker(rank, world),
+        "grad": _grad_worker(rank, world),
+        "agreement": _agreement_worker(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +362,20 @@ def distributed():
 
 def test_composition_conservation_and_one_move_per_encoder(distributed):
     _check_composition([r["composition"] for r in distributed], WORLD)
+
+
+def test_ilp_plans_are_computed_once_and_agree_across_ranks(distributed):
+    per = [r["agreement"] for r in distributed]
+    n_examples = sum(len(b) for b in _payload_batches(WORLD))
+    for placement, broadcasts in (("ilp", 2 * 2), ("assign", 0)):
+        runs = [p[placement] for p in per]
+        # plan_batch and run each agree on one plan: its size, then the plan itself.
+        assert [r["broadcasts"] for r in runs] == [broadcasts] * WORLD
+        assert all(r["plans"] == runs[0]["plans"] for r in runs)
+        if placement == "ilp":  # solved once: rank 0's timings reached every rank
+            assert all(r["plan_ms"] == runs[0]["plan_ms"] for r in runs)
+        assert all(r["examples"] == r["mine"] for r in runs)
+        assert sorted(i for r in runs for i in r["examples"]) == list(range(n_examples))
 
 
 # -- gradients: balancing never changes them ------------------------------------------------
