@@ -1,32 +1,15 @@
 """Smoke test of benchmarks/balance_bench.py: --quick --json records are complete and sane."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from orchmllm.balance import POLICIES
 from orchmllm.workloads import DISTRIBUTIONS
 
-ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_after", "plan_ms"}
 
 
-def test_balance_bench_quick(tmp_path):
-    out = tmp_path / "balance.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    subprocess.run(
-        [sys.executable, "benchmarks/balance_bench.py", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    records = json.loads(out.read_text())
+def test_balance_bench_quick(run_benchmark):
+    records = run_benchmark("balance_bench.py", timeout=120).records
     summary = [r for r in records if r["policy"] == "summary"]
     cases = [r for r in records if r["policy"] != "summary" and r["cost"] != "h100_audio_10b"]
     assert len(summary) == 1
