@@ -21,8 +21,11 @@ Methods of :func:`place_batches`:
 - ``auto``: ``assign``, then the ILP refinement only where it is certain to finish within the
   budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8) when
   ``time_limit_s >= AUTO_ILP_MIN_BUDGET_S``, solved to proven optimality (so with the default
-  50 ms budget ``auto`` is ``assign``). The choice depends on the problem size and the budget
-  alone, never on a clock, so every rank planning independently gets the same placement.
+  50 ms budget ``auto`` is ``assign``). If the result leaves the busiest rank sending more
+  across nodes than the unpermuted batches would, ``auto`` keeps the unpermuted batches, so it
+  is never worse than ``identity`` on the paper's objective. The choice depends on the problem
+  size and the budget alone, never on a clock, so every rank planning independently gets the
+  same placement.
   ``ilp`` with a binding time limit returns whatever the solver reached in time, which can
   differ between machines: plan it on one rank and broadcast it.
 
@@ -186,11 +189,15 @@ def place_batches(
                 volumes, node_of, solver, clock=clock if method == "ilp" else None
             )
         perm = _assign_ranks(volumes, node_of)
+    before = _traffic(l, s, t, d, c)
+    after = _traffic(l, s, perm[t], d, c)
+    if method == "auto" and before.inter_sent.max(initial=0) < after.inter_sent.max(initial=0):
+        # The assignment maximises the tokens kept inside their node, which can leave one rank
+        # sending more across nodes than the batches where they stand: then keep those.
+        perm, after = np.arange(d, dtype=np.int64), before
     new_dst = perm[t]
     elapsed_ms = (time.perf_counter() - clock.wall0) * 1e3
 
-    before = _traffic(l, s, t, d, c)
-    after = _traffic(l, s, new_dst, d, c)
     stats = {
         **_traffic_stats(before, "before"),
         **_traffic_stats(after, "after"),
