@@ -45,8 +45,10 @@ def _llava_image(rng: np.random.Generator, n: int) -> np.ndarray:
     width = np.where(wide, long_side, long_side * aspect)
     height = np.where(wide, long_side / aspect, long_side)
     shrink = np.minimum(1.0, MAX_IMAGE_SIDE / np.maximum(width, height))
-    cols = np.ceil(width * shrink / PATCH)
-    rows = np.ceil(height * shrink / PATCH)
+    # a resized image has whole pixels; without rounding, 640 * (448 / 640) = 448.00000000000006
+    # would count a 33rd patch column on a 448-pixel bound
+    cols = np.ceil(np.round(width * shrink) / PATCH)
+    rows = np.ceil(np.round(height * shrink) / PATCH)
     return (cols * rows).astype(np.int64)
 
 
