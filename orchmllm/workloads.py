@@ -33,7 +33,7 @@ FRAMES_PER_S = 100
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
 
-def _llava_image(rng: np.random.Generator, n: int) -> np.ndarray:
+def _llava_image(rng: np.random.Generator, n: int, max_side: int = MAX_IMAGE_SIDE) -> np.ndarray:
     source = rng.choice(4, size=n, p=[0.55, 0.20, 0.15, 0.10])
     long_side = np.array([640.0, 500.0, 1024.0, 0.0])[source]
     covers = source == 3
@@ -44,7 +44,7 @@ def _llava_image(rng: np.random.Generator, n: int) -> np.ndarray:
     wide = aspect >= 1
     width = np.where(wide, long_side, long_side * aspect)
     height = np.where(wide, long_side / aspect, long_side)
-    shrink = np.minimum(1.0, MAX_IMAGE_SIDE / np.maximum(width, height))
+    shrink = np.minimum(1.0, max_side / np.maximum(width, height))
     # a resized image has whole pixels; without rounding, 640 * (448 / 640) = 448.00000000000006
     # would count a 33rd patch column on a 448-pixel bound
     cols = np.ceil(np.round(width * shrink) / PATCH)
@@ -85,11 +85,25 @@ SAMPLERS: dict[str, Sampler] = {
 DISTRIBUTIONS = tuple(SAMPLERS)
 
 
-def sample_lengths(dist: str, n: int, rng: np.random.Generator | int = 0) -> np.ndarray:
-    """``n`` item lengths (int64, >= 1) drawn from distribution ``dist``."""
+def sample_lengths(
+    dist: str,
+    n: int,
+    rng: np.random.Generator | int = 0,
+    *,
+    max_image_side: int = MAX_IMAGE_SIDE,
+) -> np.ndarray:
+    """``n`` item lengths (int64, >= 1) drawn from distribution ``dist``.
+
+    ``max_image_side`` is the dynamic-resolution bound in pixels for ``llava_image`` (448 for
+    MLLM-10B; the larger paper models use 672 and 896); the other distributions ignore it.
+    """
     if dist not in SAMPLERS:
         raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
     if not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
+    if not isinstance(max_image_side, int | np.integer) or max_image_side < PATCH:
+        raise ValueError(f"max_image_side must be an integer >= {PATCH}, got {max_image_side!r}")
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    if dist == "llava_image":
+        return np.maximum(_llava_image(gen, int(n), int(max_image_side)), 1)
     return np.maximum(SAMPLERS[dist](gen, int(n)), 1)

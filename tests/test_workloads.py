@@ -1,15 +1,26 @@
-"""Length samplers: seeded, positive, image patches within the resolution bound."""
+"""Length samplers: the image-size bound is an argument, and bad input names the argument."""
 
 import numpy as np
 import pytest
 
-from orchmllm.workloads import DISTRIBUTIONS, MAX_IMAGE_SIDE, PATCH, sample_lengths
+from orchmllm.workloads import DISTRIBUTIONS, PATCH, sample_lengths
 
 
-def test_image_patches_respect_the_resolution_bound():
-    patches = sample_lengths("llava_image", 5000, 0)
-    grid = -(-MAX_IMAGE_SIDE // PATCH)
+@pytest.mark.parametrize("side", [224, 448, 896])
+def test_image_patches_respect_the_resolution_bound(side):
+    patches = sample_lengths("llava_image", 5000, 0, max_image_side=side)
+    grid = -(-side // PATCH)
     assert patches.min() >= 1 and patches.max() <= grid * grid
+
+
+def test_larger_bound_gives_more_patches_and_default_is_448():
+    np.testing.assert_array_equal(
+        sample_lengths("llava_image", 1000, 7),
+        sample_lengths("llava_image", 1000, 7, max_image_side=448),
+    )
+    small = sample_lengths("llava_image", 5000, 1, max_image_side=224)
+    large = sample_lengths("llava_image", 5000, 1, max_image_side=896)
+    assert large.mean() > 2 * small.mean()
 
 
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
@@ -17,3 +28,16 @@ def test_every_distribution_is_seeded_and_positive(dist):
     a, b = sample_lengths(dist, 500, 3), sample_lengths(dist, 500, 3)
     np.testing.assert_array_equal(a, b)
     assert a.dtype == np.int64 and a.min() >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dist": "nope", "n": 3}, "dist"),
+        ({"dist": "text", "n": -1}, "n must"),
+        ({"dist": "llava_image", "n": 3, "max_image_side": 5}, "max_image_side"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample_lengths(**kwargs)

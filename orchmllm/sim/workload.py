@@ -23,8 +23,7 @@ frames to a multiple of the audio frames per token, as the generator does.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -36,18 +35,6 @@ from orchmllm.sim.batch import Batch
 
 P_MULTI_IMAGE = 0.1
 P_SPOKEN_QUESTION = 0.1
-
-
-@contextlib.contextmanager
-def _image_bound(side: int) -> Iterator[None]:
-    """``orchmllm.workloads`` fixes the dynamic-resolution bound at MLLM-10B's 448 px as a
-    module constant; the larger models need 672 and 896, so it is set for the call."""
-    saved = workloads.MAX_IMAGE_SIDE
-    workloads.MAX_IMAGE_SIDE = int(side)
-    try:
-        yield
-    finally:
-        workloads.MAX_IMAGE_SIDE = saved
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, n: int) -> np.ndarray:
@@ -84,8 +71,9 @@ def sample_batch(
     # images: one per caption/vqa example, a second for some vqa examples
     second = is_["vqa"][rng.random(is_["vqa"].size) < P_MULTI_IMAGE]
     img_owner = np.sort(np.concatenate([is_["caption"], is_["vqa"], second]))
-    with _image_bound(data["max_image_side"]):
-        patches = workloads.sample_lengths("llava_image", img_owner.size, rng)
+    patches = workloads.sample_lengths(
+        "llava_image", img_owner.size, rng, max_image_side=int(data["max_image_side"])
+    )
     ds = config.vision.downsample
     patches = np.maximum(ds, (patches * scale).astype(np.int64) // ds * ds)
 
