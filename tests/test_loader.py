@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import datasets
@@ -482,6 +483,18 @@ def test_single_process_and_bad_arguments():
     bad = BalancedDataLoader(_Shard(4, 0, 1), batch_size=2, length_fn=lambda e: 1.5)
     with pytest.raises(ValueError, match=r"length_fn must return a non-negative integer.*1\.5"):
         list(bad)
+
+
+def test_abandoned_iteration_stops_its_thread_when_dropped():
+    """An iterator dropped mid-epoch closes itself (its steps are bounded by what was consumed,
+    so this is collective-safe); no prefetch thread may outlive it and race a later
+    destroy_process_group."""
+    loader = BalancedDataLoader(
+        _dataset(40), batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=2
+    )
+    next(iter(loader))
+    assert not [t for t in threading.enumerate() if t.name.startswith("orchmllm-loader")]
+    assert len(list(loader)) == len(loader) - 1  # still usable: continues after the consumed step
 
 
 def test_package_exports_load_lazily():

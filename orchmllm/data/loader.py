@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,7 +311,10 @@ class BalancedDataLoader:
         self._streamed = None if map_style else _Streamed(source, None if is_loader else batch_size)
         self.epoch = 0
         self._step = 0  # steps of self.epoch the training loop has consumed
-        self._active: _EpochIterator | None = None
+        # Held weakly: an iterator the loop drops mid-epoch is then collected at once, and
+        # collecting it closes its prefetch thread (the thread keeps this loader alive, so a
+        # strong reference here would keep that thread running past the process group).
+        self._active: weakref.ref[_EpochIterator] | None = None
         self.last_step: StepInfo | None = None
 
     # -- sampler semantics ----------------------------------------------------------------
@@ -352,16 +356,18 @@ class BalancedDataLoader:
     def __iter__(self) -> _EpochIterator:
         self.close()
         self._handshake()
-        self._active = _EpochIterator(self, self.epoch, self._step)
-        return self._active
+        it = _EpochIterator(self, self.epoch, self._step)
+        self._active = weakref.ref(it)
+        return it
 
     def close(self) -> None:
         """Stop the background thread of the current iteration (collective-safe: call it
         on every rank after the same number of batches). Iterating again, set_epoch's next
         iteration and ``with`` blocks close it too."""
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        active = self._active() if self._active is not None else None
+        self._active = None
+        if active is not None:
+            active.close()
 
     def __enter__(self) -> BalancedDataLoader:
         return self
