@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.cost import CostModel
-from orchmllm.data.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
 from orchmllm.plan import Rearrangement, expand_rows
+from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
 
 __all__ = [
     "MODES",
@@ -98,7 +98,7 @@ def default_phases(
     vision_cost: CostModel | None = None,
     audio_cost: CostModel | None = None,
 ) -> tuple[EncoderPhase, EncoderPhase]:
-    """The vision and audio phases of the schema in :mod:`orchmllm.data.schema`."""
+    """The vision and audio phases of the schema in :mod:`orchmllm.schema`."""
     return (
         EncoderPhase(
             "vision", IMAGE, "image_patches", rates.divisor(IMAGE), patch_dim, vision_policy,

@@ -20,10 +20,10 @@ from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.sampling import local_batches
-from orchmllm.data.schema import EncodingRates, example_metadata
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
 from orchmllm.orchestrator import LocalBatch, Orchestrator, default_phases
 from orchmllm.plan import Rearrangement
+from orchmllm.schema import EncodingRates, example_metadata
 from tests.multiproc import run_distributed
 
 T = 30.0  # collective timeout inside the workers

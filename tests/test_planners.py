@@ -8,8 +8,8 @@ import orchmllm
 from orchmllm.balance import PLACEMENTS
 from orchmllm.data.orchestrated import OrchestratorPlanner
 from orchmllm.data.planners import BalancePlanner, plan_is_deterministic
-from orchmllm.data.schema import EncodingRates
 from orchmllm.orchestrator import Orchestrator, default_phases
+from orchmllm.schema import EncodingRates
 
 
 @pytest.mark.parametrize("policy", ["greedy", "kk", "identity"])

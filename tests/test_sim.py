@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from orchmllm.models.config import ModelConfig
+from orchmllm.config import ModelConfig
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import BlockShape, block_fit, load_block_records, submodules

@@ -7,7 +7,7 @@ schema (as the orchestrator does) imports neither HF ``datasets`` nor torch.
 from importlib import import_module
 from typing import Any
 
-from orchmllm.data.schema import (
+from orchmllm.schema import (
     AUDIO,
     IMAGE,
     TASKS,

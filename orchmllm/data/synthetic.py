@@ -4,7 +4,7 @@ The paper (section 3.1, 8) trains on a random mix of LLaVA-1.5 instruction data 
 LibriSpeech (ASR) and AIR-Bench (spoken QA). Which modalities an example holds, and how long
 each part is, depends on its task, so a rank's load in one phase says little about its load
 in another. This module generates such a mix with real tensors (pixel patches, log-mel-like
-frames, token ids) and the schema of :mod:`orchmllm.data.schema`, stored with HF ``datasets``.
+frames, token ids) and the schema of :mod:`orchmllm.schema`, stored with HF ``datasets``.
 
 Distributions (lengths before ``scale``; "assumed" marks our own choice where no figure is
 published):
@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from orchmllm.data.schema import AUDIO, IMAGE, TASKS, TEXT, EncodingRates
+from orchmllm.schema import AUDIO, IMAGE, TASKS, TEXT, EncodingRates
 
 if TYPE_CHECKING:  # generating examples needs only numpy; HF datasets is for storage
     import datasets

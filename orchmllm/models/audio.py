@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from orchmllm.config import AudioConfig
+
 from .attention import padded_attention
-from .config import AudioConfig
 from .layers import Block, Connector, check_lengths, sinusoids
 
 

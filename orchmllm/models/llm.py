@@ -6,8 +6,9 @@ import functools
 
 from torch import Tensor, nn
 
+from orchmllm.config import LLMConfig
+
 from .attention import packed_attention, positions_from_lengths
-from .config import LLMConfig
 from .layers import Block, check_lengths
 
 

@@ -14,8 +14,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from orchmllm.config import ModelConfig
+
 from .audio import AudioEncoder
-from .config import ModelConfig
 from .llm import LLM
 from .vision import VisionEncoder
 

@@ -6,8 +6,9 @@ import functools
 
 from torch import Tensor, nn
 
+from orchmllm.config import VisionConfig
+
 from .attention import packed_attention, positions_from_lengths
-from .config import VisionConfig
 from .layers import Block, Connector, check_lengths
 
 

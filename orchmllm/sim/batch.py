@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchmllm.models.config import ModelConfig
+from orchmllm.config import ModelConfig
 
 
 def _ints(name: str, values: object) -> np.ndarray:

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from orchmllm.config import ModelConfig
 from orchmllm.cost import CostModel, fit_packed, fit_padded
-from orchmllm.models.config import ModelConfig
 
 ATTENTION_KINDS = ("causal", "bidir", "padded")
 PHASES = ("vision", "audio", "llm")

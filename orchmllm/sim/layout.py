@@ -34,8 +34,8 @@ import numpy as np
 
 import orchmllm
 from orchmllm.balance import PADDED_POLICIES
+from orchmllm.config import ModelConfig
 from orchmllm.cost import CostModel
-from orchmllm.models.config import ModelConfig
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchmllm.models.config import ModelConfig
+from orchmllm.config import ModelConfig
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, PHASES, Submodule

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from orchmllm.models.config import ModelConfig
+from orchmllm.config import ModelConfig
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import PHASES, Submodule, submodules
 from orchmllm.sim.layout import TAILORED, plan

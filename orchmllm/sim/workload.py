@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from orchmllm import workloads
-from orchmllm.data.schema import TASKS
-from orchmllm.models.config import ModelConfig
+from orchmllm.config import ModelConfig
+from orchmllm.schema import TASKS
 from orchmllm.sim.batch import Batch
 
 P_MULTI_IMAGE = 0.1
