@@ -13,10 +13,18 @@ from orchmllm.cost import CostModel
 
 _LAZY = {
     "Rearrangement": "orchmllm.plan",
+    "EncoderPhase": "orchmllm.orchestrator",
+    "StepPlan": "orchmllm.orchestrator",
+    "local_metadata": "orchmllm.orchestrator",
+    "plan_step": "orchmllm.orchestrator",
     "BatchDispatcher": "orchmllm.dispatcher",
     "Orchestrator": "orchmllm.orchestrator",
+    "LocalBatch": "orchmllm.orchestrator",
+    "LLMBatch": "orchmllm.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
+    "PlannedBatch": "orchmllm.data.loader",
     "BalancedCollator": "orchmllm.data.collate",
+    "orchestrated_loader": "orchmllm.data.orchestrated",
 }
 
 __all__ = ["POLICIES", "Assignment", "CostModel", "balance", *_LAZY]
