@@ -5,7 +5,7 @@ One GPU cannot run many NCCL ranks, so this emulates ``--ranks`` data-parallel r
 1. sample every rank's mini-batch from the synthetic multimodal mix (the training generator,
    ``orchmllm.data.synthetic``), disjoint examples per rank and per step;
 2. gather their segment tables and plan them exactly as training does, with the orchestrator's
-   pure planning function (``orchmllm.orchestrator.plan_step``, the config's policies) for each
+   pure planning function (``orchmllm.plan_step``, the config's policies) for each
    mode: ``none`` (no rearrangement), ``llm`` (only the LLM phase balanced, the pre-balancing
    ablation) and ``full`` (every phase balanced, OrchMLLM);
 3. run each rank's step on the device, one rank after another, in training order: vision
@@ -64,7 +64,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orchmllm.data import TEXT, generate_example
 from orchmllm.models import MLLM, build_model
-from orchmllm.orchestrator import MODES, default_phases, local_metadata, plan_step
+from orchmllm.step_plan import MODES, StepOptions, default_phases, local_metadata, plan_step
 from orchmllm.train import RunConfig, load_config, synthetic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,16 +198,14 @@ def plan_mode(
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan = plan_step(
-            rows,
-            src,
-            num_ranks=ranks,
-            phases=make_phases(cfg),
+        options = StepOptions(
+            make_phases(cfg),
             mode=mode,
             llm_policy=cfg.balance.llm_policy,
             placement=cfg.balance.placement,
             ranks_per_node=ranks_per_node(cfg, ranks),
         )
+        plan = plan_step(rows, src, options, num_ranks=ranks)
         best = min(best, time.perf_counter() - t0)
     return plan, best
 

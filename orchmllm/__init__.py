@@ -1,8 +1,9 @@
 """OrchMLLM: post-balancing of variable-length mini-batches for data-parallel MLLM training.
 
-``balance`` and the cost models need only numpy and the C++ core. The distributed parts
-(``Rearrangement``, ``BatchDispatcher``, ``Orchestrator``, ``BalancedDataLoader``) import torch,
-so they load on first use: ``import orchmllm`` stays cheap for planning-only users.
+The planner (``balance``, the cost models, ``Rearrangement`` and the step planner
+``plan_step``) needs only numpy and the C++ core. The distributed parts (``BatchDispatcher``,
+``Orchestrator``, ``BalancedDataLoader``, ...) import torch, so they load on first use:
+``import orchmllm`` stays cheap and torch-free for planning-only users and the simulator.
 """
 
 from importlib import import_module
@@ -10,13 +11,10 @@ from typing import Any
 
 from orchmllm.balance import POLICIES, Assignment, balance
 from orchmllm.cost import CostModel
+from orchmllm.plan import Rearrangement
+from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, local_metadata, plan_step
 
 _LAZY = {
-    "Rearrangement": "orchmllm.plan",
-    "EncoderPhase": "orchmllm.orchestrator",
-    "StepPlan": "orchmllm.orchestrator",
-    "local_metadata": "orchmllm.orchestrator",
-    "plan_step": "orchmllm.orchestrator",
     "BatchDispatcher": "orchmllm.dispatcher",
     "Orchestrator": "orchmllm.orchestrator",
     "LocalBatch": "orchmllm.orchestrator",
@@ -27,7 +25,19 @@ _LAZY = {
     "orchestrated_loader": "orchmllm.data.orchestrated",
 }
 
-__all__ = ["POLICIES", "Assignment", "CostModel", "balance", *_LAZY]
+__all__ = [
+    "POLICIES",
+    "Assignment",
+    "CostModel",
+    "Rearrangement",
+    "EncoderPhase",
+    "StepOptions",
+    "StepPlan",
+    "balance",
+    "local_metadata",
+    "plan_step",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -74,6 +74,20 @@ POLICIES = (
     "greedy_stay",
 )
 PADDED_POLICIES = frozenset({"binary_search", "conv", "padded_cost"})
+
+# Options whose plan depends on more than the gathered metadata. ``ilp`` placement is
+# time-limited (CBC's CPU-time limit, scaled by the machine's load), so a busy rank can
+# stop the solve at another point and reach another placement than its peers.
+CLOCKED_PLACEMENTS = frozenset({"ilp"})
+CLOCKED_POLICIES: frozenset[str] = frozenset()
+
+
+def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = ()) -> bool:
+    """Whether a plan with these options is a pure function of the gathered metadata, so
+    every rank can compute it itself (otherwise one rank computes it for all)."""
+    return placement not in CLOCKED_PLACEMENTS and not CLOCKED_POLICIES.intersection(policies)
+
+
 PLACEMENTS = ("none", "ilp", "assign", "auto")
 BACKENDS = ("cpp", "python")
 # greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
@@ -615,4 +629,11 @@ REFERENCE = SimpleNamespace(
 )
 
 
-__all__ = ["Assignment", "PADDED_POLICIES", "POLICIES", "REFERENCE", "balance"]
+__all__ = [
+    "Assignment",
+    "PADDED_POLICIES",
+    "POLICIES",
+    "REFERENCE",
+    "balance",
+    "plan_is_deterministic",
+]

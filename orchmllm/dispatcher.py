@@ -5,7 +5,7 @@ group, so it can overlap with GPU work); every rank then runs the same balancing
 the same numbers, builds the same :class:`~orchmllm.plan.Rearrangement`, and moves its
 examples with one all-to-all per dtype. A plan that is not a pure function of the lengths
 (``placement="ilp"``, time-limited) is computed on rank 0 and broadcast instead
-(:func:`~orchmllm.data.exchange.agreed_plan`). :meth:`BatchDispatcher.undo` moves results
+(:func:`~orchmllm.agreement.agreed_plan`). :meth:`BatchDispatcher.undo` moves results
 computed on the balanced layout back (autograd-aware), so a loss normalised over the
 global batch has the same gradient with or without dispatch.
 """
@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
-from orchmllm.balance import POLICIES, balance
+from orchmllm.agreement import agreed_plan
+from orchmllm.balance import POLICIES, balance, plan_is_deterministic
 from orchmllm.cost import CostModel
-from orchmllm.data.exchange import agreed_plan
-from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.plan import Rearrangement
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]

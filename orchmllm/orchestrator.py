@@ -1,16 +1,13 @@
-"""MLLM Global Orchestrator: one balanced layout per phase, glued by composed rearrangements.
+"""MLLM Global Orchestrator: executes a step's per-phase plans (paper section 6).
 
-Paper section 6. Each rank samples its own mini-batch of interleaved multimodal examples. Per
-step the orchestrator
+Each rank samples its own mini-batch of interleaved multimodal examples. Per step the
+orchestrator
 
-1. all-gathers the examples' segment tables once (:func:`local_metadata`: one int64 row per
-   segment: example, kind, raw count, prediction targets), a few KB;
-2. plans, as a pure function of the gathered rows (:func:`plan_step`, so a loader can run it
-   in a background thread and every rank gets the same plan; a time-limited ILP placement is
-   not one, so :meth:`Orchestrator.plan` solves it on one rank and broadcasts it): each
-   encoder phase balances its own items (images, audio clips) by their raw lengths with its
-   own policy, and the LLM phase balances whole examples by their interleaved sequence
-   lengths;
+1. all-gathers the examples' segment tables once (:func:`orchmllm.step_plan.local_metadata`:
+   one int64 row per segment), a few KB;
+2. plans with the pure step planner (:func:`orchmllm.step_plan.plan_step`; a loader runs it in
+   a background thread instead): each encoder phase balances its own items, the LLM phase whole
+   examples; a time-limited ILP placement is solved on one rank and broadcast;
 3. executes (:meth:`Orchestrator.run`): raw encoder inputs move to the encoder layout, every
    encoder runs on every rank (FSDP2 needs the calls even with no items), encoder outputs go
    straight to the LLM layout with ``Pi_llm o Pi_enc^-1`` (the LLM plan lifted to items: an
@@ -19,16 +16,12 @@ step the orchestrator
 
 The orchestrator knows phases (a segment kind, a divisor from raw units to LLM tokens, a
 policy), not a model: encoders and the token embedding are callables of the caller.
-
-Modes: ``none`` moves nothing; ``llm`` balances only the LLM phase (encoders run where their
-items were sampled, the pre-balancing ablation); ``full`` balances every phase.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -36,395 +29,25 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
+from orchmllm.agreement import agreed_plan
 from orchmllm.cost import CostModel
-from orchmllm.plan import Rearrangement, expand_rows
-from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
+from orchmllm.placement import prepare_ilp
+from orchmllm.plan import Rearrangement
+from orchmllm.step_plan import (
+    KIND,
+    RAW,
+    Assembly,
+    EncoderPhase,
+    StepOptions,
+    StepPlan,
+    assembly,
+    local_metadata,
+    plan_step,
+)
 
-__all__ = [
-    "MODES",
-    "EncoderPhase",
-    "LLMBatch",
-    "LocalBatch",
-    "Orchestrator",
-    "PhasePlan",
-    "StepPlan",
-    "default_phases",
-    "local_metadata",
-    "plan_step",
-]
+__all__ = ["IGNORE_INDEX", "LLMBatch", "LocalBatch", "Orchestrator"]
 
-MODES = ("none", "llm", "full")
-PADDED_POLICIES = ("binary_search", "conv", "padded_cost")
 IGNORE_INDEX = -100
-# Columns of the gathered metadata: one row per segment.
-_EX, _KIND, _RAW, _TARGETS = range(4)
-
-
-@dataclass(frozen=True)
-class EncoderPhase:
-    """One encoder phase: which segments it consumes and how it is balanced.
-
-    ``key``: the example field holding the raw arrays (``image_patches``); ``divisor``: raw
-    rows per LLM token; ``feature_dim``: raw row width; ``cost``: the phase's cost model over
-    raw lengths (None: padded for padded policies, else packed linear, i.e. raw units).
-    """
-
-    name: str
-    kind: int
-    key: str
-    divisor: int
-    feature_dim: int
-    policy: str = "greedy"
-    cost: CostModel | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind == TEXT or not isinstance(self.kind, int) or self.kind < 0:
-            raise ValueError(f"kind must be a non-text segment kind, got {self.kind!r}")
-        if self.divisor < 1:
-            raise ValueError(f"divisor must be >= 1, got {self.divisor!r}")
-        if self.feature_dim < 1:
-            raise ValueError(f"feature_dim must be >= 1, got {self.feature_dim!r}")
-        if self.name == "llm":
-            raise ValueError("name 'llm' is reserved for the LLM phase")
-
-
-def default_phases(
-    rates: EncodingRates,
-    *,
-    patch_dim: int,
-    n_mels: int,
-    vision_policy: str = "greedy",
-    audio_policy: str = "binary_search",
-    vision_cost: CostModel | None = None,
-    audio_cost: CostModel | None = None,
-) -> tuple[EncoderPhase, EncoderPhase]:
-    """The vision and audio phases of the schema in :mod:`orchmllm.schema`."""
-    return (
-        EncoderPhase(
-            "vision", IMAGE, "image_patches", rates.divisor(IMAGE), patch_dim, vision_policy,
-            vision_cost,
-        ),
-        EncoderPhase(
-            "audio", AUDIO, "audio_mels", rates.divisor(AUDIO), n_mels, audio_policy, audio_cost
-        ),
-    )  # fmt: skip
-
-
-def _default_cost(policy: str, cost: CostModel | None) -> CostModel:
-    if cost is not None:
-        return cost
-    return CostModel("padded" if policy in PADDED_POLICIES else "packed")
-
-
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-
-
-# -- metadata ----------------------------------------------------------------------------
-
-
-def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
-    """This rank's segment table, ``int64 (segments, 4)``: example index, kind, raw count,
-    prediction targets in the segment (text tokens with loss_mask 1, except position 0 of the
-    sequence, which nothing predicts). Pure; this is all the orchestrator gathers."""
-    rows = []
-    for i, ex in enumerate(examples):
-        segs = check_segments(ex["segments"])
-        if not segs:
-            raise ValueError(f"examples[{i}] has no segments")
-        mask = np.asarray(ex["loss_mask"], dtype=np.int64).reshape(-1)
-        n_text = sum(c for k, c in segs if k == TEXT)
-        if mask.size != n_text:
-            raise ValueError(
-                f"examples[{i}] loss_mask has {mask.size} tokens, segments say {n_text}"
-            )
-        pos = text = 0
-        for kind, count in segs:
-            targets = 0
-            if kind == TEXT:
-                seg_mask = mask[text : text + count]
-                targets = int(seg_mask.sum()) - int(pos == 0 and seg_mask[0] != 0)
-                text += count
-            rows.append((i, kind, count, targets))
-            pos += count
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-
-
-# -- planning (pure) ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class PhasePlan:
-    """Items of one encoder phase in global order, and their two moves.
-
-    ``encoder``: sampled layout -> encoder layout (``Pi_enc``); ``to_llm``: encoder layout ->
-    LLM layout (``Pi_llm`` lifted to items, composed with ``Pi_enc^-1``).
-    """
-
-    name: str
-    kind: int
-    example: np.ndarray  # (items,) global example id of each item
-    raw: np.ndarray  # raw rows per item
-    encoded: np.ndarray  # LLM tokens per item
-    encoder: Rearrangement
-    to_llm: Rearrangement
-    stats: dict = field(repr=False)
-
-
-@dataclass(frozen=True, eq=False)
-class StepPlan:
-    """Everything every rank needs for one step; equal on all ranks (see :meth:`same_as`)."""
-
-    num_ranks: int
-    mode: str
-    example_src: np.ndarray  # (examples,) sampling rank
-    text_len: np.ndarray
-    seq_len: np.ndarray  # whole interleaved sequence length
-    seg_example: np.ndarray  # (segments,) global example id, segments in example order
-    seg_kind: np.ndarray
-    seg_len: np.ndarray  # LLM tokens of the segment (text count or encoded length)
-    seg_item: np.ndarray  # item id within its phase (-1 for text)
-    seg_text_offset: np.ndarray  # offset of a text segment within its example's text
-    num_targets: int  # global prediction targets (normalises the loss)
-    llm: Rearrangement
-    phases: dict[str, PhasePlan]
-    llm_stats: dict = field(repr=False)
-
-    def same_as(self, other: StepPlan) -> bool:
-        """Same rearrangements and layout (timings aside)."""
-        return (
-            self.mode == other.mode
-            and self.llm == other.llm
-            and np.array_equal(self.seg_len, other.seg_len)
-            and self.phases.keys() == other.phases.keys()
-            and all(
-                p.encoder == other.phases[n].encoder and p.to_llm == other.phases[n].to_llm
-                for n, p in self.phases.items()
-            )
-        )
-
-    def stats(self) -> dict[str, dict]:
-        """Per-phase metrics known when planning (``run`` adds the bytes moved)."""
-        out = {name: dict(p.stats) for name, p in self.phases.items()}
-        out["llm"] = dict(self.llm_stats)
-        return out
-
-
-def _imbalance(loads: np.ndarray) -> float:
-    mean = float(loads.mean()) if loads.size else 0.0
-    return float(loads.max() / mean) if mean > 0 else 1.0
-
-
-def _balance_phase(
-    lengths: np.ndarray,
-    src: np.ndarray,
-    *,
-    num_ranks: int,
-    policy: str,
-    cost: CostModel | None,
-    balanced: bool,
-    placement: str,
-    ranks_per_node: int | None,
-) -> tuple[np.ndarray, dict]:
-    """Destination rank per item, and the phase's load statistics.
-
-    Loads are measured with the phase's cost model; a heuristic plan whose slowest rank is no
-    faster than the sampled layout's is replaced by the sampled layout (nothing moves).
-    """
-    from orchmllm.balance import balance
-
-    t0 = time.perf_counter()
-    if balanced and lengths.size:
-        a = balance(
-            lengths, num_ranks, policy, src=src, cost=cost, ranks_per_node=ranks_per_node,
-            placement=placement,
-        )  # fmt: skip
-        dst = np.asarray(a.dst, dtype=np.int64)
-    else:
-        dst = src.copy()
-    model = _default_cost(policy, cost)
-    before = model.loads(lengths, src, num_ranks)
-    after = model.loads(lengths, dst, num_ranks)
-    if after.max() >= before.max():  # never move for a plan that is no better than staying
-        dst, after = src.copy(), before
-    plan_ms = (time.perf_counter() - t0) * 1e3
-    stats = {
-        "imbalance_before": _imbalance(before),
-        "imbalance_after": _imbalance(after),
-        "loads_before": before.tolist(),
-        "loads_after": after.tolist(),
-        "plan_ms": plan_ms,
-        "items": int(lengths.size),
-    }
-    return dst, stats
-
-
-def plan_step(
-    rows: np.ndarray,
-    src: np.ndarray,
-    *,
-    num_ranks: int,
-    phases: Sequence[EncoderPhase],
-    mode: str = "full",
-    llm_policy: str = "greedy",
-    llm_cost: CostModel | None = None,
-    placement: str = "none",
-    ranks_per_node: int | None = None,
-) -> StepPlan:
-    """Plan one step from the gathered segment rows (pure: same inputs, same plan).
-
-    ``rows``/``src``: the output of ``comm.all_gather_rows(local_metadata(examples))``.
-    """
-    _check_choice("mode", mode, MODES)
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-    src = np.asarray(src, dtype=np.int64).reshape(-1)
-    if src.size != rows.shape[0]:
-        raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
-    by_kind = {p.kind: p for p in phases}
-    if len(by_kind) != len(phases) or len({p.name for p in phases}) != len(phases):
-        raise ValueError(f"phases must have distinct kinds and names, got {list(phases)}")
-    unknown = set(np.unique(rows[:, _KIND]).tolist()) - set(by_kind) - {TEXT}
-    if unknown:
-        raise ValueError(f"rows has segment kinds {sorted(unknown)} with no phase")
-    # Global example ids: a new example starts where (rank, local example index) changes.
-    n_seg = rows.shape[0]
-    key = np.stack([src, rows[:, _EX]], axis=1)
-    starts = np.ones(n_seg, dtype=bool)
-    starts[1:] = np.any(key[1:] != key[:-1], axis=1)
-    seg_example = np.cumsum(starts) - 1
-    first = np.flatnonzero(starts)
-    if np.any(np.diff(src) < 0):
-        raise ValueError("src must be non-decreasing (rows in rank order)")
-    ex_rank = src[first]
-    expected = np.arange(first.size) - np.searchsorted(ex_rank, ex_rank, side="left")
-    if not np.array_equal(rows[first, _EX], expected):
-        raise ValueError(
-            "rows must list each rank's examples 0, 1, ... in order, segments contiguous"
-        )
-    n_ex = first.size
-    example_src = src[first]
-    kinds = rows[:, _KIND]
-    divisor = np.ones(n_seg, dtype=np.int64)
-    for p in phases:
-        divisor[kinds == p.kind] = p.divisor
-    seg_len = rows[:, _RAW] // divisor
-    is_text = kinds == TEXT
-    text_len = np.bincount(seg_example, weights=np.where(is_text, rows[:, _RAW], 0), minlength=n_ex)
-    text_len = text_len.astype(np.int64)
-    seq_len = np.bincount(seg_example, weights=seg_len, minlength=n_ex).astype(np.int64)
-    if np.any(seq_len == 0):
-        bad = int(np.flatnonzero(seq_len == 0)[0])
-        raise ValueError(f"example {bad} (gather order) has an empty LLM sequence")
-    text_cum = np.cumsum(np.where(is_text, rows[:, _RAW], 0))
-    ex_text_start = np.concatenate(([0], np.cumsum(text_len)))[:-1]
-    seg_text_offset = np.where(is_text, text_cum - rows[:, _RAW] - ex_text_start[seg_example], 0)
-
-    common = {"num_ranks": num_ranks, "placement": placement, "ranks_per_node": ranks_per_node}
-    llm_dst, llm_stats = _balance_phase(
-        seq_len, example_src, policy=llm_policy, cost=llm_cost, balanced=mode != "none", **common
-    )
-    llm = Rearrangement.from_assignment(example_src, llm_dst, num_ranks=num_ranks)
-
-    seg_item = np.full(n_seg, -1, dtype=np.int64)
-    phase_plans = {}
-    for p in phases:
-        sel = np.flatnonzero(kinds == p.kind)
-        seg_item[sel] = np.arange(sel.size)
-        item_src, item_ex, raw = src[sel], seg_example[sel], rows[sel, _RAW]
-        enc_dst, stats = _balance_phase(
-            raw, item_src, policy=p.policy, cost=p.cost, balanced=mode == "full", **common
-        )
-        encoder = Rearrangement.from_assignment(item_src, enc_dst, num_ranks=num_ranks)
-        lifted = Rearrangement.from_assignment(item_src, llm_dst[item_ex], num_ranks=num_ranks)
-        t0 = time.perf_counter()
-        to_llm = lifted.compose(encoder.inverse())
-        stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
-        phase_plans[p.name] = PhasePlan(
-            p.name, p.kind, item_ex, raw, raw // p.divisor, encoder, to_llm, stats
-        )
-    return StepPlan(
-        num_ranks=num_ranks,
-        mode=mode,
-        example_src=example_src,
-        text_len=text_len,
-        seq_len=seq_len,
-        seg_example=seg_example,
-        seg_kind=kinds.copy(),
-        seg_len=seg_len,
-        seg_item=seg_item,
-        seg_text_offset=seg_text_offset,
-        num_targets=int(rows[:, _TARGETS].sum()),
-        llm=llm,
-        phases=phase_plans,
-        llm_stats=llm_stats,
-    )
-
-
-# -- execution ---------------------------------------------------------------------------
-
-
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.size, dtype=np.int64)
-    np.cumsum(x[:-1], out=out[1:])
-    return out
-
-
-@dataclass(frozen=True)
-class _Assembly:
-    """Where every position of this rank's LLM sequences comes from (pure, from the plan).
-
-    The LLM input is ``cat([text embeds, phase 0 outputs, phase 1 outputs, ...])[index]``,
-    every buffer in the order the moves deliver it; ``text_pos`` is the sequence position of
-    each received text token.
-    """
-
-    examples: np.ndarray
-    lengths: np.ndarray
-    index: np.ndarray
-    text_pos: np.ndarray
-    seq_start: np.ndarray
-    rows: dict[str, int]  # rows each buffer must have (text and every phase)
-
-
-def _assembly(plan: StepPlan, rank: int) -> _Assembly:
-    examples = plan.llm.items_at(rank)
-    local_pos = np.full(plan.seq_len.size, -1, dtype=np.int64)
-    local_pos[examples] = np.arange(examples.size)
-    text_rows = plan.text_len[examples]
-    text_start = _exclusive_cumsum(text_rows)
-    rows = {"text": int(text_rows.sum())}
-    base = rows["text"]
-    item_start = {}
-    for name, pp in plan.phases.items():
-        recv = pp.to_llm.items_at(rank)
-        start = np.full(pp.encoded.size, -1, dtype=np.int64)
-        start[recv] = base + _exclusive_cumsum(pp.encoded[recv])
-        item_start[pp.kind] = start
-        rows[name] = int(pp.encoded[recv].sum())
-        base += rows[name]
-    seg = np.flatnonzero(local_pos[plan.seg_example] >= 0)
-    seg = seg[np.argsort(local_pos[plan.seg_example[seg]], kind="stable")]
-    kinds, lens = plan.seg_kind[seg], plan.seg_len[seg]
-    starts = np.empty(seg.size, dtype=np.int64)
-    text = kinds == TEXT
-    ex_local = local_pos[plan.seg_example[seg]]
-    starts[text] = text_start[ex_local[text]] + plan.seg_text_offset[seg[text]]
-    for kind, start in item_start.items():
-        m = kinds == kind
-        starts[m] = start[plan.seg_item[seg[m]]]
-    pos = _exclusive_cumsum(lens)
-    text_pos = np.empty(rows["text"], dtype=np.int64)
-    text_pos[expand_rows(starts[text], lens[text])] = expand_rows(pos[text], lens[text])
-    lengths = plan.seq_len[examples]
-    return _Assembly(
-        examples=examples,
-        lengths=lengths,
-        index=expand_rows(starts, lens),
-        text_pos=text_pos,
-        seq_start=_exclusive_cumsum(lengths),
-        rows=rows,
-    )
 
 
 @dataclass
@@ -444,7 +67,7 @@ class LocalBatch:
         raw = {}
         for p in phases:
             arrays = [np.asarray(a, dtype=np.float32) for ex in examples for a in ex[p.key]]
-            counts = metadata[metadata[:, _KIND] == p.kind, _RAW]
+            counts = metadata[metadata[:, KIND] == p.kind, RAW]
             if len(arrays) != counts.size:
                 raise ValueError(f"{p.key}: {len(arrays)} arrays but {counts.size} segments")
             for a, c in zip(arrays, counts, strict=True):
@@ -501,14 +124,15 @@ Encoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Orchestrator:
     """Gathers, plans and executes the per-phase rearrangements of an MLLM step.
 
+    ``phases`` and the keyword options up to ``encoded_token_bytes`` are the step planner's
+    (:class:`orchmllm.step_plan.StepOptions`; ``mode``: ``none``, ``llm`` or ``full``).
     ``group``: the data-parallel group the moves use; ``meta_group``: where metadata is
     gathered (a separate gloo group lets a loader gather in a background thread; default
-    ``group``). ``ranks_per_node``/``placement`` are passed to :func:`orchmllm.balance` and
-    split the reported bytes into intra- and inter-node.
+    ``group``). ``ranks_per_node`` also splits the reported bytes into intra- and inter-node.
 
     A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
     stopped by a clock) is computed on rank 0 of ``meta_group`` and broadcast there
-    (:func:`orchmllm.data.exchange.agreed_plan`), which needs a CPU (gloo) group: when
+    (:func:`orchmllm.agreement.agreed_plan`), which needs a CPU (gloo) group: when
     ``meta_group`` is None and ``group`` is not gloo, a gloo group over the same ranks is
     created here, a collective, so construct the orchestrator on every rank together. Such an
     orchestrator also pays the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp`
@@ -524,37 +148,36 @@ class Orchestrator:
         llm_cost: CostModel | None = None,
         placement: str = "none",
         ranks_per_node: int | None = None,
+        text_token_bytes: int = 16,
+        encoded_token_bytes: int | None = None,
         group: dist.ProcessGroup | None = None,
         meta_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
     ) -> None:
-        _check_choice("mode", mode, MODES)
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
-        self.phases = tuple(phases)
-        self.mode = mode
-        self.llm_policy = llm_policy
-        self.llm_cost = llm_cost
-        self.placement = placement
-        self.ranks_per_node = ranks_per_node
+        self.options = StepOptions(
+            tuple(phases), mode=mode, llm_policy=llm_policy, llm_cost=llm_cost,
+            placement=placement, ranks_per_node=ranks_per_node,
+            text_token_bytes=text_token_bytes, encoded_token_bytes=encoded_token_bytes,
+        )  # fmt: skip
         self.group = group
         self.meta_group = meta_group if meta_group is not None else group
         self.timeout = timeout
-        if self._deterministic() or not (dist.is_available() and dist.is_initialized()):
+        if self.options.deterministic or not (dist.is_available() and dist.is_initialized()):
             return
         if meta_group is None and dist.get_backend(group) != "gloo":
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             self.meta_group = dist.new_group(ranks, backend="gloo", timeout=self._agree_timeout())
         self._check_meta_group()
         if dist.get_rank(self.meta_group) == 0:
-            from orchmllm.placement import prepare_ilp
-
             prepare_ilp()
 
-    def _deterministic(self) -> bool:
-        from orchmllm.data.orchestrated import OrchestratorPlanner  # it imports this module
+    @property
+    def phases(self) -> tuple[EncoderPhase, ...]:
+        return self.options.phases
 
-        return OrchestratorPlanner(self).deterministic
+    @property
+    def ranks_per_node(self) -> int | None:
+        return self.options.ranks_per_node
 
     def _agree_timeout(self) -> timedelta:
         return dist.default_pg_timeout if self.timeout is None else timedelta(seconds=self.timeout)
@@ -563,8 +186,8 @@ class Orchestrator:
         backend = dist.get_backend(self.meta_group)
         if backend != "gloo":
             raise ValueError(
-                f"placement={self.placement!r} plans on rank 0 and broadcasts the plan on "
-                f"meta_group, which must be a gloo group, got backend {backend!r}"
+                f"placement={self.options.placement!r} plans on rank 0 and broadcasts the plan "
+                f"on meta_group, which must be a gloo group, got backend {backend!r}"
             )
 
     def gather(self, metadata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -578,16 +201,12 @@ class Orchestrator:
         ``src`` alone; otherwise (``placement="ilp"``) computed on rank 0 of ``meta_group`` and
         broadcast, a collective: every rank calls this together. Safe in a thread either way.
         """
-        from orchmllm.data.exchange import agreed_plan
-        from orchmllm.data.orchestrated import OrchestratorPlanner  # it imports this module
-
-        planner = OrchestratorPlanner(self)
-        deterministic = planner.deterministic
+        deterministic = self.options.deterministic
         if not deterministic and dist.is_available() and dist.is_initialized():
             self._check_meta_group()
         num_ranks = dist.get_world_size(self.group)
         return agreed_plan(
-            lambda: planner(rows, src, num_ranks),
+            lambda: plan_step(rows, src, self.options, num_ranks=num_ranks),
             deterministic=deterministic,
             group=self.meta_group,
             timeout=self._agree_timeout().total_seconds(),
@@ -636,7 +255,7 @@ class Orchestrator:
         if plan.num_ranks != dist.get_world_size(self.group):
             raise ValueError(f"plan.num_ranks = {plan.num_ranks}, group has another size")
         stats = plan.stats()
-        layout = _assembly(plan, rank)
+        layout = assembly(plan, rank)
         encoded = []
         for p in self.phases:
             pp = plan.phases[p.name]
@@ -666,7 +285,7 @@ class Orchestrator:
     @staticmethod
     def _llm_batch(
         plan: StepPlan,
-        layout: _Assembly,
+        layout: Assembly,
         ids: torch.Tensor,
         mask: torch.Tensor,
         encoded: list[torch.Tensor],

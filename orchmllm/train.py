@@ -35,14 +35,9 @@ from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
-from orchmllm.orchestrator import (
-    IGNORE_INDEX,
-    LLMBatch,
-    Orchestrator,
-    default_phases,
-)
+from orchmllm.orchestrator import IGNORE_INDEX, LLMBatch, Orchestrator
+from orchmllm.step_plan import MODES, default_phases
 
-BALANCE_MODES = ("none", "llm", "full")
 PLACEMENTS = ("none", "assign", "ilp", "auto")
 PHASES = ("vision", "audio", "llm")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -139,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="run config YAML (see configs/tiny.yaml)")
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--seed", type=int, default=None, help="override train.seed (model and data)")
-    p.add_argument("--balance", choices=BALANCE_MODES, default="full")
+    p.add_argument("--balance", choices=MODES, default="full")
     p.add_argument(
         "--placement", choices=PLACEMENTS, default=None, help="override balance.placement"
     )
@@ -226,7 +221,7 @@ def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: s
 
 
 def make_orchestrator(
-    cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float
+    cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float, dtype: torch.dtype
 ) -> Orchestrator:
     """The orchestrator with this run's phases and policies (it plans in the loader's
     prefetch thread, which gathers metadata on a gloo group of its own)."""
@@ -243,6 +238,7 @@ def make_orchestrator(
         llm_policy=cfg.balance.llm_policy,
         placement=placement,
         ranks_per_node=rpn,
+        encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
         timeout=timeout,
     )
 
@@ -317,9 +313,11 @@ def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
     dataset = prepare_dataset(
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
-    orch = make_orchestrator(cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout)
+    orch = make_orchestrator(
+        cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout, dtype=dtype
+    )
     # Samples like a DistributedSampler; plans each step in a background thread ahead of it
-    # (a time-limited ILP placement on rank 0 alone, broadcast: see exchange.agreed_plan).
+    # (a time-limited ILP placement on rank 0 alone, broadcast: see agreement.agreed_plan).
     loader = orchestrated_loader(
         dataset, orch, batch_size=per_rank, prefetch=args.prefetch, seed=seed, timeout=timeout
     )

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from orchmllm import agreement
 from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import PeerFailed
@@ -21,9 +22,10 @@ from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.sampling import local_batches
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
-from orchmllm.orchestrator import LocalBatch, Orchestrator, default_phases
+from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates, example_metadata
+from orchmllm.step_plan import default_phases
 from tests.multiproc import run_distributed
 
 T = 30.0  # collective timeout inside the workers
@@ -343,10 +345,10 @@ def _planned_epoch(loader, planner) -> dict:
 def _agreement_worker(rank, world):
     """Plans that are not a pure function of the gathered metadata: rank 0's, everywhere."""
     res = {}
-    res["shared"] = ex.agreed_plan(
+    res["shared"] = agreement.agreed_plan(
         lambda: ("plan of", rank), deterministic=False, group=None, timeout=T
     )
-    res["local"] = ex.agreed_plan(
+    res["local"] = agreement.agreed_plan(
         lambda: ("plan of", rank), deterministic=True, group=None, timeout=T
     )
 
@@ -354,7 +356,7 @@ def _agreement_worker(rank, world):
         raise ValueError("no plan")
 
     try:
-        ex.agreed_plan(fail, deterministic=False, group=None, timeout=T)
+        agreement.agreed_plan(fail, deterministic=False, group=None, timeout=T)
     except (ValueError, PeerFailed) as exc:
         res["failed"] = f"{type(exc).__name__}: {exc}"
 

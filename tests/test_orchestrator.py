@@ -9,13 +9,12 @@ import torch.distributed as dist
 
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import (
-    IGNORE_INDEX,
+from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch, Orchestrator
+from orchmllm.step_plan import (
     MODES,
     EncoderPhase,
-    LocalBatch,
-    Orchestrator,
-    _assembly,
+    StepOptions,
+    assembly,
     default_phases,
     local_metadata,
     plan_step,
@@ -115,13 +114,13 @@ def test_plan_is_pure_and_conserves_everything(mode):
     world = 4
     batches = _payload_batches(world)
     rows, src = _gathered(batches)
-    plan = plan_step(rows, src, num_ranks=world, phases=PHASES, mode=mode)
-    again = plan_step(rows.copy(), src.copy(), num_ranks=world, phases=PHASES, mode=mode)
+    plan = plan_step(rows, src, StepOptions(PHASES, mode=mode), num_ranks=world)
+    again = plan_step(rows.copy(), src.copy(), StepOptions(PHASES, mode=mode), num_ranks=world)
     assert plan.same_as(again) and plan.llm.fingerprint() == again.llm.fingerprint()
     n_ex = sum(len(b) for b in batches)
     seen = []
     for r in range(world):
-        lay = _assembly(plan, r)
+        lay = assembly(plan, r)
         seen += lay.examples.tolist()
         # The LLM input is a permutation of every received row (text + encoder outputs).
         assert np.array_equal(np.sort(lay.index), np.arange(sum(lay.rows.values())))
@@ -148,7 +147,7 @@ def test_full_mode_balances_synthetic_phases():
     exs = list(iter_examples(cfg, rates))
     phases = default_phases(rates, patch_dim=cfg.patch_dim, n_mels=cfg.n_mels)
     rows, src = _gathered([exs[i : i + 8] for i in range(0, 64, 8)])
-    stats = plan_step(rows, src, num_ranks=8, phases=phases, mode="full").stats()
+    stats = plan_step(rows, src, StepOptions(phases, mode="full"), num_ranks=8).stats()
     for name in ("vision", "audio", "llm"):
         s = stats[name]
         assert s["imbalance_after"] < s["imbalance_before"], (name, s)
@@ -162,7 +161,7 @@ def test_balanced_sampling_moves_nothing():
     segs = [[[TEXT, 3], [IMAGE, 8]], [[TEXT, 5], [AUDIO, 16], [TEXT, 2]], [[TEXT, 9]]]
     batch = [_payload_example(i, s) for i, s in enumerate(segs)]
     rows, src = _gathered([batch, batch])
-    plan = plan_step(rows, src, num_ranks=2, phases=PHASES, mode="full")
+    plan = plan_step(rows, src, StepOptions(PHASES, mode="full"), num_ranks=2)
     for move in [plan.llm] + [p.encoder for p in plan.phases.values()]:
         assert np.array_equal(move.src_rank, move.dst_rank)
     for s in plan.stats().values():
@@ -173,15 +172,15 @@ def test_bad_input_raises():
     batches = _payload_batches(2)
     rows, src = _gathered(batches)
     with pytest.raises(ValueError, match="mode"):
-        plan_step(rows, src, num_ranks=2, phases=PHASES, mode="some")
+        plan_step(rows, src, StepOptions(PHASES, mode="some"), num_ranks=2)
     with pytest.raises(ValueError, match="no phase"):
-        plan_step(rows, src, num_ranks=2, phases=PHASES[:1])
+        plan_step(rows, src, StepOptions(PHASES[:1]), num_ranks=2)
     with pytest.raises(ValueError, match="src"):
-        plan_step(rows, src[:-1], num_ranks=2, phases=PHASES)
+        plan_step(rows, src[:-1], StepOptions(PHASES), num_ranks=2)
     shuffled = rows.copy()
     shuffled[[0, -1]] = shuffled[[-1, 0]]
     with pytest.raises(ValueError, match="examples"):
-        plan_step(shuffled, src, num_ranks=2, phases=PHASES)
+        plan_step(shuffled, src, StepOptions(PHASES), num_ranks=2)
     with pytest.raises(ValueError, match="loss_mask"):
         local_metadata([{**batches[0][0], "loss_mask": [0]}])
     bad = {**batches[0][0], "image_patches": [np.zeros((3, WIDTH), np.float32)]}

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 import orchmllm
-from orchmllm.balance import PLACEMENTS
+from orchmllm.balance import PLACEMENTS, plan_is_deterministic
 from orchmllm.data.orchestrated import OrchestratorPlanner
-from orchmllm.data.planners import BalancePlanner, plan_is_deterministic
-from orchmllm.orchestrator import Orchestrator, default_phases
+from orchmllm.data.planners import BalancePlanner
+from orchmllm.orchestrator import Orchestrator
 from orchmllm.schema import EncodingRates
+from orchmllm.step_plan import default_phases
 
 
 @pytest.mark.parametrize("policy", ["greedy", "kk", "identity"])

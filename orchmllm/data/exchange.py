@@ -1,7 +1,6 @@
 """One step of post-balancing on a CPU group: gather metadata, plan, move examples.
 
-Shared by the prefetching loader and the collator wrapper (and :func:`agreed_plan`, which
-makes every rank use the same plan, by the dispatcher too). Each step starts with a 3-int
+Shared by the prefetching loader and the collator wrapper. Each step starts with a 3-int
 header per rank (status, item count, metadata width), so that a rank that failed to
 prepare its batch, or has run out of data, tells the others instead of leaving them
 waiting in a collective: every rank leaves the step the same way.
@@ -17,13 +16,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from orchmllm import comm
+from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
 
 OK, EXHAUSTED, FAILED = 0, 1, 2
@@ -31,18 +31,12 @@ PAD = -1  # fills metadata rows shorter than the widest one
 CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
 _INT64 = 8
 
-T = TypeVar("T")
-
 Planner = Callable[[np.ndarray, np.ndarray, int], Any]
 """``planner(meta, src, num_ranks)``: meta (n, m) int64 rows in global order (rank 0's
 items, then rank 1's, ...; shorter rows padded with -1), ``src`` the rank of each row.
 Every rank calls it on the same input and must get the same plan, unless the planner has
 ``deterministic = False``: then only rank 0 calls it and broadcasts the result (see
 :func:`agreed_plan`; a planner without the attribute counts as deterministic)."""
-
-
-class PeerFailed(RuntimeError):
-    """Another rank failed while preparing this step (its own error is raised there)."""
 
 
 @dataclass(frozen=True)
@@ -84,56 +78,6 @@ def new_cpu_group(*, timeout: float) -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-
-
-def agreed_plan(
-    compute: Callable[[], T],
-    *,
-    deterministic: bool,
-    group: dist.ProcessGroup | None,
-    timeout: float,
-) -> T:
-    """The plan every rank of ``group`` uses: ``compute()`` on every rank when the plan is a
-    pure function of metadata the ranks share (no collective), otherwise ``compute()`` on
-    rank 0 of ``group`` alone, broadcast to the others on ``group`` (a CPU group) within
-    ``timeout`` seconds. Collective in the second case: every rank calls it together.
-
-    Used for every plan that :func:`orchmllm.data.planners.plan_is_deterministic` rejects
-    (a time-limited ILP placement): computed on every rank, such plans can differ and the
-    all-to-all that follows would fail or corrupt data. If ``compute()`` raises on rank 0,
-    the error is raised there and :class:`PeerFailed` on the other ranks.
-    """
-    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
-    if deterministic or alone:
-        return compute()
-    if dist.get_rank(group) != 0:
-        ok, value = pickle.loads(_broadcast_from_first(None, group, timeout))
-        if not ok:
-            raise PeerFailed(f"rank 0 failed to compute the plan: {value}")
-        return value
-    try:
-        value = compute()
-        payload = pickle.dumps((True, value), protocol=5)
-    except Exception as exc:
-        _broadcast_from_first(pickle.dumps((False, f"{type(exc).__name__}: {exc}")), group, timeout)
-        raise
-    _broadcast_from_first(payload, group, timeout)
-    return value
-
-
-def _broadcast_from_first(
-    payload: bytes | None, group: dist.ProcessGroup | None, timeout: float
-) -> bytes:
-    """Rank 0's ``payload`` on every rank of ``group`` (the others pass None)."""
-    wait = timedelta(seconds=timeout)
-    size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=0, async_op=True).wait(timeout=wait)
-    if payload is None:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    else:
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    dist.broadcast(buf, group=group, group_src=0, async_op=True).wait(timeout=wait)
-    return payload if payload is not None else buf.numpy().tobytes()
 
 
 def run_planner(g: Group, planner: Planner, meta: np.ndarray, src: np.ndarray) -> Any:

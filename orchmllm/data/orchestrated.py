@@ -3,7 +3,7 @@
 Each step the background thread collates the local mini-batch into a
 :class:`~orchmllm.orchestrator.LocalBatch`, all-gathers its segment table (the only
 metadata the orchestrator needs) and computes every phase's plan with
-:func:`~orchmllm.orchestrator.plan_step`, all while the previous step trains. The training
+:func:`~orchmllm.step_plan.plan_step`, all while the previous step trains. The training
 loop gets ``PlannedBatch(batch, plan, info)`` and calls
 ``orchestrator.run(batch.batch, encoders, plan=batch.plan)``: only the all-to-alls remain
 on the critical path.
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from orchmllm.data.loader import BalancedDataLoader
-from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.data.synthetic import as_example
-from orchmllm.orchestrator import EncoderPhase, LocalBatch, Orchestrator, StepPlan, plan_step
+from orchmllm.orchestrator import LocalBatch, Orchestrator
+from orchmllm.step_plan import EncoderPhase, StepPlan, plan_step
 
 
 class _Collate:
@@ -39,30 +39,14 @@ class OrchestratorPlanner:
     when they make the plan more than a function of the gathered rows: ``placement="ilp"``)."""
 
     def __init__(self, orchestrator: Orchestrator) -> None:
-        self.o = orchestrator
+        self.options = orchestrator.options
 
     @property
     def deterministic(self) -> bool:
-        o = self.o
-        balanced = {  # the policies plan_step runs in each mode
-            "none": (),
-            "llm": (o.llm_policy,),
-            "full": (o.llm_policy, *(p.policy for p in o.phases)),
-        }[o.mode]
-        return not balanced or plan_is_deterministic(placement=o.placement, policies=balanced)
+        return self.options.deterministic
 
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
-        return plan_step(
-            rows,
-            src,
-            num_ranks=num_ranks,
-            phases=self.o.phases,
-            mode=self.o.mode,
-            llm_policy=self.o.llm_policy,
-            llm_cost=self.o.llm_cost,
-            placement=self.o.placement,
-            ranks_per_node=self.o.ranks_per_node,
-        )
+        return plan_step(rows, src, self.options, num_ranks=num_ranks)
 
 
 def orchestrated_loader(

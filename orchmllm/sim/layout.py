@@ -1,4 +1,8 @@
-"""Where every item of every phase runs, per balancing mode, from the real planner.
+"""Where every item of every phase runs, per balancing mode, from training's own step planner.
+
+The OrchMLLM modes call :func:`orchmllm.plan_step`, the function the orchestrator runs in
+training, on the batch's segment table (:func:`segment_rows`), with each phase's calibrated
+cost model; only ``disttrain`` (a baseline) is planned here.
 
 Modes:
 
@@ -17,10 +21,8 @@ Modes:
 - ``full``: OrchMLLM: a separate balanced layout per phase (vision, audio, LLM), each with the
   policy tailored to how its module is batched (``policies``).
 
-``placement="node"`` applies the node-wise rearrangement (``orchmllm.placement.place_batches``)
-to every runtime move, with the bytes the move really carries as volumes: raw inputs for the
-encoder dispatchers and, for the LLM dispatcher, each example's pieces from where they are (text
-from the sampling rank, encoded images and clips from the encoder layouts).
+``placement="node"`` is the step planner's ``auto`` node-wise rearrangement of every runtime
+move, over the bytes the move carries (see :mod:`orchmllm.step_plan`).
 """
 
 from __future__ import annotations
@@ -28,25 +30,24 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-import orchmllm
-from orchmllm.balance import PADDED_POLICIES
 from orchmllm.config import ModelConfig
-from orchmllm.cost import CostModel
+from orchmllm.schema import AUDIO, IMAGE, TEXT
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule
+from orchmllm.step_plan import MODES as STEP_MODES
+from orchmllm.step_plan import EncoderPhase, StepOptions, plan_step
 
-MODES = ("none", "llm", "disttrain", "full")
-PLACEMENTS = ("none", "node")
+MODES = (*STEP_MODES, "disttrain")
+# The simulator's placement names -> the step planner's placement method.
+PLACEMENTS = {"none": "none", "node": "auto"}
 # OrchMLLM's tailored policies (paper 8.3): greedy for packed phases, Alg. 2 for padded audio.
 TAILORED = {"vision": "greedy", "audio": "binary_search", "llm": "greedy"}
 TEXT_TOKEN_BYTES = 8  # int64 token ids
 ACT_BYTES = 2  # bf16 patches, mel frames, encoder outputs
-# Volumes are handed to the placement solver in KiB so that ILP coefficients stay small.
-_PLACEMENT_UNIT = 1024
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,7 @@ class Layout:
     example: np.ndarray  # int64[n]: LLM-phase rank of each example
     image: np.ndarray  # int64[n_img]: vision-phase rank of each image
     audio: np.ndarray  # int64[n_aud]: audio-phase rank of each clip
-    plan_ms: float = 0.0  # wall time of the balancing and placement calls
-    stats: dict[str, float] = field(default_factory=dict)
+    plan_ms: float = 0.0  # wall time of the step planner
 
 
 def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -77,35 +77,62 @@ def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
     return dst
 
 
-def _balance(
-    lengths: np.ndarray, src: np.ndarray, num_ranks: int, policy: str, cost: CostModel
-) -> np.ndarray:
-    """The real planner, with the module's calibrated cost when the policy's kind fits.
+def segment_rows(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """The batch as the segment table every rank gathers in training (rank order; each
+    example's text, then its images, then its audio clips), and the rank of each row."""
+    n = batch.text.size
+    has_text = np.flatnonzero(batch.text > 0)
+    example = np.concatenate([has_text, batch.image_example, batch.audio_example])
+    kind = np.concatenate(
+        [
+            np.full(has_text.size, TEXT, np.int64),
+            np.full(batch.image_example.size, IMAGE, np.int64),
+            np.full(batch.audio_example.size, AUDIO, np.int64),
+        ]
+    )
+    raw = np.concatenate([batch.text[has_text], batch.image_patches, batch.audio_frames])
+    order = np.lexsort((kind, example))  # stable within a kind: items keep their order
+    example, kind, raw = example[order], kind[order], raw[order]
+    if np.unique(example).size != n:
+        raise ValueError("every example needs a text token or an item to be planned")
+    b = batch.examples_per_rank
+    rows = np.stack([example % b, kind, raw, np.zeros_like(raw)], axis=1)
+    return rows, example // b
 
-    As ``orchmllm.orchestrator`` does, a plan whose slowest rank (under the calibrated cost) is
-    no faster than the sampled layout's is dropped and nothing moves.
-    """
-    if lengths.size == 0:
-        return src.copy()
-    kind = "padded" if policy in PADDED_POLICIES else "packed"
-    use = cost if cost.kind == kind and cost.alpha >= 0 and cost.beta >= 0 else None
-    dst = np.asarray(orchmllm.balance(lengths, num_ranks, policy, src=src, cost=use).dst)
-    if cost.loads(lengths, dst, num_ranks).max() >= cost.loads(lengths, src, num_ranks).max():
-        return src.copy()
-    return dst
 
-
-def _place(
-    volume: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int, ranks_per_node: int
-) -> tuple[np.ndarray, dict[str, float]]:
-    """Permute the destination batches ``dst`` to keep ``volume`` inside nodes."""
-    if volume.size == 0 or num_ranks <= ranks_per_node:
-        return np.arange(num_ranks, dtype=np.int64), {}
-    from orchmllm.placement import place_batches  # lazy: pulls in cvxpy
-
-    units = np.ceil(np.asarray(volume, dtype=np.float64) / _PLACEMENT_UNIT).astype(np.int64)
-    p = place_batches(units, src, dst, num_ranks=num_ranks, ranks_per_node=ranks_per_node)
-    return np.asarray(p.perm, dtype=np.int64), dict(p.stats)
+def step_options(
+    mode: str,
+    *,
+    config: ModelConfig,
+    modules: Mapping[str, Submodule],
+    placement: str,
+    ranks_per_node: int,
+    policies: Mapping[str, str] | None,
+) -> StepOptions:
+    """Training's step planner options for this model: each phase with its calibrated cost,
+    bf16 volumes, and the paper's tailored policies unless ``policies`` overrides them."""
+    pol = {**TAILORED, **(policies or {})}
+    phases = (
+        EncoderPhase(
+            "vision", IMAGE, "image_patches", config.vision.downsample, config.vision.patch_dim,
+            pol["vision"], modules["vision"].cost, value_bytes=ACT_BYTES,
+        ),
+        EncoderPhase(
+            "audio", AUDIO, "audio_mels", config.audio.frames_per_token, config.audio.n_mels,
+            pol["audio"], modules["audio"].cost, stride=config.audio.conv_stride,
+            value_bytes=ACT_BYTES,
+        ),
+    )  # fmt: skip
+    return StepOptions(
+        phases,
+        mode=mode,
+        llm_policy=pol["llm"],
+        llm_cost=modules["llm"].cost,
+        placement=PLACEMENTS[placement],
+        ranks_per_node=ranks_per_node,
+        text_token_bytes=TEXT_TOKEN_BYTES,
+        encoded_token_bytes=encoded_token_bytes(config),
+    )
 
 
 def plan(
@@ -122,37 +149,27 @@ def plan(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    pol = {**TAILORED, **(policies or {})}
-    d = batch.num_ranks
+        raise ValueError(f"placement must be one of {tuple(PLACEMENTS)}, got {placement!r}")
     src = batch.example_src
-    img_src, aud_src = src[batch.image_example], src[batch.audio_example]
-    stats: dict[str, float] = {}
     start = time.perf_counter()
     if mode in ("none", "disttrain"):
+        d = batch.num_ranks
         ex = src if mode == "none" else disttrain_reorder(modality_tokens(batch, config), d)
         plan_ms = (time.perf_counter() - start) * 1e3
-        return Layout(ex, ex[batch.image_example], ex[batch.audio_example], plan_ms, stats)
-
-    def placed(volume: np.ndarray, from_rank: np.ndarray, to: np.ndarray, name: str):
-        """The batch permutation that keeps ``volume`` inside nodes (identity if off)."""
-        if placement == "none":
-            return np.arange(d, dtype=np.int64)
-        perm, pstats = _place(volume, from_rank, to, d, ranks_per_node)
-        stats.update({f"{name}_{k}": float(v) for k, v in pstats.items()})
-        return perm
-
-    img, aud = img_src, aud_src  # llm: encoders run where their items were sampled
-    if mode == "full":
-        img = _balance(batch.vision_lengths(), img_src, d, pol["vision"], modules["vision"].cost)
-        img = placed(batch.image_patches * patch_bytes(config), img_src, img, "vision")[img]
-        aud = _balance(batch.audio_lengths(config), aud_src, d, pol["audio"], modules["audio"].cost)
-        aud = placed(batch.audio_frames * frame_bytes(config), aud_src, aud, "audio")[aud]
-    ex = _balance(batch.llm_lengths(config), src, d, pol["llm"], modules["llm"].cost)
-    pieces = llm_pieces(batch, config, img, aud)
-    ex = placed(pieces.bytes, pieces.src, ex[pieces.example], "llm")[ex]
+        return Layout(ex, ex[batch.image_example], ex[batch.audio_example], plan_ms)
+    options = step_options(
+        mode, config=config, modules=modules, placement=placement,
+        ranks_per_node=ranks_per_node, policies=policies,
+    )  # fmt: skip
+    rows, row_src = segment_rows(batch)
+    step = plan_step(rows, row_src, options, num_ranks=batch.num_ranks)
     plan_ms = (time.perf_counter() - start) * 1e3
-    return Layout(ex, img, aud, plan_ms, stats)
+    return Layout(
+        step.llm.dst_rank,
+        step.phases["vision"].encoder.dst_rank,
+        step.phases["audio"].encoder.dst_rank,
+        plan_ms,
+    )
 
 
 def modality_tokens(batch: Batch, config: ModelConfig) -> np.ndarray:

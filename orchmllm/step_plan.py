@@ -1,0 +1,542 @@
+"""The pure step planner: gathered segment rows -> every phase's plan (paper sections 6-7).
+
+One function, :func:`plan_step`, plans a whole multimodal step from the segment table every rank
+gathered (:func:`local_metadata`: one int64 row per segment: example, kind, raw count,
+prediction targets). It is torch-free and a pure function of its inputs, so the orchestrator
+(on the critical path or in the loader's background thread) and the cluster simulator
+(``orchmllm.sim``) run the same planner; only a time-limited ILP placement is not pure, and
+the comm floor computes that plan on one rank and broadcasts it.
+
+Per step:
+
+- each encoder phase balances its own items (images, audio clips) by the length its encoder
+  sees, ``raw // stride`` (the raw rows after the encoder's own downsampling, e.g. a
+  Whisper-style stride-2 convolution: the unit its cost model is measured in), with its own
+  policy;
+- the LLM phase balances whole examples by their interleaved sequence length (text tokens plus
+  ``raw // divisor`` tokens per encoded item);
+- with a placement method (``placement != "none"`` and ``ranks_per_node`` set) each phase's
+  balanced batches are then permuted over the ranks to keep the *bytes that the phase's move
+  carries* inside nodes: raw rows for an encoder phase; for the LLM phase each example's text
+  from its sampling rank and each encoded item from its encoder rank;
+- the encoder outputs' move is composed: ``Pi_llm o Pi_enc^-1`` (the LLM plan lifted to items).
+
+Modes (:data:`MODES`): ``none`` moves nothing; ``llm`` balances only the LLM phase (encoders run
+where their items were sampled, the pre-balancing ablation); ``full`` balances every phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchmllm.balance import PADDED_POLICIES, balance, plan_is_deterministic
+from orchmllm.cost import CostModel
+from orchmllm.placement import place_batches
+from orchmllm.plan import Rearrangement, expand_rows
+from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
+
+__all__ = [
+    "MODES",
+    "Assembly",
+    "EncoderPhase",
+    "PhasePlan",
+    "StepOptions",
+    "StepPlan",
+    "assembly",
+    "default_phases",
+    "local_metadata",
+    "plan_step",
+]
+
+MODES = ("none", "llm", "full")
+# Columns of the gathered metadata: one row per segment.
+EX, KIND, RAW, TARGETS = range(4)
+# Placement volumes are rounded up to KiB, so the ILP's coefficients stay small.
+PLACEMENT_UNIT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class EncoderPhase:
+    """One encoder phase: which segments it consumes and how it is balanced.
+
+    ``key``: the example field holding the raw arrays (``image_patches``); ``divisor``: raw
+    rows per LLM token; ``stride``: raw rows per encoder position (the encoder's own sequence
+    is ``raw // stride``: what the policy balances and ``cost`` is measured over);
+    ``feature_dim``: raw row width, ``value_bytes`` the bytes of one raw value (the move's
+    volume per raw row is their product). ``cost``: the phase's cost model; the policy
+    optimises it when it is of the policy's kind (packed or padded) with non-negative
+    coefficients, else the policy's default; loads and statistics always use it (None: padded
+    for padded policies, else packed linear).
+    """
+
+    name: str
+    kind: int
+    key: str
+    divisor: int
+    feature_dim: int
+    policy: str = "greedy"
+    cost: CostModel | None = None
+    stride: int = 1
+    value_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind == TEXT or not isinstance(self.kind, int) or self.kind < 0:
+            raise ValueError(f"kind must be a non-text segment kind, got {self.kind!r}")
+        for name in ("divisor", "feature_dim", "stride", "value_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.divisor % self.stride:
+            raise ValueError(
+                f"divisor ({self.divisor}) must be a multiple of stride ({self.stride})"
+            )
+        if self.name == "llm":
+            raise ValueError("name 'llm' is reserved for the LLM phase")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.feature_dim * self.value_bytes
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step is planned: the encoder phases, the mode, the LLM policy, the placement.
+
+    ``text_token_bytes``: what the LLM move carries per text token (default: an int64 id and
+    an int64 loss-mask entry, as :class:`orchmllm.orchestrator.LocalBatch` holds them);
+    ``encoded_token_bytes``: per encoder output row (the LLM hidden size times the activation
+    dtype's bytes; None counts an encoded token like a text token). Both only weigh the LLM
+    phase's placement volumes.
+    """
+
+    phases: tuple[EncoderPhase, ...]
+    mode: str = "full"
+    llm_policy: str = "greedy"
+    llm_cost: CostModel | None = None
+    placement: str = "none"
+    ranks_per_node: int | None = None
+    text_token_bytes: int = 16
+    encoded_token_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phases", tuple(self.phases))
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        kinds = {p.kind for p in self.phases}
+        names = {p.name for p in self.phases}
+        if len(kinds) != len(self.phases) or len(names) != len(self.phases):
+            raise ValueError(f"phases must have distinct kinds and names, got {self.phases}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+            raise ValueError(f"ranks_per_node must be an integer >= 1, got {rpn!r}")
+        if self.text_token_bytes < 1:
+            raise ValueError(f"text_token_bytes must be >= 1, got {self.text_token_bytes!r}")
+        if self.encoded_token_bytes is not None and self.encoded_token_bytes < 1:
+            raise ValueError(
+                f"encoded_token_bytes must be >= 1 or None, got {self.encoded_token_bytes!r}"
+            )
+
+    @property
+    def balanced_policies(self) -> tuple[str, ...]:
+        """The policies a step runs in this mode."""
+        if self.mode == "none":
+            return ()
+        if self.mode == "llm":
+            return (self.llm_policy,)
+        return (self.llm_policy, *(p.policy for p in self.phases))
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the plan is a pure function of the gathered rows (else one rank computes
+        it and broadcasts it: a time-limited ILP placement can stop at another point)."""
+        policies = self.balanced_policies
+        return not policies or plan_is_deterministic(placement=self.placement, policies=policies)
+
+
+# -- metadata ----------------------------------------------------------------------------
+
+
+def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
+    """This rank's segment table, ``int64 (segments, 4)``: example index, kind, raw count,
+    prediction targets in the segment (text tokens with loss_mask 1, except position 0 of the
+    sequence, which nothing predicts). Pure; this is all the orchestrator gathers."""
+    rows = []
+    for i, ex in enumerate(examples):
+        segs = check_segments(ex["segments"])
+        if not segs:
+            raise ValueError(f"examples[{i}] has no segments")
+        mask = np.asarray(ex["loss_mask"], dtype=np.int64).reshape(-1)
+        n_text = sum(c for k, c in segs if k == TEXT)
+        if mask.size != n_text:
+            raise ValueError(
+                f"examples[{i}] loss_mask has {mask.size} tokens, segments say {n_text}"
+            )
+        pos = text = 0
+        for kind, count in segs:
+            targets = 0
+            if kind == TEXT:
+                seg_mask = mask[text : text + count]
+                targets = int(seg_mask.sum()) - int(pos == 0 and seg_mask[0] != 0)
+                text += count
+            rows.append((i, kind, count, targets))
+            pos += count
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+
+
+# -- planning ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PhasePlan:
+    """Items of one encoder phase in global order, and their two moves.
+
+    ``encoder``: sampled layout -> encoder layout (``Pi_enc``); ``to_llm``: encoder layout ->
+    LLM layout (``Pi_llm`` lifted to items, composed with ``Pi_enc^-1``).
+    """
+
+    name: str
+    kind: int
+    example: np.ndarray  # (items,) global example id of each item
+    raw: np.ndarray  # raw rows per item
+    encoded: np.ndarray  # LLM tokens per item
+    encoder: Rearrangement
+    to_llm: Rearrangement
+    stats: dict = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Everything every rank needs for one step; equal on all ranks (see :meth:`same_as`)."""
+
+    num_ranks: int
+    mode: str
+    example_src: np.ndarray  # (examples,) sampling rank
+    text_len: np.ndarray
+    seq_len: np.ndarray  # whole interleaved sequence length
+    seg_example: np.ndarray  # (segments,) global example id, segments in example order
+    seg_kind: np.ndarray
+    seg_len: np.ndarray  # LLM tokens of the segment (text count or encoded length)
+    seg_item: np.ndarray  # item id within its phase (-1 for text)
+    seg_text_offset: np.ndarray  # offset of a text segment within its example's text
+    num_targets: int  # global prediction targets (normalises the loss)
+    llm: Rearrangement
+    phases: dict[str, PhasePlan]
+    llm_stats: dict = field(repr=False)
+
+    def same_as(self, other: StepPlan) -> bool:
+        """Same rearrangements and layout (timings aside)."""
+        return (
+            self.mode == other.mode
+            and self.llm == other.llm
+            and np.array_equal(self.seg_len, other.seg_len)
+            and self.phases.keys() == other.phases.keys()
+            and all(
+                p.encoder == other.phases[n].encoder and p.to_llm == other.phases[n].to_llm
+                for n, p in self.phases.items()
+            )
+        )
+
+    def stats(self) -> dict[str, dict]:
+        """Per-phase metrics known when planning (the orchestrator adds the bytes moved)."""
+        out = {name: dict(p.stats) for name, p in self.phases.items()}
+        out["llm"] = dict(self.llm_stats)
+        return out
+
+
+def _imbalance(loads: np.ndarray) -> float:
+    mean = float(loads.mean()) if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def _policy_cost(policy: str, cost: CostModel | None) -> CostModel | None:
+    """``cost`` when the policy can optimise it (same kind, non-negative terms), else None."""
+    kind = "padded" if policy in PADDED_POLICIES else "packed"
+    if cost is not None and cost.kind == kind and cost.alpha >= 0 and cost.beta >= 0:
+        return cost
+    return None
+
+
+def _balance_phase(
+    lengths: np.ndarray,
+    src: np.ndarray,
+    *,
+    num_ranks: int,
+    policy: str,
+    cost: CostModel | None,
+    balanced: bool,
+    ranks_per_node: int | None,
+) -> tuple[np.ndarray, dict]:
+    """Destination rank per item, and the phase's load statistics.
+
+    Loads are measured with the phase's cost model; a heuristic plan whose slowest rank is no
+    faster than the sampled layout's is replaced by the sampled layout (nothing moves).
+    """
+    t0 = time.perf_counter()
+    if balanced and lengths.size:
+        a = balance(
+            lengths, num_ranks, policy, src=src, cost=_policy_cost(policy, cost),
+            ranks_per_node=ranks_per_node,
+        )  # fmt: skip
+        dst = np.asarray(a.dst, dtype=np.int64)
+    else:
+        dst = src.copy()
+    model = cost or CostModel("padded" if policy in PADDED_POLICIES else "packed")
+    before = model.loads(lengths, src, num_ranks)
+    after = model.loads(lengths, dst, num_ranks)
+    if after.max() >= before.max():  # never move for a plan that is no better than staying
+        dst, after = src.copy(), before
+    stats = {
+        "imbalance_before": _imbalance(before),
+        "imbalance_after": _imbalance(after),
+        "loads_before": before.tolist(),
+        "loads_after": after.tolist(),
+        "plan_ms": (time.perf_counter() - t0) * 1e3,
+        "items": int(lengths.size),
+    }
+    return dst, stats
+
+
+def _placed(
+    dst: np.ndarray,
+    *,
+    volume_bytes: np.ndarray,
+    volume_src: np.ndarray,
+    volume_dst: np.ndarray,
+    options: StepOptions,
+    num_ranks: int,
+    balanced: bool,
+    stats: dict,
+) -> np.ndarray:
+    """``dst`` with its batches permuted over the ranks to keep ``volume_bytes`` (pieces
+    moving from ``volume_src`` to the batch ``volume_dst``) inside nodes; unchanged when
+    placement is off, the cluster is one node, or the phase is not balanced."""
+    rpn = options.ranks_per_node
+    off = options.placement == "none" or rpn is None or num_ranks <= rpn
+    if off or not balanced or not volume_bytes.size:
+        return dst
+    t0 = time.perf_counter()
+    units = np.ceil(np.asarray(volume_bytes, dtype=np.float64) / PLACEMENT_UNIT_BYTES)
+    p = place_batches(
+        units.astype(np.int64), volume_src, volume_dst, num_ranks=num_ranks,
+        ranks_per_node=rpn, method=options.placement,
+    )  # fmt: skip
+    stats.update({k: float(v) for k, v in p.stats.items()})
+    stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
+    return np.asarray(p.perm, dtype=np.int64)[dst]
+
+
+def plan_step(
+    rows: np.ndarray, src: np.ndarray, options: StepOptions, *, num_ranks: int
+) -> StepPlan:
+    """Plan one step from the gathered segment rows (pure: same inputs, same plan; with
+    ``placement="ilp"`` the CBC time limit can stop the solve elsewhere on a busy machine).
+
+    ``rows``/``src``: every rank's :func:`local_metadata` rows in rank order and the rank of
+    each row (what ``orchmllm.comm.all_gather_rows`` returns).
+    """
+    if not isinstance(options, StepOptions):
+        raise ValueError(f"options must be a StepOptions, got {type(options).__name__}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    if src.size != rows.shape[0]:
+        raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
+    phases = options.phases
+    unknown = set(np.unique(rows[:, KIND]).tolist()) - {p.kind for p in phases} - {TEXT}
+    if unknown:
+        raise ValueError(f"rows has segment kinds {sorted(unknown)} with no phase")
+    if np.any(np.diff(src) < 0):
+        raise ValueError("src must be non-decreasing (rows in rank order)")
+    if src.size and (src[0] < 0 or src[-1] >= num_ranks):
+        raise ValueError(f"src must hold ranks in [0, {num_ranks}), got {src.min()}..{src.max()}")
+    # Global example ids: a new example starts where (rank, local example index) changes.
+    n_seg = rows.shape[0]
+    key = np.stack([src, rows[:, EX]], axis=1)
+    starts = np.ones(n_seg, dtype=bool)
+    starts[1:] = np.any(key[1:] != key[:-1], axis=1)
+    seg_example = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    ex_rank = src[first]
+    expected = np.arange(first.size) - np.searchsorted(ex_rank, ex_rank, side="left")
+    if not np.array_equal(rows[first, EX], expected):
+        raise ValueError(
+            "rows must list each rank's examples 0, 1, ... in order, segments contiguous"
+        )
+    n_ex = first.size
+    example_src = src[first]
+    kinds = rows[:, KIND]
+    divisor = np.ones(n_seg, dtype=np.int64)
+    for p in phases:
+        divisor[kinds == p.kind] = p.divisor
+    seg_len = rows[:, RAW] // divisor
+    is_text = kinds == TEXT
+    text_rows = np.where(is_text, rows[:, RAW], 0)
+    text_len = np.bincount(seg_example, weights=text_rows, minlength=n_ex).astype(np.int64)
+    seq_len = np.bincount(seg_example, weights=seg_len, minlength=n_ex).astype(np.int64)
+    if np.any(seq_len == 0):
+        bad = int(np.flatnonzero(seq_len == 0)[0])
+        raise ValueError(f"example {bad} (gather order) has an empty LLM sequence")
+    ex_text_start = np.concatenate(([0], np.cumsum(text_len)))[:-1]
+    seg_text_offset = np.where(
+        is_text, np.cumsum(text_rows) - text_rows - ex_text_start[seg_example], 0
+    )
+
+    common = {"num_ranks": num_ranks, "ranks_per_node": options.ranks_per_node}
+    full = options.mode == "full"
+    items = {}  # phase name -> (segment indices, item src, encoder dst, stats)
+    for p in phases:
+        sel = np.flatnonzero(kinds == p.kind)
+        raw = rows[sel, RAW]
+        enc_dst, stats = _balance_phase(
+            raw // p.stride, src[sel], policy=p.policy, cost=p.cost, balanced=full, **common
+        )
+        enc_dst = _placed(
+            enc_dst, volume_bytes=raw * p.row_bytes, volume_src=src[sel], volume_dst=enc_dst,
+            options=options, num_ranks=num_ranks, balanced=full, stats=stats,
+        )  # fmt: skip
+        items[p.name] = (sel, enc_dst, stats)
+
+    llm_dst, llm_stats = _balance_phase(
+        seq_len, example_src, policy=options.llm_policy, cost=options.llm_cost,
+        balanced=options.mode != "none", **common,
+    )  # fmt: skip
+    enc_bytes = options.encoded_token_bytes or options.text_token_bytes
+    piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
+    piece_src = [example_src] + [d for _, d, _ in items.values()]
+    piece_bytes = [text_len * options.text_token_bytes] + [
+        seg_len[sel] * enc_bytes for sel, _, _ in items.values()
+    ]
+    piece_ex = np.concatenate(piece_ex)
+    llm_dst = _placed(
+        llm_dst, volume_bytes=np.concatenate(piece_bytes), volume_src=np.concatenate(piece_src),
+        volume_dst=llm_dst[piece_ex], options=options, num_ranks=num_ranks,
+        balanced=options.mode != "none", stats=llm_stats,
+    )  # fmt: skip
+    llm = Rearrangement.from_assignment(example_src, llm_dst, num_ranks=num_ranks)
+
+    seg_item = np.full(n_seg, -1, dtype=np.int64)
+    phase_plans = {}
+    for p in phases:
+        sel, enc_dst, stats = items[p.name]
+        seg_item[sel] = np.arange(sel.size)
+        item_src, item_ex, raw = src[sel], seg_example[sel], rows[sel, RAW]
+        encoder = Rearrangement.from_assignment(item_src, enc_dst, num_ranks=num_ranks)
+        lifted = Rearrangement.from_assignment(item_src, llm_dst[item_ex], num_ranks=num_ranks)
+        t0 = time.perf_counter()
+        to_llm = lifted.compose(encoder.inverse())
+        stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
+        phase_plans[p.name] = PhasePlan(
+            p.name, p.kind, item_ex, raw, raw // p.divisor, encoder, to_llm, stats
+        )
+    return StepPlan(
+        num_ranks=num_ranks,
+        mode=options.mode,
+        example_src=example_src,
+        text_len=text_len,
+        seq_len=seq_len,
+        seg_example=seg_example,
+        seg_kind=kinds.copy(),
+        seg_len=seg_len,
+        seg_item=seg_item,
+        seg_text_offset=seg_text_offset,
+        num_targets=int(rows[:, TARGETS].sum()),
+        llm=llm,
+        phases=phase_plans,
+        llm_stats=llm_stats,
+    )
+
+
+# -- assembly ----------------------------------------------------------------------------
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.size, dtype=np.int64)
+    np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """Where every position of one rank's LLM sequences comes from (pure, from the plan).
+
+    The LLM input is ``cat([text embeds, phase 0 outputs, phase 1 outputs, ...])[index]``,
+    every buffer in the order the moves deliver it; ``text_pos`` is the sequence position of
+    each received text token.
+    """
+
+    examples: np.ndarray
+    lengths: np.ndarray
+    index: np.ndarray
+    text_pos: np.ndarray
+    seq_start: np.ndarray
+    rows: dict[str, int]  # rows each buffer must have (text and every phase)
+
+
+def assembly(plan: StepPlan, rank: int) -> Assembly:
+    """How ``rank`` assembles its LLM sequences from the buffers the moves deliver."""
+    examples = plan.llm.items_at(rank)
+    local_pos = np.full(plan.seq_len.size, -1, dtype=np.int64)
+    local_pos[examples] = np.arange(examples.size)
+    text_rows = plan.text_len[examples]
+    text_start = _exclusive_cumsum(text_rows)
+    rows = {"text": int(text_rows.sum())}
+    base = rows["text"]
+    item_start = {}
+    for name, pp in plan.phases.items():
+        recv = pp.to_llm.items_at(rank)
+        start = np.full(pp.encoded.size, -1, dtype=np.int64)
+        start[recv] = base + _exclusive_cumsum(pp.encoded[recv])
+        item_start[pp.kind] = start
+        rows[name] = int(pp.encoded[recv].sum())
+        base += rows[name]
+    seg = np.flatnonzero(local_pos[plan.seg_example] >= 0)
+    seg = seg[np.argsort(local_pos[plan.seg_example[seg]], kind="stable")]
+    kinds, lens = plan.seg_kind[seg], plan.seg_len[seg]
+    starts = np.empty(seg.size, dtype=np.int64)
+    text = kinds == TEXT
+    ex_local = local_pos[plan.seg_example[seg]]
+    starts[text] = text_start[ex_local[text]] + plan.seg_text_offset[seg[text]]
+    for kind, start in item_start.items():
+        m = kinds == kind
+        starts[m] = start[plan.seg_item[seg[m]]]
+    pos = _exclusive_cumsum(lens)
+    text_pos = np.empty(rows["text"], dtype=np.int64)
+    text_pos[expand_rows(starts[text], lens[text])] = expand_rows(pos[text], lens[text])
+    lengths = plan.seq_len[examples]
+    return Assembly(
+        examples=examples,
+        lengths=lengths,
+        index=expand_rows(starts, lens),
+        text_pos=text_pos,
+        seq_start=_exclusive_cumsum(lengths),
+        rows=rows,
+    )
+
+
+def default_phases(
+    rates: EncodingRates,
+    *,
+    patch_dim: int,
+    n_mels: int,
+    vision_policy: str = "greedy",
+    audio_policy: str = "binary_search",
+    vision_cost: CostModel | None = None,
+    audio_cost: CostModel | None = None,
+) -> tuple[EncoderPhase, EncoderPhase]:
+    """The vision and audio phases of the schema in :mod:`orchmllm.schema` (the audio
+    encoder's sequence is its mel frames after the stride-``audio_conv_stride`` convolution)."""
+    return (
+        EncoderPhase(
+            "vision", IMAGE, "image_patches", rates.divisor(IMAGE), patch_dim, vision_policy,
+            vision_cost,
+        ),
+        EncoderPhase(
+            "audio", AUDIO, "audio_mels", rates.divisor(AUDIO), n_mels, audio_policy, audio_cost,
+            stride=rates.audio_conv_stride,
+        ),
+    )  # fmt: skip
