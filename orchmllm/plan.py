@@ -57,8 +57,9 @@ def _check_slots(name: str, ranks: np.ndarray, slots: np.ndarray, num_ranks: int
         raise ValueError(
             f"{name}[{i}] = {int(slots[i])} but rank {int(ranks[i])} holds {int(counts[ranks[i]])}"
         )
-    keys = ranks * max(int(ranks.size), 1) + slots
-    if np.unique(keys).size != keys.size:
+    # Each (rank, slot) as one index into 0..n-1; a permutation iff every index appears once.
+    first = np.cumsum(counts) - counts
+    if slots.size and np.any(np.bincount(first[ranks] + slots, minlength=slots.size) != 1):
         raise ValueError(f"{name} assigns two items to the same (rank, slot)")
 
 
@@ -156,10 +157,10 @@ class Rearrangement:
             raise ValueError(f"dst has {dst_arr.size} entries, src has {src_arr.size}")
         _check_ranks("src", src_arr, num_ranks)
         _check_ranks("dst", dst_arr, num_ranks)
-        ids = np.arange(src_arr.size, dtype=np.int64)
-        src_slot = _slots_by_order(src_arr, np.lexsort((ids, src_arr)), num_ranks)
-        dst_order = np.lexsort((src_slot, src_arr, dst_arr))
-        dst_slot = _slots_by_order(dst_arr, dst_order, num_ranks)
+        by_src = np.argsort(src_arr, kind="stable")  # items by (source rank, global id)
+        src_slot = _slots_by_order(src_arr, by_src, num_ranks)
+        by_dst = by_src[np.argsort(dst_arr[by_src], kind="stable")]  # (dst, src, src_slot)
+        dst_slot = _slots_by_order(dst_arr, by_dst, num_ranks)
         return cls(num_ranks, src_arr, src_slot, dst_arr, dst_slot)
 
     @classmethod

@@ -347,9 +347,10 @@ def plan_step(
     if src.size != rows.shape[0]:
         raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
     phases = options.phases
-    unknown = set(np.unique(rows[:, KIND]).tolist()) - {p.kind for p in phases} - {TEXT}
-    if unknown:
-        raise ValueError(f"rows has segment kinds {sorted(unknown)} with no phase")
+    known = np.isin(rows[:, KIND], [TEXT, *(p.kind for p in phases)])
+    if not known.all():
+        unknown = sorted(set(rows[~known, KIND].tolist()))
+        raise ValueError(f"rows has segment kinds {unknown} with no phase")
     if np.any(np.diff(src) < 0):
         raise ValueError("src must be non-decreasing (rows in rank order)")
     if src.size and (src[0] < 0 or src[-1] >= num_ranks):
