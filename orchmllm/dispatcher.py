@@ -16,7 +16,6 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from orchmllm.agreement import agreed_plan
 from orchmllm.balance import POLICIES, balance, plan_is_deterministic
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement
+from orchmllm.topology import DEFAULT_TIMEOUT_S, Topology
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
 
@@ -67,10 +67,6 @@ class Dispatched:
     source_pad_to: dict[str, int] = field(default_factory=dict)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _row_bytes(t: torch.Tensor, lead: int) -> int:
     """Bytes per row once the ``lead`` leading dims are flattened into rows."""
     return int(np.prod(t.shape[lead:], dtype=np.int64)) * t.element_size()
@@ -97,9 +93,11 @@ class BatchDispatcher:
     ``policy``: a name from ``orchmllm.POLICIES`` (default ``greedy`` for the packed layout,
     ``padded_cost`` for the padded one). ``layout``: ``packed`` (token tensors are
     ``[sum(lengths), ...]``) or ``padded`` (``[B, T, ...]``, re-padded to the new local
-    maximum after the move). ``meta_group``: a CPU (gloo) group for the lengths gather; by
-    default ``group`` itself when it is gloo, otherwise a gloo group over the same ranks is
-    created here (a collective: construct the dispatcher on every rank). ``check_plan``:
+    maximum after the move). ``topology``: the job's process groups and ranks per node
+    (:class:`orchmllm.topology.Topology`, shared with the loader and orchestrator); without
+    one, it is built here from ``group``, ``meta_group``, ``ranks_per_node`` and ``timeout``
+    (a gloo group for the lengths gather is created when ``group`` is not gloo: a collective,
+    so construct the dispatcher on every rank). ``check_plan``:
     all-gather a fingerprint of the plan and of the tensor schema and raise
     :class:`PlanMismatchError` when ranks disagree (default: on in debug mode, see
     :func:`debug_enabled`). ``timeout``: seconds any one collective may wait.
@@ -109,11 +107,12 @@ class BatchDispatcher:
         self,
         policy: str | None = None,
         *,
+        topology: Topology | None = None,
         group: dist.ProcessGroup | None = None,
         ranks_per_node: int | None = None,
         placement: str = "none",
         cost: CostModel | None = None,
-        timeout: float = 600.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
         layout: str = "packed",
         meta_group: dist.ProcessGroup | None = None,
         check_plan: bool | None = None,
@@ -126,22 +125,24 @@ class BatchDispatcher:
             policy = "greedy" if layout == "packed" else "padded_cost"
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if ranks_per_node is not None and not (_is_int(ranks_per_node) and ranks_per_node >= 1):
-            raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
-        if placement != "none" and ranks_per_node is None:
-            raise ValueError(f"placement={placement!r} needs ranks_per_node, got None")
         if cost is not None and not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
         if not dist.is_initialized():
             raise RuntimeError("BatchDispatcher needs an initialised torch.distributed group")
+        if topology is None:
+            topology = Topology.build(
+                group=group, meta_group=meta_group, ranks_per_node=ranks_per_node, timeout=timeout
+            )
+        if placement != "none" and topology.ranks_per_node is None:
+            raise ValueError(f"placement={placement!r} needs ranks_per_node, got None")
+        self.topology = topology
         self.policy = policy
-        self.group = group
-        self.ranks_per_node = ranks_per_node
+        self.group = topology.group
+        self.meta_group = topology.meta_group
+        self.ranks_per_node = topology.ranks_per_node
+        self.timeout = topology.timeout
         self.placement = placement
         self.layout = layout
-        self.timeout = float(timeout)
         self.max_items_per_rank = max_items_per_rank
         self.pad_value = pad_value
         self.check_plan = debug_enabled() if check_plan is None else bool(check_plan)
@@ -149,10 +150,6 @@ class BatchDispatcher:
         # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
         self.cost = cost
         self.stats_cost = cost if cost is not None else CostModel(layout)
-        if meta_group is None and dist.get_backend(group) != "gloo":
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            meta_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
-        self.meta_group = group if meta_group is None else meta_group
 
     # -- public -------------------------------------------------------------------------
 

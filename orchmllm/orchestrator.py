@@ -44,6 +44,7 @@ from orchmllm.step_plan import (
     local_metadata,
     plan_step,
 )
+from orchmllm.topology import Topology
 
 __all__ = ["IGNORE_INDEX", "LLMBatch", "LocalBatch", "Orchestrator"]
 
@@ -126,9 +127,11 @@ class Orchestrator:
 
     ``phases`` and the keyword options up to ``encoded_token_bytes`` are the step planner's
     (:class:`orchmllm.step_plan.StepOptions`; ``mode``: ``none``, ``llm`` or ``full``).
-    ``group``: the data-parallel group the moves use; ``meta_group``: where metadata is
-    gathered (a separate gloo group lets a loader gather in a background thread; default
-    ``group``). ``ranks_per_node`` also splits the reported bytes into intra- and inter-node.
+    ``topology``: the job's process groups (:class:`orchmllm.topology.Topology`: the
+    data-parallel group the moves use, the gloo group metadata is gathered on, ranks per
+    node, the timeout), shared with the loader; or, without one, ``group``, ``meta_group``
+    (default ``group``) and ``timeout``. ``ranks_per_node`` also splits the reported bytes
+    into intra- and inter-node.
 
     A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
     stopped by a clock) is computed on rank 0 of ``meta_group`` and broadcast there
@@ -150,10 +153,14 @@ class Orchestrator:
         ranks_per_node: int | None = None,
         text_token_bytes: int = 16,
         encoded_token_bytes: int | None = None,
+        topology: Topology | None = None,
         group: dist.ProcessGroup | None = None,
         meta_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
     ) -> None:
+        if topology is not None:
+            group, meta_group, timeout = topology.group, topology.meta_group, topology.timeout
+            ranks_per_node = topology.ranks_per_node if ranks_per_node is None else ranks_per_node
         self.options = StepOptions(
             tuple(phases), mode=mode, llm_policy=llm_policy, llm_cost=llm_cost,
             placement=placement, ranks_per_node=ranks_per_node,
