@@ -100,7 +100,7 @@ class _Checkpointed(nn.Module):
 
 
 def checkpoint_blocks(model: MLLM) -> None:
-    for module in (model.vision, model.audio, model.llm):
+    for module in (*model.encoders.values(), model.llm):
         module.blocks = nn.ModuleList(_Checkpointed(b) for b in module.blocks)
 
 
@@ -173,10 +173,8 @@ def make_phases(cfg: RunConfig):
     """The encoder phases as training plans them (policies from the config)."""
     return default_phases(
         cfg.rates,
-        patch_dim=cfg.model.vision.patch_dim,
-        n_mels=cfg.model.audio.n_mels,
-        vision_policy=cfg.balance.vision_policy,
-        audio_policy=cfg.balance.audio_policy,
+        feature_dims=cfg.model.feature_dims,
+        policies={"vision": cfg.balance.vision_policy, "audio": cfg.balance.audio_policy},
     )
 
 
@@ -407,9 +405,9 @@ class Emulator:
             torch.cuda.reset_peak_memory_stats(dev)
         with contextlib.nullcontext() if clock.cuda else saved.hooks():
             m0 = clock.mark()
-            out_v = self.model.vision(x["patches"], x["image_lengths"])
+            out_v = self.model.encoders["vision"](x["patches"], x["image_lengths"])
             m1 = clock.mark()
-            out_a = self.model.audio(x["mels"], x["audio_lengths"])
+            out_a = self.model.encoders["audio"](x["mels"], x["audio_lengths"])
             m2 = clock.mark()
             embeds = torch.cat([self.model.llm.embed(x["input_ids"]), standin])[x["order"]]
             hidden_states = self.model.llm(embeds, x["seq_lengths"])

@@ -100,6 +100,16 @@ class ModelConfig:
     audio: AudioConfig
     llm: LLMConfig
 
+    @property
+    def encoders(self) -> dict[str, VisionConfig | AudioConfig]:
+        """Encoder config per modality name (a row of ``orchmllm.schema.MODALITIES``)."""
+        return {"vision": self.vision, "audio": self.audio}
+
+    @property
+    def feature_dims(self) -> dict[str, int]:
+        """Raw row width per modality: what an encoder phase moves per raw row."""
+        return {"vision": self.vision.patch_dim, "audio": self.audio.n_mels}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Validate and build from the ``model:`` mapping of a run config."""

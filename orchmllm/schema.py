@@ -23,8 +23,60 @@ from dataclasses import dataclass
 import numpy as np
 
 TEXT, IMAGE, AUDIO = 0, 1, 2
-KINDS = (TEXT, IMAGE, AUDIO)
 TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
+
+
+@dataclass(frozen=True)
+class Modality:
+    """One non-text modality: one row of the table that everything multimodal reads.
+
+    ``name``: its encoder phase, its encoder in the model (``MLLM.encoders[name]``) and its
+    section of the model config; ``kind``: its segment kind in ``segments``; ``key``: the
+    example field holding one float32 ``[raw rows, feature_dim]`` array per item;
+    ``policy``: the balancing policy tailored to how its encoder batches (packed: ``greedy``;
+    padded, like a Whisper-style encoder: ``binary_search``, paper section 8.3).
+    """
+
+    name: str
+    kind: int
+    key: str
+    policy: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, int) or isinstance(self.kind, bool) or self.kind <= TEXT:
+            raise ValueError(f"kind must be an integer > {TEXT} (text), got {self.kind!r}")
+        if not self.name or self.name == "llm":
+            raise ValueError(f"name must be non-empty and not 'llm', got {self.name!r}")
+
+
+MODALITIES: dict[str, Modality] = {}
+"""The modality table, name -> row, in phase order. Extend it with :func:`register_modality`."""
+
+
+def register_modality(modality: Modality) -> Modality:
+    """Add a modality to :data:`MODALITIES` (in every process that plans or loads it).
+
+    Raises ``ValueError`` when its name, kind or example key is taken by another row.
+    """
+    for row in MODALITIES.values():
+        if row == modality:
+            return modality
+        for field in ("name", "kind", "key"):
+            if getattr(row, field) == getattr(modality, field):
+                raise ValueError(
+                    f"modality {field} {getattr(modality, field)!r} is taken by {row.name!r}"
+                )
+    MODALITIES[modality.name] = modality
+    return modality
+
+
+register_modality(Modality("vision", IMAGE, "image_patches", "greedy"))
+register_modality(Modality("audio", AUDIO, "audio_mels", "binary_search"))
+
+
+def kinds() -> tuple[int, ...]:
+    """Every segment kind: text, then each modality's in table order."""
+    return (TEXT, *(m.kind for m in MODALITIES.values()))
 
 
 @dataclass(frozen=True)
@@ -53,7 +105,12 @@ class EncodingRates:
             return int(self.vision_downsample)
         if kind == AUDIO:
             return int(self.audio_conv_stride * self.audio_downsample)
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise ValueError(f"kind must be one of {(TEXT, IMAGE, AUDIO)}, got {kind!r}")
+
+    def stride(self, kind: int) -> int:
+        """Raw units per position of ``kind``'s encoder (its own sequence is ``raw // stride``:
+        the audio encoder's stride-2 convolution halves its mel frames)."""
+        return int(self.audio_conv_stride) if kind == AUDIO else 1
 
     def encoded(self, kind: int, raw: int) -> int:
         """Tokens a segment of ``raw`` units contributes to the LLM sequence."""
@@ -79,8 +136,8 @@ def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         if len(seg) != 2:
             raise ValueError(f"segments entries must be [kind, count], got {list(seg)!r}")
         kind, count = int(seg[0]), int(seg[1])
-        if kind not in KINDS:
-            raise ValueError(f"segments kind must be one of {KINDS}, got {kind}")
+        if kind not in kinds():
+            raise ValueError(f"segments kind must be one of {kinds()}, got {kind}")
         if count < 1:
             raise ValueError(f"segments count must be >= 1, got {count} (kind {kind})")
         out.append((kind, count))

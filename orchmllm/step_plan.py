@@ -37,7 +37,7 @@ from orchmllm.balance import PADDED_POLICIES, balance, plan_is_deterministic
 from orchmllm.cost import CostModel
 from orchmllm.placement import place_batches
 from orchmllm.plan import Rearrangement, expand_rows
-from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
+from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments
 
 __all__ = [
     "MODES",
@@ -522,22 +522,28 @@ def assembly(plan: StepPlan, rank: int) -> Assembly:
 def default_phases(
     rates: EncodingRates,
     *,
-    patch_dim: int,
-    n_mels: int,
-    vision_policy: str = "greedy",
-    audio_policy: str = "binary_search",
-    vision_cost: CostModel | None = None,
-    audio_cost: CostModel | None = None,
-) -> tuple[EncoderPhase, EncoderPhase]:
-    """The vision and audio phases of the schema in :mod:`orchmllm.schema` (the audio
-    encoder's sequence is its mel frames after the stride-``audio_conv_stride`` convolution)."""
-    return (
+    feature_dims: Mapping[str, int],
+    policies: Mapping[str, str] | None = None,
+    costs: Mapping[str, CostModel] | None = None,
+) -> tuple[EncoderPhase, ...]:
+    """One phase per row of the modality table (:data:`orchmllm.schema.MODALITIES`) named in
+    ``feature_dims`` (its raw row width), in table order, with the row's tailored policy
+    unless ``policies`` names another; divisor and encoder stride from ``rates``."""
+    policies, costs = dict(policies or {}), dict(costs or {})
+    unknown = sorted((set(feature_dims) | set(policies) | set(costs)) - set(MODALITIES))
+    if unknown:
+        raise ValueError(f"no modality named {unknown}; the table has {list(MODALITIES)}")
+    return tuple(
         EncoderPhase(
-            "vision", IMAGE, "image_patches", rates.divisor(IMAGE), patch_dim, vision_policy,
-            vision_cost,
-        ),
-        EncoderPhase(
-            "audio", AUDIO, "audio_mels", rates.divisor(AUDIO), n_mels, audio_policy, audio_cost,
-            stride=rates.audio_conv_stride,
-        ),
-    )  # fmt: skip
+            m.name,
+            m.kind,
+            m.key,
+            rates.divisor(m.kind),
+            int(feature_dims[m.name]),
+            policies.get(m.name, m.policy),
+            costs.get(m.name),
+            stride=rates.stride(m.kind),
+        )  # fmt: skip
+        for m in MODALITIES.values()
+        if m.name in feature_dims
+    )

@@ -227,10 +227,8 @@ def make_orchestrator(
     prefetch thread, which gathers metadata on a gloo group of its own)."""
     phases = default_phases(
         cfg.rates,
-        patch_dim=cfg.model.vision.patch_dim,
-        n_mels=cfg.model.audio.n_mels,
-        vision_policy=cfg.balance.vision_policy,
-        audio_policy=cfg.balance.audio_policy,
+        feature_dims=cfg.model.feature_dims,
+        policies={"vision": cfg.balance.vision_policy, "audio": cfg.balance.audio_policy},
     )
     return Orchestrator(
         phases,
@@ -253,8 +251,8 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtyp
 
     def forward(model: MLLM):
         encoders = {
-            "vision": lambda x, lengths: model.vision(x.to(dtype), lengths),
-            "audio": lambda x, lengths: model.audio(x.to(dtype), lengths),
+            name: (lambda x, lengths, enc=enc: enc(x.to(dtype), lengths))
+            for name, enc in model.encoders.items()
         }
         out = orch.run(batch, encoders, plan=planned.plan)
         logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)

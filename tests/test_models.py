@@ -92,8 +92,8 @@ def test_builds_from_tiny_yaml_with_gqa_shapes(tiny_model):
     head_dim = cfg.llm.hidden // cfg.llm.heads
     assert attn.qkv.out_features == (cfg.llm.heads + 2 * cfg.llm.kv_heads) * head_dim
     assert len(tiny_model.llm.blocks) == cfg.llm.layers
-    assert len(tiny_model.vision.blocks) == cfg.vision.layers
-    assert len(tiny_model.audio.blocks) == cfg.audio.layers
+    assert len(tiny_model.encoders["vision"].blocks) == cfg.vision.layers
+    assert len(tiny_model.encoders["audio"].blocks) == cfg.audio.layers
     again = build_model(cfg, seed=0, dtype=torch.float64)
     for a, b in zip(tiny_model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)  # weights depend only on the seed: identical on every rank
@@ -115,7 +115,7 @@ def test_vision_packed_equals_each_image_alone(tiny_model):
     lengths = torch.tensor([8, 20, 4]) * cfg.downsample
     patches = torch.randn(int(lengths.sum()), cfg.patch_dim, dtype=torch.float64)
     shape = (int(lengths.sum()) // cfg.downsample, tiny_model.cfg.llm.hidden)
-    _batch_equals_each_alone(tiny_model.vision, patches, lengths, shape)
+    _batch_equals_each_alone(tiny_model.encoders["vision"], patches, lengths, shape)
 
 
 def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
@@ -124,7 +124,7 @@ def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
     lengths = torch.tensor([30, 4, 12]) * cfg.frames_per_token
     mels = torch.randn(int(lengths.sum()), cfg.n_mels, dtype=torch.float64)
     shape = (int(lengths.sum()) // cfg.frames_per_token, tiny_model.cfg.llm.hidden)
-    _batch_equals_each_alone(tiny_model.audio, mels, lengths, shape)
+    _batch_equals_each_alone(tiny_model.encoders["audio"], mels, lengths, shape)
 
 
 def test_llm_packed_is_causal_and_equals_each_sequence_alone(tiny_model):
@@ -146,11 +146,11 @@ def test_empty_inputs_run_every_submodule_with_zero_grads():
     model = build_model(_model_cfg(TINY), seed=0, dtype=torch.float64)
     cfg = model.cfg
     empty = torch.zeros(0, dtype=torch.int64)
-    img = model.vision(torch.zeros(0, cfg.vision.patch_dim, dtype=torch.float64), empty)
-    aud = model.audio(torch.zeros(0, cfg.audio.n_mels, dtype=torch.float64), empty)
+    img = model.encoders["vision"](torch.zeros(0, cfg.vision.patch_dim, dtype=torch.float64), empty)
+    aud = model.encoders["audio"](torch.zeros(0, cfg.audio.n_mels, dtype=torch.float64), empty)
     assert img.shape == (0, cfg.llm.hidden) and aud.shape == (0, cfg.llm.hidden)
     (img.sum() + aud.sum()).backward()
-    for name, p in [*model.vision.named_parameters(), *model.audio.named_parameters()]:
+    for name, p in [p for enc in model.encoders.values() for p in enc.named_parameters()]:
         assert p.grad is not None, name  # FSDP2 needs every rank to reduce every gradient
         assert torch.count_nonzero(p.grad) == 0, name
 
@@ -159,11 +159,13 @@ def test_encoders_reject_lengths_off_the_downsample_grid(tiny_model):
     cfg = tiny_model.cfg
     bad = cfg.vision.downsample + 1
     with pytest.raises(ValueError, match="lengths"):
-        tiny_model.vision(
+        tiny_model.encoders["vision"](
             torch.zeros(bad, cfg.vision.patch_dim, dtype=torch.float64), torch.tensor([bad])
         )
     with pytest.raises(ValueError, match="lengths"):
-        tiny_model.audio(torch.zeros(3, cfg.audio.n_mels, dtype=torch.float64), torch.tensor([3]))
+        tiny_model.encoders["audio"](
+            torch.zeros(3, cfg.audio.n_mels, dtype=torch.float64), torch.tensor([3])
+        )
 
 
 @pytest.mark.parametrize(
@@ -179,8 +181,8 @@ def test_paper_configs_match_table1_parameter_counts(name, total_b, vision_b, au
 
     # Table 1 rounds to whole billions; our encoders also hold their connector to the LLM.
     assert billions(model) == pytest.approx(total_b, rel=0.05)
-    assert billions(model.vision) == pytest.approx(vision_b, rel=0.1, abs=0.2)
-    assert billions(model.audio) == pytest.approx(audio_b, rel=0.15)
+    assert billions(model.encoders["vision"]) == pytest.approx(vision_b, rel=0.1, abs=0.2)
+    assert billions(model.encoders["audio"]) == pytest.approx(audio_b, rel=0.15)
     assert billions(model.llm) == pytest.approx(llm_b, rel=0.1)
 
 
@@ -204,7 +206,7 @@ def test_frozen_encoders_train_only_their_connectors():
     for name in ("vision", "audio"):
         raw[name] = {**raw[name], "frozen": True}
     model = build_model(ModelConfig.from_dict(raw), seed=0)
-    for encoder in (model.vision, model.audio):
+    for encoder in model.encoders.values():
         trainable = {n for n, p in encoder.named_parameters() if p.requires_grad}
         assert trainable and all(n.startswith("connector.") for n in trainable)
     assert all(p.requires_grad for p in model.llm.parameters())

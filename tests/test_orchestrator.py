@@ -10,6 +10,7 @@ import torch.distributed as dist
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch, Orchestrator
+from orchmllm.schema import Modality, register_modality
 from orchmllm.step_plan import (
     MODES,
     EncoderPhase,
@@ -27,17 +28,17 @@ PHASES = (
     EncoderPhase("vision", IMAGE, "image_patches", 2, WIDTH, "greedy"),
     EncoderPhase("audio", AUDIO, "audio_mels", 4, WIDTH, "binary_search"),
 )
-DIV = {IMAGE: 2, AUDIO: 4}
 
 
-def _payload_example(eid: int, segments: list[list[int]]) -> dict:
+def _payload_example(eid: int, segments: list[list[int]], phases=PHASES) -> dict:
     """Rows carry (example, kind, item, row): text token t is id eid*1000 + t."""
     n_text = sum(c for k, c in segments if k == TEXT)
-    items = {IMAGE: [], AUDIO: []}
+    div = {p.kind: p.divisor for p in phases}
+    items = {p.kind: [] for p in phases}
     for kind, count in segments:
         if kind != TEXT:
             j = len(items[kind])
-            rows = np.arange(count) // DIV[kind]
+            rows = np.arange(count) // div[kind]
             items[kind].append(
                 np.stack([np.full(count, eid), np.full(count, kind), np.full(count, j), rows], 1)
             )
@@ -47,12 +48,11 @@ def _payload_example(eid: int, segments: list[list[int]]) -> dict:
         "segments": segments,
         "input_ids": eid * 1000 + np.arange(n_text),
         "loss_mask": mask,
-        "image_patches": [a.astype(np.float32) for a in items[IMAGE]],
-        "audio_mels": [a.astype(np.float32) for a in items[AUDIO]],
+        **{p.key: [a.astype(np.float32) for a in items[p.kind]] for p in phases},
     }
 
 
-def _payload_batches(world: int) -> list[list[dict]]:
+def _payload_batches(world: int, phases=PHASES) -> list[list[dict]]:
     """Random interleavings; rank 1 gets text-only examples (no image, no audio)."""
     rng = np.random.default_rng(7)
     batches, eid = [], 0
@@ -62,19 +62,20 @@ def _payload_batches(world: int) -> list[list[dict]]:
             segs = [[TEXT, int(rng.integers(1, 6))]]
             if rank != 1:
                 for _ in range(int(rng.integers(0, 4))):
-                    kind = int(rng.choice([IMAGE, AUDIO]))
-                    segs.append([kind, DIV[kind] * int(rng.integers(1, 8))])
+                    p = phases[int(rng.integers(len(phases)))]
+                    segs.append([p.kind, p.divisor * int(rng.integers(1, 8))])
                     if rng.random() < 0.5:
                         segs.append([TEXT, int(rng.integers(1, 6))])
-            batch.append(_payload_example(eid, segs))
+            batch.append(_payload_example(eid, segs, phases))
             eid += 1
         batches.append(batch)
     return batches
 
 
-def _expected_sequence(ex: dict) -> tuple[np.ndarray, np.ndarray]:
+def _expected_sequence(ex: dict, phases=PHASES) -> tuple[np.ndarray, np.ndarray]:
     """The assembled payload rows and next-token targets of one example, built directly."""
-    rows, kinds_seen, t = [], {IMAGE: 0, AUDIO: 0}, 0
+    rows, kinds_seen, t = [], {p.kind: 0 for p in phases}, 0
+    div = {p.kind: p.divisor for p in phases}
     text_tokens = []  # (position, token, is_target)
     for kind, count in ex["segments"]:
         if kind == TEXT:
@@ -85,7 +86,7 @@ def _expected_sequence(ex: dict) -> tuple[np.ndarray, np.ndarray]:
         else:
             j = kinds_seen[kind]
             kinds_seen[kind] += 1
-            rows += [[ex["id"], kind, j, g] for g in range(count // DIV[kind])]
+            rows += [[ex["id"], kind, j, g] for g in range(count // div[kind])]
     targets = np.full(len(rows), IGNORE_INDEX)
     for pos, tok, is_target in text_tokens:
         if is_target and pos > 0:
@@ -145,7 +146,7 @@ def test_full_mode_balances_synthetic_phases():
     rates = EncodingRates(4, 2, 2)
     cfg = SyntheticConfig(num_examples=64, seed=2, scale=0.1)
     exs = list(iter_examples(cfg, rates))
-    phases = default_phases(rates, patch_dim=cfg.patch_dim, n_mels=cfg.n_mels)
+    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
     rows, src = _gathered([exs[i : i + 8] for i in range(0, 64, 8)])
     stats = plan_step(rows, src, StepOptions(phases, mode="full"), num_ranks=8).stats()
     for name in ("vision", "audio", "llm"):
@@ -203,7 +204,7 @@ class _Counter:
         return self.orig(output, input, *args, **kwargs)
 
 
-def _identity_encoders(weights, calls):
+def _identity_encoders(weights, calls, phases=PHASES):
     def make(name, div):
         def enc(x, lengths):
             calls.append((name, int(x.shape[0]), int(lengths.numel())))
@@ -212,7 +213,7 @@ def _identity_encoders(weights, calls):
 
         return enc
 
-    return {"vision": make("vision", DIV[IMAGE]), "audio": make("audio", DIV[AUDIO])}
+    return {p.name: make(p.name, p.divisor) for p in phases}
 
 
 def _moves(plan) -> bool:
@@ -342,6 +343,36 @@ def _agreement_worker(rank, world):
     return out
 
 
+# A made-up third modality: one table row and one phase are all it takes.
+DEPTH = Modality("depth", 3, "depth_maps", "greedy")
+PHASES3 = (*PHASES, EncoderPhase("depth", DEPTH.kind, DEPTH.key, 3, WIDTH, DEPTH.policy))
+
+
+def _third_modality_worker(rank, world):
+    """Plan, dispatch and assemble a step with three encoder phases (full mode)."""
+    register_modality(DEPTH)  # in this process: segments of kind 3 become valid
+    batches = _payload_batches(world, PHASES3)
+    exs = {ex["id"]: ex for b in batches for ex in b}
+    batch = LocalBatch.from_examples(batches[rank], PHASES3)
+    orch = Orchestrator(PHASES3, mode="full", timeout=30)
+    weights = {p.name: torch.eye(WIDTH, requires_grad=True) for p in PHASES3}
+    calls = []
+    res = orch.run(batch, _identity_encoders(weights, calls, PHASES3))
+    embeds = res.assemble(_payload_embed(res.input_ids))
+    starts = np.concatenate(([0], np.cumsum(res.lengths.numpy())))
+    ids = []
+    for i in range(len(res.example_ids)):
+        seq = embeds[starts[i] : starts[i + 1]].detach().numpy()
+        ids.append(int(seq[0, 0]))
+        assert np.array_equal(seq, _expected_sequence(exs[ids[-1]], PHASES3)[0]), ids[-1]
+    return {
+        "ids": ids,
+        "depth_rows": int((embeds[:, 1] == DEPTH.kind).sum()),
+        "called": sorted({name for name, _, _ in calls}),
+        "depth_imbalance": res.stats["depth"]["imbalance_before"],
+    }
+
+
 WORLD = 4
 
 
@@ -351,12 +382,24 @@ def _worker(rank, world):
         "composition": _composition_worker(rank, world),
         "grad": _grad_worker(rank, world),
         "agreement": _agreement_worker(rank, world),
+        "third": _third_modality_worker(rank, world),
     }
 
 
 @pytest.fixture(scope="module")
 def distributed():
     return run_distributed(_worker, WORLD, timeout=60)
+
+
+def test_a_third_modality_runs_through_planning_dispatch_and_assembly(distributed):
+    per = [r["third"] for r in distributed]
+    batches = _payload_batches(WORLD, PHASES3)
+    exs = [ex for b in batches for ex in b]
+    depth_rows = sum(len(a) // 3 for ex in exs for a in ex["depth_maps"])
+    assert depth_rows > 0
+    assert sorted(i for p in per for i in p["ids"]) == sorted(ex["id"] for ex in exs)
+    assert sum(p["depth_rows"] for p in per) == depth_rows  # every depth row, exactly once
+    assert all(p["called"] == ["audio", "depth", "vision"] for p in per)  # on every rank
 
 
 def test_composition_conservation_and_one_move_per_encoder(distributed):
@@ -403,7 +446,7 @@ def _grad_worker(rank, world):
         max_image_side=224,
     )  # fmt: skip
     exs = list(iter_examples(cfg, rates))
-    phases = default_phases(rates, patch_dim=cfg.patch_dim, n_mels=cfg.n_mels)
+    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
     mine = exs[rank * 6 : (rank + 1) * 6]
     if rank == 1:  # a rank that sampled no image and no audio
         mine = [ex for ex in exs if not ex["image_patches"] and not ex["audio_mels"]][:3]

@@ -1,6 +1,7 @@
-"""The reference MLLM: vision encoder, audio encoder and decoder LLM, plus FSDP2 sharding.
+"""The reference MLLM: one encoder per modality (vision, audio) and a decoder LLM, plus FSDP2
+sharding.
 
-The three submodules are independent; the orchestrator decides which items each one sees on
+The submodules are independent; the orchestrator decides which items each one sees on
 which rank. :meth:`MLLM.forward` only runs a caller-supplied step function inside the root
 module call, so FSDP2's root hooks (lazy init, final backward callback that reduce-scatters
 gradients of groups an input did not reach) fire around the whole multi-phase step.
@@ -23,12 +24,22 @@ from .vision import VisionEncoder
 T = TypeVar("T")
 
 
+# Encoder class per modality name (a row of orchmllm.schema.MODALITIES, a model config section).
+ENCODERS: dict[str, type[nn.Module]] = {"vision": VisionEncoder, "audio": AudioEncoder}
+
+
 class MLLM(nn.Module):
+    """``encoders``: one encoder per modality, keyed by its name; ``llm``: the decoder."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionEncoder(cfg.vision, cfg.llm.hidden)
-        self.audio = AudioEncoder(cfg.audio, cfg.llm.hidden)
+        self.encoders = nn.ModuleDict(
+            {
+                name: ENCODERS[name](section, cfg.llm.hidden)
+                for name, section in cfg.encoders.items()
+            }
+        )
         self.llm = LLM(cfg.llm, cfg.vocab)
 
     def forward(self, step: Callable[[MLLM], T]) -> T:
@@ -72,7 +83,7 @@ def shard_model(model: MLLM, *, mesh=None) -> MLLM:
     """
     from torch.distributed.fsdp import fully_shard
 
-    for encoder in (model.vision, model.audio):
+    for encoder in model.encoders.values():
         for block in encoder.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(encoder.connector, mesh=mesh)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.schema import AUDIO, IMAGE, TEXT
+from orchmllm.schema import AUDIO, IMAGE, MODALITIES, TEXT
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule
 from orchmllm.step_plan import MODES as STEP_MODES
@@ -45,7 +45,7 @@ MODES = (*STEP_MODES, "disttrain")
 # The simulator's placement names -> the step planner's placement method.
 PLACEMENTS = {"none": "none", "node": "auto"}
 # OrchMLLM's tailored policies (paper 8.3): greedy for packed phases, Alg. 2 for padded audio.
-TAILORED = {"vision": "greedy", "audio": "binary_search", "llm": "greedy"}
+TAILORED = {**{m.name: m.policy for m in MODALITIES.values()}, "llm": "greedy"}
 TEXT_TOKEN_BYTES = 8  # int64 token ids
 ACT_BYTES = 2  # bf16 patches, mel frames, encoder outputs
 
