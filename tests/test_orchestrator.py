@@ -1,4 +1,4 @@
-"""MLLM Global Orchestrator: pure planning properties and real gloo execution."""
+"""MLLM Global Orchestrator: real gloo execution (composition, agreement, gradients)."""
 
 import threading
 
@@ -7,187 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
+from orchmllm.data import EncodingRates, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch, Orchestrator
+from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.schema import Modality, register_modality
 from orchmllm.step_plan import (
     MODES,
     EncoderPhase,
-    StepOptions,
-    assembly,
     default_phases,
-    local_metadata,
-    plan_step,
 )
 from tests.multiproc import run_distributed
-
-# -- payload examples: every row says where it belongs ------------------------------------
-WIDTH = 4  # raw feature width = hidden, so an identity encoder keeps payloads intact
-PHASES = (
-    EncoderPhase("vision", IMAGE, "image_patches", 2, WIDTH, "greedy"),
-    EncoderPhase("audio", AUDIO, "audio_mels", 4, WIDTH, "binary_search"),
-)
-
-
-def _payload_example(eid: int, segments: list[list[int]], phases=PHASES) -> dict:
-    """Rows carry (example, kind, item, row): text token t is id eid*1000 + t."""
-    n_text = sum(c for k, c in segments if k == TEXT)
-    div = {p.kind: p.divisor for p in phases}
-    items = {p.kind: [] for p in phases}
-    for kind, count in segments:
-        if kind != TEXT:
-            j = len(items[kind])
-            rows = np.arange(count) // div[kind]
-            items[kind].append(
-                np.stack([np.full(count, eid), np.full(count, kind), np.full(count, j), rows], 1)
-            )
-    mask = (np.arange(n_text) % 3 != 0).astype(np.int64)  # position 0 never a target
-    return {
-        "id": eid,
-        "segments": segments,
-        "input_ids": eid * 1000 + np.arange(n_text),
-        "loss_mask": mask,
-        **{p.key: [a.astype(np.float32) for a in items[p.kind]] for p in phases},
-    }
-
-
-def _payload_batches(world: int, phases=PHASES) -> list[list[dict]]:
-    """Random interleavings; rank 1 gets text-only examples (no image, no audio)."""
-    rng = np.random.default_rng(7)
-    batches, eid = [], 0
-    for rank in range(world):
-        batch = []
-        for _ in range(int(rng.integers(2, 5))):
-            segs = [[TEXT, int(rng.integers(1, 6))]]
-            if rank != 1:
-                for _ in range(int(rng.integers(0, 4))):
-                    p = phases[int(rng.integers(len(phases)))]
-                    segs.append([p.kind, p.divisor * int(rng.integers(1, 8))])
-                    if rng.random() < 0.5:
-                        segs.append([TEXT, int(rng.integers(1, 6))])
-            batch.append(_payload_example(eid, segs, phases))
-            eid += 1
-        batches.append(batch)
-    return batches
-
-
-def _expected_sequence(ex: dict, phases=PHASES) -> tuple[np.ndarray, np.ndarray]:
-    """The assembled payload rows and next-token targets of one example, built directly."""
-    rows, kinds_seen, t = [], {p.kind: 0 for p in phases}, 0
-    div = {p.kind: p.divisor for p in phases}
-    text_tokens = []  # (position, token, is_target)
-    for kind, count in ex["segments"]:
-        if kind == TEXT:
-            for _ in range(count):
-                text_tokens.append((len(rows), ex["input_ids"][t], ex["loss_mask"][t]))
-                rows.append([ex["id"], 0, t, -1])
-                t += 1
-        else:
-            j = kinds_seen[kind]
-            kinds_seen[kind] += 1
-            rows += [[ex["id"], kind, j, g] for g in range(count // div[kind])]
-    targets = np.full(len(rows), IGNORE_INDEX)
-    for pos, tok, is_target in text_tokens:
-        if is_target and pos > 0:
-            targets[pos - 1] = tok
-    return np.array(rows, dtype=np.float32), targets
-
-
-def _payload_embed(ids: torch.Tensor) -> torch.Tensor:
-    return torch.stack(
-        [ids // 1000, torch.zeros_like(ids), ids % 1000, torch.full_like(ids, -1)], 1
-    ).float()
-
-
-def _gathered(batches):
-    local = [local_metadata(b) for b in batches]
-    rows = np.concatenate(local)
-    src = np.repeat(np.arange(len(batches)), [len(m) for m in local])
-    return rows, src
-
-
-# -- pure planning ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_plan_is_pure_and_conserves_everything(mode):
-    world = 4
-    batches = _payload_batches(world)
-    rows, src = _gathered(batches)
-    plan = plan_step(rows, src, StepOptions(PHASES, mode=mode), num_ranks=world)
-    again = plan_step(rows.copy(), src.copy(), StepOptions(PHASES, mode=mode), num_ranks=world)
-    assert plan.same_as(again) and plan.llm.fingerprint() == again.llm.fingerprint()
-    n_ex = sum(len(b) for b in batches)
-    seen = []
-    for r in range(world):
-        lay = assembly(plan, r)
-        seen += lay.examples.tolist()
-        # The LLM input is a permutation of every received row (text + encoder outputs).
-        assert np.array_equal(np.sort(lay.index), np.arange(sum(lay.rows.values())))
-        assert lay.lengths.sum() == lay.index.size
-    assert sorted(seen) == list(range(n_ex))
-    exs = [ex for b in batches for ex in b]
-    assert plan.seq_len.tolist() == [len(_expected_sequence(ex)[0]) for ex in exs]
-    assert plan.num_targets == sum((_expected_sequence(ex)[1] != IGNORE_INDEX).sum() for ex in exs)
-    for name, pp in plan.phases.items():
-        # Composition: outputs leave from the encoder layout to their example's LLM rank.
-        assert np.array_equal(pp.to_llm.src_rank, pp.encoder.dst_rank)
-        assert np.array_equal(pp.to_llm.src_slot, pp.encoder.dst_slot)
-        assert np.array_equal(pp.to_llm.dst_rank, plan.llm.dst_rank[pp.example])
-        if mode != "full":
-            assert np.array_equal(pp.encoder.dst_rank, pp.encoder.src_rank), name
-        assert plan.stats()[name]["imbalance_after"] <= plan.stats()[name]["imbalance_before"]
-    if mode == "none":
-        assert np.array_equal(plan.llm.dst_rank, plan.llm.src_rank)
-
-
-def test_full_mode_balances_synthetic_phases():
-    rates = EncodingRates(4, 2, 2)
-    cfg = SyntheticConfig(num_examples=64, seed=2, scale=0.1)
-    exs = list(iter_examples(cfg, rates))
-    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
-    rows, src = _gathered([exs[i : i + 8] for i in range(0, 64, 8)])
-    stats = plan_step(rows, src, StepOptions(phases, mode="full"), num_ranks=8).stats()
-    for name in ("vision", "audio", "llm"):
-        s = stats[name]
-        assert s["imbalance_after"] < s["imbalance_before"], (name, s)
-        assert np.isclose(sum(s["loads_before"]), sum(s["loads_after"])) or name == "audio"
-    assert stats["vision"]["imbalance_after"] < 1.15 and stats["llm"]["imbalance_after"] < 1.25
-
-
-def test_balanced_sampling_moves_nothing():
-    # Two ranks holding mirror-image batches are already balanced in every phase: a plan that
-    # is not strictly better than staying put is dropped, so nothing moves.
-    segs = [[[TEXT, 3], [IMAGE, 8]], [[TEXT, 5], [AUDIO, 16], [TEXT, 2]], [[TEXT, 9]]]
-    batch = [_payload_example(i, s) for i, s in enumerate(segs)]
-    rows, src = _gathered([batch, batch])
-    plan = plan_step(rows, src, StepOptions(PHASES, mode="full"), num_ranks=2)
-    for move in [plan.llm] + [p.encoder for p in plan.phases.values()]:
-        assert np.array_equal(move.src_rank, move.dst_rank)
-    for s in plan.stats().values():
-        assert s["imbalance_after"] == s["imbalance_before"] == 1.0
-
-
-def test_bad_input_raises():
-    batches = _payload_batches(2)
-    rows, src = _gathered(batches)
-    with pytest.raises(ValueError, match="mode"):
-        plan_step(rows, src, StepOptions(PHASES, mode="some"), num_ranks=2)
-    with pytest.raises(ValueError, match="no phase"):
-        plan_step(rows, src, StepOptions(PHASES[:1]), num_ranks=2)
-    with pytest.raises(ValueError, match="src"):
-        plan_step(rows, src[:-1], StepOptions(PHASES), num_ranks=2)
-    shuffled = rows.copy()
-    shuffled[[0, -1]] = shuffled[[-1, 0]]
-    with pytest.raises(ValueError, match="examples"):
-        plan_step(shuffled, src, StepOptions(PHASES), num_ranks=2)
-    with pytest.raises(ValueError, match="loss_mask"):
-        local_metadata([{**batches[0][0], "loss_mask": [0]}])
-    bad = {**batches[0][0], "image_patches": [np.zeros((3, WIDTH), np.float32)]}
-    with pytest.raises(ValueError, match="image_patches"):
-        LocalBatch.from_examples([bad], PHASES)
-
+from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
 # -- distributed execution ----------------------------------------------------------------
 
@@ -224,7 +54,7 @@ def _moves(plan) -> bool:
 
 
 def _composition_worker(rank, world):
-    batches = _payload_batches(world)
+    batches = payload_batches(world)
     exs = {ex["id"]: ex for b in batches for ex in b}
     batch = LocalBatch.from_examples(batches[rank], PHASES)
     counter = _Counter()
@@ -238,13 +68,13 @@ def _composition_worker(rank, world):
             counter.calls.clear()
             res = orch.run(batch, _identity_encoders(weights, enc_calls))
             forward = list(counter.calls)
-            embeds = res.assemble(_payload_embed(res.input_ids))
+            embeds = res.assemble(payload_embed(res.input_ids))
             # Check every sequence against the example it claims to be.
             starts = np.concatenate(([0], np.cumsum(res.lengths.numpy())))
             for i, gid in enumerate(res.example_ids):
                 seq = embeds[starts[i] : starts[i + 1]].detach().numpy()
                 ex = exs[int(seq[0, 0])]
-                rows, targets = _expected_sequence(ex)
+                rows, targets = expected_sequence(ex)
                 assert np.array_equal(seq, rows), (mode, gid)
                 assert np.array_equal(res.targets[starts[i] : starts[i + 1]].numpy(), targets)
             counter.calls.clear()
@@ -270,9 +100,9 @@ def _composition_worker(rank, world):
 
 
 def _check_composition(results, world):
-    batches = _payload_batches(world)
+    batches = payload_batches(world)
     all_ids = sorted(ex["id"] for b in batches for ex in b)
-    total_tokens = sum(len(_expected_sequence(ex)[0]) for b in batches for ex in b)
+    total_tokens = sum(len(expected_sequence(ex)[0]) for b in batches for ex in b)
     for mode in MODES:
         per = [r[mode] for r in results]
         # Conservation: every example and token exactly once, targets normalised globally.
@@ -317,7 +147,7 @@ class _Broadcasts:
 def _agreement_worker(rank, world):
     """ILP placement stops CBC on a clock, so each rank solving it could reach another plan:
     Orchestrator.plan computes it on rank 0 and broadcasts it; deterministic plans do not."""
-    batch = LocalBatch.from_examples(_payload_batches(world)[rank], PHASES)
+    batch = LocalBatch.from_examples(payload_batches(world)[rank], PHASES)
     weights = {n: torch.eye(WIDTH) for n in ("vision", "audio")}
     counter = _Broadcasts()
     dist.broadcast = counter
@@ -351,20 +181,20 @@ PHASES3 = (*PHASES, EncoderPhase("depth", DEPTH.kind, DEPTH.key, 3, WIDTH, DEPTH
 def _third_modality_worker(rank, world):
     """Plan, dispatch and assemble a step with three encoder phases (full mode)."""
     register_modality(DEPTH)  # in this process: segments of kind 3 become valid
-    batches = _payload_batches(world, PHASES3)
+    batches = payload_batches(world, PHASES3)
     exs = {ex["id"]: ex for b in batches for ex in b}
     batch = LocalBatch.from_examples(batches[rank], PHASES3)
     orch = Orchestrator(PHASES3, mode="full", timeout=30)
     weights = {p.name: torch.eye(WIDTH, requires_grad=True) for p in PHASES3}
     calls = []
     res = orch.run(batch, _identity_encoders(weights, calls, PHASES3))
-    embeds = res.assemble(_payload_embed(res.input_ids))
+    embeds = res.assemble(payload_embed(res.input_ids))
     starts = np.concatenate(([0], np.cumsum(res.lengths.numpy())))
     ids = []
     for i in range(len(res.example_ids)):
         seq = embeds[starts[i] : starts[i + 1]].detach().numpy()
         ids.append(int(seq[0, 0]))
-        assert np.array_equal(seq, _expected_sequence(exs[ids[-1]], PHASES3)[0]), ids[-1]
+        assert np.array_equal(seq, expected_sequence(exs[ids[-1]], PHASES3)[0]), ids[-1]
     return {
         "ids": ids,
         "depth_rows": int((embeds[:, 1] == DEPTH.kind).sum()),
@@ -393,7 +223,7 @@ def distributed():
 
 def test_a_third_modality_runs_through_planning_dispatch_and_assembly(distributed):
     per = [r["third"] for r in distributed]
-    batches = _payload_batches(WORLD, PHASES3)
+    batches = payload_batches(WORLD, PHASES3)
     exs = [ex for b in batches for ex in b]
     depth_rows = sum(len(a) // 3 for ex in exs for a in ex["depth_maps"])
     assert depth_rows > 0
@@ -408,7 +238,7 @@ def test_composition_conservation_and_one_move_per_encoder(distributed):
 
 def test_ilp_plans_are_computed_once_and_agree_across_ranks(distributed):
     per = [r["agreement"] for r in distributed]
-    n_examples = sum(len(b) for b in _payload_batches(WORLD))
+    n_examples = sum(len(b) for b in payload_batches(WORLD))
     for placement, broadcasts in (("ilp", 2 * 2), ("assign", 0)):
         runs = [p[placement] for p in per]
         # plan_batch and run each agree on one plan: its size, then the plan itself.

@@ -1,0 +1,103 @@
+"""The pure step planner: determinism, conservation, composition, balance, bad input."""
+
+import numpy as np
+import pytest
+
+from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
+from orchmllm.data.synthetic import iter_examples
+from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch
+from orchmllm.step_plan import (
+    MODES,
+    StepOptions,
+    assembly,
+    default_phases,
+    local_metadata,
+    plan_step,
+)
+from tests.payloads import (
+    PHASES,
+    WIDTH,
+    expected_sequence,
+    gathered,
+    payload_batches,
+    payload_example,
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plan_is_pure_and_conserves_everything(mode):
+    world = 4
+    batches = payload_batches(world)
+    rows, src = gathered(batches)
+    plan = plan_step(rows, src, StepOptions(PHASES, mode=mode), num_ranks=world)
+    again = plan_step(rows.copy(), src.copy(), StepOptions(PHASES, mode=mode), num_ranks=world)
+    assert plan.same_as(again) and plan.llm.fingerprint() == again.llm.fingerprint()
+    n_ex = sum(len(b) for b in batches)
+    seen = []
+    for r in range(world):
+        lay = assembly(plan, r)
+        seen += lay.examples.tolist()
+        # The LLM input is a permutation of every received row (text + encoder outputs).
+        assert np.array_equal(np.sort(lay.index), np.arange(sum(lay.rows.values())))
+        assert lay.lengths.sum() == lay.index.size
+    assert sorted(seen) == list(range(n_ex))
+    exs = [ex for b in batches for ex in b]
+    assert plan.seq_len.tolist() == [len(expected_sequence(ex)[0]) for ex in exs]
+    assert plan.num_targets == sum((expected_sequence(ex)[1] != IGNORE_INDEX).sum() for ex in exs)
+    for name, pp in plan.phases.items():
+        # Composition: outputs leave from the encoder layout to their example's LLM rank.
+        assert np.array_equal(pp.to_llm.src_rank, pp.encoder.dst_rank)
+        assert np.array_equal(pp.to_llm.src_slot, pp.encoder.dst_slot)
+        assert np.array_equal(pp.to_llm.dst_rank, plan.llm.dst_rank[pp.example])
+        if mode != "full":
+            assert np.array_equal(pp.encoder.dst_rank, pp.encoder.src_rank), name
+        assert plan.stats()[name]["imbalance_after"] <= plan.stats()[name]["imbalance_before"]
+    if mode == "none":
+        assert np.array_equal(plan.llm.dst_rank, plan.llm.src_rank)
+
+
+def test_full_mode_balances_synthetic_phases():
+    rates = EncodingRates(4, 2, 2)
+    cfg = SyntheticConfig(num_examples=64, seed=2, scale=0.1)
+    exs = list(iter_examples(cfg, rates))
+    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
+    rows, src = gathered([exs[i : i + 8] for i in range(0, 64, 8)])
+    stats = plan_step(rows, src, StepOptions(phases, mode="full"), num_ranks=8).stats()
+    for name in ("vision", "audio", "llm"):
+        s = stats[name]
+        assert s["imbalance_after"] < s["imbalance_before"], (name, s)
+        assert np.isclose(sum(s["loads_before"]), sum(s["loads_after"])) or name == "audio"
+    assert stats["vision"]["imbalance_after"] < 1.15 and stats["llm"]["imbalance_after"] < 1.25
+
+
+def test_balanced_sampling_moves_nothing():
+    # Two ranks holding mirror-image batches are already balanced in every phase: a plan that
+    # is not strictly better than staying put is dropped, so nothing moves.
+    segs = [[[TEXT, 3], [IMAGE, 8]], [[TEXT, 5], [AUDIO, 16], [TEXT, 2]], [[TEXT, 9]]]
+    batch = [payload_example(i, s) for i, s in enumerate(segs)]
+    rows, src = gathered([batch, batch])
+    plan = plan_step(rows, src, StepOptions(PHASES, mode="full"), num_ranks=2)
+    for move in [plan.llm] + [p.encoder for p in plan.phases.values()]:
+        assert np.array_equal(move.src_rank, move.dst_rank)
+    for s in plan.stats().values():
+        assert s["imbalance_after"] == s["imbalance_before"] == 1.0
+
+
+def test_bad_input_raises():
+    batches = payload_batches(2)
+    rows, src = gathered(batches)
+    with pytest.raises(ValueError, match="mode"):
+        plan_step(rows, src, StepOptions(PHASES, mode="some"), num_ranks=2)
+    with pytest.raises(ValueError, match="no phase"):
+        plan_step(rows, src, StepOptions(PHASES[:1]), num_ranks=2)
+    with pytest.raises(ValueError, match="src"):
+        plan_step(rows, src[:-1], StepOptions(PHASES), num_ranks=2)
+    shuffled = rows.copy()
+    shuffled[[0, -1]] = shuffled[[-1, 0]]
+    with pytest.raises(ValueError, match="examples"):
+        plan_step(shuffled, src, StepOptions(PHASES), num_ranks=2)
+    with pytest.raises(ValueError, match="loss_mask"):
+        local_metadata([{**batches[0][0], "loss_mask": [0]}])
+    bad = {**batches[0][0], "image_patches": [np.zeros((3, WIDTH), np.float32)]}
+    with pytest.raises(ValueError, match="image_patches"):
+        LocalBatch.from_examples([bad], PHASES)
