@@ -10,9 +10,9 @@ Lengths are not decided here: every example's task, image patch counts, audio fr
 text runs come from the shared recipe :mod:`orchmllm.recipe` (distributions, sources and
 rounding rules are documented there), the same draw the simulator reads. Examples are drawn in
 blocks of :data:`BLOCK`: block ``b`` is one ``recipe.sample_examples`` call seeded with
-:func:`block_seed` ``(seed, b)``, so example ``i`` has the lengths of example ``i % BLOCK`` of the
-simulator's batch for that seed. This module then fills tensors from the example's own
-generator, seeded ``[seed, i]``:
+:func:`block_seed` ``(seed, b)``, so example ``i`` has the lengths of example ``i % BLOCK`` of a
+simulator batch of ``BLOCK`` examples with that seed. This module then fills tensors from the
+example's own generator, seeded ``[seed, i]``:
 
 - image patches: a colour per patch plus pixel noise, ``[n_patches, 3 * patch * patch]``;
 - audio: Whisper-style log-mel-like frames (100 per second, 16 kHz, hop 160): a per-clip
