@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -201,9 +200,7 @@ def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: s
     """The first rank of every node generates the HF dataset once (cached under a key of its
     parameters and the generator's source); then every rank loads it."""
     syn = synthetic_config(cfg, num_examples=num_examples, seed=seed)
-    with open(synthetic.__file__, "rb") as f:
-        generator = f.read()
-    key = hashlib.sha256(repr((syn, cfg.rates)).encode() + generator).hexdigest()[:16]
+    key = synthetic.fingerprint(syn, cfg.rates)
     root = data_dir or os.path.join(tempfile.gettempdir(), "orchmllm-data")
     path = os.path.join(root, f"synthetic-{key}")
     first_on_node = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0

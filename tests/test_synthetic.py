@@ -1,6 +1,7 @@
 """Synthetic multimodal data: reproducible, schema-correct, and compositionally incoherent."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from orchmllm.data import (
     AUDIO,
     IMAGE,
+    TASKS,
     TEXT,
     EncodingRates,
     SyntheticConfig,
@@ -17,7 +19,13 @@ from orchmllm.data import (
     generate_example,
     validate_example,
 )
-from orchmllm.data.synthetic import iter_examples, load_dataset
+from orchmllm.data.synthetic import BLOCK, block_seed, iter_examples, load_dataset
+from orchmllm.recipe import sample_examples
+from orchmllm.sim.sweep import load_model
+from orchmllm.sim.workload import encoding_rates, recipe_config, sample_batch
+from orchmllm.train import load_config, synthetic_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RATES = EncodingRates(vision_downsample=4, audio_conv_stride=2, audio_downsample=2)
 TINY = SyntheticConfig(
@@ -115,7 +123,9 @@ def test_resolution_bound_and_scale():
 
 
 def _metas(n: int):
-    cfg = SyntheticConfig(**{**TINY.__dict__, "num_examples": n, "seed": 11})
+    # scale 0.1 as configs/tiny.yaml: at TINY's 0.03 an ASR example's whole text rounds to 2-3
+    # tokens (the recipe scales an example's text, not each run), too coarse to correlate
+    cfg = SyntheticConfig(**{**TINY.__dict__, "num_examples": n, "seed": 11, "scale": 0.1})
     exs = list(iter_examples(cfg, RATES))
     return exs, [example_metadata(e["segments"], RATES) for e in exs]
 
@@ -147,6 +157,47 @@ def test_modality_composition_incoherence():
         same_vision_llm += int(np.argmax(v) == np.argmax(s))
         assert v.max() / v.mean() > 1.1 and a.max() / a.mean() > 1.1
     assert same_vision_audio < 0.35 * steps and same_vision_llm < 0.6 * steps
+
+
+def test_lengths_match_the_simulator():
+    """One recipe: for one seed and run config, the training data (train.synthetic_config ->
+    this generator) and the simulator (sim.sweep.load_model -> sample_batch) hold the same
+    examples: task, image patch counts, audio frame counts and text tokens, in order."""
+    run = load_config(str(ROOT / "configs" / "tiny.yaml"))
+    syn = synthetic_config(run, num_examples=2 * BLOCK, seed=7)
+    exs = list(iter_examples(syn, run.rates))
+    model = load_model("tiny")
+    for block in (0, 1):
+        seed = block_seed(7, block)
+        batch = sample_batch(
+            model.data, model.config, num_ranks=4, examples_per_rank=BLOCK // 4, seed=seed
+        )
+        tasks = sample_examples(
+            recipe_config(model.data, model.config), BLOCK, seed, rates=encoding_rates(model.config)
+        ).task
+        for j in range(BLOCK):
+            ex = exs[block * BLOCK + j]
+            meta = example_metadata(ex["segments"], run.rates)
+            assert ex["task"] == TASKS[tasks[j]]
+            assert list(meta.image_raw) == batch.image_patches[batch.image_example == j].tolist()
+            assert list(meta.audio_raw) == batch.audio_frames[batch.audio_example == j].tolist()
+            assert meta.text_len == len(ex["input_ids"]) == batch.text[j]
+
+
+def test_text_cap_bounds_a_whole_example():
+    """max_text_tokens bounds an example's text (the simulator's rule), also a many-turn chat."""
+    cfg = SyntheticConfig(
+        num_examples=80,
+        seed=1,
+        task_weights={"chat": 1},
+        max_text_tokens=300,
+        patch=4,
+        n_mels=8,
+        vocab_size=64,
+        max_image_side=224,
+    )
+    lengths = [len(e["input_ids"]) for e in iter_examples(cfg, RATES)]
+    assert max(lengths) == 300 and min(lengths) >= 2
 
 
 def test_round_trip_through_datasets(tmp_path):

@@ -21,6 +21,7 @@ from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import PHASES, Submodule, submodules
 from orchmllm.sim.layout import TAILORED, plan
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
+from orchmllm.sim.workload import sample_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("mllm-10b", "mllm-18b", "mllm-84b")
@@ -50,8 +51,6 @@ def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
 
 def sample_pool(model: SimModel, num_ranks: int, examples_per_rank: int, seed: int) -> Batch:
     """One step's global batch drawn from the model's data mix (seeded)."""
-    from orchmllm.sim.workload import sample_batch
-
     return sample_batch(
         model.data,
         model.config,
