@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
-from orchmllm.balance import POLICIES, balance
+from orchmllm.balance import POLICIES, balance, plan_is_deterministic
 from orchmllm.cost import CostModel
 from orchmllm.data.exchange import agreed_plan
-from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.plan import Rearrangement
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
+from orchmllm.balance import PADDED_POLICIES
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement, expand_rows
 from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, check_segments
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 MODES = ("none", "llm", "full")
-PADDED_POLICIES = ("binary_search", "conv", "padded_cost")
 IGNORE_INDEX = -100
 # Columns of the gathered metadata: one row per segment.
 _EX, _KIND, _RAW, _TARGETS = range(4)

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from orchmllm.balance import plan_is_deterministic
 from orchmllm.data.loader import BalancedDataLoader
-from orchmllm.data.planners import plan_is_deterministic
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import EncoderPhase, LocalBatch, Orchestrator, StepPlan, plan_step
 

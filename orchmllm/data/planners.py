@@ -13,25 +13,13 @@ with its ``deterministic`` attribute.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.plan import Rearrangement
-
-# Options whose plan depends on more than the gathered metadata. ``ilp`` placement is
-# time-limited (CBC's CPU-time limit, scaled by the machine's load), so a busy rank can
-# stop the solve at another point and reach another placement than its peers.
-CLOCKED_PLACEMENTS = frozenset({"ilp"})
-CLOCKED_POLICIES: frozenset[str] = frozenset()
-
-
-def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = ()) -> bool:
-    """Whether a plan with these options is a pure function of the gathered metadata, so
-    every rank can compute it itself (otherwise one rank computes it for all)."""
-    return placement not in CLOCKED_PLACEMENTS and not CLOCKED_POLICIES.intersection(policies)
 
 
 @dataclass(frozen=True)
@@ -48,8 +36,6 @@ class BalancePlanner:
         return plan_is_deterministic(placement=self.placement, policies=(self.policy,))
 
     def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:
-        from orchmllm.balance import balance  # the balancing core loads lazily
-
         meta = np.asarray(meta, dtype=np.int64)
         src = np.asarray(src, dtype=np.int64)
         if meta.shape[0] == 0:
