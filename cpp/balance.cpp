@@ -547,14 +547,16 @@ void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double t
 void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst) {
     if (n == 0) return;
     const auto& asc = sort_items(len, n, false).index;
-    const auto cost = [](int64_t b, int64_t l) { return b * l; };
-    const int64_t longest = len[asc.back()];
+    // count * length reaches 2^126 (both below 2^63): exact in 128 bits, like Python's ints.
+    using Wide = __int128;
+    const auto cost = [](int64_t b, int64_t l) { return Wide{b} * l; };
+    const Wide longest = len[asc.back()];
     // Bounds: a batch holding the longest item costs at least `longest`; ceil(n/d) items per
     // batch always fit in ceil(n/d)*longest. (The paper's bounds use the shortest length.)
-    int64_t left = longest;
-    int64_t right = longest * ((n + num_ranks - 1) / num_ranks);
+    Wide left = longest;
+    Wide right = longest * ((n + num_ranks - 1) / num_ranks);
     while (left < right) {
-        const int64_t mid = left + (right - left) / 2;
+        const Wide mid = left + (right - left) / 2;
         if (least_batches(len, asc, cap, mid, cost, nullptr) <= num_ranks)
             right = mid;
         else
