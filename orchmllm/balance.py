@@ -2,8 +2,9 @@
 
 ``balance()`` is the public entry point: it validates the input, runs one policy in the C++
 core (``orchmllm._core``, GIL released) and returns an :class:`Assignment` with per-rank loads
-and statistics. Every policy is also written plainly in Python below (``REFERENCE``); tests
-check that both give the same ``dst`` and the benchmark measures the speed-up.
+and statistics. Every policy but ``greedy_stay`` is also written plainly in Python below (its
+record's ``reference``); tests check that both give the same ``dst`` and the benchmark
+measures the speed-up.
 
 Policies (packed = batch cost is additive over items; padded = cost depends on count x max):
 
@@ -62,9 +63,10 @@ import bisect
 import heapq
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -710,46 +712,50 @@ class Policy:
     needs_src: bool = False
 
 
-REGISTRY: dict[str, Policy] = {
-    p.name: p
-    for p in (
-        Policy("identity", None, None, _keep, needs_src=True),
-        Policy("greedy", _core.lpt, ref_lpt, _lpt_lengths, capped=True, refined=True),
-        Policy(
-            "binary_search",
-            _core.binary_search,
-            ref_binary_search,
-            _lengths_capped,
-            padded=True,
-            capped=True,
-        ),
-        Policy(
-            "greedy_tolerance",
-            _core.greedy_tolerance,
-            ref_greedy_tolerance,
-            _tolerance_window,
-            capped=True,
-        ),
-        Policy("conv", _core.conv, ref_conv, _lengths_capped, padded=True, capped=True),
-        Policy("greedy_cost", _core.lpt, ref_lpt, _lpt_costs, capped=True, refined=True),
-        Policy(
-            "kk",
-            _core.karmarkar_karp,
-            ref_karmarkar_karp,
-            partial(_karmarkar_karp, equal_counts=False),
-        ),
-        Policy(
-            "kk_equal",
-            _core.karmarkar_karp,
-            ref_karmarkar_karp,
-            partial(_karmarkar_karp, equal_counts=True),
-        ),
-        Policy(
-            "padded_cost", _core.padded_cost, ref_padded_cost, _padded, padded=True, capped=True
-        ),
-        Policy("greedy_stay", movement_aware_dst, None, _stay, needs_src=True),
-    )
-}
+# Read-only: the one place a policy is declared. greedy_stay's function is the placement
+# module's movement_aware_dst, which validates its own options and runs _core.movement_aware.
+REGISTRY: Mapping[str, Policy] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            Policy("identity", None, None, _keep, needs_src=True),
+            Policy("greedy", _core.lpt, ref_lpt, _lpt_lengths, capped=True, refined=True),
+            Policy(
+                "binary_search",
+                _core.binary_search,
+                ref_binary_search,
+                _lengths_capped,
+                padded=True,
+                capped=True,
+            ),
+            Policy(
+                "greedy_tolerance",
+                _core.greedy_tolerance,
+                ref_greedy_tolerance,
+                _tolerance_window,
+                capped=True,
+            ),
+            Policy("conv", _core.conv, ref_conv, _lengths_capped, padded=True, capped=True),
+            Policy("greedy_cost", _core.lpt, ref_lpt, _lpt_costs, capped=True, refined=True),
+            Policy(
+                "kk",
+                _core.karmarkar_karp,
+                ref_karmarkar_karp,
+                partial(_karmarkar_karp, equal_counts=False),
+            ),
+            Policy(
+                "kk_equal",
+                _core.karmarkar_karp,
+                ref_karmarkar_karp,
+                partial(_karmarkar_karp, equal_counts=True),
+            ),
+            Policy(
+                "padded_cost", _core.padded_cost, ref_padded_cost, _padded, padded=True, capped=True
+            ),
+            Policy("greedy_stay", movement_aware_dst, None, _stay, needs_src=True),
+        )
+    }
+)
 POLICIES = tuple(REGISTRY)
 PADDED_POLICIES = frozenset(p.name for p in REGISTRY.values() if p.padded)
 
