@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -149,7 +149,8 @@ def balance(
     if s is None and record.needs_src:
         raise ValueError(f"src is required for policy={policy!r}, got None")
     cost = _cost(cost, record)
-    _check_finite(l, d, cost)
+    longest = int(l.max(initial=0))
+    _check_finite(longest, n, d, cost)
     cap = n
     if max_items_per_rank is not None:
         cap = _count("max_items_per_rank", max_items_per_rank)
@@ -192,7 +193,7 @@ def balance(
         permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
         loads = permuted
         stats.update({k: float(v) for k, v in placed.stats.items()})
-    stats.update(_stats(l, dst, loads, s, d, cost))
+    stats.update(_stats(l, longest, dst, loads, s, d, cost))
     if policy == "greedy_stay":
         w = cost.item_costs(l)
         makespan = float(np.bincount(dst, weights=w, minlength=d).max(initial=0.0))
@@ -281,17 +282,15 @@ def _cost(cost: CostModel | None, policy: Policy) -> CostModel:
     return cost
 
 
-def _check_finite(lengths: np.ndarray, d: int, cost: CostModel) -> None:
-    """Refuse a cost that overflows float64 on these lengths (loads and sums would be inf).
-
-    ``n`` items of the longest length bound every rank's load and their sum, for both kinds.
-    """
-    n = lengths.size
-    top = float(lengths.max(initial=0))
-    bound = cost.multiplier * (cost.alpha * n * top + cost.beta * n * top * top + cost.const * d)
+def _check_finite(longest: int, n: int, d: int, cost: CostModel) -> None:
+    """Refuse a cost that overflows float64 on ``n`` lengths up to ``longest`` (loads and sums
+    would be inf): ``n`` items of the longest length bound every rank's load and their sum,
+    for both kinds."""
+    x = float(longest)
+    bound = cost.multiplier * (cost.alpha * n * x + cost.beta * n * x * x + cost.const * d)
     if not math.isfinite(bound):
         raise ValueError(
-            f"cost overflows float64 on lengths up to {int(top)} ({n} items, {d} ranks): {cost!r}"
+            f"cost overflows float64 on lengths up to {longest} ({n} items, {d} ranks): {cost!r}"
         )
 
 
@@ -326,10 +325,11 @@ def _check_caps(
 # statistics
 
 
-def _total(lengths: np.ndarray) -> int:
-    """Exact sum of int64 lengths >= 0: an int64 sum overflows from 2**63 tokens, so larger
-    ones are summed as 32-bit halves (each half-sum fits int64 below 2**31 items)."""
-    if lengths.size == 0 or int(lengths.max()) <= _INT64_MAX // lengths.size:
+def _total(lengths: np.ndarray, longest: int) -> int:
+    """Exact sum of int64 lengths in ``[0, longest]``: an int64 sum overflows from 2**63
+    tokens, so larger ones are summed as 32-bit halves (each half-sum fits int64 below 2**31
+    items)."""
+    if lengths.size == 0 or longest <= _INT64_MAX // lengths.size:
         return int(lengths.sum())
     return (int((lengths >> 32).sum()) << 32) + int((lengths & 0xFFFFFFFF).sum())
 
@@ -345,6 +345,7 @@ def _lower_bound(lengths: np.ndarray, loads: np.ndarray, cost: CostModel) -> flo
 
 def _stats(
     lengths: np.ndarray,
+    longest: int,
     dst: np.ndarray,
     loads: np.ndarray,
     src: np.ndarray | None,
@@ -358,9 +359,9 @@ def _stats(
     }
     if src is not None:
         before = cost.loads(lengths, src, d)
-        kept = _total(lengths[dst == src])
+        kept = _total(lengths[dst == src], longest)
         stats["imbalance_before"] = _ratio(float(before.max()), float(before.mean()))
-        stats["tokens_moved"] = float(_total(lengths) - kept)
+        stats["tokens_moved"] = float(_total(lengths, longest) - kept)
         stats["tokens_kept"] = float(kept)
     return stats
 
@@ -376,8 +377,7 @@ def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = 
     return not clocked and all(_policy(p).deterministic for p in policies)
 
 
-@dataclass(frozen=True)
-class _Job:
+class _Job(NamedTuple):
     """What :func:`plan_dst` hands a policy's ``call``: validated inputs, ``steps`` of the
     local search already decided."""
 
@@ -411,7 +411,7 @@ def plan_dst(
     n = lengths.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    if not record.needs_src and not lengths.any():
+    if not record.needs_src and np.count_nonzero(lengths) == 0:
         return np.arange(n, dtype=np.int64) % d  # nothing to balance: deal out by count
     steps = REFINE_STEPS_PER_RANK * d if refine and record.refined else 0
     fn = record.reference if backend == "python" and record.reference else record.cpp
@@ -661,7 +661,8 @@ def _lpt_costs(fn: Callable, job: _Job) -> np.ndarray:
 
 def _tolerance_window(fn: Callable, job: _Job) -> np.ndarray:
     fraction = DEFAULT_TOLERANCE if job.tolerance is None else float(job.tolerance)
-    window = fraction * float(_total(job.lengths)) / job.num_ranks
+    total = _total(job.lengths, int(job.lengths.max()))
+    window = fraction * float(total) / job.num_ranks
     return fn(job.lengths, job.num_ranks, window, job.cap)
 
 
