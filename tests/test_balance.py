@@ -347,11 +347,8 @@ def test_greedy_stay_passes_ranks_per_node_and_reports_the_movement_bound():
 
 
 def test_registry_is_the_one_source_of_policy_facts():
-    from orchmllm.sim import layout
-
     assert tuple(REGISTRY) == POLICIES and orchmllm.POLICIES is POLICIES
     assert {p.name for p in REGISTRY.values() if p.padded} == PADDED_POLICIES
-    assert layout.PADDED_POLICIES is PADDED_POLICIES
     assert {p.name for p in REGISTRY.values() if p.capped} == set(CAPPED)
     assert {p.name for p in REGISTRY.values() if p.needs_src} == {"identity", "greedy_stay"}
     assert {p.name for p in REGISTRY.values() if p.refined} == {"greedy", "greedy_cost"}
@@ -362,6 +359,16 @@ def test_registry_is_the_one_source_of_policy_facts():
     assert not plan_is_deterministic(placement="ilp")
     with pytest.raises(ValueError, match="policy"):
         plan_is_deterministic(policies=["magic"])
+    # No other module keeps its own list of policy names or padded policies.
+    root = Path(orchmllm.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name == "balance.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = {t.id for t in targets if isinstance(t, ast.Name)}
+                assert not names & {"POLICIES", "PADDED_POLICIES"}, path
 
 
 def test_planner_floor_imports_at_module_top_and_placement_sits_below_balance():
