@@ -544,23 +544,40 @@ void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double t
     }
 }
 
-void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst) {
-    if (n == 0) return;
-    const auto& asc = sort_items(len, n, false).index;
-    const auto cost = [](int64_t b, int64_t l) { return b * l; };
-    const int64_t longest = len[asc.back()];
+namespace {
+
+// Alg. 2 with batch costs count * length computed in Int, which must hold n * longest.
+template <typename Int>
+void binary_search_in(const int64_t* len, const std::vector<int64_t>& asc, int64_t n,
+                      int64_t num_ranks, int64_t cap, int64_t* dst) {
+    const auto cost = [](int64_t b, int64_t l) { return Int{b} * l; };
+    const Int longest = len[asc.back()];
     // Bounds: a batch holding the longest item costs at least `longest`; ceil(n/d) items per
     // batch always fit in ceil(n/d)*longest. (The paper's bounds use the shortest length.)
-    int64_t left = longest;
-    int64_t right = longest * ((n + num_ranks - 1) / num_ranks);
+    Int left = longest;
+    Int right = longest * ((n + num_ranks - 1) / num_ranks);
     while (left < right) {
-        const int64_t mid = left + (right - left) / 2;
+        const Int mid = left + (right - left) / 2;
         if (least_batches(len, asc, cap, mid, cost, nullptr) <= num_ranks)
             right = mid;
         else
             left = mid + 1;
     }
     least_batches(len, asc, cap, left, cost, dst);
+}
+
+}  // namespace
+
+void binary_search(const int64_t* len, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst) {
+    if (n == 0) return;
+    const auto& asc = sort_items(len, n, false).index;
+    // Costs reach n * longest, up to 2^126: exact in 128 bits like Python's ints, and in the
+    // faster int64 whenever that holds them (every realistic input).
+    const unsigned __int128 most = static_cast<unsigned __int128>(n) * len[asc.back()];
+    if (most <= static_cast<unsigned __int128>(INT64_MAX))
+        binary_search_in<int64_t>(len, asc, n, num_ranks, cap, dst);
+    else
+        binary_search_in<__int128>(len, asc, n, num_ranks, cap, dst);
 }
 
 void padded_cost(const int64_t* len, int64_t n, int64_t num_ranks, double alpha, double beta,

@@ -47,6 +47,8 @@ void register_balance(py::module_& m) {
     m.def(
         "greedy_tolerance",
         [](const Ints& l, int64_t d, double tol, int64_t cap) {
+            // A negative or NaN window holds no rank at all.
+            if (!(tol >= 0)) throw py::value_error("greedy_tolerance: tolerance must be >= 0");
             return run(l, [=](const int64_t* x, int64_t n, int64_t* o) {
                 orch::greedy_tolerance(x, n, d, tol, cap, o);
             });

@@ -438,10 +438,20 @@ void register_movement(py::module_& m) {
                 throw std::invalid_argument("capacitated_assignment: malformed CSR arrays");
             if (num_cols < 1 || capacity < 1 || rows > num_cols * capacity)
                 throw std::invalid_argument("capacitated_assignment: too few column slots");
-            for (py::ssize_t e = 0; e < cols.size(); ++e)
-                if (cols.data()[e] < 0 || cols.data()[e] >= num_cols || profit.data()[e] <= 0)
+            // Path lengths and potentials stay within a few times the total profit: bounding
+            // it keeps every int64 sum far from overflow (placement's volumes stay below 2^53).
+            constexpr int64_t kMaxTotal = int64_t{1} << 58;
+            int64_t total = 0;
+            for (py::ssize_t e = 0; e < cols.size(); ++e) {
+                const int64_t p = profit.data()[e];
+                if (cols.data()[e] < 0 || cols.data()[e] >= num_cols || p <= 0)
                     throw std::invalid_argument(
                         "capacitated_assignment: edge column out of range or profit <= 0");
+                if (p > kMaxTotal - total)
+                    throw std::invalid_argument(
+                        "capacitated_assignment: profits sum above 2^58 (int64 overflow)");
+                total += p;
+            }
             std::vector<int64_t> out;
             {
                 py::gil_scoped_release release;

@@ -2,8 +2,9 @@
 
 ``balance()`` is the public entry point: it validates the input, runs one policy in the C++
 core (``orchmllm._core``, GIL released) and returns an :class:`Assignment` with per-rank loads
-and statistics. Every policy is also written plainly in Python below (``REFERENCE``); tests
-check that both give the same ``dst`` and the benchmark measures the speed-up.
+and statistics. Every policy but ``greedy_stay`` is also written plainly in Python below (its
+record's ``reference``); tests check that both give the same ``dst`` and the benchmark
+measures the speed-up.
 
 Policies (packed = batch cost is additive over items; padded = cost depends on count x max):
 
@@ -45,60 +46,52 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
 checked afterwards for ``identity``, ``kk`` and ``greedy_stay``; ``max_load_per_rank`` (a
 memory cap in the policy's cost) is checked on the plan. A cap the policy cannot meet raises
 ``ValueError`` with the smallest value that works.
+
+Every fact about a policy (its cost kind, whether it enforces caps, is refined, is a pure
+function of its inputs, its C++ function and its Python reference) is one :class:`Policy`
+record in ``REGISTRY``; ``POLICIES``, ``PADDED_POLICIES`` and :func:`plan_is_deterministic`
+are read from it. Edges: lengths must fit int64 and ``num_ranks`` is at most ``MAX_RANKS``;
+all-zero lengths carry no load to balance, so the policies that ignore ``src`` deal them out
+by count (item ``i`` to rank ``i % num_ranks``), while ``identity`` and ``greedy_stay`` leave
+them where they are; integer arithmetic on lengths is exact (128-bit in the C++ core), and a
+cost model that overflows float64 on the lengths is refused.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from functools import partial
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from orchmllm import _core
 from orchmllm.cost import CostModel
-
-POLICIES = (
-    "identity",
-    "greedy",
-    "binary_search",
-    "greedy_tolerance",
-    "conv",
-    "greedy_cost",
-    "kk",
-    "kk_equal",
-    "padded_cost",
-    "greedy_stay",
+from orchmllm.placement import (
+    MAX_RANKS,
+    REFINE_STEPS_PER_RANK,
+    check_num_ranks,
+    movement_aware_dst,
+    movement_lower_bound,
+    place_batches,
 )
-PADDED_POLICIES = frozenset({"binary_search", "conv", "padded_cost"})
 
-# Options whose plan depends on more than the gathered metadata. ``ilp`` placement is
-# time-limited (CBC's CPU-time limit, scaled by the machine's load), so a busy rank can
-# stop the solve at another point and reach another placement than its peers.
-CLOCKED_PLACEMENTS = frozenset({"ilp"})
-CLOCKED_POLICIES: frozenset[str] = frozenset()
-
-
-def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = ()) -> bool:
-    """Whether a plan with these options is a pure function of the gathered metadata, so
-    every rank can compute it itself (otherwise one rank computes it for all)."""
-    return placement not in CLOCKED_PLACEMENTS and not CLOCKED_POLICIES.intersection(policies)
-
-
+# POLICIES and PADDED_POLICIES are read from REGISTRY, at the end of this module.
 PLACEMENTS = ("none", "ilp", "assign", "auto")
+# Placements whose result depends on more than the inputs: ``ilp`` is time-limited (CBC's
+# CPU-time limit, scaled by the machine's load), so a busy rank can stop the solve at another
+# point and reach another placement than its peers.
+CLOCKED_PLACEMENTS = frozenset({"ilp"})
 BACKENDS = ("cpp", "python")
 # greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
 DEFAULT_TOLERANCE = 0.01
-# greedy/greedy_cost local search: at most this many steps per rank (each O(n/d + log d)).
-REFINE_STEPS_PER_RANK = 2
-_REFINED = frozenset({"greedy", "greedy_cost"})
-# Policies that enforce max_items_per_rank while planning; the others are checked afterwards.
-_CAPPED = frozenset(
-    {"greedy", "greedy_cost", "greedy_tolerance", "binary_search", "padded_cost", "conv"}
-)
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -142,9 +135,8 @@ def balance(
     """
     l = _lengths(lengths)
     n = l.size
-    d = _count("num_ranks", num_ranks)
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    d = check_num_ranks(num_ranks)
+    record = _policy(policy)
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if backend not in BACKENDS:
@@ -154,9 +146,11 @@ def balance(
         ranks_per_node = _count("ranks_per_node", ranks_per_node)
     if placement != "none" and (s is None or ranks_per_node is None):
         raise ValueError(f"placement={placement!r} needs src and ranks_per_node")
-    if s is None and policy in ("identity", "greedy_stay"):
+    if s is None and record.needs_src:
         raise ValueError(f"src is required for policy={policy!r}, got None")
-    cost = _cost(cost, policy)
+    cost = _cost(cost, record)
+    longest = int(l.max(initial=0))
+    _check_finite(longest, n, d, cost)
     cap = n
     if max_items_per_rank is not None:
         cap = _count("max_items_per_rank", max_items_per_rank)
@@ -187,12 +181,10 @@ def balance(
         backend=backend,
     )
     loads = cost.loads(l, dst, d)
-    _check_caps(policy, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
+    _check_caps(record, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
 
     stats: dict[str, float] = {}
     if placement != "none":
-        from orchmllm.placement import place_batches  # lazy: pulls in cvxpy
-
         placed = place_batches(
             l, s, dst, num_ranks=d, ranks_per_node=ranks_per_node, method=placement
         )
@@ -201,10 +193,8 @@ def balance(
         permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
         loads = permuted
         stats.update({k: float(v) for k, v in placed.stats.items()})
-    stats.update(_stats(l, dst, loads, s, d, cost))
+    stats.update(_stats(l, longest, dst, loads, s, d, cost))
     if policy == "greedy_stay":
-        from orchmllm.placement import movement_lower_bound
-
         w = cost.item_costs(l)
         makespan = float(np.bincount(dst, weights=w, minlength=d).max(initial=0.0))
         stats["tokens_moved_lower_bound"] = movement_lower_bound(w, s, d, makespan, sizes=l)
@@ -234,14 +224,26 @@ def _int_array(name: str, value: Any) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if a.dtype.kind in "iu":
+    if a.dtype.kind == "i":
         return a.astype(np.int64, copy=False)
     if a.dtype.kind == "f":
         bad = ~np.isfinite(a) | (a != np.round(a))
         if bad.any():
             raise ValueError(f"{name} must be integers, got {a[bad][0]!r} at {np.argmax(bad)}")
-        return a.astype(np.int64)
-    raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    elif a.dtype == object:  # Python ints beyond int64 (or mixed with other objects)
+        bad = np.array([not _is_int(x) for x in a])
+        if bad.any():
+            raise ValueError(f"{name} must be integers, got {a[bad][0]!r} at {np.argmax(bad)}")
+    elif a.dtype.kind != "u":
+        raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    # Checked before the cast, which would wrap 2**63 and above to negative values.
+    wide = np.asarray((a >= 2**63) | (a < -(2**63)), dtype=bool)
+    if wide.any():
+        at = int(np.argmax(wide))
+        # numpy may have rounded a list's big int to float: show the caller's own value
+        shown = value[at] if isinstance(value, list | tuple) else a[at]
+        raise ValueError(f"{name} must be int64 values (below 2**63), got {shown} at {at}")
+    return a.astype(np.int64)
 
 
 def _lengths(lengths: Any) -> np.ndarray:
@@ -261,21 +263,39 @@ def _src(src: Any, n: int, d: int) -> np.ndarray:
     return s
 
 
-def _cost(cost: CostModel | None, policy: str) -> CostModel:
-    kind = "padded" if policy in PADDED_POLICIES else "packed"
+def _policy(name: Any) -> Policy:
+    if name not in REGISTRY:
+        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+    return REGISTRY[name]
+
+
+def _cost(cost: CostModel | None, policy: Policy) -> CostModel:
+    kind = "padded" if policy.padded else "packed"
     if cost is None:
         return CostModel(kind)
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
-    if policy != "identity" and cost.kind != kind:
-        raise ValueError(f"cost must be kind={kind!r} for policy={policy!r}, got {cost!r}")
+    if policy.name != "identity" and cost.kind != kind:
+        raise ValueError(f"cost must be kind={kind!r} for policy={policy.name!r}, got {cost!r}")
     if cost.alpha < 0 or cost.beta < 0:
         raise ValueError(f"cost must have alpha >= 0 and beta >= 0, got {cost!r}")
     return cost
 
 
+def _check_finite(longest: int, n: int, d: int, cost: CostModel) -> None:
+    """Refuse a cost that overflows float64 on ``n`` lengths up to ``longest`` (loads and sums
+    would be inf): ``n`` items of the longest length bound every rank's load and their sum,
+    for both kinds."""
+    x = float(longest)
+    bound = cost.multiplier * (cost.alpha * n * x + cost.beta * n * x * x + cost.const * d)
+    if not math.isfinite(bound):
+        raise ValueError(
+            f"cost overflows float64 on lengths up to {longest} ({n} items, {d} ranks): {cost!r}"
+        )
+
+
 def _check_caps(
-    policy: str,
+    policy: Policy,
     dst: np.ndarray,
     loads: np.ndarray,
     d: int,
@@ -284,18 +304,18 @@ def _check_caps(
     lengths: np.ndarray,
     cost: CostModel,
 ) -> None:
-    if max_items is not None and policy not in _CAPPED:
+    if max_items is not None and not policy.capped:
         need = int(np.bincount(dst, minlength=d).max(initial=0))
         if need > max_items:
             raise ValueError(
-                f"max_items_per_rank={max_items} is below what policy={policy!r} needs: the "
+                f"max_items_per_rank={max_items} is below what policy={policy.name!r} needs: the "
                 f"smallest value that works for it is {need} (kk_equal and the greedy policies "
                 f"enforce the cap, down to {-(-lengths.size // d)})"
             )
     if max_load is not None and loads.size and loads.max() > max_load:
         lower = _lower_bound(lengths, loads, cost)
         raise ValueError(
-            f"max_load_per_rank={max_load} is below the largest load policy={policy!r} "
+            f"max_load_per_rank={max_load} is below the largest load policy={policy.name!r} "
             f"reaches: the smallest value that works for it is {loads.max():.6g} "
             f"(no plan can go below {lower:.6g})"
         )
@@ -303,6 +323,15 @@ def _check_caps(
 
 # ---------------------------------------------------------------------------------------------
 # statistics
+
+
+def _total(lengths: np.ndarray, longest: int) -> int:
+    """Exact sum of int64 lengths in ``[0, longest]``: an int64 sum overflows from 2**63
+    tokens, so larger ones are summed as 32-bit halves (each half-sum fits int64 below 2**31
+    items)."""
+    if lengths.size == 0 or longest <= _INT64_MAX // lengths.size:
+        return int(lengths.sum())
+    return (int((lengths >> 32).sum()) << 32) + int((lengths & 0xFFFFFFFF).sum())
 
 
 def _ratio(top: float, base: float) -> float:
@@ -316,6 +345,7 @@ def _lower_bound(lengths: np.ndarray, loads: np.ndarray, cost: CostModel) -> flo
 
 def _stats(
     lengths: np.ndarray,
+    longest: int,
     dst: np.ndarray,
     loads: np.ndarray,
     src: np.ndarray | None,
@@ -329,10 +359,10 @@ def _stats(
     }
     if src is not None:
         before = cost.loads(lengths, src, d)
-        kept = float(lengths.sum(where=dst == src))
+        kept = _total(lengths[dst == src], longest)
         stats["imbalance_before"] = _ratio(float(before.max()), float(before.mean()))
-        stats["tokens_moved"] = float(lengths.sum()) - kept
-        stats["tokens_kept"] = kept
+        stats["tokens_moved"] = float(_total(lengths, longest) - kept)
+        stats["tokens_kept"] = float(kept)
     return stats
 
 
@@ -340,10 +370,25 @@ def _stats(
 # dispatch
 
 
-def _core() -> Any:
-    from orchmllm import _core
+def plan_is_deterministic(*, placement: str = "none", policies: Iterable[str] = ()) -> bool:
+    """Whether a plan with these options is a pure function of the gathered metadata, so
+    every rank can compute it itself (otherwise one rank computes it for all)."""
+    clocked = placement in CLOCKED_PLACEMENTS
+    return not clocked and all(_policy(p).deterministic for p in policies)
 
-    return _core
+
+class _Job(NamedTuple):
+    """What :func:`plan_dst` hands a policy's ``call``: validated inputs, ``steps`` of the
+    local search already decided."""
+
+    lengths: np.ndarray
+    num_ranks: int
+    cost: CostModel
+    cap: int
+    steps: int
+    tolerance: float | None
+    src: np.ndarray | None
+    ranks_per_node: int | None
 
 
 def plan_dst(
@@ -362,37 +407,16 @@ def plan_dst(
     """The policy's ``dst`` alone, on inputs :func:`balance` has validated (int64 lengths,
     a cost of the policy's kind, ``cap * d >= n``). The benchmark times the C++ core against
     the Python reference here, without the validation and statistics both share."""
-    impl = _core() if backend == "cpp" else REFERENCE
+    record = REGISTRY[policy]
     n = lengths.size
-    if policy == "identity":
-        return src.copy()
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    steps = REFINE_STEPS_PER_RANK * d if refine and policy in _REFINED else 0
-    if policy == "greedy":
-        return impl.lpt(lengths.astype(np.float64), d, cap, steps)
-    if policy == "greedy_cost":
-        return impl.lpt(cost.item_costs(lengths), d, cap, steps)
-    if policy == "greedy_tolerance":
-        fraction = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-        return impl.greedy_tolerance(lengths, d, fraction * float(lengths.sum()) / d, cap)
-    if policy == "binary_search":
-        return impl.binary_search(lengths, d, cap)
-    if policy == "padded_cost":
-        c = cost
-        return impl.padded_cost(lengths, d, c.alpha, c.beta, c.const, c.multiplier, cap)
-    if policy == "conv":
-        return impl.conv(lengths, d, cap)
-    if policy in ("kk", "kk_equal"):
-        return impl.karmarkar_karp(cost.item_costs(lengths), d, policy == "kk_equal")
-    # greedy_stay: owned by the placement module (movement-aware), imported lazily.
-    from orchmllm.placement import movement_aware_dst
-
-    extra = {} if tolerance is None else {"tolerance": float(tolerance)}
-    dst = movement_aware_dst(
-        cost.item_costs(lengths), src, d, sizes=lengths, ranks_per_node=ranks_per_node, **extra
-    )
-    return np.asarray(dst, dtype=np.int64)
+    if not record.needs_src and np.count_nonzero(lengths) == 0:
+        return np.arange(n, dtype=np.int64) % d  # nothing to balance: deal out by count
+    steps = REFINE_STEPS_PER_RANK * d if refine and record.refined else 0
+    fn = record.reference if backend == "python" and record.reference else record.cpp
+    job = _Job(lengths, d, cost, cap, steps, tolerance, src, ranks_per_node)
+    return np.asarray(record.call(fn, job), dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,21 +643,131 @@ def ref_karmarkar_karp(weights: np.ndarray, num_ranks: int, equal_counts: bool) 
     return dst
 
 
-REFERENCE = SimpleNamespace(
-    lpt=ref_lpt,
-    greedy_tolerance=ref_greedy_tolerance,
-    binary_search=ref_binary_search,
-    padded_cost=ref_padded_cost,
-    conv=ref_conv,
-    karmarkar_karp=ref_karmarkar_karp,
+# ---------------------------------------------------------------------------------------------
+# the registry: how each policy's function is called, and one record per policy
+
+
+def _keep(fn: None, job: _Job) -> np.ndarray:
+    return job.src.copy()
+
+
+def _lpt_lengths(fn: Callable, job: _Job) -> np.ndarray:
+    return fn(job.lengths.astype(np.float64), job.num_ranks, job.cap, job.steps)
+
+
+def _lpt_costs(fn: Callable, job: _Job) -> np.ndarray:
+    return fn(job.cost.item_costs(job.lengths), job.num_ranks, job.cap, job.steps)
+
+
+def _tolerance_window(fn: Callable, job: _Job) -> np.ndarray:
+    fraction = DEFAULT_TOLERANCE if job.tolerance is None else float(job.tolerance)
+    total = _total(job.lengths, int(job.lengths.max()))
+    window = fraction * float(total) / job.num_ranks
+    return fn(job.lengths, job.num_ranks, window, job.cap)
+
+
+def _lengths_capped(fn: Callable, job: _Job) -> np.ndarray:
+    return fn(job.lengths, job.num_ranks, job.cap)
+
+
+def _padded(fn: Callable, job: _Job) -> np.ndarray:
+    c = job.cost
+    return fn(job.lengths, job.num_ranks, c.alpha, c.beta, c.const, c.multiplier, job.cap)
+
+
+def _karmarkar_karp(fn: Callable, job: _Job, *, equal_counts: bool) -> np.ndarray:
+    return fn(job.cost.item_costs(job.lengths), job.num_ranks, equal_counts)
+
+
+def _stay(fn: Callable, job: _Job) -> np.ndarray:
+    extra = {} if job.tolerance is None else {"tolerance": float(job.tolerance)}
+    w = job.cost.item_costs(job.lengths)
+    return fn(
+        w, job.src, job.num_ranks, sizes=job.lengths, ranks_per_node=job.ranks_per_node, **extra
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One balancing policy and every fact other code asks about it.
+
+    ``cpp``: the function that runs it in the C++ core; ``reference``: its plain Python
+    version, same arguments (``None``: there is none, and ``backend="python"`` runs ``cpp``
+    too); ``call(fn, job)`` runs either on a validated :class:`_Job`. ``padded``: its cost
+    model is kind ``padded`` (count x longest), else ``packed`` (additive). ``capped``: it
+    enforces ``max_items_per_rank`` while planning (the others are checked on the plan).
+    ``refined``: ``refine=True`` adds the move/swap local search. ``deterministic``: the plan
+    is a pure function of the inputs, so every rank can compute it itself (all policies so far;
+    a clocked one would not be). ``needs_src``: it plans from where the items are (``src`` is
+    required, and all-zero lengths stay where they are).
+    """
+
+    name: str
+    cpp: Callable | None
+    reference: Callable | None
+    call: Callable[[Callable | None, _Job], np.ndarray]
+    padded: bool = False
+    capped: bool = False
+    refined: bool = False
+    deterministic: bool = True
+    needs_src: bool = False
+
+
+# Read-only: the one place a policy is declared. greedy_stay's function is the placement
+# module's movement_aware_dst, which validates its own options and runs _core.movement_aware.
+REGISTRY: Mapping[str, Policy] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            Policy("identity", None, None, _keep, needs_src=True),
+            Policy("greedy", _core.lpt, ref_lpt, _lpt_lengths, capped=True, refined=True),
+            Policy(
+                "binary_search",
+                _core.binary_search,
+                ref_binary_search,
+                _lengths_capped,
+                padded=True,
+                capped=True,
+            ),
+            Policy(
+                "greedy_tolerance",
+                _core.greedy_tolerance,
+                ref_greedy_tolerance,
+                _tolerance_window,
+                capped=True,
+            ),
+            Policy("conv", _core.conv, ref_conv, _lengths_capped, padded=True, capped=True),
+            Policy("greedy_cost", _core.lpt, ref_lpt, _lpt_costs, capped=True, refined=True),
+            Policy(
+                "kk",
+                _core.karmarkar_karp,
+                ref_karmarkar_karp,
+                partial(_karmarkar_karp, equal_counts=False),
+            ),
+            Policy(
+                "kk_equal",
+                _core.karmarkar_karp,
+                ref_karmarkar_karp,
+                partial(_karmarkar_karp, equal_counts=True),
+            ),
+            Policy(
+                "padded_cost", _core.padded_cost, ref_padded_cost, _padded, padded=True, capped=True
+            ),
+            Policy("greedy_stay", movement_aware_dst, None, _stay, needs_src=True),
+        )
+    }
 )
+POLICIES = tuple(REGISTRY)
+PADDED_POLICIES = frozenset(p.name for p in REGISTRY.values() if p.padded)
 
 
 __all__ = [
-    "Assignment",
+    "MAX_RANKS",
     "PADDED_POLICIES",
     "POLICIES",
-    "REFERENCE",
+    "REGISTRY",
+    "Assignment",
+    "Policy",
     "balance",
     "plan_is_deterministic",
 ]

@@ -16,8 +16,8 @@ Methods of :func:`place_batches`:
 - ``ilp``: the paper's Algorithm 3 in cvxpy + CBC: binary ``x[batch, node]``, each node takes
   ``ranks_per_node`` batches, minimise the largest inter-node volume any one rank sends. It is
   time-limited, starts from the ``assign`` solution (as an upper bound on the objective, and it
-  never returns anything worse), and falls back to ``assign`` with a warning when the solver is
-  missing or fails.
+  never returns anything worse), and falls back to ``assign`` when the solver is missing or
+  fails, with a warning the first time each failure occurs in the process.
 - ``auto``: ``assign``, then the ILP refinement only where it is certain to finish within the
   budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8) when
   ``time_limit_s >= AUTO_ILP_MIN_BUDGET_S``, solved to proven optimality (so with the default
@@ -48,7 +48,18 @@ from typing import Any
 
 import numpy as np
 
+from orchmllm import _core
+
 METHODS = ("identity", "assign", "ilp", "auto")
+# The most ranks a plan may have: far beyond any data-parallel group, and small enough that
+# every policy's per-rank arrays stay small (num_ranks=10**9 planned for minutes).
+MAX_RANKS = 1 << 20
+# greedy's local search (orchmllm.balance): at most this many steps per rank. It lives here,
+# below balance.py, because the movement-aware policy must reach greedy's makespan as
+# balance() runs it.
+REFINE_STEPS_PER_RANK = 2
+# Volumes are float64 bincounts of tokens, exact up to this total.
+_EXACT_TOKENS = 1 << 53
 
 # cvxpy solver name -> its time-limit option (seconds). A solver outside this table is refused:
 # every ILP solve must be time-limited.
@@ -72,6 +83,8 @@ AUTO_ILP_MIN_BUDGET_S = 0.15
 _AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 # solver -> seconds its one-time setup took in this process (see prepare_ilp)
 _PREPARED: dict[str, float] = {}
+# ILP failure messages already warned about in this process (see _warn_once)
+_WARNED: set[str] = set()
 
 
 class _Clock:
@@ -235,18 +248,14 @@ def movement_aware_dst(
     used by :func:`movement_lower_bound`. Deterministic: ties break by item index, then rank
     index.
     """
-    from orchmllm.balance import REFINE_STEPS_PER_RANK
-
     w = _weights(weights)
-    d = _count("num_ranks", num_ranks)
+    d = check_num_ranks(num_ranks)
     s = _ranks("src", src, w.size, d)
     if sizes is not None:
         _sizes(sizes, w.size)
     if not (isinstance(tolerance, numbers.Real) and 0 <= tolerance < math.inf):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     c = 0 if ranks_per_node is None else _topology(d, ranks_per_node)[1]
-    from orchmllm import _core
-
     steps = REFINE_STEPS_PER_RANK * d
     return np.asarray(_core.movement_aware(w, s, d, float(tolerance), c, steps), dtype=np.int64)
 
@@ -261,7 +270,7 @@ def movement_lower_bound(
     first. With ``sizes=None`` (tokens = weights) this is ``sum(max(0, load - makespan))``.
     """
     w = _weights(weights)
-    d = _count("num_ranks", num_ranks)
+    d = check_num_ranks(num_ranks)
     s = _ranks("src", src, w.size, d)
     z = w if sizes is None else _sizes(sizes, w.size)
     excess = np.maximum(np.bincount(s, weights=w, minlength=d) - float(makespan), 0.0)
@@ -322,8 +331,6 @@ class _Volumes:
 
 def _assign_nodes(v: _Volumes) -> np.ndarray:
     """Node per batch maximising the tokens that stay on their node (exact)."""
-    from orchmllm import _core
-
     indptr, cols, profit = v.node_matrix()
     node_of = np.asarray(_core.capacitated_assignment(indptr, cols, profit, v.m, v.c), np.int64)
     free = np.repeat(np.arange(v.m), v.c - np.bincount(node_of[node_of >= 0], minlength=v.m))
@@ -333,8 +340,6 @@ def _assign_nodes(v: _Volumes) -> np.ndarray:
 
 def _assign_ranks(v: _Volumes, node_of: np.ndarray) -> np.ndarray:
     """Rank per batch inside its node, maximising the tokens that do not move at all (exact)."""
-    from orchmllm import _core
-
     d, c = v.d, v.c
     local = node_of[v.batch] == v.src_node
     key = v.batch[local] * c + v.src[local] % c  # edges (batch, slot of the rank in its node)
@@ -397,10 +402,8 @@ def _refine_ilp(
                 return keep
         _solve(problem, solver, cpu_left)
     except Exception as exc:  # noqa: BLE001 - a solver problem must never stop training
-        warnings.warn(
-            f"placement ILP failed ({type(exc).__name__}: {exc}); returning the assign placement",
-            RuntimeWarning,
-            stacklevel=3,
+        _warn_once(
+            f"placement ILP failed ({type(exc).__name__}: {exc}); returning the assign placement"
         )
         return keep
 
@@ -414,6 +417,15 @@ def _refine_ilp(
     if proven and problem.value is not None and problem.value >= warm_value - 0.5:
         return warm, True, False
     return keep
+
+
+def _warn_once(message: str) -> None:
+    """Warn the first time this process meets ``message``: a missing solver fails the same way
+    on every step, and one warning says it (Python's own once-per-location registry is reset
+    by every ``catch_warnings`` around a solve)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _ilp_problem(v: _Volumes, warm_value: int) -> tuple[Any, Any]:
@@ -511,8 +523,16 @@ def _count(name: str, value: Any) -> int:
     return int(value)
 
 
-def _topology(num_ranks: Any, ranks_per_node: Any) -> tuple[int, int]:
+def check_num_ranks(num_ranks: Any) -> int:
+    """``num_ranks`` as an int in ``[1, MAX_RANKS]``, else a ValueError naming it."""
     d = _count("num_ranks", num_ranks)
+    if d > MAX_RANKS:
+        raise ValueError(f"num_ranks must be at most MAX_RANKS={MAX_RANKS}, got {d}")
+    return d
+
+
+def _topology(num_ranks: Any, ranks_per_node: Any) -> tuple[int, int]:
+    d = check_num_ranks(num_ranks)
     c = _count("ranks_per_node", ranks_per_node)
     if d % c:
         raise ValueError(f"ranks_per_node={c} must divide num_ranks={d}")
@@ -528,8 +548,16 @@ def _vector(name: str, value: Any) -> np.ndarray:
 
 def _lengths(lengths: Any) -> np.ndarray:
     a = _vector("lengths", lengths)
-    if a.size and (a.dtype.kind not in "iuf" or np.any(a < 0) or np.any(a != np.floor(a))):
-        raise ValueError(f"lengths must be non-negative integers, got {a[:8]!r}")
+    if a.size and (
+        a.dtype.kind not in "iuf" or np.any(a < 0) or np.any(a != np.floor(a)) or np.any(a >= 2**63)
+    ):
+        raise ValueError(f"lengths must be non-negative int64 integers, got {a[:8]!r}")
+    total = float(a.sum(dtype=np.float64))
+    if total > _EXACT_TOKENS:
+        raise ValueError(
+            f"lengths must sum to at most 2**53 tokens (volumes are exact float64 sums), "
+            f"got {total:.6g}"
+        )
     return a.astype(np.int64)
 
 

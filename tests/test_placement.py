@@ -15,6 +15,7 @@ import orchmllm
 from orchmllm import _core
 from orchmllm.cost import CostModel
 from orchmllm.placement import (
+    MAX_RANKS,
     METHODS,
     movement_aware_dst,
     movement_lower_bound,
@@ -81,6 +82,15 @@ def test_capacitated_assignment_rejects_bad_csr():
         _core.capacitated_assignment(np.array([0, 0, 0, 0]), np.array([]), np.array([]), 1, 2)
     with pytest.raises(ValueError, match="profit"):
         _core.capacitated_assignment(np.array([0, 1]), np.array([0]), np.array([0]), 1, 1)
+
+
+def test_capacitated_assignment_refuses_profits_that_would_overflow():
+    """Potentials are int64 sums of profits: a total above 2**58 is refused, not wrapped."""
+    indptr, cols = np.array([0, 1, 2]), np.array([0, 1])
+    with pytest.raises(ValueError, match="overflow"):
+        _core.capacitated_assignment(indptr, cols, np.array([2**62, 2**62]), 2, 1)
+    ok = _core.capacitated_assignment(indptr, cols, np.array([2**57, 2**57]), 2, 1)
+    assert ok.tolist() == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,3 +482,61 @@ def test_movement_aware_bad_input(args, match):
         movement_aware_dst([1.0], [0], 1, sizes=[1, 2])
     with pytest.raises(ValueError, match="ranks_per_node"):
         movement_aware_dst([1.0, 1.0], [0, 1], 2, ranks_per_node=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# edges: huge inputs, and the solver-failure warning
+
+
+def test_huge_inputs_are_refused_with_the_value():
+    src, dst = np.array([0, 1]), np.array([1, 0])
+    kw = dict(num_ranks=2, ranks_per_node=1)
+    with pytest.raises(ValueError, match="9223372036854775808"):
+        place_batches(np.array([1, 2**63], dtype=np.uint64), src, dst, **kw)
+    with pytest.raises(ValueError, match="sum to at most 2\\*\\*53"):
+        traffic([2**62, 2**62], src, dst, **kw)
+    too_many = dict(num_ranks=MAX_RANKS * 2, ranks_per_node=1)
+    with pytest.raises(ValueError, match=f"num_ranks must be at most MAX_RANKS={MAX_RANKS}"):
+        place_batches([1, 2], src, dst, **too_many)
+    with pytest.raises(ValueError, match="num_ranks"):
+        movement_aware_dst([1.0, 1.0], src, 10**9)
+    with pytest.raises(ValueError, match="num_ranks"):
+        movement_lower_bound([1.0, 1.0], src, 10**9, 1.0)
+
+
+_NO_CYLP = """
+import sys, warnings
+sys.modules["cylp"] = None  # as on a machine without cylp: cvxpy finds no CBC
+import numpy as np
+import orchmllm
+from orchmllm.placement import place_batches
+rng = np.random.default_rng(0)
+d = 16
+lengths = rng.integers(1, 1000, d * 10)
+src = np.repeat(np.arange(d), 10)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(6):
+        dst = rng.permutation(src)
+        p = place_batches(lengths, src, dst, num_ranks=d, ranks_per_node=4, method="ilp",
+                          time_limit_s=1.0)
+        a = place_batches(lengths, src, dst, num_ranks=d, ranks_per_node=4, method="assign")
+        assert (p.perm == a.perm).all()
+        orchmllm.balance(lengths, d, src=src, ranks_per_node=4, placement="ilp")
+print(sum("ILP failed" in str(w.message) for w in caught))
+"""
+
+
+def test_missing_solver_warns_once_per_process(repo_env):
+    """Without cylp the ILP falls back to assign on every call, and says so once, not every
+    step (the old code warned 11 times in these 12 calls)."""
+    pytest.importorskip("cvxpy")
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_CYLP],
+        env=repo_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1"]
