@@ -48,7 +48,7 @@ def test_only_time_limited_plans_are_nondeterministic():
 
 @pytest.mark.parametrize("mode", ["none", "llm", "full"])
 def test_orchestrator_plans_are_nondeterministic_only_when_balanced_with_ilp(mode):
-    phases = default_phases(EncodingRates(), patch_dim=12, n_mels=8)
+    phases = default_phases(EncodingRates(), feature_dims={"vision": 12, "audio": 8})
     for placement in ("assign", "ilp"):
         orch = Orchestrator(phases, mode=mode, placement=placement, ranks_per_node=2)
         # mode="none" balances nothing, so it never reaches the placement.
