@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.sim.compute import BlockShape, Submodule
+from orchmllm.sim.layout import ACT_BYTES  # bf16 activations and gradients
 
-ACT_BYTES = 2  # bf16 activations and gradients
 # Chunked loss (benchmarks/gpu_step.py, chunked_head_loss): fp32 logits + fp32 softmax
 # gradient + its bf16 copy, per vocabulary entry of a chunk token.
 LOGIT_ENTRY_BYTES = 4 + 4 + 2
