@@ -58,7 +58,8 @@ from orchmllm.sim.sweep import (  # noqa: E402
     sample_pool,
 )
 
-RANKS = (64, 128, 256, 512, 1024, 2560)
+RANKS = (64, 128, 256, 512, 1024, 2560)  # Table 2's scales
+FIG8_RANKS = (64, 256, 2560)  # the paper's Figure 8 is at 2560; two smaller scales for the trend
 QUICK_RANKS = (32, 64)
 ABLATION_RANKS = 128  # section 8.3 microbenchmarks
 QUICK_ABLATION_RANKS = 32
@@ -946,7 +947,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sw.records.extend(calibration())
     sections: dict[str, Callable[[], None]] = {
         "speedup": lambda: speedups(sw),
-        "fig8": lambda: figure8(sw, ranks),
+        "fig8": lambda: figure8(sw, QUICK_RANKS if args.quick else FIG8_RANKS),
         "fig10": lambda: figure10(sw, ablation),
         "fig11": lambda: figure11(sw, ablation),
         "fig13": lambda: figure13(sw, ablation),
