@@ -710,6 +710,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         warmup=True,
         repeats=repeats,
     )
+    for r in records:  # what benchmarks/reproduce_paper.py needs to simulate the same set-up
+        r.update(
+            config=args.config or f"configs/{default_config}",
+            layer_divisor=divisor,
+            seed=args.seed,
+            link_gbs=args.link_gbs,
+        )
     print_table(records)
     print_targets(records)
     if args.json:

@@ -12,9 +12,15 @@ import yaml
 from orchmllm.config import ModelConfig
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
-from orchmllm.sim.compute import BlockShape, block_fit, load_block_records, submodules
+from orchmllm.sim.compute import (
+    BlockShape,
+    Submodule,
+    block_fit,
+    load_block_records,
+    submodules,
+)
 from orchmllm.sim.layout import MODES, disttrain_reorder, llm_pieces, plan
-from orchmllm.sim.memory import MemoryModel
+from orchmllm.sim.memory import MemoryModel, block_activation_bytes, phase_tokens
 from orchmllm.sim.step import dispatch_collectives, simulate_step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -99,11 +105,28 @@ def test_frozen_module_costs_a_third() -> None:
         cfg.audio,
         cfg.llm,
     )
-    a, b = submodules(cfg)["vision"], submodules(frozen)["vision"]
+    a = submodules(cfg, checkpointing=False)["vision"]
+    b = submodules(frozen)["vision"]  # nothing to recompute without a backward
     lengths = np.array([256, 1024, 700])
     dst = np.array([0, 0, 1])
     np.testing.assert_allclose(b.times_ms(lengths, dst, 2), a.times_ms(lengths, dst, 2) / 3)
     assert b.useful_flops(lengths) == pytest.approx(a.useful_flops(lengths) / 3)
+
+
+def test_checkpointing_charges_one_extra_forward_of_the_blocks(mllm10b) -> None:
+    """Recompute adds a forward (a third of forward+backward) to every block, not to the LM
+    head, and adds no useful FLOPs (MFU counts the model's FLOPs once)."""
+    cfg, mods = mllm10b
+    plain = submodules(cfg, checkpointing=False)
+    for phase in ("vision", "audio"):
+        assert mods[phase].cost.alpha == pytest.approx(plain[phase].cost.alpha * 4 / 3)
+        assert mods[phase].cost.beta == pytest.approx(plain[phase].cost.beta * 4 / 3)
+    llm, base = mods["llm"], plain["llm"]
+    head_ms = base.cost.alpha - base.layers * base.block.cost.alpha
+    assert head_ms > 0
+    assert llm.cost.alpha == pytest.approx(base.layers * base.block.cost.alpha * 4 / 3 + head_ms)
+    lengths = np.array([300, 2000])
+    assert llm.useful_flops(lengths) == base.useful_flops(lengths)
 
 
 # -- communication -------------------------------------------------------------------------
@@ -244,18 +267,73 @@ def test_step_waits_for_the_slowest_rank(mllm10b) -> None:
     )
 
 
-def test_memory_proxy_counts_worst_rank(mllm10b) -> None:
-    cfg, mods = mllm10b
+def test_block_activation_bytes_follow_the_shape() -> None:
+    """A GPT block (GELU MLP, f = 4h, kv = h) keeps 32 h bytes per token: Korthikanti et al.'s
+    34 h less the two dropout masks (FlashAttention drops the l^2 terms); plus the 4 h bytes of
+    its output and input gradients. SwiGLU keeps two more FFN-wide values."""
+    h = 1024
+    gelu = BlockShape(h, 4 * h, 16, 16, "bidir")
+    assert block_activation_bytes(gelu) == 32 * h + 4 * h
+    swiglu = BlockShape(h, 4 * h, 16, 16, "causal")
+    assert block_activation_bytes(swiglu) - block_activation_bytes(gelu) == 2 * 2 * 4 * h
+    gqa = BlockShape(h, 4 * h, 16, 4, "causal")  # k and v shrink with the key/value heads
+    assert block_activation_bytes(swiglu) - block_activation_bytes(gqa) == 2 * 2 * (h - h // 4)
+
+
+def test_memory_model_peak_is_the_llm_backward_of_the_worst_rank(mllm10b) -> None:
+    _, mods = mllm10b
     mem = MemoryModel()
-    tokens = {"llm": np.array([1000.0, 3000.0]), "vision": np.array([0.0, 0.0])}
+    tokens = {
+        "vision": np.array([0.0, 2000.0]),
+        "audio": np.array([500.0, 0.0]),
+        "llm": np.array([1000.0, 3000.0]),
+    }
     act = mem.activation_bytes(mods, tokens)
+    kept = {p: mem.kept_bytes(mods[p], tokens[p]) for p in tokens}
     llm = mods["llm"]
-    per_token = llm.layers * llm.block.shape.hidden * mem.act_bytes + llm.vocab * mem.logit_bytes
-    np.testing.assert_allclose(act, [1000 * per_token, 3000 * per_token])
+    h = llm.block.shape.hidden
+    # checkpointed block inputs plus the final norm and the loss's hidden gradient
+    np.testing.assert_allclose(kept["llm"], tokens["llm"] * 2 * h * (llm.layers + 3))
+    work = np.maximum(
+        tokens["llm"] * block_activation_bytes(llm.block.shape),
+        np.minimum(tokens["llm"], mem.logit_chunk_tokens) * llm.vocab * 10,
+    )
+    np.testing.assert_allclose(act, kept["vision"] + kept["audio"] + kept["llm"] + work)
     peak = mem.peak_bytes(mods, tokens, 2)
-    assert peak[1] - peak[0] == pytest.approx(2000 * per_token)
-    with pytest.raises(ValueError, match="act_bytes"):
-        MemoryModel(act_bytes=0.0)
+    np.testing.assert_allclose(peak - act, mem.static_bytes(mods, 2))
+    # a frozen module keeps nothing for a backward it does not run
+    frozen = Submodule("vision", mods["vision"].block, mods["vision"].layers, frozen=True)
+    assert not mem.kept_bytes(frozen, tokens["vision"]).any()
+    with pytest.raises(ValueError, match="logit_chunk_tokens"):
+        MemoryModel(logit_chunk_tokens=0)
+
+
+def test_padded_phase_memory_counts_the_padding() -> None:
+    lengths = np.array([100, 700, 300, 300])
+    dst = np.array([0, 0, 1, 1])
+    np.testing.assert_array_equal(phase_tokens("padded", lengths, dst, 3), [1400, 600, 0])
+    np.testing.assert_array_equal(phase_tokens("packed", lengths, dst, 3), [800, 600, 0])
+
+
+def test_largest_minibatch_is_the_boundary_whatever_the_start() -> None:
+    """The searched mini-batch fits and one more example does not, from any starting guess;
+    balancing fits at least as many examples as no balancing."""
+    from orchmllm.sim.sweep import largest_minibatch, load_model, run_case, sample_pool
+
+    model = load_model("mllm-84b")
+    pools = {0: sample_pool(model, 32, 80, seed=1)}
+    found = {}
+    for mode in ("none", "full"):
+        answers = {
+            largest_minibatch(model, 32, mode, pools=pools, guess=g)[0] for g in (None, 1, 79)
+        }
+        assert len(answers) == 1, (mode, answers)
+        b = found[mode] = answers.pop()
+        assert 1 <= b < 79
+        at = run_case(model, 32, mode, examples_per_rank=b, pools=pools)
+        over = run_case(model, 32, mode, examples_per_rank=b + 1, pools=pools)
+        assert not at["oom"] and over["oom"], (mode, b)
+    assert found["full"] >= found["none"]
 
 
 def test_batch_rejects_bad_input() -> None:

@@ -8,9 +8,11 @@ are full duplex and NVLink and the network run at the same time, so a rank is bu
 received bytes on that fabric; the collective ends with the busiest rank (paper eq. 4-5), plus
 a per-peer latency for the ``num_ranks - 1`` send/receive pairs every rank posts.
 
-Defaults are the paper's cluster (section 8): NVLink 900 GB/s bidirectional per GPU (450 GB/s
-each way) and 8 x 400 Gbps InfiniBand per 8-GPU node (50 GB/s each way per GPU). The peer
-latency (2 us) is an assumption, not a figure from the paper.
+Defaults are the paper's cluster (section 8), which is also the published H100 hardware: NVLink
+900 GB/s bidirectional per GPU (450 GB/s each way) and 8 x 400 Gbps InfiniBand per 8-GPU node
+(50 GB/s each way per GPU). These are link peaks: the achieved all-to-all bandwidth is lower,
+so the model's transfer times are lower bounds. The peer latency (2 us) is an assumption, not a
+figure from the paper or a measurement.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ import numpy as np
 class Network:
     """Per-GPU link speeds (bytes/s each way) and topology."""
 
+    # 8 H100 per node: the paper's cluster (section 8), an NVIDIA HGX/DGX H100 node.
     ranks_per_node: int = 8
+    # NVLink 4: 900 GB/s bidirectional per H100 SXM (NVIDIA H100 datasheet; paper section 8).
     bw_intra: float = 450e9
+    # One 400 Gb/s NDR InfiniBand port per GPU (8 x 400 Gbps per node, paper section 8).
     bw_inter: float = 50e9
+    # Assumed per-peer send/receive latency, not measured.
     peer_latency_s: float = 2e-6
 
     def __post_init__(self) -> None:

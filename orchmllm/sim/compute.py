@@ -19,6 +19,13 @@ its hidden size. A module of ``L`` layers costs ``L`` blocks; the LLM adds its o
 (``6 * hidden * vocab`` FLOPs per token at the LLM's ``R_lin``). A frozen module runs forward only
 (``CostModel.forward_only``). Connectors, the audio conv front end and embeddings are left out:
 each is under 2% of its module's FLOPs for the paper's shapes.
+
+Activation checkpointing (``Submodule.checkpointing``, on by default because the memory model
+in ``orchmllm.sim.memory`` assumes it) keeps only each block's input and recomputes the block in
+backward, so a trained module's blocks cost one extra forward: ``1 + FORWARD_FRACTION`` (4/3) of
+their measured forward+backward time. The LM head is not recomputed (the chunked loss computes
+its logits and their gradients in one pass) and a frozen module has no backward to recompute
+for. MFU counts useful FLOPs only, so recompute lowers it.
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.cost import CostModel, fit_packed, fit_padded
+from orchmllm.cost import FORWARD_FRACTION, CostModel, fit_packed, fit_padded
 
 ATTENTION_KINDS = ("causal", "bidir", "padded")
 PHASES = ("vision", "audio", "llm")
-# Dense bf16 peak of an H100 SXM, the denominator of MFU.
+# Dense bf16 peak of an H100 SXM (NVIDIA H100 Tensor Core GPU datasheet: 1,979 TFLOPS with
+# sparsity, half that dense), the denominator of MFU; the paper's GPUs (section 8).
 H100_PEAK_FLOPS = 989.4e12
 
 
@@ -164,10 +172,16 @@ class Submodule:
     layers: int
     frozen: bool = False
     vocab: int = 0  # output projection after the blocks (LLM only)
+    checkpointing: bool = True  # blocks recomputed in backward (only their inputs are kept)
 
     @property
     def kind(self) -> str:
         return self.block.cost.kind
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether backward recomputes the blocks' forward (a checkpointed, trained module)."""
+        return self.checkpointing and not self.frozen
 
     @property
     def _pass_fraction(self) -> float:
@@ -180,14 +194,16 @@ class Submodule:
 
     @property
     def cost(self) -> CostModel:
-        """Forward+backward (forward only if frozen) time in ms of a batch on one GPU."""
+        """Forward+backward (forward only if frozen) time in ms of a batch on one GPU, the
+        blocks' recomputed forward included when checkpointing."""
         b = self.block.cost
+        blocks = self.layers * (1.0 + FORWARD_FRACTION if self.recomputes else 1.0)
         head_ms = self.head_flops / self.block.linear_rate * 1e3
         whole = CostModel(
             b.kind,
-            alpha=self.layers * b.alpha + head_ms,
-            beta=self.layers * b.beta,
-            const=self.layers * b.const,
+            alpha=blocks * b.alpha + head_ms,
+            beta=blocks * b.beta,
+            const=blocks * b.const,
         )
         return whole.forward_only() if self.frozen else whole
 
@@ -208,7 +224,7 @@ class Submodule:
         return self.layers * self.block.shape.weights + self.block.shape.hidden * self.vocab
 
 
-def submodules(config: ModelConfig) -> dict[str, Submodule]:
+def submodules(config: ModelConfig, *, checkpointing: bool = True) -> dict[str, Submodule]:
     """The three phases of a paper-shaped MLLM, calibrated on the H100 block data."""
     v, a, m = config.vision, config.audio, config.llm
     return {
@@ -217,17 +233,20 @@ def submodules(config: ModelConfig) -> dict[str, Submodule]:
             block_fit(BlockShape(v.hidden, v.ffn, v.heads, v.kv_heads, "bidir")),
             v.layers,
             frozen=v.frozen,
+            checkpointing=checkpointing,
         ),
         "audio": Submodule(
             "audio",
             block_fit(BlockShape(a.hidden, a.ffn, a.heads, a.kv_heads, "padded")),
             a.layers,
             frozen=a.frozen,
+            checkpointing=checkpointing,
         ),
         "llm": Submodule(
             "llm",
             block_fit(BlockShape(m.hidden, m.ffn, m.heads, m.kv_heads, "causal")),
             m.layers,
             vocab=config.vocab,
+            checkpointing=checkpointing,
         ),
     }

@@ -4,8 +4,8 @@ Step time is ``sum over phases of max(slowest rank's compute, FSDP traffic of th
 the dispatch all-to-alls on the critical path:
 
 - compute: each rank's batch in each phase through the calibrated module cost
-  (``orchmllm.sim.compute``); FSDP collectives synchronise every phase, so a phase lasts as long
-  as its slowest rank.
+  (``orchmllm.sim.compute``, the recomputed forward of checkpointed blocks included); FSDP
+  collectives synchronise every phase, so a phase lasts as long as its slowest rank.
 - FSDP: ZeRO-3 all-gathers the parameters forward and backward and reduce-scatters gradients
   (three passes of the bf16 weights, one for a frozen module) within the hybrid-shard group,
   prefetched layer by layer, so the traffic hides behind compute until a rank's batch is too
@@ -15,7 +15,8 @@ the dispatch all-to-alls on the critical path:
 - planning runs on the CPU during the previous step (prefetch) and is reported, not added;
   ``plan_hidden`` says whether it fits in the step.
 
-MFU counts useful FLOPs only (no padding, causal attention halved) over the dense bf16 peak.
+MFU counts useful FLOPs only (no padding, causal attention halved, no recompute) over the dense
+bf16 peak. Memory is ``orchmllm.sim.memory``'s peak of the worst rank.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchmllm.config import ModelConfig
+from orchmllm.cost import FORWARD_FRACTION
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, PHASES, Submodule
 from orchmllm.sim.layout import Layout, frame_bytes, llm_pieces, patch_bytes
-from orchmllm.sim.memory import MemoryModel
+from orchmllm.sim.memory import MemoryModel, phase_tokens
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class StepResult:
     llm_tokens: int  # tokens through the LLM (the paper's throughput counts these)
     mfu: float
     peak_memory_bytes: float  # worst rank
-    mean_memory_bytes: float
+    balanced_memory_bytes: float  # a rank holding every phase's average tokens
     budget_bytes: float
     dispatchers: dict[str, comm.Volumes]  # forward moves by dispatcher name
     plan_ms: float
@@ -170,15 +172,21 @@ def simulate_step(
         compute[phase] = float(t.max())
         mean_compute[phase] = float(t.mean())
         fsdp[phase] = fsdp_seconds(m, d, cluster)
-        tokens[phase] = np.bincount(dst[phase], weights=lengths[phase], minlength=d)
+        tokens[phase] = phase_tokens(m.kind, lengths[phase], dst[phase], d)
         useful += m.useful_flops(lengths[phase])
     fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
     # a move where every item stays is skipped by all ranks together (the plan is global)
     dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd if v.moves)
     dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd if v.moves)
     step = sum(max(compute[p], fsdp[p]) for p in PHASES) + dispatch_fwd + dispatch_bwd
-    # forward share: a third of a trained module's compute and FSDP traffic, all of a frozen one
-    fwd_share = {p: 1.0 if modules[p].frozen else 1.0 / 3.0 for p in PHASES}
+    # forward share of a phase: all of a frozen module, a third of a trained one, a quarter of
+    # a recomputing one (forward, recomputed forward, backward at 1:1:2; the head counted alike)
+    fwd_share = {
+        p: 1.0
+        if modules[p].frozen
+        else FORWARD_FRACTION / (1.0 + FORWARD_FRACTION * modules[p].recomputes)
+        for p in PHASES
+    }
     forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in PHASES) + dispatch_fwd
     memory = cluster.memory.peak_bytes(modules, tokens, d)
     return StepResult(
@@ -193,7 +201,11 @@ def simulate_step(
         llm_tokens=int(lengths["llm"].sum()),
         mfu=useful / (d * step * cluster.peak_flops) if step > 0 else 0.0,
         peak_memory_bytes=float(memory.max()),
-        mean_memory_bytes=float(memory.mean()),
+        balanced_memory_bytes=float(
+            cluster.memory.peak_bytes(
+                modules, {p: t.mean(keepdims=True) for p, t in tokens.items()}, d
+            )[0]
+        ),
         budget_bytes=cluster.memory.budget_bytes,
         dispatchers=by_dispatcher(fwd),
         plan_ms=layout.plan_ms,

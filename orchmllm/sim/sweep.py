@@ -1,14 +1,14 @@
 """Simulated cases: sample a global batch, plan it with the real planner, model the step.
 
 A case is one (model, ranks, mode, placement, policies, mini-batch) over a few sampled steps;
-:func:`run_case` returns one flat record (the benchmark's JSON row). :func:`max_examples_per_rank`
+:func:`run_case` returns one flat record (the benchmark's JSON row). :func:`largest_minibatch`
 is the paper's rule for the mini-batch (the largest that never runs out of memory), applied to
-the memory proxy.
+the memory model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,11 @@ def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
     return SimModel(path.stem, config, raw["data"], submodules(config))
 
 
-def sample_pool(model: SimModel, num_ranks: int, examples_per_rank: int, seed: int) -> Batch:
-    """One step's global batch drawn from the model's data mix (seeded)."""
+def sample_pool(
+    model: SimModel, num_ranks: int, examples_per_rank: int, seed: int | Sequence[int]
+) -> Batch:
+    """One step's global batch drawn from the model's data mix (``seed`` seeds
+    ``numpy.random.default_rng``)."""
     return sample_batch(
         model.data,
         model.config,
@@ -102,39 +105,19 @@ def _steps(
     return out
 
 
-def run_case(
+def summarize(
     model: SimModel,
     num_ranks: int,
     mode: str,
+    results: Sequence[StepResult],
     *,
     examples_per_rank: int,
-    placement: str = "none",
-    steps: int = 1,
-    seed: int = 0,
-    policies: Mapping[str, str] | None = None,
-    cluster: Cluster | None = None,
-    pools: Mapping[int, Batch] | None = None,
+    placement: str,
+    policies: Mapping[str, str] | None,
+    cluster: Cluster,
 ) -> dict[str, Any]:
-    """Mean over ``steps`` sampled steps of one configuration, as a flat record.
-
-    Step ``k`` uses seed ``seed + k`` (or ``pools[k].take(...)``), so every mode of a
-    comparison sees the same batches.
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps!r}")
-    cluster = cluster or Cluster()
-    results = _steps(
-        model,
-        num_ranks,
-        mode,
-        examples_per_rank=examples_per_rank,
-        placement=placement,
-        steps=steps,
-        seed=seed,
-        policies=policies,
-        cluster=cluster,
-        pools=pools,
-    )
+    """Mean over sampled steps of one configuration, as a flat record."""
+    steps = len(results)
     total_time = sum(r.step_time_s for r in results)
     llm_tokens = sum(r.llm_tokens for r in results)
     record: dict[str, Any] = {
@@ -173,43 +156,139 @@ def run_case(
     return record
 
 
-def max_examples_per_rank(
+def run_case(
     model: SimModel,
     num_ranks: int,
     mode: str,
     *,
-    pools: Mapping[int, Batch],
+    examples_per_rank: int,
+    placement: str = "none",
+    steps: int = 1,
+    seed: int = 0,
     policies: Mapping[str, str] | None = None,
     cluster: Cluster | None = None,
-) -> int:
-    """Largest mini-batch whose worst rank fits the memory budget in every pooled step (0 if
-    not even one example fits). Placement permutes whole batches, so it changes no rank's peak
-    and is left out."""
+    pools: Mapping[int, Batch] | None = None,
+) -> dict[str, Any]:
+    """Mean over ``steps`` sampled steps of one configuration, as a flat record.
+
+    Step ``k`` uses seed ``seed + k`` (or ``pools[k].take(...)``), so every mode of a
+    comparison sees the same batches.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps!r}")
     cluster = cluster or Cluster()
-    hi = min(p.examples_per_rank for p in pools.values())
+    results = _steps(
+        model,
+        num_ranks,
+        mode,
+        examples_per_rank=examples_per_rank,
+        placement=placement,
+        steps=steps,
+        seed=seed,
+        policies=policies,
+        cluster=cluster,
+        pools=pools,
+    )
+    return summarize(
+        model,
+        num_ranks,
+        mode,
+        results,
+        examples_per_rank=examples_per_rank,
+        placement=placement,
+        policies=policies,
+        cluster=cluster,
+    )
 
-    def fits(b: int) -> bool:
-        return not any(
-            r.oom
-            for r in _steps(
-                model,
-                num_ranks,
-                mode,
-                examples_per_rank=b,
-                placement="none",
-                steps=len(pools),
-                seed=0,
-                policies=policies,
-                cluster=cluster,
-                pools=pools,
-            )
-        )
 
-    lo, top = 0, hi  # invariant: lo fits (0 trivially), every b > top is out of range
-    while lo < top:
+def _largest(fits: Callable[[int], bool], hi: int, guess: int) -> int:
+    """Largest ``b`` in ``[0, hi]`` with ``fits(b)`` (monotone, ``fits(0)`` assumed), probing
+    outward from ``guess`` in doubling steps and then bisecting, so a good guess costs two or
+    three probes."""
+    g = min(max(guess, 1), hi)
+    if fits(g):
+        lo, top, step = g, hi, 1
+        while lo + step <= hi:
+            if not fits(lo + step):
+                top = lo + step - 1
+                break
+            lo, step = lo + step, 2 * step
+    else:
+        lo, top, step = 0, g - 1, 1
+        while g - step > 0:
+            if fits(g - step):
+                lo = g - step
+                break
+            top, step = g - step - 1, 2 * step
+    while lo < top:  # invariant: lo fits (0 trivially), every b > top does not
         mid = (lo + top + 1) // 2
         if fits(mid):
             lo = mid
         else:
             top = mid - 1
     return lo
+
+
+def largest_minibatch(
+    model: SimModel,
+    num_ranks: int,
+    mode: str,
+    *,
+    pools: Mapping[int, Batch],
+    placement: str = "none",
+    policies: Mapping[str, str] | None = None,
+    cluster: Cluster | None = None,
+    guess: int | None = None,
+) -> tuple[int, dict[str, Any] | None]:
+    """The paper's rule for the mini-batch (section 8.1): the largest whose worst rank fits
+    the memory budget in every pooled step, and its record (``None`` if not even one example
+    fits). The mini-batch must stay below the pools' size, else ``ValueError``.
+
+    The search starts at ``guess`` (e.g. the answer at a neighbouring scale) or, for a balancing
+    mode, where a rank holding every phase's average tokens would fit (cheap: no plan), since a
+    balanced layout's worst rank sits near it; the answer does not depend on the start, only
+    the number of plans made does."""
+    cluster = cluster or Cluster()
+    hi = min(p.examples_per_rank for p in pools.values())
+    seen: dict[tuple[str, int], list[StepResult]] = {}
+
+    def results(b: int, how: str) -> list[StepResult]:
+        if (how, b) not in seen:
+            seen[how, b] = _steps(
+                model,
+                num_ranks,
+                how,
+                examples_per_rank=b,
+                placement=placement if how == mode else "none",
+                steps=len(pools),
+                seed=0,
+                policies=policies,
+                cluster=cluster,
+                pools=pools,
+            )
+        return seen[how, b]
+
+    def fits(b: int) -> bool:
+        return not any(r.oom for r in results(b, mode))
+
+    def mean_fits(b: int) -> bool:
+        return all(r.balanced_memory_bytes <= r.budget_bytes for r in results(b, "none"))
+
+    if guess is None:
+        guess = (hi + 1) // 2 if mode == "none" else _largest(mean_fits, hi, (hi + 1) // 2)
+    b = _largest(fits, hi, guess)
+    if b == hi:
+        raise ValueError(f"pools: {hi} examples per rank all fit; sample larger pools")
+    if b == 0:
+        return 0, None
+    record = summarize(
+        model,
+        num_ranks,
+        mode,
+        results(b, mode),
+        examples_per_rank=b,
+        placement=placement,
+        policies=policies,
+        cluster=cluster,
+    )
+    return b, record
