@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +19,16 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from orchmllm.train import PHASES, forward_backward, load_config, main, parse_args, setup
+from orchmllm.train import (
+    PHASES,
+    forward_backward,
+    load_config,
+    main,
+    parse_args,
+    setup,
+    write_once,
+)
+from tests.conftest import ROOT
 from tests.multiproc import run_distributed
 
 TINY = "configs/tiny.yaml"
@@ -197,3 +209,74 @@ def test_bad_arguments_are_rejected(tmp_path):
         yaml.safe_dump(raw, f)
     with pytest.raises(ValueError, match="audio_policy"):
         load_config(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_a_shared_empty_data_dir_write_it_once(tmp_path, repo_env):
+    """The README's 2-node set-up on one machine: two ``torchrun --nnodes=2`` launches whose
+    first ranks both see the same, empty ``--data-dir`` (a shared filesystem). Exactly one
+    rank writes the dataset, both nodes train, and nothing temporary is left behind."""
+    config = _config(tmp_path, "two_nodes", examples_per_rank=4)
+    data = tmp_path / "data"
+    port = _free_port()
+
+    def launch(node: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+            "-m", "orchmllm.train", "--config", config, "--steps", "1", "--quiet",
+            "--data-dir", str(data),
+        ]  # fmt: skip
+        env = {**repo_env, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    launches = [launch(node) for node in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in launches]
+    finally:
+        for p in launches:
+            p.kill()
+    for node, (p, log) in enumerate(zip(launches, logs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{log[-3000:]}"
+    writers = [line for log in logs for line in log.splitlines() if ": writing " in line]
+    assert len(writers) == 1, writers
+    assert [p.name for p in data.iterdir()] == [os.path.basename(writers[0].split()[-1])]
+
+
+def _write_once_worker(rank: int, world: int, tmp_path: str):
+    """Ranks 0 and 1 share one directory, rank 2 has its own (node-local)."""
+    root = os.path.join(tmp_path, "shared" if rank < 2 else "local")
+    path = os.path.join(root, "ds")
+
+    def write(tmp: str) -> None:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "who"), "w") as f:
+            f.write(str(rank))
+
+    first = write_once(path, write)
+    again = write_once(path, write)  # complete: nobody writes
+    with open(os.path.join(path, "who")) as f:
+        who = int(f.read())
+
+    def fail(tmp: str) -> None:
+        raise OSError(f"disk full on rank {rank}")
+
+    with pytest.raises((OSError, RuntimeError), match="disk full on rank 0"):
+        write_once(os.path.join(tmp_path, "shared", "broken"), fail)
+    dist.barrier()  # every rank removed its probe
+    return first, again, who, sorted(os.listdir(root))
+
+
+def test_write_once_one_writer_per_filesystem(tmp_path):
+    results = run_distributed(_write_once_worker, 3, str(tmp_path), timeout=30)
+    assert [r[0] for r in results] == [True, False, True]
+    assert not any(r[1] for r in results)
+    assert [r[2] for r in results] == [0, 0, 2]  # every rank reads its filesystem's writer's copy
+    assert results[0][3] == ["ds"] and results[2][3] == ["ds"]  # no probe, no temporary left
