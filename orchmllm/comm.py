@@ -128,7 +128,9 @@ def _check_plan(plan: Rearrangement, group: dist.ProcessGroup | None) -> int:
 
 def _to_wire(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Flat buffer in the wire dtype and the number of wire elements per row."""
-    flat = t.contiguous().reshape(-1)
+    # An empty tensor counts as contiguous whatever its strides (an expanded one has stride
+    # 0), and viewing it as bytes needs stride 1: give it a fresh buffer.
+    flat = t.contiguous().reshape(-1) if t.numel() else t.new_empty(0)
     per_row = int(np.prod(t.shape[1:], dtype=np.int64))
     if t.dtype in _NATIVE:
         return flat, per_row
