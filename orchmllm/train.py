@@ -11,6 +11,7 @@ gradients: rebalancing changes which rank computes an example, never the result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -20,10 +21,11 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ import yaml
 from torch import Tensor
 
 import orchmllm
+from orchmllm import watch
 from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -152,9 +155,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long any collective may wait for the other ranks; a step that waits longer "
+        "fails on every healthy rank, naming the ranks that did not arrive",
+    )
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     return args
 
 
@@ -165,12 +178,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
     """Join the torchrun group (NCCL on CUDA, gloo otherwise) unless one already exists.
 
+    A group created here also publishes this rank's progress in the launcher's store
+    (:mod:`orchmllm.watch`), so a step that times out names the ranks that did not arrive.
     Returns (whether we created the group, the device this rank computes on).
     """
     created = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        watch.install(watch.Progress(store, rank=rank, world_size=world, timeout=timeout_s))
         created = True
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -205,15 +223,23 @@ def synthetic_config(cfg: RunConfig, *, num_examples: int, seed: int) -> Synthet
     )
 
 
-def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
-    """Generate the HF dataset once per data directory (cached under a key of its parameters
-    and the generator's source), then load it on every rank (collective)."""
+def dataset_location(
+    cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None
+) -> tuple[SyntheticConfig, str]:
+    """The synthetic dataset's parameters and its directory: cached under a key of the
+    parameters and the generator's source, so a changed generator never reads a stale copy."""
     syn = synthetic_config(cfg, num_examples=num_examples, seed=seed)
     with open(synthetic.__file__, "rb") as f:
         generator = f.read()
     key = hashlib.sha256(repr((syn, cfg.rates)).encode() + generator).hexdigest()[:16]
     root = data_dir or os.path.join(tempfile.gettempdir(), "orchmllm-data")
-    path = os.path.join(root, f"synthetic-{key}")
+    return syn, os.path.join(root, f"synthetic-{key}")
+
+
+def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
+    """Generate the HF dataset once per data directory, then load it on every rank
+    (collective)."""
+    syn, path = dataset_location(cfg, num_examples=num_examples, seed=seed, data_dir=data_dir)
     write_once(path, lambda tmp: save_dataset(syn, cfg.rates, tmp))
     return load_dataset(path)
 
@@ -347,7 +373,7 @@ class Run:
     loader: BalancedDataLoader
 
 
-def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
+def setup(args: argparse.Namespace) -> Run:
     """Load the config and data, build and shard the model (collective: every rank)."""
     cfg = load_config(args.config)
     steps = args.steps or cfg.train.steps
@@ -355,17 +381,24 @@ def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
     placement = args.placement or cfg.balance.placement
     dtype = DTYPES[args.dtype]
     world = dist.get_world_size()
-    _, device = init_distributed()
+    _, device = init_distributed(args.timeout)
     rpn = ranks_per_node(cfg, world)
     per_rank = cfg.data.examples_per_rank
     dataset = prepare_dataset(
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
-    orch = make_orchestrator(cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout)
+    orch = make_orchestrator(
+        cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=args.timeout
+    )
     # Samples like a DistributedSampler; plans each step in a background thread ahead of it
     # (a time-limited ILP placement on rank 0 alone, broadcast: see exchange.agreed_plan).
     loader = orchestrated_loader(
-        dataset, orch, batch_size=per_rank, prefetch=args.prefetch, seed=seed, timeout=timeout
+        dataset,
+        orch,
+        batch_size=per_rank,
+        prefetch=args.prefetch,
+        seed=seed,
+        timeout=args.timeout,
     )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
@@ -380,39 +413,65 @@ def forward_backward(run: Run, planned: PlannedBatch) -> tuple[Tensor, LLMBatch]
     return loss, out
 
 
-def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dict], MLLM]:
-    """Run the training loop; returns this rank's per-step records and the (sharded) model."""
-    run = setup(args, timeout=timeout)
+def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
+    """Run the training loop; returns this rank's per-step records and the (sharded) model.
+
+    A step that fails (a collective timed out, a peer failed or left) raises
+    :class:`orchmllm.watch.StepFailed` naming the ranks that did not arrive, when this
+    process publishes its progress (see :func:`init_distributed`). The loader is then
+    abandoned, not closed: closing waits for collectives that cannot complete.
+    """
+    run = setup(args)
     world = dist.get_world_size()
     records = []
-    with run.loader:
-        for step, planned in enumerate(run.loader):
-            t0 = time.perf_counter()
+    batches = iter(run.loader)
+    for step in range(run.steps):
+        t0 = time.perf_counter()
+        try:
+            planned = next(batches)
+        except StopIteration:
+            break
+        except Exception as exc:
+            _step_failed(exc, "exchange", t0)
+        watch.arrive("train", step)
+        t0 = time.perf_counter()
+        try:
             loss, out = forward_backward(run, planned)
             run.optim.step()
             run.optim.zero_grad(set_to_none=True)
             global_loss, n_tokens = _all_reduce_sum(
                 [loss.item(), float(out.lengths.sum())], run.device
             )
-            dt = time.perf_counter() - t0
-            records.append(
-                {
-                    "step": step,
-                    "loss": global_loss,
-                    "step_time_s": dt,
-                    "tokens_per_s": n_tokens / dt,
-                    "balance": args.balance,
-                    "world_size": world,
-                    "ranks_per_node": run.rpn,
-                    "placement": run.placement,
-                    "plan_s": planned.info.plan_s,
-                    "prep_s": planned.info.prep_s,
-                    "phases": {name: out.stats[name] for name in PHASES},
-                }
-            )
-            if dist.get_rank() == 0 and not args.quiet:
-                print(_progress(records[-1]), flush=True)
+        except Exception as exc:
+            _step_failed(exc, "train", t0)
+        dt = time.perf_counter() - t0
+        records.append(
+            {
+                "step": step,
+                "loss": global_loss,
+                "step_time_s": dt,
+                "tokens_per_s": n_tokens / dt,
+                "balance": args.balance,
+                "world_size": world,
+                "ranks_per_node": run.rpn,
+                "placement": run.placement,
+                "plan_s": planned.info.plan_s,
+                "prep_s": planned.info.prep_s,
+                "phases": {name: out.stats[name] for name in PHASES},
+            }
+        )
+        if dist.get_rank() == 0 and not args.quiet:
+            print(_progress(records[-1]), flush=True)
+    run.loader.close()
     return records, run.model
+
+
+def _step_failed(exc: Exception, stream: str, t0: float) -> NoReturn:
+    """Raise ``exc`` as the diagnosis of the step it ended (see :mod:`orchmllm.watch`)."""
+    progress = watch.current()
+    if progress is None:
+        raise exc
+    raise progress.diagnose(exc, stream=stream, elapsed_s=time.perf_counter() - t0) from exc
 
 
 def _progress(r: dict) -> str:
@@ -457,9 +516,14 @@ def summary_table(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Entry point; also callable inside an existing process group (tests). Returns this
-    rank's per-step records."""
+    rank's per-step records.
+
+    When it created the process group (torchrun), any failure prints the error and ends
+    the process at once with status 1: tearing the group down would wait on the peers that
+    caused the failure.
+    """
     args = parse_args(argv)
-    created, _ = init_distributed()
+    created, _ = init_distributed(args.timeout)
     try:
         records, model = train(args)
         if args.save:
@@ -473,10 +537,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for r in records:
                         f.write(json.dumps(r) + "\n")
             print(summary_table(records), flush=True)
-        return records
-    finally:
+    except BaseException as exc:
         if created:
-            dist.destroy_process_group()
+            _exit_failed(exc)
+        raise
+    if created:
+        watch.current().close()
+        watch.install(None)
+        dist.destroy_process_group()
+    return records
+
+
+def _exit_failed(exc: BaseException) -> NoReturn:
+    traceback.print_exception(exc)
+    progress = watch.current()
+    if progress is not None and not isinstance(exc, watch.StepFailed):
+        with contextlib.suppress(Exception):
+            progress.close(f"failed: {type(exc).__name__}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,8 +21,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from orchmllm.data.synthetic import save_dataset
 from orchmllm.train import (
     PHASES,
+    dataset_location,
     forward_backward,
     load_config,
     main,
@@ -41,10 +45,11 @@ PHASE_SCHEMA = {
 }  # fmt: skip
 
 
-def _config(tmp_path, name: str, **data_overrides) -> str:
+def _config(tmp_path, name: str, balance: dict | None = None, **data_overrides) -> str:
     with open(TINY) as f:
         raw = yaml.safe_load(f)
     raw["data"].update(data_overrides)
+    raw["balance"].update(balance or {})
     path = os.path.join(tmp_path, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
@@ -130,7 +135,7 @@ def test_balance_modes_train_identically_on_4_ranks_as_2_nodes(tmp_path):
 def _grads_worker(rank: int, world: int, config: str, tmp_path: str, mode: str):
     """Loss and FSDP2-reduced gradients of step 0, as full tensors (rank 0)."""
     torch.set_num_threads(1)
-    run = setup(parse_args(_argv(config, tmp_path, mode, 1)), timeout=90)
+    run = setup(parse_args(_argv(config, tmp_path, mode, 1, "--timeout", "90")))
     with run.loader:
         loss, _ = forward_backward(run, next(iter(run.loader)))
     total = loss.detach().clone()
@@ -280,3 +285,77 @@ def test_write_once_one_writer_per_filesystem(tmp_path):
     assert not any(r[1] for r in results)
     assert [r[2] for r in results] == [0, 0, 2]  # every rank reads its filesystem's writer's copy
     assert results[0][3] == ["ds"] and results[2][3] == ["ds"]  # no probe, no temporary left
+
+
+def _launch_ranks(tmp_path, argv: list[str], world: int, env: dict, port: int) -> list:
+    """``python -m orchmllm.train`` on ``world`` local processes, as torchrun starts them
+    (env:// rendezvous on the launcher's store at ``port``), without torchrun's habit of
+    killing every worker when the first one fails: here each rank's own exit is observed."""
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }  # fmt: skip
+        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "orchmllm.train", *argv],
+                    cwd=ROOT,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=err,
+                )  # fmt: skip
+            )
+    return procs
+
+
+def _wait_for(predicate, *, timeout: float, procs: list) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"a rank ended early: {dead}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_path, repo_env):
+    """SIGSTOP one of 3 ranks mid-training with ``--timeout 4``: every healthy rank reports
+    that rank (and the step) as not arrived and exits with status 1 within the timeout plus
+    a few seconds, instead of a generic "Timed out" after 300 s, and does not sit in
+    process-group teardown."""
+    world, timeout, stopped, slack = 3, 4.0, 1, 5.0
+    config = _config(tmp_path, "hang", {"ranks_per_node": None}, examples_per_rank=2)
+    cfg, steps, data = load_config(config), 40, str(tmp_path / "data")
+    syn, path = dataset_location(
+        cfg, num_examples=steps * world * 2, seed=cfg.train.seed, data_dir=data
+    )
+    save_dataset(syn, cfg.rates, path)  # ahead: writing it is not what the timeout is about
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    argv = ["--config", config, "--steps", str(steps), "--data-dir", data,
+            "--timeout", str(timeout), "--balance", "full"]  # fmt: skip
+    procs = _launch_ranks(tmp_path, argv, world, repo_env, store.port)
+    try:
+        _wait_for(lambda: "step    2" in (tmp_path / "out0").read_text(), timeout=180, procs=procs)
+        os.kill(procs[stopped].pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        elapsed = {}
+        for rank, p in enumerate(procs):
+            if rank != stopped:
+                p.wait(timeout=timeout + slack + 30)
+                elapsed[rank] = time.monotonic() - t_stop
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, t in elapsed.items():
+        err = (tmp_path / f"err{rank}").read_text()
+        assert procs[rank].returncode == 1, err[-3000:]
+        assert "ranks that did not arrive at training step" in err or (
+            "ranks that did not arrive at loader exchange of step" in err
+        ), err[-3000:]
+        assert "did not arrive at " in err and f": [{stopped}]" in err, err[-3000:]
+        assert f"rank {stopped}: silent for" in err, err[-3000:]
+        assert t <= timeout + slack, (rank, t, err[-2000:])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm
+from orchmllm import comm, watch
 from orchmllm.plan import Rearrangement
 
 OK, EXHAUSTED, FAILED = 0, 1, 2
@@ -159,6 +159,7 @@ def gather_step(
     Pass ``error`` when this rank could not prepare its rows: the peers are told, the
     error is re-raised here and :class:`PeerFailed` is raised on every other rank.
     """
+    watch.arrive("exchange", step)
     if error is not None:
         status, local = FAILED, []
     rows = [list(r) for r in (local if local is not None else [])]
