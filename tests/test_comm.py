@@ -52,6 +52,13 @@ def _w_gather_rows(rank: int, world: int):
     assert empty_rows.shape == (0, 2) and empty_src.size == 0
     with pytest.raises(ValueError, match="same number of columns"):
         comm.all_gather_rows(np.zeros((1, 1 + rank), np.int64), timeout=TIMEOUT)
+    # Values the ranks must share ride in the same gather; a difference fails on every rank.
+    agree = {"width": 3, "dtype": "float16" if rank == 2 else "float32"}
+    match = rf"'dtype' differs: ranks \[2\] pass another value than ranks \[0, 1, 3\] \(rank {rank}"
+    with pytest.raises(comm.MismatchError, match=match):
+        comm.all_gather_rows(local, timeout=TIMEOUT, agree=agree)
+    rows, _ = comm.all_gather_rows(local, timeout=TIMEOUT, agree={"dtype": "float32"})
+    assert np.array_equal(rows, expect)
 
 
 CASES = [  # (seed, per-rank item counts) for world size 4

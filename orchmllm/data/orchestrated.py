@@ -51,6 +51,12 @@ class OrchestratorPlanner:
         }[o.mode]
         return not balanced or plan_is_deterministic(placement=o.placement, policies=balanced)
 
+    @property
+    def signature(self) -> tuple:
+        """What decides the plans (compared across ranks in the loader's step header)."""
+        o = self.o
+        return (o.mode, o.llm_policy, o.llm_cost, o.placement, o.ranks_per_node, o.phases)
+
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
         return plan_step(
             rows,
