@@ -35,7 +35,7 @@ import yaml
 from torch import Tensor
 
 import orchmllm
-from orchmllm import watch
+from orchmllm import checkpoint, watch
 from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -156,6 +156,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="write sharded checkpoints here (one filesystem all nodes share); rerunning the "
+        "same command resumes from the newest complete one",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps (0: only after the last step); needs --checkpoint-dir",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=300.0,
@@ -168,6 +181,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        p.error(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
     return args
 
 
@@ -424,8 +441,9 @@ def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
     run = setup(args)
     world = dist.get_world_size()
     records = []
+    start = resume(run) if args.checkpoint_dir else 0
     batches = iter(run.loader)
-    for step in range(run.steps):
+    for step in range(start, run.steps):
         t0 = time.perf_counter()
         try:
             planned = next(batches)
@@ -462,8 +480,57 @@ def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
         )
         if dist.get_rank() == 0 and not args.quiet:
             print(_progress(records[-1]), flush=True)
+        if args.checkpoint_dir and _checkpoint_due(step + 1, run):
+            t0 = time.perf_counter()
+            try:
+                checkpoint.save(
+                    args.checkpoint_dir, step + 1, model=run.model, optim=run.optim,
+                    run={"run": _identity(run), "loader": run.loader.state_dict()},
+                )  # fmt: skip
+            except Exception as exc:
+                _step_failed(exc, "train", t0)
     run.loader.close()
     return records, run.model
+
+
+def _checkpoint_due(done: int, run: Run) -> bool:
+    every = run.args.checkpoint_every
+    return done == run.steps or (every > 0 and done % every == 0)
+
+
+def _identity(run: Run) -> dict[str, Any]:
+    """What a checkpoint must have been written by to resume this run: everything that
+    changes the training itself (not the balance mode or placement, which do not)."""
+    a = run.args
+    return {
+        "config": repr(run.cfg), "steps": run.steps, "dtype": a.dtype,
+        "seed": run.cfg.train.seed if a.seed is None else a.seed,
+        "world_size": dist.get_world_size(),
+    }  # fmt: skip
+
+
+def resume(run: Run) -> int:
+    """Restore the newest complete checkpoint of ``--checkpoint-dir`` (model, optimizer,
+    loader position, RNG) and return the step to continue at; 0 when there is none.
+    Collective. A checkpoint of another run (config, steps, seed, dtype, world size) is
+    refused with a ValueError rather than resumed."""
+    directory = run.args.checkpoint_dir
+    loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
+    if loaded is None:
+        return 0
+    step, state = loaded
+    mine = _identity(run)
+    for key, value in state["run"].items():
+        if mine[key] != value:
+            raise ValueError(
+                f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)} was "
+                f"written by another run ({key} {value!r} there, {mine[key]!r} now); "
+                "resume with the same settings or use another directory"
+            )
+    run.loader.load_state_dict(state["loader"])
+    if dist.get_rank() == 0:
+        print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}", flush=True)
+    return step
 
 
 def _step_failed(exc: Exception, stream: str, t0: float) -> NoReturn:
@@ -536,7 +603,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 with open(args.metrics, "w") as f:
                     for r in records:
                         f.write(json.dumps(r) + "\n")
-            print(summary_table(records), flush=True)
+            if records:
+                print(summary_table(records), flush=True)
     except BaseException as exc:
         if created:
             _exit_failed(exc)

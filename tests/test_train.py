@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from orchmllm import checkpoint
 from orchmllm.data.synthetic import save_dataset
 from orchmllm.train import (
     PHASES,
@@ -200,6 +201,10 @@ def test_bad_arguments_are_rejected(tmp_path):
         parse_args(["--config", TINY, "--balance", "everything"])
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--steps", "0"])
+    for bad in (["--timeout", "0"], ["--checkpoint-every", "2"],
+                ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--config", TINY, *bad])
     with open(TINY) as f:
         raw = yaml.safe_load(f)
     raw["balance"]["placement"] = "telepathy"
@@ -287,10 +292,17 @@ def test_write_once_one_writer_per_filesystem(tmp_path):
     assert results[0][3] == ["ds"] and results[2][3] == ["ds"]  # no probe, no temporary left
 
 
+def _launcher_store() -> dist.TCPStore:
+    """The key-value store torchrun's agent would hold (one per launch)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def _launch_ranks(tmp_path, argv: list[str], world: int, env: dict, port: int) -> list:
     """``python -m orchmllm.train`` on ``world`` local processes, as torchrun starts them
     (env:// rendezvous on the launcher's store at ``port``), without torchrun's habit of
-    killing every worker when the first one fails: here each rank's own exit is observed."""
+    killing every worker when the first one fails: here each rank's own exit is observed.
+    Rank r's stdout and stderr go to ``tmp_path/out{r}`` and ``err{r}``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(world):
         rank_env = {
@@ -333,7 +345,7 @@ def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_pa
         cfg, num_examples=steps * world * 2, seed=cfg.train.seed, data_dir=data
     )
     save_dataset(syn, cfg.rates, path)  # ahead: writing it is not what the timeout is about
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = _launcher_store()
     argv = ["--config", config, "--steps", str(steps), "--data-dir", data,
             "--timeout", str(timeout), "--balance", "full"]  # fmt: skip
     procs = _launch_ranks(tmp_path, argv, world, repo_env, store.port)
@@ -359,3 +371,71 @@ def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_pa
         assert "did not arrive at " in err and f": [{stopped}]" in err, err[-3000:]
         assert f"rank {stopped}: silent for" in err, err[-3000:]
         assert t <= timeout + slack, (rank, t, err[-2000:])
+
+
+def _reference_then_another_seed(rank: int, world: int, argv: list[str], ckpt: str) -> None:
+    """The uninterrupted run (checkpointed at its end), then a run with another seed on the
+    same checkpoint directory, which must refuse to resume it."""
+    torch.set_num_threads(1)
+    main([*argv, "--checkpoint-dir", ckpt])
+    with pytest.raises(ValueError, match=r"checkpoint-dir .* another run \(seed 0 there, 1 now"):
+        main([*argv, "--checkpoint-dir", ckpt, "--seed", "1"])
+
+
+def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_env):
+    """Kill both ranks of a checkpointing run (SIGKILL) once a checkpoint is complete, rerun
+    the same command: it resumes there (not at a half-written checkpoint) and ends with the
+    losses and parameters of an uninterrupted run, in float64 to 1e-6. A checkpoint of
+    another run (here: another seed) is refused, not resumed."""
+    world, steps = 2, 6
+    config = _config(tmp_path, "ckpt", examples_per_rank=2)
+    base = _argv(config, tmp_path, "full", steps, "--timeout", "60")
+    ref, out, ckpt = tmp_path / "ref", tmp_path / "resumed", tmp_path / "ckpt"
+    files = ("--metrics", "{}.jsonl", "--save", "{}.pt")
+    ref_argv = [*base, *(f.format(ref) for f in files)]
+    run_distributed(
+        _reference_then_another_seed, world, ref_argv, str(tmp_path / "ref_ckpt"), timeout=120
+    )
+    argv = [*base, *(f.format(out) for f in files), "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "2"]  # fmt: skip
+    store = _launcher_store()
+    procs = _launch_ranks(tmp_path / "killed", argv, world, repo_env, store.port)
+    try:
+        _wait_for(lambda: (ckpt / "step-00000002").is_dir(), timeout=180, procs=procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    killed_at = checkpoint.latest_step(str(ckpt))
+    assert killed_at is not None and killed_at < steps, "the run ended before the kill"
+    # What a job killed while writing the last checkpoint leaves: never loaded.
+    partial = ckpt / f"step-{steps:08d}.partial"
+    partial.mkdir(exist_ok=True)
+    (partial / ".metadata").write_bytes(b"half")
+
+    store = _launcher_store()
+    procs = _launch_ranks(tmp_path / "resume", argv, world, repo_env, store.port)
+    for rank, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / "resume" / f"err{rank}").read_text()[-3000:]
+    log = (tmp_path / "resume" / "out0").read_text()
+    assert f"resumed at step {killed_at} from {ckpt / f'step-{killed_at:08d}'}" in log
+    assert checkpoint.latest_step(str(ckpt)) == steps and not partial.exists()
+    ref_records, ref_params = _load(tmp_path, "ref")
+    records, params = _load(tmp_path, "resumed")
+    assert [r["step"] for r in records] == list(range(killed_at, steps))
+    np.testing.assert_allclose(
+        [r["loss"] for r in records], [r["loss"] for r in ref_records[killed_at:]], rtol=1e-6
+    )
+    assert params.keys() == ref_params.keys()
+    for name, p in ref_params.items():
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(params[name], p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
+    assert checkpoint.latest_step(str(tmp_path / "none")) is None
+    for name in ("step-00000002", "step-00000004", "step-00000010.partial", "step-7"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-00000012").write_text("a file, not a checkpoint")
+    assert checkpoint.latest_step(str(tmp_path)) == 4
+    assert checkpoint.step_dir("d", 4) == os.path.join("d", "step-00000004")
