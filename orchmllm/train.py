@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -149,7 +148,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--placement", choices=PLACEMENTS, default=None, help="override balance.placement"
     )
-    p.add_argument("--metrics", default=None, help="write one JSON object per step to this path")
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="append one JSON line per step to this path as training goes (rank 0; flushed)",
+    )
+    p.add_argument(
+        "--metrics-per-rank",
+        action="store_true",
+        help="also record every rank's load per phase (world_size numbers per phase and step)",
+    )
     p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
@@ -430,18 +438,23 @@ def forward_backward(run: Run, planned: PlannedBatch) -> tuple[Tensor, LLMBatch]
     return loss, out
 
 
-def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
-    """Run the training loop; returns this rank's per-step records and the (sharded) model.
+def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
+    """Run the training loop; returns the run's summary and the (sharded) model.
 
-    A step that fails (a collective timed out, a peer failed or left) raises
-    :class:`orchmllm.watch.StepFailed` naming the ranks that did not arrive, when this
-    process publishes its progress (see :func:`init_distributed`). The loader is then
-    abandoned, not closed: closing waits for collectives that cannot complete.
+    Each step's record goes to ``--metrics`` as soon as the step ends (rank 0), so memory
+    holds only running aggregates however long the run. A step that fails (a collective
+    timed out, a peer failed or left) raises :class:`orchmllm.watch.StepFailed` naming the
+    ranks that did not arrive, when this process publishes its progress (see
+    :func:`init_distributed`). The loader is then abandoned, not closed: closing waits for
+    collectives that cannot complete.
     """
     run = setup(args)
     world = dist.get_world_size()
-    records = []
     start = resume(run) if args.checkpoint_dir else 0
+    summary = RunningSummary()
+    metrics = args.metrics if dist.get_rank() == 0 else None
+    if metrics:
+        start_metrics(metrics, start=start)
     batches = iter(run.loader)
     for step in range(start, run.steps):
         t0 = time.perf_counter()
@@ -463,23 +476,28 @@ def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
         except Exception as exc:
             _step_failed(exc, "train", t0)
         dt = time.perf_counter() - t0
-        records.append(
-            {
-                "step": step,
-                "loss": global_loss,
-                "step_time_s": dt,
-                "tokens_per_s": n_tokens / dt,
-                "balance": args.balance,
-                "world_size": world,
-                "ranks_per_node": run.rpn,
-                "placement": run.placement,
-                "plan_s": planned.info.plan_s,
-                "prep_s": planned.info.prep_s,
-                "phases": {name: out.stats[name] for name in PHASES},
-            }
-        )
+        record = {
+            "step": step,
+            "loss": global_loss,
+            "step_time_s": dt,
+            "tokens_per_s": n_tokens / dt,
+            "balance": args.balance,
+            "world_size": world,
+            "ranks_per_node": run.rpn,
+            "placement": run.placement,
+            "plan_s": planned.info.plan_s,
+            "prep_s": planned.info.prep_s,
+            "rss_anon_mb": rss_anon_mb(),
+            "phases": {
+                name: phase_record(out.stats[name], per_rank=args.metrics_per_rank)
+                for name in PHASES
+            },
+        }
+        summary.add(record)
+        if metrics:
+            append_metrics(metrics, record)
         if dist.get_rank() == 0 and not args.quiet:
-            print(_progress(records[-1]), flush=True)
+            print(_progress(record), flush=True)
         if args.checkpoint_dir and _checkpoint_due(step + 1, run):
             t0 = time.perf_counter()
             try:
@@ -490,7 +508,101 @@ def train(args: argparse.Namespace) -> tuple[list[dict], MLLM]:
             except Exception as exc:
                 _step_failed(exc, "train", t0)
     run.loader.close()
-    return records, run.model
+    return summary, run.model
+
+
+def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
+    """A phase's metrics for the step record: scalars (imbalance, the slowest rank's load
+    before and after, bytes, planning time), plus every rank's load when ``per_rank``."""
+    out = {k: v for k, v in stats.items() if k not in ("loads_before", "loads_after")}
+    out["load_max_before"] = max(stats["loads_before"])
+    out["load_max_after"] = max(stats["loads_after"])
+    if per_rank:
+        out["loads_before"], out["loads_after"] = stats["loads_before"], stats["loads_after"]
+    return out
+
+
+def rss_anon_mb() -> float | None:
+    """This process's anonymous resident memory (heap, not mapped files) in MB; None where
+    /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def start_metrics(path: str, *, start: int) -> None:
+    """Begin ``--metrics`` for a run starting at step ``start``: empty, or, when resuming,
+    only the lines of the steps before ``start`` (later ones are not in the checkpoint)."""
+    kept = []
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < start]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def append_metrics(path: str, record: dict[str, Any]) -> None:
+    """One JSON line, on disk when this returns (opened per step: a crash keeps the record,
+    and nothing stays open across steps)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class RunningSummary:
+    """Running means of the step records, for the closing table: its memory does not grow
+    with the number of steps (the records themselves go to ``--metrics``)."""
+
+    _KEYS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.sums = {name: dict.fromkeys(self._KEYS, 0.0) for name in PHASES}
+        self.timed_s = 0.0  # step times after the first step of this process (warm-up)
+        self.first: dict[str, Any] | None = None
+        self.last_loss = float("nan")
+
+    def add(self, record: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = {k: v for k, v in record.items() if k != "phases"}
+        else:
+            self.timed_s += record["step_time_s"]
+        self.steps += 1
+        self.last_loss = record["loss"]
+        for name in PHASES:
+            for key in self._KEYS:
+                self.sums[name][key] += record["phases"][name][key]
+
+    def table(self) -> str:
+        """Per-phase means over the steps: imbalance before/after (max/mean load), bytes
+        moved intra- and inter-node per step, planning time; then the mean step time."""
+        if self.first is None:
+            return "no steps run"
+        lines = [
+            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
+            f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
+        ]
+        for name in PHASES:
+            m = {k: v / self.steps for k, v in self.sums[name].items()}
+            lines.append(
+                f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
+                f"{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
+                f"{m['plan_ms']:>9.2f}"
+            )
+        f = self.first
+        step_s = self.timed_s / (self.steps - 1) if self.steps > 1 else f["step_time_s"]
+        lines.append(
+            f"balance={f['balance']} placement={f['placement']} world={f['world_size']} "
+            f"ranks/node={f['ranks_per_node']} steps={self.steps} "
+            f"mean step {step_s * 1e3:.1f} ms (after the first)  final loss {self.last_loss:.4f}"
+        )
+        return "\n".join(lines)
 
 
 def _checkpoint_due(done: int, run: Run) -> bool:
@@ -552,38 +664,9 @@ def _progress(r: dict) -> str:
     )
 
 
-def summary_table(records: list[dict]) -> str:
-    """Per-phase means over the steps: imbalance before/after (max/mean load), bytes moved
-    intra- and inter-node per step, planning time; then the mean step time."""
-    lines = [
-        f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
-        f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
-    ]
-    for name in PHASES:
-        ph = [r["phases"][name] for r in records]
-
-        def mean(key, ph=ph):
-            return float(np.mean([p[key] for p in ph]))
-
-        lines.append(
-            f"{name:<8}{mean('imbalance_before'):>18.3f}{mean('imbalance_after'):>17.3f}"
-            f"{mean('bytes_intra') / 1e3:>15.1f}{mean('bytes_inter') / 1e3:>15.1f}"
-            f"{mean('plan_ms'):>9.2f}"
-        )
-    times = [r["step_time_s"] for r in records[1:] or records]  # step 0 includes warm-up
-    r0 = records[0]
-    lines.append(
-        f"balance={r0['balance']} placement={r0['placement']} world={r0['world_size']} "
-        f"ranks/node={r0['ranks_per_node']} steps={len(records)} "
-        f"mean step {np.mean(times) * 1e3:.1f} ms (after step 0)  "
-        f"final loss {records[-1]['loss']:.4f}"
-    )
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Entry point; also callable inside an existing process group (tests). Returns this
-    rank's per-step records.
+def main(argv: list[str] | None = None) -> RunningSummary:
+    """Entry point; also callable inside an existing process group (tests). Returns the
+    run's summary.
 
     When it created the process group (torchrun), any failure prints the error and ends
     the process at once with status 1: tearing the group down would wait on the peers that
@@ -592,19 +675,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     created, _ = init_distributed(args.timeout)
     try:
-        records, model = train(args)
+        summary, model = train(args)
         if args.save:
             # Collective: every rank contributes its shards; rank 0 writes.
             state = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
             if dist.get_rank() == 0:
                 torch.save(state, args.save)
         if dist.get_rank() == 0:
-            if args.metrics:
-                with open(args.metrics, "w") as f:
-                    for r in records:
-                        f.write(json.dumps(r) + "\n")
-            if records:
-                print(summary_table(records), flush=True)
+            print(summary.table(), flush=True)
     except BaseException as exc:
         if created:
             _exit_failed(exc)
@@ -613,7 +691,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         watch.current().close()
         watch.install(None)
         dist.destroy_process_group()
-    return records
+    return summary
 
 
 def _exit_failed(exc: BaseException) -> NoReturn:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -25,11 +26,13 @@ from orchmllm import checkpoint
 from orchmllm.data.synthetic import save_dataset
 from orchmllm.train import (
     PHASES,
+    RunningSummary,
     dataset_location,
     forward_backward,
     load_config,
     main,
     parse_args,
+    phase_record,
     setup,
     write_once,
 )
@@ -39,9 +42,12 @@ from tests.multiproc import run_distributed
 TINY = "configs/tiny.yaml"
 MODES = ("none", "llm", "full")
 RTOL = 1e-5
-SCHEMA = {"step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases"}
+SCHEMA = {
+    "step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases",
+    "rss_anon_mb",
+}  # fmt: skip
 PHASE_SCHEMA = {
-    "imbalance_before", "imbalance_after", "loads_before", "loads_after", "bytes_intra",
+    "imbalance_before", "imbalance_after", "load_max_before", "load_max_after", "bytes_intra",
     "bytes_inter", "plan_ms",
 }  # fmt: skip
 
@@ -70,7 +76,7 @@ def _modes_worker(rank: int, world: int, config: str, tmp_path: str, steps: int,
     for mode in MODES:
         out = os.path.join(tmp_path, mode)
         main(
-            _argv(config, tmp_path, mode, steps, *extra,
+            _argv(config, tmp_path, mode, steps, *extra, "--metrics-per-rank",
                   "--metrics", f"{out}.jsonl", "--save", f"{out}.pt")
         )  # fmt: skip
 
@@ -98,10 +104,12 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
         for r in records:
             assert set(r) >= SCHEMA and r["world_size"] == world and r["balance"] == mode
             assert np.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+            assert r["rss_anon_mb"] > 0
             for name in PHASES:
                 p = r["phases"][name]
                 assert set(p) >= PHASE_SCHEMA
                 assert len(p["loads_before"]) == len(p["loads_after"]) == world
+                assert p["load_max_before"] == max(p["loads_before"])
             for name in ("vision", "llm"):  # packed costs: moving items conserves the total
                 p = r["phases"][name]
                 assert sum(p["loads_after"]) == pytest.approx(sum(p["loads_before"]))
@@ -385,8 +393,9 @@ def _reference_then_another_seed(rank: int, world: int, argv: list[str], ckpt: s
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_env):
     """Kill both ranks of a checkpointing run (SIGKILL) once a checkpoint is complete, rerun
     the same command: it resumes there (not at a half-written checkpoint) and ends with the
-    losses and parameters of an uninterrupted run, in float64 to 1e-6. A checkpoint of
-    another run (here: another seed) is refused, not resumed."""
+    losses and parameters of an uninterrupted run, in float64 to 1e-6; its metrics file holds
+    every step once (streamed by the killed run, cut back to the checkpoint on resume). A
+    checkpoint of another run (here: another seed) is refused, not resumed."""
     world, steps = 2, 6
     config = _config(tmp_path, "ckpt", examples_per_rank=2)
     base = _argv(config, tmp_path, "full", steps, "--timeout", "60")
@@ -422,10 +431,13 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_e
     assert checkpoint.latest_step(str(ckpt)) == steps and not partial.exists()
     ref_records, ref_params = _load(tmp_path, "ref")
     records, params = _load(tmp_path, "resumed")
-    assert [r["step"] for r in records] == list(range(killed_at, steps))
+    # The killed run's lines up to its checkpoint, then the resumed run's: each step once.
+    assert [r["step"] for r in records] == list(range(steps))
     np.testing.assert_allclose(
-        [r["loss"] for r in records], [r["loss"] for r in ref_records[killed_at:]], rtol=1e-6
+        [r["loss"] for r in records], [r["loss"] for r in ref_records], rtol=1e-6
     )
+    for r in records:  # no per-rank arrays unless --metrics-per-rank
+        assert all(set(p) >= PHASE_SCHEMA and "loads_before" not in p for p in r["phases"].values())
     assert params.keys() == ref_params.keys()
     for name, p in ref_params.items():
         assert p.dtype == torch.float64
@@ -439,3 +451,35 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     (tmp_path / "step-00000012").write_text("a file, not a checkpoint")
     assert checkpoint.latest_step(str(tmp_path)) == 4
     assert checkpoint.step_dir("d", 4) == os.path.join("d", "step-00000004")
+
+
+def _record(step: int, world: int, rng: np.random.Generator) -> dict:
+    phases = {
+        name: {
+            "imbalance_before": float(rng.uniform(1, 2)), "imbalance_after": 1.0,
+            "bytes_intra": 10.0, "bytes_inter": 0.0, "plan_ms": 1.0,
+            "loads_before": rng.uniform(size=world).tolist(), "loads_after": [1.0] * world,
+        } for name in PHASES
+    }  # fmt: skip
+    return {"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.1 + step % 2,
+            "balance": "full", "placement": "none", "world_size": world, "ranks_per_node": 2,
+            "phases": {n: phase_record(p, per_rank=False) for n, p in phases.items()}}  # fmt: skip
+
+
+def test_running_summary_memory_does_not_grow_with_steps(rng):
+    """The loop keeps only running aggregates: the summary of 2000 steps on 1024 ranks
+    takes about the bytes of the summary of 2 steps (the records went to the metrics file)."""
+    small, big = RunningSummary(), RunningSummary()
+    for step in range(2):
+        small.add(_record(step, 1024, rng))
+    records = [_record(step, 1024, rng) for step in range(2000)]
+    for r in records:
+        big.add(r)
+    assert len(pickle.dumps(big)) < len(pickle.dumps(small)) + 16  # wider ints, nothing more
+    assert big.steps == 2000 and big.last_loss == records[-1]["loss"]
+    assert big.sums["llm"]["imbalance_before"] == pytest.approx(
+        sum(r["phases"]["llm"]["imbalance_before"] for r in records)
+    )
+    assert "mean step 600.3 ms (after the first)" in big.table()  # steps 1..1999: 1.1 or 0.1
+    assert all("loads_before" not in p and p["load_max_after"] == 1.0
+               for p in records[0]["phases"].values())  # fmt: skip
