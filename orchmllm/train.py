@@ -182,7 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=300.0,
         metavar="SECONDS",
         help="how long any collective may wait for the other ranks; a step that waits longer "
-        "fails on every healthy rank, naming the ranks that did not arrive",
+        "fails on every healthy rank, naming the ranks that did not arrive. It also bounds the "
+        "uneven phases: writing the dataset on a first run, writing a checkpoint",
     )
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
