@@ -13,7 +13,8 @@ a rank that skipped a call makes the others fail instead of hanging.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import numpy as np
@@ -23,11 +24,14 @@ import torch.distributed as dist
 from orchmllm.plan import Rearrangement, expand_rows
 
 __all__ = [
+    "MismatchError",
     "all_gather_fixed",
     "all_gather_rows",
     "move",
     "move_many",
     "all_gather_move",
+    "check_agreement",
+    "fingerprint",
     "wire_dtype",
 ]
 
@@ -46,6 +50,46 @@ _NATIVE = frozenset(
         torch.bool,
     }
 )
+
+
+class MismatchError(RuntimeError):
+    """Ranks passed inputs that must agree and do not. Raised on every rank alike (each
+    judges the same gathered table), before the collective those inputs would break."""
+
+
+def fingerprint(value: object) -> int:
+    """A 63-bit digest of ``repr(value)``: equal on every process for values built from
+    strings, numbers, tuples, dtypes and dataclasses of them (no object addresses)."""
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def check_agreement(
+    table: np.ndarray, agree: Mapping[str, object], *, rank: int, what: str = ""
+) -> None:
+    """Raise :class:`MismatchError` unless every rank has the same column in ``table``.
+
+    ``table``: (world, len(agree)) the gathered :func:`fingerprint` of each value of
+    ``agree`` (this rank's values, in that order); ``what``: where, for the message.
+    The message names every field that differs, the ranks off the majority (ties: the value
+    of the lowest rank) and this rank's value.
+    """
+    problems = []
+    for col, (name, value) in enumerate(agree.items()):
+        column = table[:, col]
+        uniq, first, counts = np.unique(column, return_index=True, return_counts=True)
+        if uniq.size == 1:
+            continue
+        majority = uniq[np.lexsort((first, -counts))[0]]
+        odd = np.flatnonzero(column != majority).tolist()
+        same = np.flatnonzero(column == majority).tolist()
+        problems.append(
+            f"{name!r} differs: ranks {odd} pass another value than ranks {same} "
+            f"(rank {rank} passes {value!r})"
+        )
+    if problems:
+        where = f"{what}: " if what else ""
+        raise MismatchError(f"{where}ranks disagree: " + "; ".join(problems))
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,7 +130,11 @@ def all_gather_fixed(
 
 
 def all_gather_rows(
-    local: np.ndarray, *, group: dist.ProcessGroup | None = None, timeout: float | None = None
+    local: np.ndarray,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
+    agree: Mapping[str, object] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather a variable number of int64 rows per rank, in rank order.
 
@@ -94,6 +142,11 @@ def all_gather_rows(
     ``(rows, src)``: rows (sum k, m) ordered rank 0's rows, then rank 1's, ..., and the
     source rank of each row. Intended for a CPU (gloo) group, so that it can run in a
     background thread while NCCL is busy with the model.
+
+    ``agree``: values every rank must share (what it is about to move, how it plans); their
+    :func:`fingerprint` rides in the row counts' gather, no extra collective, and a
+    difference raises :class:`MismatchError` on every rank (:func:`check_agreement`). Pass
+    the same keys on every rank.
     """
     arr = np.asarray(local)
     if arr.ndim != 2:
@@ -101,7 +154,10 @@ def all_gather_rows(
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"local must hold integers, got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.int64)
-    shapes = all_gather_fixed(np.array(arr.shape), group=group, timeout=timeout)
+    agree = agree or {}
+    header = [*arr.shape, *(fingerprint(v) for v in agree.values())]
+    shapes = all_gather_fixed(np.array(header), group=group, timeout=timeout)
+    check_agreement(shapes[:, 2:], agree, rank=dist.get_rank(group))
     counts, widths = shapes[:, 0], shapes[:, 1]
     if np.any(widths != widths[0]):
         raise ValueError(f"local must have the same number of columns on every rank, got {widths}")
@@ -128,7 +184,9 @@ def _check_plan(plan: Rearrangement, group: dist.ProcessGroup | None) -> int:
 
 def _to_wire(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Flat buffer in the wire dtype and the number of wire elements per row."""
-    flat = t.contiguous().reshape(-1)
+    # An empty tensor counts as contiguous whatever its strides (an expanded one has stride
+    # 0), and viewing it as bytes needs stride 1: give it a fresh buffer.
+    flat = t.contiguous().reshape(-1) if t.numel() else t.new_empty(0)
     per_row = int(np.prod(t.shape[1:], dtype=np.int64))
     if t.dtype in _NATIVE:
         return flat, per_row

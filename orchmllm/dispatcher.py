@@ -12,7 +12,6 @@ global batch has the same gradient with or without dispatch.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"
 LAYOUTS = ("packed", "padded")
 
 
-class PlanMismatchError(RuntimeError):
-    """Ranks computed different plans (or pass differently shaped tensors)."""
+PlanMismatchError = comm.MismatchError
+"""Ranks pass tensors or options that do not agree, or computed different plans."""
 
 
 def debug_enabled() -> bool:
@@ -97,10 +96,12 @@ class BatchDispatcher:
     (:class:`orchmllm.topology.Topology`, shared with the loader and orchestrator); without
     one, it is built here from ``group``, ``meta_group``, ``ranks_per_node`` and ``timeout``
     (a gloo group for the lengths gather is created when ``group`` is not gloo: a collective,
-    so construct the dispatcher on every rank). ``check_plan``:
-    all-gather a fingerprint of the plan and of the tensor schema and raise
-    :class:`PlanMismatchError` when ranks disagree (default: on in debug mode, see
-    :func:`debug_enabled`). ``timeout``: seconds any one collective may wait.
+    so construct the dispatcher on every rank). ``check_plan``: also all-gather a fingerprint
+    of the computed plan and raise :class:`PlanMismatchError` when ranks disagree (default:
+    on in debug mode, see :func:`debug_enabled`); what each rank passes (tensor names, dtypes,
+    trailing shapes, ``requires_grad``, the policy and its options, a precomputed plan) is
+    always compared, at no extra collective: it rides in the lengths gather. ``timeout``:
+    seconds any one collective may wait.
     """
 
     def __init__(
@@ -178,7 +179,10 @@ class BatchDispatcher:
 
         t0 = time.perf_counter()
         rows, src = comm.all_gather_rows(
-            local_lengths[:, None], group=self.meta_group, timeout=self.timeout
+            local_lengths[:, None],
+            group=self.meta_group,
+            timeout=self.timeout,
+            agree=self._agreement(tokens, items, plan),
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
@@ -205,7 +209,7 @@ class BatchDispatcher:
             policy_stats = {}
         t2 = time.perf_counter()
         if self.check_plan:
-            self._check_agreement(plan, glob, tokens, items)
+            self._check_plan(plan, glob)
 
         new_ids = plan.items_at(rank)
         new_lengths = torch.as_tensor(glob[new_ids], dtype=torch.int64, device=lengths.device)
@@ -314,40 +318,37 @@ class BatchDispatcher:
                 raise ValueError(f"items[{name!r}] must be [B={b}, ...], got {shape}")
         return local
 
-    def _schema(self, tokens: dict, items: dict) -> bytes:
+    def _agreement(
+        self, tokens: dict, items: dict, plan: Rearrangement | None
+    ) -> dict[str, object]:
+        """What every rank must pass alike, field by field (compared in the lengths gather,
+        so a difference fails there on every rank, not as a gloo abort or a hang later)."""
         lead = 2 if self.layout == "padded" else 1
-        parts = [self.layout]
-        for tag, tensors, skip in (("t", tokens, lead), ("i", items, 1)):
-            for k in sorted(tensors):
-                t = tensors[k]
-                parts.append(f"{tag}:{k}:{t.dtype}:{tuple(t.shape[skip:])}:{t.requires_grad}")
-        return "|".join(parts).encode()
+        tensors = [(f"tokens[{k!r}]", tokens[k], lead) for k in sorted(tokens)]
+        tensors += [(f"items[{k!r}]", items[k], 1) for k in sorted(items)]
+        return {
+            "tensor names": tuple(name for name, _, _ in tensors),
+            "dtypes": tuple((name, str(t.dtype)) for name, t, _ in tensors),
+            "trailing shapes": tuple((name, tuple(t.shape[skip:])) for name, t, skip in tensors),
+            "requires_grad": tuple((name, t.requires_grad) for name, t, _ in tensors),
+            "policy": (
+                self.policy, self.layout, self.placement, self.ranks_per_node, self.cost,
+                self.max_items_per_rank,
+            ),
+            "plan": None if plan is None else plan.fingerprint(),
+        }  # fmt: skip
 
-    def _check_agreement(
-        self, plan: Rearrangement, glob: np.ndarray, tokens: dict, items: dict
-    ) -> None:
-        h = hashlib.blake2b(self._schema(tokens, items), digest_size=8)
-        schema = int.from_bytes(h.digest(), "little") >> 1
-        mine = np.array([plan.fingerprint(), schema], dtype=np.int64)
-        everyone = comm.all_gather_fixed(mine, group=self.meta_group, timeout=self.timeout)
-        bad_plan, bad_schema = _outliers(everyone[:, 0]), _outliers(everyone[:, 1])
-        if not (bad_plan.size or bad_schema.size):
-            return
-        msg = ["ranks disagree:"]
-        if bad_plan.size:
-            msg.append(
-                f"ranks {bad_plan.tolist()} computed a different plan than the others from the "
-                f"same gathered lengths ({glob.size} items; plan fingerprint per rank "
-                f"{everyone[:, 0].tolist()}); every rank must use the same policy, cost, "
-                "placement and orchmllm version."
-            )
-        if bad_schema.size:
-            msg.append(
-                f"ranks {bad_schema.tolist()} pass tensors with other names, dtypes, trailing "
-                f"shapes or requires_grad than the others (this rank: "
-                f"{self._schema(tokens, items).decode()!r})."
-            )
-        raise PlanMismatchError(" ".join(msg))
+    def _check_plan(self, plan: Rearrangement, glob: np.ndarray) -> None:
+        """Debug mode: every rank computed the same plan from the same gathered lengths."""
+        mine = plan.fingerprint()
+        table = comm.all_gather_fixed(np.array([mine]), group=self.meta_group, timeout=self.timeout)
+        comm.check_agreement(
+            table,
+            {"computed plan (fingerprint)": mine},
+            rank=dist.get_rank(self.group),
+            what=f"plans computed from the same {glob.size} gathered lengths (every rank must "
+            "use the same policy, cost, placement and orchmllm version)",
+        )
 
     def _stats(
         self,
@@ -409,13 +410,6 @@ def _check_given_plan(plan: Rearrangement, src: np.ndarray, world: int) -> None:
         f"plan does not match the gathered lengths: {why}; pass the plan made from this "
         "step's lengths"
     )
-
-
-def _outliers(values: np.ndarray) -> np.ndarray:
-    """Ranks whose value differs from the most common one (ties: the lowest rank's)."""
-    uniq, first, counts = np.unique(values, return_index=True, return_counts=True)
-    majority = uniq[np.lexsort((first, -counts))[0]]
-    return np.flatnonzero(values != majority)
 
 
 def _eye(plan: Rearrangement, rank: int) -> np.ndarray:

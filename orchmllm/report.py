@@ -14,8 +14,10 @@ Writes into DIR:
 
 The input is one JSON object per line, the schema written by ``orchmllm.train``:
 ``{"step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size",
-"phases": {name: {"imbalance_before", "imbalance_after", "loads_before", "loads_after",
-"bytes_intra", "bytes_inter", "plan_ms"}}}``.
+"phases": {name: {"imbalance_before", "imbalance_after", "load_max_before",
+"load_max_after", "bytes_intra", "bytes_inter", "plan_ms"}}}``; the per-rank
+``"loads_before"``/``"loads_after"`` of each phase are there when training ran with
+``--metrics-per-rank``, and ``loads.png`` needs them (it is skipped otherwise).
 """
 
 from __future__ import annotations
@@ -36,15 +38,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 STEP_FIELDS = ("step", "step_time_s", "tokens_per_s", "world_size", "phases")
-PHASE_FIELDS = (
-    "imbalance_before",
-    "imbalance_after",
-    "loads_before",
-    "loads_after",
-    "bytes_intra",
-    "bytes_inter",
-    "plan_ms",
-)
+PHASE_FIELDS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
+PER_RANK = ("loads_before", "loads_after")  # optional (train --metrics-per-rank)
 # Encoders first, the LLM last: the order the phases run in a step.
 _PHASE_ORDER = {"vision": 0, "audio": 1, "llm": 2}
 
@@ -80,9 +75,14 @@ def _check_record(path, lineno: int, rec: Any) -> None:
     for name, ph in phases.items():
         pw = f"{where} phase {name!r}"
         _check_object(path, pw, ph, PHASE_FIELDS)
-        for k in ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms"):
+        for k in PHASE_FIELDS:
             _check_number(path, f"{pw} field {k!r}", ph[k])
-        for k in ("loads_before", "loads_after"):
+        if not all(k in ph for k in PER_RANK):  # then the slowest rank's loads must be there
+            _check_object(path, pw, ph, ("load_max_before", "load_max_after"))
+        for k in ("load_max_before", "load_max_after"):
+            if k in ph:
+                _check_number(path, f"{pw} field {k!r}", ph[k])
+        for k in (k for k in PER_RANK if k in ph):
             loads = ph[k]
             if not isinstance(loads, list) or len(loads) != world:
                 raise _bad(path, f"{pw} field {k!r}", f"expected {int(world)} per-rank loads")
@@ -156,9 +156,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["loss_last"] = float(losses[-1])
     for name in phase_names(records):
         phs = [r["phases"][name] for r in records if name in r["phases"]]
-        ratios = [
-            max(p["loads_before"]) / max(p["loads_after"]) for p in phs if max(p["loads_after"]) > 0
-        ]
+        ratios = [before / after for before, after in map(_max_loads, phs) if after > 0]
         out[f"{name}_imbalance_before_mean"] = float(np.mean([p["imbalance_before"] for p in phs]))
         out[f"{name}_imbalance_after_mean"] = float(np.mean([p["imbalance_after"] for p in phs]))
         out[f"{name}_max_load_ratio_mean"] = float(np.mean(ratios)) if ratios else float("nan")
@@ -167,6 +165,17 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[f"{name}_bytes_intra_total"] = float(np.sum([p["bytes_intra"] for p in phs]))
         out[f"{name}_bytes_inter_total"] = float(np.sum([p["bytes_inter"] for p in phs]))
     return out
+
+
+def _max_loads(ph: dict[str, Any]) -> tuple[float, float]:
+    """The slowest rank's load before and after balancing (older files: per-rank only)."""
+    if "load_max_before" in ph:
+        return ph["load_max_before"], ph["load_max_after"]
+    return max(ph["loads_before"]), max(ph["loads_after"])
+
+
+def has_per_rank_loads(record: dict[str, Any]) -> bool:
+    return all(k in ph for ph in record["phases"].values() for k in PER_RANK)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -291,8 +300,9 @@ def plot_imbalance(records: Sequence[dict[str, Any]], path: str | os.PathLike) -
 def write_report(
     metrics: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None
 ) -> dict[str, Any]:
-    """Validate ``metrics``, write the three PNGs and ``summary.txt`` into ``out``.
+    """Validate ``metrics``, write the PNGs and ``summary.txt`` into ``out``.
 
+    ``loads.png`` only when the chosen step has per-rank loads (train --metrics-per-rank).
     Returns the summary dict plus ``files``: the paths written.
     """
     records = load_metrics(metrics)
@@ -300,12 +310,13 @@ def write_report(
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {
-        "loads": out_dir / "loads.png",
         "step_time": out_dir / "step_time.png",
         "imbalance": out_dir / "imbalance.png",
         "summary": out_dir / "summary.txt",
     }
-    plot_loads(chosen, files["loads"])
+    if has_per_rank_loads(chosen):
+        files["loads"] = out_dir / "loads.png"
+        plot_loads(chosen, files["loads"])
     plot_step_time(records, files["step_time"])
     plot_imbalance(records, files["imbalance"])
     summary = summarize(records)
@@ -329,8 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(Path(result["files"]["summary"]).read_text(), end="")
-    for name in ("loads", "step_time", "imbalance"):
-        print(f"wrote {result['files'][name]}")
+    for name, path in result["files"].items():
+        if name != "summary":
+            print(f"wrote {path}")
     return 0
 
 

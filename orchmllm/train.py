@@ -11,17 +11,21 @@ gradients: rebalancing changes which rank computes an example, never the result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
+import shutil
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ import yaml
 from torch import Tensor
 
 import orchmllm
+from orchmllm import checkpoint, watch
 from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -137,15 +142,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--placement", choices=PLACEMENTS, default=None, help="override balance.placement"
     )
-    p.add_argument("--metrics", default=None, help="write one JSON object per step to this path")
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="append one JSON line per step to this path as training goes (rank 0; flushed)",
+    )
+    p.add_argument(
+        "--metrics-per-rank",
+        action="store_true",
+        help="also record every rank's load per phase (world_size numbers per phase and step)",
+    )
     p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="write sharded checkpoints here (one filesystem all nodes share); rerunning the "
+        "same command resumes from the newest complete one",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps (0: only after the last step); needs --checkpoint-dir",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long any collective may wait for the other ranks; a step that waits longer "
+        "fails on every healthy rank, naming the ranks that did not arrive. It also bounds the "
+        "uneven phases: writing the dataset on a first run, writing a checkpoint",
+    )
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        p.error(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
     return args
 
 
@@ -156,12 +198,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
     """Join the torchrun group (NCCL on CUDA, gloo otherwise) unless one already exists.
 
+    A group created here also publishes this rank's progress in the launcher's store
+    (:mod:`orchmllm.watch`), so a step that times out names the ranks that did not arrive.
     Returns (whether we created the group, the device this rank computes on).
     """
     created = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        watch.install(watch.Progress(store, rank=rank, world_size=world, timeout=timeout_s))
         created = True
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -196,21 +243,70 @@ def synthetic_config(cfg: RunConfig, *, num_examples: int, seed: int) -> Synthet
     )
 
 
-def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
-    """The first rank of every node generates the HF dataset once (cached under a key of its
-    parameters and the generator's source); then every rank loads it."""
+def dataset_location(
+    cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None
+) -> tuple[SyntheticConfig, str]:
+    """The synthetic dataset's parameters and its directory: cached under a key of the
+    parameters and the generator's source, so a changed generator never reads a stale copy."""
     syn = synthetic_config(cfg, num_examples=num_examples, seed=seed)
     key = synthetic.fingerprint(syn, cfg.rates)
     root = data_dir or os.path.join(tempfile.gettempdir(), "orchmllm-data")
-    path = os.path.join(root, f"synthetic-{key}")
-    first_on_node = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    if first_on_node and not os.path.exists(os.path.join(path, "dataset_info.json")):
-        os.makedirs(root, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_dataset(syn, cfg.rates, tmp)
-        os.replace(tmp, path)
-    dist.barrier()
+    return syn, os.path.join(root, f"synthetic-{key}")
+
+
+def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
+    """Generate the HF dataset once per data directory, then load it on every rank
+    (collective)."""
+    syn, path = dataset_location(cfg, num_examples=num_examples, seed=seed, data_dir=data_dir)
+    write_once(path, lambda tmp: save_dataset(syn, cfg.rates, tmp))
     return load_dataset(path)
+
+
+def write_once(path: str, write: Callable[[str], object]) -> bool:
+    """Make sure directory ``path`` exists on every rank's filesystem, written by exactly one
+    rank per filesystem; returns whether this rank wrote it (collective, default group).
+
+    Which ranks share a directory is found out, not assumed from the launcher: each rank
+    drops a probe file, named by a token rank 0 drew, next to ``path``, and the lowest rank
+    among those whose probes it sees is the writer. So a ``--data-dir`` on a filesystem all
+    nodes share gets one writer in the world, a node-local one gets one per node. The writer
+    calls ``write(tmp)`` on a private temporary directory and renames it into place; if
+    another job finished a copy first (a filesystem whose listings lag), that copy is kept and
+    the temporary one removed, so ``path`` only ever exists complete. The others wait for the
+    writers; a writer's failure is raised on every rank.
+    """
+    root = os.path.dirname(os.path.abspath(path))
+    os.makedirs(root, exist_ok=True)
+    rank = dist.get_rank()
+    token = [secrets.randbits(62) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    prefix = f".orchmllm-probe-{token[0]:x}-"
+    probe = os.path.join(root, f"{prefix}{rank}")
+    with open(probe, "w"):
+        pass
+    dist.barrier()
+    sharers = [int(n[len(prefix) :]) for n in os.listdir(root) if n.startswith(prefix)]
+    wrote, error = False, None
+    if rank == min(sharers) and not os.path.isdir(path):
+        print(f"rank {rank}: writing {path}", file=sys.stderr, flush=True)
+        tmp = f"{path}.tmp-{token[0]:x}-{rank}"
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+            wrote = True
+        except Exception as exc:
+            if not (isinstance(exc, OSError) and os.path.isdir(path)):  # else: a finished copy won
+                error = exc
+        shutil.rmtree(tmp, ignore_errors=True)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else repr(error))
+    os.remove(probe)
+    if error is not None:
+        raise error
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise RuntimeError(f"rank {bad[0][0]} failed to write {path}: {bad[0][1]}")
+    return wrote
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +390,7 @@ class Run:
     loader: BalancedDataLoader
 
 
-def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
+def setup(args: argparse.Namespace) -> Run:
     """Load the config and data, build and shard the model (collective: every rank)."""
     cfg = load_config(args.config)
     steps = args.steps or cfg.train.steps
@@ -302,19 +398,24 @@ def setup(args: argparse.Namespace, *, timeout: float = 300.0) -> Run:
     placement = args.placement or cfg.balance.placement
     dtype = DTYPES[args.dtype]
     world = dist.get_world_size()
-    _, device = init_distributed()
+    _, device = init_distributed(args.timeout)
     rpn = ranks_per_node(cfg, world)
     per_rank = cfg.data.examples_per_rank
     dataset = prepare_dataset(
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
     orch = make_orchestrator(
-        cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=timeout, dtype=dtype
+        cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=args.timeout, dtype=dtype
     )
     # Samples like a DistributedSampler; plans each step in a background thread ahead of it
     # (a time-limited ILP placement on rank 0 alone, broadcast: see agreement.agreed_plan).
     loader = orchestrated_loader(
-        dataset, orch, batch_size=per_rank, prefetch=args.prefetch, seed=seed, timeout=timeout
+        dataset,
+        orch,
+        batch_size=per_rank,
+        prefetch=args.prefetch,
+        seed=seed,
+        timeout=args.timeout,
     )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)
@@ -329,39 +430,219 @@ def forward_backward(run: Run, planned: PlannedBatch) -> tuple[Tensor, LLMBatch]
     return loss, out
 
 
-def train(args: argparse.Namespace, *, timeout: float = 300.0) -> tuple[list[dict], MLLM]:
-    """Run the training loop; returns this rank's per-step records and the (sharded) model."""
-    run = setup(args, timeout=timeout)
+def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
+    """Run the training loop; returns the run's summary and the (sharded) model.
+
+    Each step's record goes to ``--metrics`` as soon as the step ends (rank 0), so memory
+    holds only running aggregates however long the run. A step that fails (a collective
+    timed out, a peer failed or left) raises :class:`orchmllm.watch.StepFailed` naming the
+    ranks that did not arrive, when this process publishes its progress (see
+    :func:`init_distributed`). The loader is then abandoned, not closed: closing waits for
+    collectives that cannot complete.
+    """
+    run = setup(args)
     world = dist.get_world_size()
-    records = []
-    with run.loader:
-        for step, planned in enumerate(run.loader):
-            t0 = time.perf_counter()
+    start = resume(run) if args.checkpoint_dir else 0
+    summary = RunningSummary()
+    metrics = args.metrics if dist.get_rank() == 0 else None
+    if metrics:
+        start_metrics(metrics, start=start)
+    batches = iter(run.loader)
+    for step in range(start, run.steps):
+        t0 = time.perf_counter()
+        try:
+            planned = next(batches)
+        except StopIteration:
+            break
+        except Exception as exc:
+            _step_failed(exc, "exchange", t0)
+        watch.arrive("train", step)
+        t0 = time.perf_counter()
+        try:
             loss, out = forward_backward(run, planned)
             run.optim.step()
             run.optim.zero_grad(set_to_none=True)
             global_loss, n_tokens = _all_reduce_sum(
                 [loss.item(), float(out.lengths.sum())], run.device
             )
-            dt = time.perf_counter() - t0
-            records.append(
-                {
-                    "step": step,
-                    "loss": global_loss,
-                    "step_time_s": dt,
-                    "tokens_per_s": n_tokens / dt,
-                    "balance": args.balance,
-                    "world_size": world,
-                    "ranks_per_node": run.rpn,
-                    "placement": run.placement,
-                    "plan_s": planned.info.plan_s,
-                    "prep_s": planned.info.prep_s,
-                    "phases": {name: out.stats[name] for name in PHASES},
-                }
+        except Exception as exc:
+            _step_failed(exc, "train", t0)
+        dt = time.perf_counter() - t0
+        record = {
+            "step": step,
+            "loss": global_loss,
+            "step_time_s": dt,
+            "tokens_per_s": n_tokens / dt,
+            "balance": args.balance,
+            "world_size": world,
+            "ranks_per_node": run.rpn,
+            "placement": run.placement,
+            "plan_s": planned.info.plan_s,
+            "prep_s": planned.info.prep_s,
+            "rss_anon_mb": rss_anon_mb(),
+            "phases": {
+                name: phase_record(out.stats[name], per_rank=args.metrics_per_rank)
+                for name in PHASES
+            },
+        }
+        summary.add(record)
+        if metrics:
+            append_metrics(metrics, record)
+        if dist.get_rank() == 0 and not args.quiet:
+            print(_progress(record), flush=True)
+        if args.checkpoint_dir and _checkpoint_due(step + 1, run):
+            t0 = time.perf_counter()
+            try:
+                checkpoint.save(
+                    args.checkpoint_dir, step + 1, model=run.model, optim=run.optim,
+                    run={"run": _identity(run), "loader": run.loader.state_dict()},
+                )  # fmt: skip
+            except Exception as exc:
+                _step_failed(exc, "train", t0)
+    run.loader.close()
+    return summary, run.model
+
+
+def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
+    """A phase's metrics for the step record: scalars (imbalance, the slowest rank's load
+    before and after, bytes, planning time), plus every rank's load when ``per_rank``."""
+    out = {k: v for k, v in stats.items() if k not in ("loads_before", "loads_after")}
+    out["load_max_before"] = max(stats["loads_before"])
+    out["load_max_after"] = max(stats["loads_after"])
+    if per_rank:
+        out["loads_before"], out["loads_after"] = stats["loads_before"], stats["loads_after"]
+    return out
+
+
+def rss_anon_mb() -> float | None:
+    """This process's anonymous resident memory (heap, not mapped files) in MB; None where
+    /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def start_metrics(path: str, *, start: int) -> None:
+    """Begin ``--metrics`` for a run starting at step ``start``: empty, or, when resuming,
+    only the lines of the steps before ``start`` (later ones are not in the checkpoint)."""
+    kept = []
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < start]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def append_metrics(path: str, record: dict[str, Any]) -> None:
+    """One JSON line, on disk when this returns (opened per step: a crash keeps the record,
+    and nothing stays open across steps)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class RunningSummary:
+    """Running means of the step records, for the closing table: its memory does not grow
+    with the number of steps (the records themselves go to ``--metrics``)."""
+
+    _KEYS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.sums = {name: dict.fromkeys(self._KEYS, 0.0) for name in PHASES}
+        self.timed_s = 0.0  # step times after the first step of this process (warm-up)
+        self.first: dict[str, Any] | None = None
+        self.last_loss = float("nan")
+
+    def add(self, record: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = {k: v for k, v in record.items() if k != "phases"}
+        else:
+            self.timed_s += record["step_time_s"]
+        self.steps += 1
+        self.last_loss = record["loss"]
+        for name in PHASES:
+            for key in self._KEYS:
+                self.sums[name][key] += record["phases"][name][key]
+
+    def table(self) -> str:
+        """Per-phase means over the steps: imbalance before/after (max/mean load), bytes
+        moved intra- and inter-node per step, planning time; then the mean step time."""
+        if self.first is None:
+            return "no steps run"
+        lines = [
+            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
+            f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
+        ]
+        for name in PHASES:
+            m = {k: v / self.steps for k, v in self.sums[name].items()}
+            lines.append(
+                f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
+                f"{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
+                f"{m['plan_ms']:>9.2f}"
             )
-            if dist.get_rank() == 0 and not args.quiet:
-                print(_progress(records[-1]), flush=True)
-    return records, run.model
+        f = self.first
+        step_s = self.timed_s / (self.steps - 1) if self.steps > 1 else f["step_time_s"]
+        lines.append(
+            f"balance={f['balance']} placement={f['placement']} world={f['world_size']} "
+            f"ranks/node={f['ranks_per_node']} steps={self.steps} "
+            f"mean step {step_s * 1e3:.1f} ms (after the first)  final loss {self.last_loss:.4f}"
+        )
+        return "\n".join(lines)
+
+
+def _checkpoint_due(done: int, run: Run) -> bool:
+    every = run.args.checkpoint_every
+    return done == run.steps or (every > 0 and done % every == 0)
+
+
+def _identity(run: Run) -> dict[str, Any]:
+    """What a checkpoint must have been written by to resume this run: everything that
+    changes the training itself (not the balance mode or placement, which do not)."""
+    a = run.args
+    return {
+        "config": repr(run.cfg), "steps": run.steps, "dtype": a.dtype,
+        "seed": run.cfg.train.seed if a.seed is None else a.seed,
+        "world_size": dist.get_world_size(),
+    }  # fmt: skip
+
+
+def resume(run: Run) -> int:
+    """Restore the newest complete checkpoint of ``--checkpoint-dir`` (model, optimizer,
+    loader position, RNG) and return the step to continue at; 0 when there is none.
+    Collective. A checkpoint of another run (config, steps, seed, dtype, world size) is
+    refused with a ValueError rather than resumed."""
+    directory = run.args.checkpoint_dir
+    loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
+    if loaded is None:
+        return 0
+    step, state = loaded
+    mine = _identity(run)
+    for key, value in state["run"].items():
+        if mine[key] != value:
+            raise ValueError(
+                f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)} was "
+                f"written by another run ({key} {value!r} there, {mine[key]!r} now); "
+                "resume with the same settings or use another directory"
+            )
+    run.loader.load_state_dict(state["loader"])
+    if dist.get_rank() == 0:
+        print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}", flush=True)
+    return step
+
+
+def _step_failed(exc: Exception, stream: str, t0: float) -> NoReturn:
+    """Raise ``exc`` as the diagnosis of the step it ended (see :mod:`orchmllm.watch`)."""
+    progress = watch.current()
+    if progress is None:
+        raise exc
+    raise progress.diagnose(exc, stream=stream, elapsed_s=time.perf_counter() - t0) from exc
 
 
 def _progress(r: dict) -> str:
@@ -375,57 +656,45 @@ def _progress(r: dict) -> str:
     )
 
 
-def summary_table(records: list[dict]) -> str:
-    """Per-phase means over the steps: imbalance before/after (max/mean load), bytes moved
-    intra- and inter-node per step, planning time; then the mean step time."""
-    lines = [
-        f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
-        f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
-    ]
-    for name in PHASES:
-        ph = [r["phases"][name] for r in records]
+def main(argv: list[str] | None = None) -> RunningSummary:
+    """Entry point; also callable inside an existing process group (tests). Returns the
+    run's summary.
 
-        def mean(key, ph=ph):
-            return float(np.mean([p[key] for p in ph]))
-
-        lines.append(
-            f"{name:<8}{mean('imbalance_before'):>18.3f}{mean('imbalance_after'):>17.3f}"
-            f"{mean('bytes_intra') / 1e3:>15.1f}{mean('bytes_inter') / 1e3:>15.1f}"
-            f"{mean('plan_ms'):>9.2f}"
-        )
-    times = [r["step_time_s"] for r in records[1:] or records]  # step 0 includes warm-up
-    r0 = records[0]
-    lines.append(
-        f"balance={r0['balance']} placement={r0['placement']} world={r0['world_size']} "
-        f"ranks/node={r0['ranks_per_node']} steps={len(records)} "
-        f"mean step {np.mean(times) * 1e3:.1f} ms (after step 0)  "
-        f"final loss {records[-1]['loss']:.4f}"
-    )
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Entry point; also callable inside an existing process group (tests). Returns this
-    rank's per-step records."""
+    When it created the process group (torchrun), any failure prints the error and ends
+    the process at once with status 1: tearing the group down would wait on the peers that
+    caused the failure.
+    """
     args = parse_args(argv)
-    created, _ = init_distributed()
+    created, _ = init_distributed(args.timeout)
     try:
-        records, model = train(args)
+        summary, model = train(args)
         if args.save:
             # Collective: every rank contributes its shards; rank 0 writes.
             state = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
             if dist.get_rank() == 0:
                 torch.save(state, args.save)
         if dist.get_rank() == 0:
-            if args.metrics:
-                with open(args.metrics, "w") as f:
-                    for r in records:
-                        f.write(json.dumps(r) + "\n")
-            print(summary_table(records), flush=True)
-        return records
-    finally:
+            print(summary.table(), flush=True)
+    except BaseException as exc:
         if created:
-            dist.destroy_process_group()
+            _exit_failed(exc)
+        raise
+    if created:
+        watch.current().close()
+        watch.install(None)
+        dist.destroy_process_group()
+    return summary
+
+
+def _exit_failed(exc: BaseException) -> NoReturn:
+    traceback.print_exception(exc)
+    progress = watch.current()
+    if progress is not None and not isinstance(exc, watch.StepFailed):
+        with contextlib.suppress(Exception):
+            progress.close(f"failed: {type(exc).__name__}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

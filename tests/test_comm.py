@@ -52,6 +52,13 @@ def _w_gather_rows(rank: int, world: int):
     assert empty_rows.shape == (0, 2) and empty_src.size == 0
     with pytest.raises(ValueError, match="same number of columns"):
         comm.all_gather_rows(np.zeros((1, 1 + rank), np.int64), timeout=TIMEOUT)
+    # Values the ranks must share ride in the same gather; a difference fails on every rank.
+    agree = {"width": 3, "dtype": "float16" if rank == 2 else "float32"}
+    match = rf"'dtype' differs: ranks \[2\] pass another value than ranks \[0, 1, 3\] \(rank {rank}"
+    with pytest.raises(comm.MismatchError, match=match):
+        comm.all_gather_rows(local, timeout=TIMEOUT, agree=agree)
+    rows, _ = comm.all_gather_rows(local, timeout=TIMEOUT, agree={"dtype": "float32"})
+    assert np.array_equal(rows, expect)
 
 
 CASES = [  # (seed, per-rank item counts) for world size 4
@@ -154,12 +161,33 @@ def _w_timeout(rank: int, world: int):
             comm.move(plan, data, sizes=sizes, timeout=2.0)
 
 
+def _w_empty_stride0(rank: int, world: int):
+    """A rank with no items whose empty int16 tensor is an expanded view (stride 0): gloo has
+    no int16, so it travels as bytes, which needs a byte view of the empty buffer."""
+    plan, sizes = _random_plan(5, world, [3, 0, 2, 4])
+    mine = plan.source_items_at(rank)
+    rows = int(sizes[mine].sum())
+    if rows:
+        ids = torch.from_numpy(np.repeat(mine, sizes[mine])).to(torch.int16)
+    else:
+        ids = torch.zeros(1, dtype=torch.int16).expand(0)
+        assert ids.stride() == (0,)
+    out = comm.move(plan, ids, sizes=sizes, timeout=TIMEOUT)
+    got = plan.items_at(rank)
+    assert torch.equal(out, torch.from_numpy(np.repeat(got, sizes[got])).to(torch.int16))
+    (out2,) = comm.move_many(plan, [ids], [sizes], timeout=TIMEOUT)
+    assert torch.equal(out2, out)
+    straw = comm.all_gather_move(plan, ids, sizes=sizes, timeout=TIMEOUT)
+    assert torch.equal(straw, out)
+
+
 CHECKS = {  # run in this order; the timeout check leaves the group unusable, so it is last
     "gather_rows": _w_gather_rows,
     "move": _w_move,
     "grad": _w_grad,
     "background_meta": _w_background_meta,
     "bad_input": _w_bad_input,
+    "empty_stride0": _w_empty_stride0,
     "timeout": _w_timeout,
 }
 

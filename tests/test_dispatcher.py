@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import orchmllm
-from orchmllm import comm
+from orchmllm import comm, dispatcher
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
 from orchmllm.plan import Rearrangement
@@ -320,14 +320,20 @@ def _mismatch(rank: int):
     assert debug_enabled() and BatchDispatcher(timeout=TIMEOUT).check_plan  # debug: on
     lengths = torch.tensor([10, 10, 10] if rank == 0 else [1])
     x = torch.zeros(int(lengths.sum()), 2)
-    # Rank 1 really computes a different plan: another policy on the same lengths.
-    disp = BatchDispatcher("identity" if rank == 1 else "greedy", timeout=TIMEOUT)
-    with pytest.raises(PlanMismatchError, match=r"ranks \[1\] computed a different plan"):
-        disp.dispatch({"x": x}, lengths)
-    # Same plan, but rank 1 passes another dtype: caught before the all-to-all.
+    # Same policy everywhere, but rank 1's balancing drifts (a bug, a nondeterministic
+    # solver): only the full plan comparison of debug mode can see it.
     disp = BatchDispatcher("greedy", timeout=TIMEOUT)
-    with pytest.raises(PlanMismatchError, match="dtypes"):
-        disp.dispatch({"x": x.double() if rank == 1 else x}, lengths)
+
+    def drifted(lengths, num_ranks, policy, **kw):
+        return orchmllm.balance(lengths, num_ranks, "identity", **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        if rank == 1:
+            mp.setattr(dispatcher, "balance", drifted)
+        with pytest.raises(
+            PlanMismatchError, match=r"plans computed from the same 6 gathered lengths.*ranks \[1\]"
+        ):
+            disp.dispatch({"x": x}, lengths)
     # The same dispatcher works once inputs agree.
     d = disp.dispatch({"x": x}, lengths)
     assert d.stats["num_items"] == 6
@@ -344,11 +350,37 @@ def _mismatch(rank: int):
         BatchDispatcher(layout="ragged")
 
 
+def _w_disagreement(rank: int, world: int):
+    """Not in debug mode: what ranks pass is compared in the lengths gather itself, so a
+    difference on one rank raises PlanMismatchError on every rank (naming the field and the
+    rank) instead of a gloo abort or, for requires_grad, a hang in the backward."""
+    assert not debug_enabled()
+    lengths = torch.tensor([3, 1] if rank % 2 else [2])
+    n = int(lengths.sum())
+    x, ids = torch.ones(n, 4), torch.arange(n)
+    odd = rank == 1
+    cases = {  # field -> (policy, tokens) with rank 1 the odd one out
+        "dtypes": ("greedy", {"x": x.double() if odd else x, "ids": ids}),
+        "trailing shapes": ("greedy", {"x": torch.ones(n, 5) if odd else x, "ids": ids}),
+        "policy": ("kk" if odd else "greedy", {"x": x, "ids": ids}),
+        "tensor names": ("greedy", {"x": x, "ids": ids, **({"extra": x} if odd else {})}),
+        "requires_grad": ("greedy", {"x": x.clone().requires_grad_(odd), "ids": ids}),
+    }
+    for field, (policy, tokens) in cases.items():
+        disp = BatchDispatcher(policy, timeout=TIMEOUT)
+        with pytest.raises(PlanMismatchError, match=rf"'{field}' differs: ranks \[1\] pass"):
+            disp.dispatch(tokens, lengths)
+    # Nothing was left half-done: the group still works once the inputs agree.
+    d = BatchDispatcher(timeout=TIMEOUT).dispatch({"x": x, "ids": ids}, lengths)
+    assert d.stats["num_items"] == sum(2 if r % 2 else 1 for r in range(world))
+
+
 CHECKS = {
     "packed_conservation_and_undo": _w_packed,
     "padded_conservation_and_undo": _w_padded,
     "gradient_unchanged": _w_grad,
     "plan_mismatch_detected": _w_mismatch,
+    "inputs_disagree_fail_on_every_rank": _w_disagreement,
     "ilp_plan_computed_once_and_shared": _w_ilp_agrees,
     "deterministic_plans_local_no_broadcast": _w_deterministic_no_broadcast,
     "precomputed_plan_from_loader": _w_precomputed_plan,

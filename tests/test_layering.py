@@ -42,9 +42,11 @@ FLOORS = {
     "orchmllm.loss": 3,
     "orchmllm.dispatcher": 3,
     "orchmllm.testing": 3,
+    "orchmllm.watch": 3,
     "orchmllm.orchestrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
+    "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
     "orchmllm.report": 7,
 }

@@ -145,3 +145,21 @@ def test_missing_file_and_cli(tmp_path, rng, capsys):
     assert proc.returncode == 0, proc.stderr
     assert "imb before" in proc.stdout and "loads.png" in proc.stdout
     assert (tmp_path / "cli" / "imbalance.png").is_file()
+
+
+def test_records_without_per_rank_loads(tmp_path, rng):
+    """What train writes without --metrics-per-rank: the slowest rank's loads, no arrays.
+    The summary is the same; loads.png (which needs every rank's load) is skipped."""
+    records = _records(rng, steps=4)
+    slim = json.loads(json.dumps(records))
+    for r in slim:
+        for ph in r["phases"].values():
+            ph["load_max_before"] = max(ph.pop("loads_before"))
+            ph["load_max_after"] = max(ph.pop("loads_after"))
+    assert report.summarize(slim) == report.summarize(records)
+    result = report.write_report(_write(tmp_path / "m.jsonl", slim), tmp_path / "o")
+    assert "loads" not in result["files"] and not (tmp_path / "o" / "loads.png").exists()
+    assert (tmp_path / "o" / "imbalance.png").stat().st_size > 5000
+    del slim[2]["phases"]["llm"]["load_max_after"]
+    with pytest.raises(ValueError, match="line 3 phase 'llm': missing field.*load_max_after"):
+        report.load_metrics(_write(tmp_path / "bad.jsonl", slim))

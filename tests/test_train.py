@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,23 +22,41 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from orchmllm.train import PHASES, forward_backward, load_config, main, parse_args, setup
+from orchmllm import checkpoint
+from orchmllm.data.synthetic import save_dataset
+from orchmllm.train import (
+    PHASES,
+    RunningSummary,
+    dataset_location,
+    forward_backward,
+    load_config,
+    main,
+    parse_args,
+    phase_record,
+    setup,
+    write_once,
+)
+from tests.conftest import ROOT
 from tests.multiproc import run_distributed
 
 TINY = "configs/tiny.yaml"
 MODES = ("none", "llm", "full")
 RTOL = 1e-5
-SCHEMA = {"step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases"}
+SCHEMA = {
+    "step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases",
+    "rss_anon_mb",
+}  # fmt: skip
 PHASE_SCHEMA = {
-    "imbalance_before", "imbalance_after", "loads_before", "loads_after", "bytes_intra",
+    "imbalance_before", "imbalance_after", "load_max_before", "load_max_after", "bytes_intra",
     "bytes_inter", "plan_ms",
 }  # fmt: skip
 
 
-def _config(tmp_path, name: str, **data_overrides) -> str:
+def _config(tmp_path, name: str, balance: dict | None = None, **data_overrides) -> str:
     with open(TINY) as f:
         raw = yaml.safe_load(f)
     raw["data"].update(data_overrides)
+    raw["balance"].update(balance or {})
     path = os.path.join(tmp_path, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
@@ -52,7 +76,7 @@ def _modes_worker(rank: int, world: int, config: str, tmp_path: str, steps: int,
     for mode in MODES:
         out = os.path.join(tmp_path, mode)
         main(
-            _argv(config, tmp_path, mode, steps, *extra,
+            _argv(config, tmp_path, mode, steps, *extra, "--metrics-per-rank",
                   "--metrics", f"{out}.jsonl", "--save", f"{out}.pt")
         )  # fmt: skip
 
@@ -80,10 +104,12 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
         for r in records:
             assert set(r) >= SCHEMA and r["world_size"] == world and r["balance"] == mode
             assert np.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+            assert r["rss_anon_mb"] > 0
             for name in PHASES:
                 p = r["phases"][name]
                 assert set(p) >= PHASE_SCHEMA
                 assert len(p["loads_before"]) == len(p["loads_after"]) == world
+                assert p["load_max_before"] == max(p["loads_before"])
             for name in ("vision", "llm"):  # packed costs: moving items conserves the total
                 p = r["phases"][name]
                 assert sum(p["loads_after"]) == pytest.approx(sum(p["loads_before"]))
@@ -118,7 +144,7 @@ def test_balance_modes_train_identically_on_4_ranks_as_2_nodes(tmp_path):
 def _grads_worker(rank: int, world: int, config: str, tmp_path: str, mode: str):
     """Loss and FSDP2-reduced gradients of step 0, as full tensors (rank 0)."""
     torch.set_num_threads(1)
-    run = setup(parse_args(_argv(config, tmp_path, mode, 1)), timeout=90)
+    run = setup(parse_args(_argv(config, tmp_path, mode, 1, "--timeout", "90")))
     with run.loader:
         loss, _ = forward_backward(run, next(iter(run.loader)))
     total = loss.detach().clone()
@@ -183,6 +209,10 @@ def test_bad_arguments_are_rejected(tmp_path):
         parse_args(["--config", TINY, "--balance", "everything"])
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--steps", "0"])
+    for bad in (["--timeout", "0"], ["--checkpoint-every", "2"],
+                ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--config", TINY, *bad])
     with open(TINY) as f:
         raw = yaml.safe_load(f)
     raw["balance"]["placement"] = "telepathy"
@@ -197,3 +227,261 @@ def test_bad_arguments_are_rejected(tmp_path):
         yaml.safe_dump(raw, f)
     with pytest.raises(ValueError, match="audio_policy"):
         load_config(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_a_shared_empty_data_dir_write_it_once(tmp_path, repo_env):
+    """The README's 2-node set-up on one machine: two ``torchrun --nnodes=2`` launches whose
+    first ranks both see the same, empty ``--data-dir`` (a shared filesystem). Exactly one
+    rank writes the dataset, both nodes train, and nothing temporary is left behind."""
+    config = _config(tmp_path, "two_nodes", examples_per_rank=4)
+    data = tmp_path / "data"
+    port = _free_port()
+
+    def launch(node: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+            "-m", "orchmllm.train", "--config", config, "--steps", "1", "--quiet",
+            "--data-dir", str(data),
+        ]  # fmt: skip
+        env = {**repo_env, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    launches = [launch(node) for node in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in launches]
+    finally:
+        for p in launches:
+            p.kill()
+    for node, (p, log) in enumerate(zip(launches, logs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{log[-3000:]}"
+    writers = [line for log in logs for line in log.splitlines() if ": writing " in line]
+    assert len(writers) == 1, writers
+    assert [p.name for p in data.iterdir()] == [os.path.basename(writers[0].split()[-1])]
+
+
+def _write_once_worker(rank: int, world: int, tmp_path: str):
+    """Ranks 0 and 1 share one directory, rank 2 has its own (node-local)."""
+    root = os.path.join(tmp_path, "shared" if rank < 2 else "local")
+    path = os.path.join(root, "ds")
+
+    def write(tmp: str) -> None:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "who"), "w") as f:
+            f.write(str(rank))
+
+    first = write_once(path, write)
+    again = write_once(path, write)  # complete: nobody writes
+    with open(os.path.join(path, "who")) as f:
+        who = int(f.read())
+
+    def fail(tmp: str) -> None:
+        raise OSError(f"disk full on rank {rank}")
+
+    with pytest.raises((OSError, RuntimeError), match="disk full on rank 0"):
+        write_once(os.path.join(tmp_path, "shared", "broken"), fail)
+    dist.barrier()  # every rank removed its probe
+    return first, again, who, sorted(os.listdir(root))
+
+
+def test_write_once_one_writer_per_filesystem(tmp_path):
+    results = run_distributed(_write_once_worker, 3, str(tmp_path), timeout=30)
+    assert [r[0] for r in results] == [True, False, True]
+    assert not any(r[1] for r in results)
+    assert [r[2] for r in results] == [0, 0, 2]  # every rank reads its filesystem's writer's copy
+    assert results[0][3] == ["ds"] and results[2][3] == ["ds"]  # no probe, no temporary left
+
+
+def _launcher_store() -> dist.TCPStore:
+    """The key-value store torchrun's agent would hold (one per launch)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _launch_ranks(tmp_path, argv: list[str], world: int, env: dict, port: int) -> list:
+    """``python -m orchmllm.train`` on ``world`` local processes, as torchrun starts them
+    (env:// rendezvous on the launcher's store at ``port``), without torchrun's habit of
+    killing every worker when the first one fails: here each rank's own exit is observed.
+    Rank r's stdout and stderr go to ``tmp_path/out{r}`` and ``err{r}``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }  # fmt: skip
+        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "orchmllm.train", *argv],
+                    cwd=ROOT,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=err,
+                )  # fmt: skip
+            )
+    return procs
+
+
+def _wait_for(predicate, *, timeout: float, procs: list) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"a rank ended early: {dead}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_path, repo_env):
+    """SIGSTOP one of 3 ranks mid-training with ``--timeout 8``: every healthy rank reports
+    that rank (and the step) as not arrived and exits with status 1 within the timeout plus
+    a few seconds, instead of a generic "Timed out" after 300 s, and does not sit in
+    process-group teardown."""
+    # The timeout bounds set-up's collectives too, so it must cover the ranks' start-up skew
+    # on a loaded CI machine (4 s did not, now and then).
+    world, timeout, stopped, slack = 3, 8.0, 1, 5.0
+    config = _config(tmp_path, "hang", {"ranks_per_node": None}, examples_per_rank=2)
+    cfg, steps, data = load_config(config), 40, str(tmp_path / "data")
+    syn, path = dataset_location(
+        cfg, num_examples=steps * world * 2, seed=cfg.train.seed, data_dir=data
+    )
+    save_dataset(syn, cfg.rates, path)  # ahead: writing it is not what the timeout is about
+    store = _launcher_store()
+    argv = ["--config", config, "--steps", str(steps), "--data-dir", data,
+            "--timeout", str(timeout), "--balance", "full"]  # fmt: skip
+    procs = _launch_ranks(tmp_path, argv, world, repo_env, store.port)
+    try:
+        _wait_for(lambda: "step    2" in (tmp_path / "out0").read_text(), timeout=180, procs=procs)
+        os.kill(procs[stopped].pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        elapsed = {}
+        for rank, p in enumerate(procs):
+            if rank != stopped:
+                p.wait(timeout=timeout + slack + 30)
+                elapsed[rank] = time.monotonic() - t_stop
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, t in elapsed.items():
+        err = (tmp_path / f"err{rank}").read_text()
+        assert procs[rank].returncode == 1, err[-3000:]
+        assert "ranks that did not arrive at training step" in err or (
+            "ranks that did not arrive at loader exchange of step" in err
+        ), err[-3000:]
+        assert "did not arrive at " in err and f": [{stopped}]" in err, err[-3000:]
+        assert f"rank {stopped}: silent for" in err, err[-3000:]
+        assert t <= timeout + slack, (rank, t, err[-2000:])
+
+
+def _reference_then_another_seed(rank: int, world: int, argv: list[str], ckpt: str) -> None:
+    """The uninterrupted run (checkpointed at its end), then a run with another seed on the
+    same checkpoint directory, which must refuse to resume it."""
+    torch.set_num_threads(1)
+    main([*argv, "--checkpoint-dir", ckpt])
+    with pytest.raises(ValueError, match=r"checkpoint-dir .* another run \(seed 0 there, 1 now"):
+        main([*argv, "--checkpoint-dir", ckpt, "--seed", "1"])
+
+
+def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_env):
+    """Kill both ranks of a checkpointing run (SIGKILL) once a checkpoint is complete, rerun
+    the same command: it resumes there (not at a half-written checkpoint) and ends with the
+    losses and parameters of an uninterrupted run, in float64 to 1e-6; its metrics file holds
+    every step once (streamed by the killed run, cut back to the checkpoint on resume). A
+    checkpoint of another run (here: another seed) is refused, not resumed."""
+    world, steps = 2, 6
+    config = _config(tmp_path, "ckpt", examples_per_rank=2)
+    base = _argv(config, tmp_path, "full", steps, "--timeout", "60")
+    ref, out, ckpt = tmp_path / "ref", tmp_path / "resumed", tmp_path / "ckpt"
+    files = ("--metrics", "{}.jsonl", "--save", "{}.pt")
+    ref_argv = [*base, *(f.format(ref) for f in files)]
+    run_distributed(
+        _reference_then_another_seed, world, ref_argv, str(tmp_path / "ref_ckpt"), timeout=120
+    )
+    argv = [*base, *(f.format(out) for f in files), "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "2"]  # fmt: skip
+    store = _launcher_store()
+    procs = _launch_ranks(tmp_path / "killed", argv, world, repo_env, store.port)
+    try:
+        _wait_for(lambda: (ckpt / "step-00000002").is_dir(), timeout=180, procs=procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    killed_at = checkpoint.latest_step(str(ckpt))
+    assert killed_at is not None and killed_at < steps, "the run ended before the kill"
+    # What a job killed while writing the last checkpoint leaves: never loaded.
+    partial = ckpt / f"step-{steps:08d}.partial"
+    partial.mkdir(exist_ok=True)
+    (partial / ".metadata").write_bytes(b"half")
+
+    store = _launcher_store()
+    procs = _launch_ranks(tmp_path / "resume", argv, world, repo_env, store.port)
+    for rank, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / "resume" / f"err{rank}").read_text()[-3000:]
+    log = (tmp_path / "resume" / "out0").read_text()
+    assert f"resumed at step {killed_at} from {ckpt / f'step-{killed_at:08d}'}" in log
+    assert checkpoint.latest_step(str(ckpt)) == steps and not partial.exists()
+    ref_records, ref_params = _load(tmp_path, "ref")
+    records, params = _load(tmp_path, "resumed")
+    # The killed run's lines up to its checkpoint, then the resumed run's: each step once.
+    assert [r["step"] for r in records] == list(range(steps))
+    np.testing.assert_allclose(
+        [r["loss"] for r in records], [r["loss"] for r in ref_records], rtol=1e-6
+    )
+    for r in records:  # no per-rank arrays unless --metrics-per-rank
+        assert all(set(p) >= PHASE_SCHEMA and "loads_before" not in p for p in r["phases"].values())
+    assert params.keys() == ref_params.keys()
+    for name, p in ref_params.items():
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(params[name], p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
+    assert checkpoint.latest_step(str(tmp_path / "none")) is None
+    for name in ("step-00000002", "step-00000004", "step-00000010.partial", "step-7"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-00000012").write_text("a file, not a checkpoint")
+    assert checkpoint.latest_step(str(tmp_path)) == 4
+    assert checkpoint.step_dir("d", 4) == os.path.join("d", "step-00000004")
+
+
+def _record(step: int, world: int, rng: np.random.Generator) -> dict:
+    phases = {
+        name: {
+            "imbalance_before": float(rng.uniform(1, 2)), "imbalance_after": 1.0,
+            "bytes_intra": 10.0, "bytes_inter": 0.0, "plan_ms": 1.0,
+            "loads_before": rng.uniform(size=world).tolist(), "loads_after": [1.0] * world,
+        } for name in PHASES
+    }  # fmt: skip
+    return {"step": step, "loss": 1.0 / (step + 1), "step_time_s": 0.1 + step % 2,
+            "balance": "full", "placement": "none", "world_size": world, "ranks_per_node": 2,
+            "phases": {n: phase_record(p, per_rank=False) for n, p in phases.items()}}  # fmt: skip
+
+
+def test_running_summary_memory_does_not_grow_with_steps(rng):
+    """The loop keeps only running aggregates: the summary of 2000 steps on 1024 ranks
+    takes about the bytes of the summary of 2 steps (the records went to the metrics file)."""
+    small, big = RunningSummary(), RunningSummary()
+    for step in range(2):
+        small.add(_record(step, 1024, rng))
+    records = [_record(step, 1024, rng) for step in range(2000)]
+    for r in records:
+        big.add(r)
+    assert len(pickle.dumps(big)) < len(pickle.dumps(small)) + 16  # wider ints, nothing more
+    assert big.steps == 2000 and big.last_loss == records[-1]["loss"]
+    assert big.sums["llm"]["imbalance_before"] == pytest.approx(
+        sum(r["phases"]["llm"]["imbalance_before"] for r in records)
+    )
+    assert "mean step 600.3 ms (after the first)" in big.table()  # steps 1..1999: 1.1 or 0.1
+    assert all("loads_before" not in p and p["load_max_after"] == 1.0
+               for p in records[0]["phases"].values())  # fmt: skip

@@ -1,9 +1,11 @@
 """One step of post-balancing on a CPU group: gather metadata, plan, move examples.
 
-Shared by the prefetching loader and the collator wrapper. Each step starts with a 3-int
-header per rank (status, item count, metadata width), so that a rank that failed to
-prepare its batch, or has run out of data, tells the others instead of leaving them
-waiting in a collective: every rank leaves the step the same way.
+Shared by the prefetching loader and the collator wrapper. Each step starts with a 4-int
+header per rank (status, item count, metadata width, fingerprint of the planner), so that a
+rank that failed to prepare its batch, or has run out of data, tells the others instead of
+leaving them waiting in a collective, and ranks that would plan differently (another policy,
+cost model, placement or phase set) fail the step together with an error naming the ranks,
+instead of moving data by plans that do not match: every rank leaves the step the same way.
 
 Examples travel as pickled bytes in one all-to-all (``comm.move`` on a uint8 buffer), so
 any example type works and the user's collate function runs on the balanced set.
@@ -11,6 +13,7 @@ any example type works and the user's collate function runs on the balanced set.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm
+from orchmllm import comm, watch
 from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
 
@@ -80,6 +83,19 @@ def new_cpu_group(*, timeout: float) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
 
+def planner_signature(planner: object) -> object:
+    """What decides a planner's plans, comparable across processes: its ``signature``
+    attribute, else a dataclass planner itself (its repr lists its options), else the
+    qualified name of its type or function."""
+    signature = getattr(planner, "signature", None)
+    if signature is not None:
+        return signature
+    if dataclasses.is_dataclass(planner):
+        return planner
+    named = planner if hasattr(planner, "__qualname__") else type(planner)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
 def run_planner(g: Group, planner: Planner, meta: np.ndarray, src: np.ndarray) -> Any:
     """``planner(meta, src, g.size)``, the same on every rank (see :func:`agreed_plan`)."""
     return agreed_plan(
@@ -97,23 +113,30 @@ def gather_step(
     status: int = OK,
     error: BaseException | None = None,
     step: int = -1,
+    planner: object = None,
 ) -> Gathered:
     """All-gather this rank's metadata rows (one per local item).
 
     Pass ``error`` when this rank could not prepare its rows: the peers are told, the
-    error is re-raised here and :class:`PeerFailed` is raised on every other rank.
+    error is re-raised here and :class:`PeerFailed` is raised on every other rank. Pass
+    the ``planner`` that will plan the step: ranks whose planners differ (see
+    :func:`planner_signature`) raise :class:`~orchmllm.comm.MismatchError` together.
     """
+    watch.arrive("exchange", step)
     if error is not None:
         status, local = FAILED, []
     rows = [list(r) for r in (local if local is not None else [])]
     width = max((len(r) for r in rows), default=0)
-    header = g.all_gather_fixed([status, len(rows), width])
-    bytes_sent = 3 * _INT64 * (g.size - 1)
+    agree = {"planner": None if planner is None else planner_signature(planner)}
+    mine = [status, len(rows), width, *(comm.fingerprint(v) for v in agree.values())]
+    header = g.all_gather_fixed(mine)
+    bytes_sent = len(mine) * _INT64 * (g.size - 1)
     if error is not None:
         raise error
     failed = np.flatnonzero(header[:, 0] == FAILED)
     if failed.size:
         raise PeerFailed(f"rank(s) {failed.tolist()} failed to prepare step {step}; see their logs")
+    comm.check_agreement(header[:, 3:], agree, rank=g.rank, what=f"step {step}")
     width = int(header[:, 2].max())
     padded = np.full((len(rows), width), PAD, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -255,7 +278,7 @@ def balance_step(
         error = exc
     t0 = time.perf_counter()
     status = EXHAUSTED if examples is None else OK
-    gathered = gather_step(g, rows, status=status, error=error, step=step)
+    gathered = gather_step(g, rows, status=status, error=error, step=step, planner=planner)
     if np.all(gathered.status == EXHAUSTED):
         return None
     meta = gathered.meta[:, 1:] if move else gathered.meta

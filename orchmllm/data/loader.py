@@ -438,7 +438,7 @@ class BalancedDataLoader:
         assert self._sampled is not None and self._lengths is not None
         local = self._sampled.batches[step]
         rows = [[i, int(self._lengths[i])] for i in local]
-        gathered = ex.gather_step(g, rows, step=step)
+        gathered = ex.gather_step(g, rows, step=step, planner=self.planner)
         plan = ex.check_rearrangement(
             ex.run_planner(g, self.planner, gathered.meta[:, 1:], gathered.src),
             g,

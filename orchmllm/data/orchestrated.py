@@ -19,7 +19,7 @@ import numpy as np
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
-from orchmllm.step_plan import EncoderPhase, StepPlan, plan_step
+from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, plan_step
 
 
 class _Collate:
@@ -44,6 +44,11 @@ class OrchestratorPlanner:
     @property
     def deterministic(self) -> bool:
         return self.options.deterministic
+
+    @property
+    def signature(self) -> StepOptions:
+        """What decides the plans (compared across ranks in the loader's step header)."""
+        return self.options
 
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
         return plan_step(rows, src, self.options, num_ranks=num_ranks)

@@ -1,0 +1,71 @@
+"""watch: per-rank progress in a real c10d TCPStore, and the diagnosis of a failed step.
+
+Several ranks' entries are written from one process (each Progress is one rank's); a silent
+rank is an entry whose heartbeat stopped long ago. The multi-process path (a SIGSTOPped rank
+named by every healthy one) is in test_train.
+"""
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+from orchmllm import watch
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_diagnosis_names_behind_silent_and_finished_ranks_not_failed_peers(store):
+    world = 6
+    ranks = [watch.Progress(store, rank=r, world_size=world, timeout=60) for r in range(5)]
+    for r, p in enumerate(ranks):
+        p.arrive("exchange", 8)
+        p.arrive("train", 4 if r == 2 else 7)  # rank 2 hangs loading its batch
+    ranks[3].diagnose(RuntimeError("Timed out"), stream="train", elapsed_s=60.0)  # gave up first
+    ranks[4].close("done")  # left the epoch early
+    # Rank 5 was stopped 100 s ago (its heartbeat is that old).
+    entry = {"t": time.time() - 100, "steps": {"train": 7, "exchange": 8}, "state": "running"}
+    store.set("orchmllm/progress/5", json.dumps(entry))
+    err = ranks[0].diagnose(RuntimeError("Timed out waiting"), stream="train", elapsed_s=60.4)
+    assert isinstance(err, watch.StepFailed)
+    assert err.missing == [2, 4, 5] and err.step == 7 and err.stream == "train"
+    text = str(err)
+    assert text.startswith("rank 0: training step 7 failed after 60.4 s: RuntimeError: Timed out")
+    assert "ranks that did not arrive at training step 7: [2, 4, 5]" in text
+    assert "rank 2: alive but behind (last entered training step 4" in text
+    assert "rank 4: finished the run" in text
+    assert "rank 5: silent for 10" in text
+    assert "rank 3: failed at training step 7: RuntimeError (arrived)" in text
+    assert "rank 1" not in text  # arrived and healthy
+    # The exchange stream is judged on its own: everyone entered exchange 8 except the
+    # silent rank 5 and the finished rank 4.
+    err = ranks[1].diagnose(TimeoutError(), stream="exchange", elapsed_s=1.0)
+    assert err.missing == [4, 5] and err.step == 8
+
+
+def test_every_rank_arrived_and_bad_arguments(store):
+    ranks = [watch.Progress(store, rank=r, world_size=2, timeout=60) for r in range(2)]
+    for p in ranks:
+        p.arrive("train", 3)
+    err = ranks[1].diagnose(ValueError("bad batch"), stream="train", elapsed_s=0.1)
+    assert err.missing == [] and "every rank arrived at training step 3" in str(err)
+    with pytest.raises(ValueError, match="stream must be one of"):
+        ranks[0].arrive("backward", 1)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got 0"):
+        watch.Progress(store, rank=0, world_size=1, timeout=0)
+
+
+def test_arrive_reports_to_the_installed_progress_only(store):
+    watch.arrive("train", 5)  # nothing installed: a no-op
+    p = watch.Progress(store, rank=0, world_size=1, timeout=60)
+    watch.install(p)
+    try:
+        watch.arrive("exchange", 2)
+        assert watch.current() is p and p.position("exchange") == 2
+        assert json.loads(store.get("orchmllm/progress/0"))["steps"]["exchange"] == 2
+    finally:
+        watch.install(None)
