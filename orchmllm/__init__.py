@@ -25,6 +25,7 @@ _LAZY = {
     "PlannedBatch": "orchmllm.data.loader",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
+    "global_num_items": "orchmllm.loss",
 }
 
 __all__ = ["POLICIES", "Assignment", "CostModel", "balance", *_LAZY]
