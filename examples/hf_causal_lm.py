@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     if args.balance != "none" and args.balance not in orchmllm.POLICIES:
         p.error(f"--balance must be 'none' or one of {orchmllm.POLICIES}, got {args.balance!r}")
