@@ -23,6 +23,7 @@ _LAZY = {
     "PlannedBatch": "orchmllm.data.loader",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
+    "global_num_items": "orchmllm.loss",
 }
 
 __all__ = [

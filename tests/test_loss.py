@@ -1,0 +1,140 @@
+"""global_num_items: the all-reduced count, and the gradient property it exists for.
+
+On 2 gloo ranks with real FSDP2 (``fully_shard``), float64: the same global batch laid out two
+ways (as sampled, and balanced by ``orchmllm.balance``) gives the gradient of one process on the
+whole batch when each rank's summed loss is divided by ``global_num_items`` (and scaled for
+FSDP's mean over ranks, either way the module docstring gives), and different gradients with
+the usual per-rank mean.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import orchmllm
+from tests.multiproc import assert_check_passed, run_checks
+
+VOCAB, HIDDEN = 32, 16
+# Token counts of the global batch; "sampled" gives rank 0 the first four sequences.
+LENGTHS = np.array([3, 5, 4, 2, 30, 9, 21, 6])
+SAMPLED = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def _sequences() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (int(n) + 1,), generator=g) for n in LENGTHS]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB)
+    ).double()
+
+
+def _token_losses(model: nn.Module, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy of every target token (each sequence predicts its own tail)."""
+    if not seqs:
+        return torch.zeros(0, dtype=torch.float64)
+    inputs = torch.cat([s[:-1] for s in seqs])
+    targets = torch.cat([s[1:] for s in seqs])
+    return F.cross_entropy(model(inputs), targets, reduction="none")
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _fsdp_grads(layout: np.ndarray, rank: int, world: int, norm: str) -> dict[str, torch.Tensor]:
+    """One backward of the FSDP2 model on this rank's share of ``layout``, loss by ``norm``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = _model()
+    fully_shard(model)
+    if norm == "global_sum_reduction":
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    seqs = [s for s, r in zip(_sequences(), layout, strict=True) if r == rank]
+    losses = _token_losses(model, seqs)
+    if norm == "per_rank_mean":
+        loss = losses.mean()
+    else:
+        loss = losses.sum() / orchmllm.global_num_items(losses.numel())
+        if norm == "global_times_world":
+            loss = loss * world
+    loss.backward()
+    return _full_grads(model)
+
+
+def _reference_grads() -> dict[str, torch.Tensor]:
+    """One process, no FSDP, the whole global batch, mean over all its target tokens."""
+    model = _model()
+    _token_losses(model, _sequences()).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+def check_counts(rank: int, world: int) -> None:
+    expected = sum(range(1, world + 1))
+    assert orchmllm.global_num_items(rank + 1) == expected
+    assert orchmllm.global_num_items(np.int64(rank + 1)) == expected
+    assert orchmllm.global_num_items(torch.tensor(rank + 1)) == expected
+    assert orchmllm.global_num_items(torch.tensor([0])) == 0
+    labels = torch.full((2, 10), -100)
+    labels[0, : rank + 3] = 1
+    assert orchmllm.global_num_items((labels != -100).sum()) == sum(r + 3 for r in range(world))
+    sub = dist.new_group([0])  # a group this rank may not be in is never waited on
+    if rank == 0:
+        assert orchmllm.global_num_items(5, group=sub) == 5
+
+
+def check_layout_invariance(rank: int, world: int) -> None:
+    balanced = orchmllm.balance(LENGTHS, world, "greedy", src=SAMPLED).dst
+    tokens = [np.bincount(lay, weights=LENGTHS, minlength=world) for lay in (SAMPLED, balanced)]
+    assert tokens[0].max() / tokens[0].mean() > 1.5 > tokens[1].max() / tokens[1].mean()
+    ref = _reference_grads()
+    for norm in ("global_times_world", "global_sum_reduction"):
+        for layout in (SAMPLED, balanced):
+            diff = _max_rel_diff(_fsdp_grads(layout, rank, world, norm), ref)
+            assert diff < 1e-12, (norm, layout.tolist(), diff)
+    # The per-rank mean weighs a token by 1 / (its rank's tokens): the layout changes the
+    # gradient (it is the global one only where every rank happens to hold as many tokens).
+    sampled = _fsdp_grads(SAMPLED, rank, world, "per_rank_mean")
+    moved = _fsdp_grads(balanced, rank, world, "per_rank_mean")
+    assert _max_rel_diff(sampled, moved) > 1e-2
+    assert _max_rel_diff(sampled, ref) > 1e-2
+
+
+CHECKS = {"counts": check_counts, "layout_invariance": check_layout_invariance}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_checks(CHECKS, 2, timeout=60)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_distributed(results, name):
+    assert_check_passed(results, name)
+
+
+def test_single_process_is_the_local_count():
+    assert not dist.is_initialized()
+    assert orchmllm.global_num_items(17) == 17
+    assert orchmllm.global_num_items(torch.tensor(4)) == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "3", None, torch.tensor([1, 2]), torch.tensor(1.0)])
+def test_bad_counts_name_the_argument(bad):
+    with pytest.raises(ValueError, match="local_count"):
+        orchmllm.global_num_items(bad)
