@@ -45,3 +45,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'orchmllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names, lazy ones included, so ``dir()``, ``help()`` and completion see
+    them."""
+    return sorted(set(globals()) | set(__all__))

@@ -51,3 +51,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(f"orchmllm.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'orchmllm.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
