@@ -37,11 +37,11 @@ from torch import Tensor, nn
 __all__ = [
     "MINIMUM",
     "MissingTorchFeature",
+    "accepts",
     "available",
     "broadcast",
     "fully_shard",
     "is_fsdp_module",
-    "keywords",
     "scaled_dot_product_attention",
     "set_gradient_sum",
     "set_reduce_scatter_unused_params",
@@ -77,12 +77,19 @@ class MissingTorchFeature(RuntimeError):
 
 
 @functools.cache
-def keywords(fn: Callable[..., Any]) -> frozenset[str]:
-    """Names of the parameters ``fn`` accepts (empty if its signature cannot be read)."""
+def _parameters(fn: Callable[..., Any]) -> tuple[frozenset[str], bool]:
     try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a readable signature
+        return frozenset(), False
+    return frozenset(p.name for p in params), any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def accepts(fn: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``fn`` takes ``keyword=``. A ``**kwargs`` pass-through (a decorator, a test
+    spy) takes any keyword: it forwards it to the function it wraps."""
+    names, forwards = _parameters(fn)
+    return forwards or keyword in names
 
 
 def _attribute(module: str, name: str) -> Any:
@@ -162,20 +169,19 @@ def varlen_adapter(kernel: Callable[..., Tensor]) -> VarlenAttention:
     tensors to the flash kernel unchanged, and it groups query heads itself (the keyword
     came only to refuse GQA on a cuDNN backend that is never selected).
     """
-    names = keywords(kernel)
-    if "window_size" in names:
+    if accepts(kernel, "window_size"):
 
         def mask(causal: bool) -> dict[str, Any]:
             return {"window_size": (-1, 0) if causal else (-1, -1)}
 
-    elif "is_causal" in names:
+    elif accepts(kernel, "is_causal"):
 
         def mask(causal: bool) -> dict[str, Any]:
             return {"is_causal": causal}
 
     else:
         raise MissingTorchFeature("varlen_attn(is_causal= or window_size=)")
-    pass_gqa = "enable_gqa" in names
+    pass_gqa = accepts(kernel, "enable_gqa")
 
     def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, *, causal: bool):
         extra = mask(causal)
@@ -246,9 +252,9 @@ def _has_method(name: str) -> bool:
     return hasattr(_attribute("torch.distributed.fsdp", "FSDPModule"), name)
 
 
-def _varlen_accepts(*names: str) -> bool:
+def _varlen_accepts(*keywords: str) -> bool:
     kernel = _varlen_kernel()
-    return kernel is not None and not keywords(kernel).isdisjoint(names)
+    return kernel is not None and any(accepts(kernel, k) for k in keywords)
 
 
 _PROBES: dict[str, Callable[[], bool]] = {
@@ -269,7 +275,7 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "varlen_attn(is_causal= or window_size=)": lambda: _varlen_accepts("is_causal", "window_size"),
     "varlen_attn(enable_gqa=)": lambda: _varlen_accepts("enable_gqa"),
     "scaled_dot_product_attention(enable_gqa=)": lambda: _sdpa_has_enable_gqa(),
-    "torch.distributed.broadcast(group_src=)": lambda: "group_src" in keywords(dist.broadcast),
+    "torch.distributed.broadcast(group_src=)": lambda: accepts(dist.broadcast, "group_src"),
 }
 
 
