@@ -62,12 +62,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from orchmllm.data import TEXT, generate_example
-from orchmllm.models import MLLM, build_model
-from orchmllm.orchestrator import MODES, default_phases, local_metadata, plan_step
-from orchmllm.train import RunConfig, load_config, synthetic_config
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, without PYTHONPATH or an install
+from orchmllm.data import TEXT, generate_example  # noqa: E402
+from orchmllm.models import MLLM, build_model  # noqa: E402
+from orchmllm.orchestrator import MODES, default_phases, local_metadata, plan_step  # noqa: E402
+from orchmllm.train import RunConfig, load_config, synthetic_config  # noqa: E402
+
 PHASES = ("vision", "audio", "llm")
 IGNORE_INDEX = -100
 
