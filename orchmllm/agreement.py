@@ -17,6 +17,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from orchmllm import compat
+
 __all__ = ["PeerFailed", "agreed_plan"]
 
 T = TypeVar("T")
@@ -66,10 +68,10 @@ def _broadcast_from_first(
     """Rank 0's ``payload`` on every rank of ``group`` (the others pass None)."""
     wait = timedelta(seconds=timeout)
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=0, async_op=True).wait(timeout=wait)
+    compat.broadcast(size, group=group, group_src=0, async_op=True).wait(timeout=wait)
     if payload is None:
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
     else:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    dist.broadcast(buf, group=group, group_src=0, async_op=True).wait(timeout=wait)
+    compat.broadcast(buf, group=group, group_src=0, async_op=True).wait(timeout=wait)
     return payload if payload is not None else buf.numpy().tobytes()

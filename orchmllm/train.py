@@ -33,7 +33,7 @@ import yaml
 from torch import Tensor
 
 import orchmllm
-from orchmllm import checkpoint, watch
+from orchmllm import checkpoint, compat, watch
 from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -359,12 +359,9 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtyp
 def _set_sum_reduction(model: MLLM) -> None:
     """FSDP2 averages gradients over ranks by default; our loss is already normalised by the
     global target count, so gradients must be summed."""
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        if compat.is_fsdp_module(module):
+            compat.set_gradient_sum(module)
 
 
 def _all_reduce_sum(values: list[float], device) -> list[float]:

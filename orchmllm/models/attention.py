@@ -9,24 +9,12 @@ result independent of which other sequences share its batch (what rebalancing re
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from orchmllm import compat
+
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _varlen_kernel():
-    """torch's flash varlen kernel, or None (torch < 2.9). Imported on first CUDA use only:
-    the module pulls in torch._dynamo, seconds of start-up a CPU run does not need."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
 
 
 def cu_seqlens_from_lengths(lengths: Tensor) -> Tensor:
@@ -58,16 +46,12 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, causal
         # Keep the output attached to q (and through a fused qkv projection to k and v) so
         # every parameter still receives a (zero) gradient on a rank with nothing to do.
         return q.clone()
-    if q.is_cuda and q.dtype in _FUSED_DTYPES and _varlen_kernel() is not None:
+    if q.is_cuda and q.dtype in _FUSED_DTYPES and compat.varlen_attention() is not None:
         cu = cu_seqlens_from_lengths(lengths).to(torch.int32)
-        max_len = int(lengths.max())
-        window = (-1, 0) if causal else (-1, -1)
-        return _varlen_kernel()(
-            q, k, v, cu, cu, max_len, max_len, window_size=window, enable_gqa=gqa
-        )
+        return compat.varlen_attention()(q, k, v, cu, int(lengths.max()), causal=causal)
     outs = []
     for qs, ks, vs in zip(*(t.split(lengths.tolist()) for t in (q, k, v)), strict=True):
-        o = F.scaled_dot_product_attention(
+        o = compat.scaled_dot_product_attention(
             qs.transpose(0, 1),
             ks.transpose(0, 1),
             vs.transpose(0, 1),
@@ -85,7 +69,7 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tenso
     Padded query rows produce values the caller must ignore. Returns [B, T, Hq, D].
     """
     gqa = q.shape[2] != k.shape[2]
-    out = F.scaled_dot_product_attention(
+    out = compat.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),

@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from orchmllm.compat import fully_shard, set_reduce_scatter_unused_params
 from orchmllm.config import ModelConfig
 
 from .audio import AudioEncoder
@@ -78,11 +79,10 @@ def shard_model(model: MLLM, *, mesh=None) -> MLLM:
     """Apply FSDP2 ``fully_shard``: each transformer block, each connector, the token
     embedding (called on its own through ``LLM.embed``), each submodule, then the root.
 
-    Unused-parameter reduce-scatter is on, so a parameter no item reached on some rank still
-    takes part in the gradient reduce-scatter with zeros instead of desynchronising ranks.
+    Unused-parameter reduce-scatter is on where torch has it (2.13+), so a parameter no item
+    reached on some rank still takes part in the gradient reduce-scatter with zeros instead of
+    desynchronising ranks; every module also runs on every rank, which older torch relies on.
     """
-    from torch.distributed.fsdp import fully_shard
-
     for encoder in model.encoders.values():
         for block in encoder.blocks:
             fully_shard(block, mesh=mesh)
@@ -93,5 +93,5 @@ def shard_model(model: MLLM, *, mesh=None) -> MLLM:
     fully_shard(model.llm.embed_tokens, mesh=mesh)
     fully_shard(model.llm, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.set_reduce_scatter_unused_params(True)
+    set_reduce_scatter_unused_params(model)
     return model
