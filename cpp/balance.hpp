@@ -18,6 +18,15 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // max_steps > 0, at most max_steps local-search steps, each the best single move or swap of one
 // item between the heaviest and the lightest rank that lowers the heavier of the two below the
 // old maximum (stops when none does); never raises the maximum load.
+//
+// With max_steps > 0 it is a portfolio (the default `greedy`): refined LPT, then, on small
+// instances, Karmarkar-Karp (n * num_ranks <= kPortfolioKkWork) and MULTIFIT (n <=
+// kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit decreasing),
+// each refined the same way; the lightest maximum load wins, ties to the earlier candidate.
+// The others are skipped once LPT reaches the lower bound max(total / num_ranks, heaviest).
+constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
+constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 14;
+constexpr int kMultifitRounds = 24;
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps = 0);
 

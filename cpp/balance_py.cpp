@@ -34,6 +34,10 @@ Ints run(const Array<T>& input, Fn fn) {
 }  // namespace
 
 void register_balance(py::module_& m) {
+    // The portfolio's size limits, read by the Python reference (orchmllm/balance.py).
+    m.attr("PORTFOLIO_KK_WORK") = orch::kPortfolioKkWork;
+    m.attr("PORTFOLIO_MULTIFIT_ITEMS") = orch::kPortfolioMultifitItems;
+    m.attr("MULTIFIT_ROUNDS") = orch::kMultifitRounds;
     m.def(
         "lpt",
         [](const Floats& w, int64_t d, int64_t cap, int64_t max_steps) {
@@ -42,8 +46,8 @@ void register_balance(py::module_& m) {
             });
         },
         py::arg("weights"), py::arg("num_ranks"), py::arg("cap"), py::arg("max_steps") = 0,
-        "Longest-processing-time on additive weights (Alg. 1, greedy_cost), then at most "
-        "max_steps move/swap steps between the heaviest and the lightest rank.");
+        "Longest-processing-time on additive weights (Alg. 1, greedy_cost); with max_steps > 0 "
+        "the refined portfolio of LPT, Karmarkar-Karp and MULTIFIT (see balance.hpp).");
     m.def(
         "greedy_tolerance",
         [](const Ints& l, int64_t d, double tol, int64_t cap) {

@@ -490,12 +490,80 @@ def _refine(w, order, dst, load, count, cap, max_steps) -> None:
 
 
 def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
+    """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
+    refined LPT, then on small instances refined KK and MULTIFIT, the lightest maximum load
+    winning, ties to the earlier candidate."""
     w = [float(x) for x in weights]
-    dst = [0] * len(w)
-    load, count, order = [0.0] * num_ranks, [0] * num_ranks, _desc(w)
+    n, d = len(w), num_ranks
+    dst = [0] * n
+    load, count, order = [0.0] * d, [0] * d, _desc(w)
     _fill_least_loaded(w, order, load, count, cap, dst)
+    if max_steps <= 0:
+        return np.array(dst, dtype=np.int64)
     _refine(w, order, dst, load, count, cap, max_steps)
+    best = max(load)
+    total = 0.0
+    for i in order:
+        total += w[i]
+    if n < 2 or d < 2 or not best > max(total / d, w[order[0]]):
+        return np.array(dst, dtype=np.int64)
+    candidates = []
+    if n * d <= _core.PORTFOLIO_KK_WORK:
+        candidates.append(lambda: [int(r) for r in ref_karmarkar_karp(weights, d, False)])
+    if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
+        candidates.append(lambda: ref_multifit(w, order, d, cap))
+    for make in candidates:
+        plan = make()
+        if plan is None:
+            continue
+        load, count = [0.0] * d, [0] * d
+        for i in order:
+            load[plan[i]] += w[i]
+            count[plan[i]] += 1
+        if max(count) > cap:
+            continue
+        _refine(w, order, plan, load, count, cap, max_steps)
+        if max(load) < best:
+            best, dst = max(load), plan
     return np.array(dst, dtype=np.int64)
+
+
+def _first_fit(w, order, d, cap, bound) -> list[int] | None:
+    load, count, dst = [0.0] * d, [0] * d, [0] * len(w)
+    for i in order:
+        fits = [r for r in range(d) if count[r] < cap and load[r] + w[i] <= bound]
+        if not fits:
+            return None
+        dst[i] = fits[0]
+        load[fits[0]] += w[i]
+        count[fits[0]] += 1
+    return dst
+
+
+def ref_multifit(w: list[float], order: list[int], d: int, cap: int) -> list[int] | None:
+    """MULTIFIT (Coffman, Garey and Johnson): bisection on the capacity of first-fit
+    decreasing, from the lower bound max(total/d, heaviest) to max(2 total/d, heaviest),
+    at most ``MULTIFIT_ROUNDS`` rounds; ``None`` when no capacity fits (a tight count cap)."""
+    total = 0.0
+    for i in order:
+        total += w[i]
+    lo = max(total / d, w[order[0]])
+    hi = max(2.0 * total / d, w[order[0]])
+    found = _first_fit(w, order, d, cap, lo)
+    if found is not None:
+        return found
+    for rounds in range(_core.MULTIFIT_ROUNDS):
+        mid = hi if rounds == 0 else lo + (hi - lo) / 2
+        if rounds > 0 and not lo < mid < hi:
+            break
+        plan = _first_fit(w, order, d, cap, mid)
+        if plan is not None:
+            hi, found = mid, plan
+        elif rounds == 0:
+            return None
+        else:
+            lo = mid
+    return found
 
 
 def ref_greedy_tolerance(
