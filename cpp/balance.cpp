@@ -9,6 +9,7 @@
 #include "balance.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -535,7 +536,7 @@ bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound
         const double x = items.key[k];
         if (!(tree[1] + x <= bound)) return false;
         size_t node = 1;
-        while (node < size) node = tree[2 * node] + x <= bound ? 2 * node : 2 * node + 1;
+        while (node < size) node = 2 * node + !(tree[2 * node] + x <= bound);
         const size_t r = node - size;
         dst[items.index[k]] = static_cast<int64_t>(r);
         tree[node] = ++count[r] >= cap ? inf : tree[node] + x;
@@ -560,9 +561,13 @@ bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, int64_t* dst)
     trial.resize(items.index.size());
     bool found = false;
     if (first_fit(items, d, cap, lo, tree, count, dst)) return true;
+    // Integer weights give integer loads, so first_fit at c and at floor(c) agree: once
+    // hi - lo < 1 no capacity in between can give another plan.
+    const bool integral = std::all_of(items.key.begin(), items.key.end(),
+                                      [](double x) { return x == std::floor(x); });
     for (int round = 0; round < kMultifitRounds; ++round) {
         const double mid = round == 0 ? hi : lo + (hi - lo) / 2;
-        if (round > 0 && !(mid > lo && mid < hi)) break;
+        if (round > 0 && (!(mid > lo && mid < hi) || (integral && hi - lo < 1.0))) break;
         if (first_fit(items, d, cap, mid, tree, count, trial.data())) {
             hi = mid;
             std::copy(trial.begin(), trial.end(), dst);
@@ -627,7 +632,8 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         karmarkar_karp(w, n, num_ranks, false, plan.data());
         consider();
     }
-    if (n <= kPortfolioMultifitItems && multifit(items, num_ranks, cap, plan.data())) consider();
+    if (best > bound && n <= kPortfolioMultifitItems && multifit(items, num_ranks, cap, plan.data()))
+        consider();
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

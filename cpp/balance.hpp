@@ -23,9 +23,10 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // instances, Karmarkar-Karp (n * num_ranks <= kPortfolioKkWork) and MULTIFIT (n <=
 // kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit decreasing),
 // each refined the same way; the lightest maximum load wins, ties to the earlier candidate.
-// The others are skipped once LPT reaches the lower bound max(total / num_ranks, heaviest).
+// A candidate is skipped once the best so far reaches the lower bound max(total / num_ranks,
+// heaviest). With integer weights the bisection stops once the capacities differ by < 1.
 constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
-constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 14;
+constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
 constexpr int kMultifitRounds = 24;
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps = 0);

@@ -513,6 +513,8 @@ def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -
     if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
         candidates.append(lambda: ref_multifit(w, order, d, cap))
     for make in candidates:
+        if not best > max(total / d, w[order[0]]):
+            break
         plan = make()
         if plan is None:
             continue
@@ -552,9 +554,10 @@ def ref_multifit(w: list[float], order: list[int], d: int, cap: int) -> list[int
     found = _first_fit(w, order, d, cap, lo)
     if found is not None:
         return found
+    integral = all(x == math.floor(x) for x in w)  # then capacities < 1 apart plan alike
     for rounds in range(_core.MULTIFIT_ROUNDS):
         mid = hi if rounds == 0 else lo + (hi - lo) / 2
-        if rounds > 0 and not lo < mid < hi:
+        if rounds > 0 and (not lo < mid < hi or (integral and hi - lo < 1.0)):
             break
         plan = _first_fit(w, order, d, cap, mid)
         if plan is not None:
