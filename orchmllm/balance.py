@@ -92,6 +92,7 @@ BACKENDS = ("cpp", "python")
 # greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
 DEFAULT_TOLERANCE = 0.01
 _INT64_MAX = np.iinfo(np.int64).max
+_PACKED = CostModel("packed")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Assignment:
 
     dst: np.ndarray
     loads: np.ndarray
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: Mapping[str, float] = field(default_factory=dict)
 
 
 def balance(
@@ -133,6 +134,26 @@ def balance(
     ``refine=False`` keeps the paper's Alg. 1 exactly. ``backend="python"`` runs the plain
     Python reference instead of the C++ core (same result, for tests and benchmarks).
     """
+    if (
+        type(lengths) is np.ndarray
+        and lengths.dtype == np.int64
+        and lengths.ndim == 1
+        and type(num_ranks) is int
+        and 1 <= num_ranks <= MAX_RANKS
+        and policy == "greedy"
+        and src is cost is ranks_per_node is max_items_per_rank is max_load_per_rank is None
+        and tolerance is None
+        and placement == "none"
+        and refine is True
+        and backend == "cpp"
+    ):
+        # The default call, validated in the core (it answers None where the checks below
+        # would raise or deal out by count); statistics are computed when first read.
+        fast = _core.greedy_lengths(lengths, num_ranks, REFINE_STEPS_PER_RANK * num_ranks)
+        if fast is not None:
+            dst, loads = fast
+            job = (lengths, None, dst, loads, None, num_ranks, _PACKED)
+            return Assignment(dst=dst, loads=loads, stats=_LazyStats(partial(_stats, *job)))
     l = _lengths(lengths)
     n = l.size
     d = check_num_ranks(num_ranks)
@@ -193,12 +214,12 @@ def balance(
         permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
         loads = permuted
         stats.update({k: float(v) for k, v in placed.stats.items()})
-    stats.update(_stats(l, longest, dst, loads, s, d, cost))
     if policy == "greedy_stay":
         w = cost.item_costs(l)
         makespan = float(np.bincount(dst, weights=w, minlength=d).max(initial=0.0))
         stats["tokens_moved_lower_bound"] = movement_lower_bound(w, s, d, makespan, sizes=l)
-    return Assignment(dst=dst, loads=loads, stats=stats)
+    job = (l, longest, dst, loads, s, d, cost)
+    return Assignment(dst=dst, loads=loads, stats=_LazyStats(partial(_stats, *job), stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,15 +364,43 @@ def _lower_bound(lengths: np.ndarray, loads: np.ndarray, cost: CostModel) -> flo
     return max(float(loads.mean()), single)
 
 
+class _LazyStats(Mapping):
+    """Read-only statistics computed on first read: most callers of :func:`balance` only use
+    ``dst``, and the statistics cost more than the plan at small sizes. ``known``: entries
+    already computed (placement, movement bound); computed ones win on a shared key."""
+
+    def __init__(self, compute: Callable[[], dict[str, float]], known: dict | None = None):
+        self._compute, self._known, self._all = compute, known or {}, None
+
+    def _items(self) -> dict[str, float]:
+        if self._all is None:
+            self._all = {**self._known, **self._compute()}
+        return self._all
+
+    def __getitem__(self, key: str) -> float:
+        return self._items()[key]
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
+
+
 def _stats(
     lengths: np.ndarray,
-    longest: int,
+    longest: int | None,
     dst: np.ndarray,
     loads: np.ndarray,
     src: np.ndarray | None,
     d: int,
     cost: CostModel,
 ) -> dict[str, float]:
+    if longest is None:
+        longest = int(lengths.max(initial=0))
     top = float(loads.max(initial=0.0))
     stats = {
         "imbalance_after": _ratio(top, float(loads.mean())),

@@ -509,3 +509,25 @@ def test_all_zero_lengths_are_dealt_out_by_count(policy):
     expected = src if stays else np.arange(10) % 3
     np.testing.assert_array_equal(a.dst, expected)
     np.testing.assert_array_equal(b.dst, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), min_size=0, max_size=40), d=st.integers(1, 9))
+def test_fast_default_call_matches_the_validating_path(lengths, d):
+    """balance(int64 array, d) takes the core's one-call path; a list takes the validating
+    path: same plan, loads and statistics (computed lazily on first read)."""
+    fast = balance(np.asarray(lengths, dtype=np.int64), d)
+    slow = balance(lengths, d)
+    np.testing.assert_array_equal(fast.dst, slow.dst)
+    np.testing.assert_array_equal(fast.loads, slow.loads)
+    assert dict(fast.stats) == dict(slow.stats)
+
+
+def test_fast_default_call_keeps_every_check():
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        balance(np.array([3, -1, 2], dtype=np.int64), 2)
+    with pytest.raises(ValueError, match="num_ranks"):
+        balance(np.array([3, 1], dtype=np.int64), 0)
+    with pytest.raises(ValueError, match="lengths must be 1-D"):
+        balance(np.ones((2, 2), dtype=np.int64), 2)
+    np.testing.assert_array_equal(balance(np.zeros(5, dtype=np.int64), 2).dst, [0, 1, 0, 1, 0])
