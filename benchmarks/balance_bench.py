@@ -251,7 +251,7 @@ def movement_cases(ranks, per_ranks, seed: int) -> list[dict]:
 def scale_cases(seed: int, d: int = 16_384, per: int = 60) -> list[dict]:
     """greedy and greedy + placement="auto" at ``d`` ranks, as ratios to argsort (same run)."""
     records = []
-    for dist in ("text", "image"):
+    for dist in ("text", "llava_image"):
         lengths = sample_lengths(dist, d * per, rng=seed + d)
         src = np.repeat(np.arange(d, dtype=np.int64), per)
         argsort_ms = _cpu_ms(partial(np.argsort, lengths), 3)

@@ -548,9 +548,9 @@ bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound
 
 // MULTIFIT: bisection on the bin capacity of first_fit, from max(total/d, heaviest) (no plan
 // is lighter) to max(2 total/d, heaviest) (FFD always fits there without a count cap), at
-// most kMultifitRounds rounds. Writes the plan of the smallest capacity that fit; false when
+// most kMultifitRounds rounds (`integral`: all weights are integers). Writes the plan of the smallest capacity that fit; false when
 // none did (a tight count cap).
-bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, int64_t* dst) {
+bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, bool integral, int64_t* dst) {
     double total = 0.0;
     for (const double x : items.key) total += x;
     const double heaviest = items.key.empty() ? 0.0 : items.key[0];
@@ -563,8 +563,6 @@ bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, int64_t* dst)
     if (first_fit(items, d, cap, lo, tree, count, dst)) return true;
     // Integer weights give integer loads, so first_fit at c and at floor(c) agree: once
     // hi - lo < 1 no capacity in between can give another plan.
-    const bool integral = std::all_of(items.key.begin(), items.key.end(),
-                                      [](double x) { return x == std::floor(x); });
     for (int round = 0; round < kMultifitRounds; ++round) {
         const double mid = round == 0 ? hi : lo + (hi - lo) / 2;
         if (round > 0 && (!(mid > lo && mid < hi) || (integral && hi - lo < 1.0))) break;
@@ -615,8 +613,15 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     double best = *std::max_element(load.begin(), load.end());
     double total = 0.0;
     for (const double x : items.key) total += x;
-    const double bound = std::max(total / static_cast<double>(num_ranks), n ? items.key[0] : 0.0);
-    if (n < 2 || num_ranks < 2 || !(best > bound)) return;
+    if (n < 2 || num_ranks < 2) return;
+    // No plan is lighter than the mean, the heaviest item, or the (d+1)-th heaviest with the
+    // d-th (two of the d+1 heaviest share a rank); integer weights give integer loads.
+    double bound = std::max(total / static_cast<double>(num_ranks), items.key[0]);
+    if (n > num_ranks) bound = std::max(bound, items.key[num_ranks - 1] + items.key[num_ranks]);
+    const bool integral = std::all_of(items.key.begin(), items.key.end(),
+                                      [](double x) { return x == std::floor(x); });
+    if (integral) bound = std::ceil(bound);
+    if (!(best > bound)) return;
     std::vector<int64_t> plan(static_cast<size_t>(n));
     const auto consider = [&]() {
         tally(items, plan.data(), load, count, rank_at);
@@ -632,7 +637,8 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         karmarkar_karp(w, n, num_ranks, false, plan.data());
         consider();
     }
-    if (best > bound && n <= kPortfolioMultifitItems && multifit(items, num_ranks, cap, plan.data()))
+    if (best > bound && n <= kPortfolioMultifitItems &&
+        multifit(items, num_ranks, cap, integral, plan.data()))
         consider();
 }
 

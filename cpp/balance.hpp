@@ -24,7 +24,8 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit decreasing),
 // each refined the same way; the lightest maximum load wins, ties to the earlier candidate.
 // A candidate is skipped once the best so far reaches the lower bound max(total / num_ranks,
-// heaviest). With integer weights the bisection stops once the capacities differ by < 1.
+// heaviest, d-th + (d+1)-th heaviest), rounded up for integer weights; with integer weights
+// MULTIFIT's bisection stops once the capacities differ by < 1.
 constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
 constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
 constexpr int kMultifitRounds = 24;

@@ -541,7 +541,8 @@ def _refine(w, order, dst, load, count, cap, max_steps) -> None:
 def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
     """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
     refined LPT, then on small instances refined KK and MULTIFIT, the lightest maximum load
-    winning, ties to the earlier candidate."""
+    winning, ties to the earlier candidate; candidates stop once one reaches the lower bound
+    (mean, heaviest item, d-th plus (d+1)-th heaviest; rounded up for integer weights)."""
     w = [float(x) for x in weights]
     n, d = len(w), num_ranks
     dst = [0] * n
@@ -554,7 +555,15 @@ def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -
     total = 0.0
     for i in order:
         total += w[i]
-    if n < 2 or d < 2 or not best > max(total / d, w[order[0]]):
+    if n < 2 or d < 2:
+        return np.array(dst, dtype=np.int64)
+    bound = max(total / d, w[order[0]])
+    if n > d:
+        bound = max(bound, w[order[d - 1]] + w[order[d]])
+    integral = all(x == math.floor(x) for x in w)
+    if integral:
+        bound = math.ceil(bound)
+    if not best > bound:
         return np.array(dst, dtype=np.int64)
     candidates = []
     if n * d <= _core.PORTFOLIO_KK_WORK:
@@ -562,7 +571,7 @@ def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -
     if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
         candidates.append(lambda: ref_multifit(w, order, d, cap))
     for make in candidates:
-        if not best > max(total / d, w[order[0]]):
+        if not best > bound:
             break
         plan = make()
         if plan is None:
