@@ -11,7 +11,7 @@ FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_
 def test_balance_bench_quick(run_benchmark):
     records = run_benchmark("balance_bench.py", timeout=120).records
     summary = [r for r in records if r["policy"] == "summary"]
-    extra = ("summary", "peers", "movement", "scale")
+    extra = ("summary", "peers", "movement", "scale", "wrapper")
     cases = [r for r in records if r["policy"] not in extra and r["cost"] != "h100_audio_10b"]
     assert len(summary) == 1
     assert {r["policy"] for r in cases} == set(POLICIES) | {"greedy_alg1"}
@@ -42,6 +42,9 @@ def test_balance_bench_quick(run_benchmark):
     moves = [r for r in records if r["policy"] == "movement"]
     assert moves and all(r["moved_over_exact"] >= 1.0 - 1e-9 for r in moves)
     assert summary[0]["greedy_stay_over_exact_max"] == max(r["moved_over_exact"] for r in moves)
+    (wrapper,) = [r for r in records if r["policy"] == "wrapper"]
+    assert wrapper["core_us"] > 0 and wrapper["wrapper_us"] > 0
+    assert summary[0]["wrapper_overhead_us"] == wrapper["overhead_us"]
     audio = [r for r in records if r.get("cost") == "h100_audio_10b"]
     assert audio  # the packaged H100 calibration is always there
     bs = {(r["dist"], r["ranks"]): r for r in audio if r["policy"] == "binary_search"}
