@@ -179,9 +179,13 @@ def _max_load(lengths: np.ndarray, dst, d: int) -> float:
     return float(np.bincount(np.asarray(dst), weights=lengths, minlength=d).max())
 
 
-def min_moved_exact(lengths: np.ndarray, src: np.ndarray, d: int, makespan: float) -> float:
+def min_moved_exact(
+    lengths: np.ndarray, src: np.ndarray, d: int, makespan: float
+) -> tuple[float, bool]:
     """Fewest tokens any plan with max load <= ``makespan`` moves: a MILP over binary
-    x[i, r] (item i on rank r), solved exactly by scipy's HiGHS."""
+    x[i, r] (item i on rank r), solved by scipy's HiGHS. Returns (value, exact): past the
+    time limit the value is HiGHS's dual bound, below the optimum, so a ratio over it is an
+    upper bound on the true ratio."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -196,11 +200,13 @@ def min_moved_exact(lengths: np.ndarray, src: np.ndarray, d: int, makespan: floa
         constraints=[LinearConstraint(one, 1, 1), LinearConstraint(load, -np.inf, makespan)],
         integrality=np.ones(n * d),
         bounds=Bounds(0, 1),
-        options={"time_limit": 60},
+        options={"time_limit": 20},
     )
-    if not res.success:
-        raise RuntimeError(f"HiGHS found no optimum: {res.message}")
-    return float(res.fun)
+    if res.success:
+        return float(res.fun), True
+    if res.status == 1 and res.get("mip_dual_bound") is not None:  # time limit
+        return max(float(res.mip_dual_bound), 0.0), False
+    raise RuntimeError(f"HiGHS found no bound: {res.message}")
 
 
 def peer_cases(ranks, per_ranks, seed: int) -> list[dict]:
@@ -236,7 +242,7 @@ def movement_cases(ranks, per_ranks, seed: int) -> list[dict]:
                 src = np.repeat(np.arange(d, dtype=np.int64), per)
                 a = balance(lengths, d, "greedy_stay", src=src)
                 makespan = float(a.loads.max())
-                exact = min_moved_exact(lengths, src, d, makespan)
+                exact, solved = min_moved_exact(lengths, src, d, makespan)
                 moved = a.stats["tokens_moved"]
                 records.append(
                     {
@@ -246,6 +252,7 @@ def movement_cases(ranks, per_ranks, seed: int) -> list[dict]:
                         "per_rank": per,
                         "tokens_moved": moved,
                         "tokens_moved_exact_min": exact,
+                        "exact": solved,
                         "moved_over_exact": moved / exact if exact > 0 else 1.0,
                     }
                 )
@@ -332,8 +339,10 @@ def report_targets(
         top = max(r["moved_over_exact"] for r in moves)
         summary["greedy_stay_over_exact_max"] = top
         ok = "met" if top <= 1.2 else "NOT met"
+        bounded = sum(not r["exact"] for r in moves)
         print(f"  target greedy_stay <= 1.2x exact minimum moved: {ok}"
-              f" (max {top:.3f} over {len(moves)} instances)")  # fmt: skip
+              f" (max {top:.3f} over {len(moves)} instances,"
+              f" {bounded} against HiGHS's bound at its time limit)")  # fmt: skip
     if scale:
         g = max(r["greedy_over_argsort"] for r in scale)
         p = max(r["placement_ms"] for r in scale)
