@@ -149,10 +149,11 @@ def _record(policy, method, limit, s, base, wall, cpu) -> dict:
 
 
 def step_plan_case(d: int, per_rank: int, c: int, seed: int = 0, reps: int = 3) -> dict:
-    """Wall time of the whole step plan (all phases, placement="auto") on an mllm-10b pool."""
+    """Wall time of the whole step plan (all phases, placement="auto": the simulator calls it
+    "node") on an mllm-10b pool."""
     model = load_model("mllm-10b")
     batch = sample_pool(model, d, per_rank, seed)
-    kw = dict(config=model.config, modules=model.modules, placement="auto", ranks_per_node=c)
+    kw = dict(config=model.config, modules=model.modules, placement="node", ranks_per_node=c)
     best = min(plan_layout(batch, "full", **kw).plan_ms for _ in range(reps))
     return {"policy": "step_plan", "method": "auto", "num_ranks": d, "examples_per_rank": per_rank,
             "plan_ms": best}  # fmt: skip
