@@ -9,8 +9,10 @@
 #include "balance.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -514,6 +516,84 @@ void order_desc(const double* w, int64_t n, int64_t* order) {
     std::copy(items.index.begin(), items.index.end(), order);
 }
 
+namespace {
+
+// First-fit decreasing into bins of capacity `bound`: every item, heaviest first, to the
+// lowest rank whose load plus the item stays within `bound` and that has room for one more.
+// A min-tree over the loads (full ranks hold +inf) finds that rank in one walk down, since
+// load + w <= bound is monotone in load. Returns false when some item fits nowhere.
+bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound,
+               std::vector<double>& tree, std::vector<int64_t>& count, int64_t* dst) {
+    size_t size = 1;
+    while (size < static_cast<size_t>(d)) size <<= 1;
+    const double inf = std::numeric_limits<double>::infinity();
+    tree.assign(2 * size, inf);
+    for (int64_t r = 0; r < d; ++r) tree[size + r] = 0.0;
+    for (size_t node = size - 1; node >= 1; --node)
+        tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
+    count.assign(static_cast<size_t>(d), 0);
+    for (size_t k = 0; k < items.index.size(); ++k) {
+        const double x = items.key[k];
+        if (!(tree[1] + x <= bound)) return false;
+        size_t node = 1;
+        while (node < size) node = 2 * node + !(tree[2 * node] + x <= bound);
+        const size_t r = node - size;
+        dst[items.index[k]] = static_cast<int64_t>(r);
+        tree[node] = ++count[r] >= cap ? inf : tree[node] + x;
+        for (node >>= 1; node >= 1; node >>= 1)
+            tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
+    }
+    return true;
+}
+
+// MULTIFIT: bisection on the bin capacity of first_fit, from max(total/d, heaviest) (no plan
+// is lighter) to max(2 total/d, heaviest) (FFD always fits there without a count cap), at
+// most kMultifitRounds rounds (`integral`: all weights are integers). Writes the plan of the smallest capacity that fit; false when
+// none did (a tight count cap).
+bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, bool integral, int64_t* dst) {
+    double total = 0.0;
+    for (const double x : items.key) total += x;
+    const double heaviest = items.key.empty() ? 0.0 : items.key[0];
+    double lo = std::max(total / static_cast<double>(d), heaviest);
+    double hi = std::max(2.0 * total / static_cast<double>(d), heaviest);
+    thread_local std::vector<double> tree;
+    thread_local std::vector<int64_t> count, trial;
+    trial.resize(items.index.size());
+    bool found = false;
+    if (first_fit(items, d, cap, lo, tree, count, dst)) return true;
+    // Integer weights give integer loads, so first_fit at c and at floor(c) agree: once
+    // hi - lo < 1 no capacity in between can give another plan.
+    for (int round = 0; round < kMultifitRounds; ++round) {
+        const double mid = round == 0 ? hi : lo + (hi - lo) / 2;
+        if (round > 0 && (!(mid > lo && mid < hi) || (integral && hi - lo < 1.0))) break;
+        if (first_fit(items, d, cap, mid, tree, count, trial.data())) {
+            hi = mid;
+            std::copy(trial.begin(), trial.end(), dst);
+            found = true;
+        } else {
+            if (round == 0) return false;
+            lo = mid;
+        }
+    }
+    return found;
+}
+
+// Loads and counts of `plan` accumulated in the sorted order (the order LPT fills in), and
+// each sorted position's rank, as refine() takes them.
+void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>& load,
+           std::vector<int64_t>& count, std::vector<int64_t>& rank_at) {
+    std::fill(load.begin(), load.end(), 0.0);
+    std::fill(count.begin(), count.end(), 0);
+    for (size_t k = 0; k < items.index.size(); ++k) {
+        const int64_t r = plan[items.index[k]];
+        rank_at[k] = r;
+        load[r] += items.key[k];
+        ++count[r];
+    }
+}
+
+}  // namespace
+
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps) {
     const auto& items = sort_items(w, n, true);
@@ -527,6 +607,39 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     rank_at.resize(static_cast<size_t>(n));
     fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data());
     refine(items, rank_at, load, count, cap, max_steps, dst);
+    // The portfolio: KK and MULTIFIT, each refined, replace LPT's plan only when strictly
+    // lighter (ties keep the earlier candidate: LPT, KK, MULTIFIT), and only while LPT is
+    // above the lower bound max(total/d, heaviest) and the instance is small enough.
+    double best = *std::max_element(load.begin(), load.end());
+    double total = 0.0;
+    for (const double x : items.key) total += x;
+    if (n < 2 || num_ranks < 2) return;
+    // No plan is lighter than the mean, the heaviest item, or the (d+1)-th heaviest with the
+    // d-th (two of the d+1 heaviest share a rank); integer weights give integer loads.
+    double bound = std::max(total / static_cast<double>(num_ranks), items.key[0]);
+    if (n > num_ranks) bound = std::max(bound, items.key[num_ranks - 1] + items.key[num_ranks]);
+    const bool integral = std::all_of(items.key.begin(), items.key.end(),
+                                      [](double x) { return x == std::floor(x); });
+    if (integral) bound = std::ceil(bound);
+    if (!(best > bound)) return;
+    std::vector<int64_t> plan(static_cast<size_t>(n));
+    const auto consider = [&]() {
+        tally(items, plan.data(), load, count, rank_at);
+        if (*std::max_element(count.begin(), count.end()) > cap) return;
+        refine(items, rank_at, load, count, cap, max_steps, plan.data());
+        const double m = *std::max_element(load.begin(), load.end());
+        if (m < best) {
+            best = m;
+            std::copy(plan.begin(), plan.end(), dst);
+        }
+    };
+    if (n * num_ranks <= kPortfolioKkWork) {
+        karmarkar_karp(w, n, num_ranks, false, plan.data());
+        consider();
+    }
+    if (best > bound && n <= kPortfolioMultifitItems &&
+        multifit(items, num_ranks, cap, integral, plan.data()))
+        consider();
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

@@ -18,6 +18,17 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // max_steps > 0, at most max_steps local-search steps, each the best single move or swap of one
 // item between the heaviest and the lightest rank that lowers the heavier of the two below the
 // old maximum (stops when none does); never raises the maximum load.
+//
+// With max_steps > 0 it is a portfolio (the default `greedy`): refined LPT, then, on small
+// instances, Karmarkar-Karp (n * num_ranks <= kPortfolioKkWork) and MULTIFIT (n <=
+// kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit decreasing),
+// each refined the same way; the lightest maximum load wins, ties to the earlier candidate.
+// A candidate is skipped once the best so far reaches the lower bound max(total / num_ranks,
+// heaviest, d-th + (d+1)-th heaviest), rounded up for integer weights; with integer weights
+// MULTIFIT's bisection stops once the capacities differ by < 1.
+constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
+constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
+constexpr int kMultifitRounds = 24;
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps = 0);
 

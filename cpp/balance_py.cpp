@@ -4,6 +4,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
 #include "balance.hpp"
 
 namespace py = pybind11;
@@ -34,6 +36,10 @@ Ints run(const Array<T>& input, Fn fn) {
 }  // namespace
 
 void register_balance(py::module_& m) {
+    // The portfolio's size limits, read by the Python reference (orchmllm/balance.py).
+    m.attr("PORTFOLIO_KK_WORK") = orch::kPortfolioKkWork;
+    m.attr("PORTFOLIO_MULTIFIT_ITEMS") = orch::kPortfolioMultifitItems;
+    m.attr("MULTIFIT_ROUNDS") = orch::kMultifitRounds;
     m.def(
         "lpt",
         [](const Floats& w, int64_t d, int64_t cap, int64_t max_steps) {
@@ -42,8 +48,38 @@ void register_balance(py::module_& m) {
             });
         },
         py::arg("weights"), py::arg("num_ranks"), py::arg("cap"), py::arg("max_steps") = 0,
-        "Longest-processing-time on additive weights (Alg. 1, greedy_cost), then at most "
-        "max_steps move/swap steps between the heaviest and the lightest rank.");
+        "Longest-processing-time on additive weights (Alg. 1, greedy_cost); with max_steps > 0 "
+        "the refined portfolio of LPT, Karmarkar-Karp and MULTIFIT (see balance.hpp).");
+    m.def(
+        "greedy_lengths",
+        [](const Ints& l, int64_t d, int64_t max_steps) -> py::object {
+            // balance()'s fast path for the default call: None unless every length is >= 0
+            // and one is > 0 (then the validating path raises or deals out by count).
+            if (l.ndim() != 1) throw py::value_error("expected a 1-D array");
+            const int64_t n = static_cast<int64_t>(l.shape(0));
+            const int64_t* x = l.data();
+            bool nonneg = true, any = false;
+            for (int64_t i = 0; i < n; ++i) {
+                nonneg &= x[i] >= 0;
+                any |= x[i] > 0;
+            }
+            if (!nonneg || !any) return py::none();
+            Ints dst(n);
+            Floats loads(d);
+            int64_t* out = dst.mutable_data();
+            double* load = loads.mutable_data();
+            {
+                py::gil_scoped_release release;
+                std::vector<double> w(x, x + n);
+                orch::lpt(w.data(), n, d, n, out, max_steps);
+                std::fill(load, load + d, 0.0);
+                for (int64_t i = 0; i < n; ++i) load[out[i]] += w[i];  // bincount's order
+            }
+            return py::make_tuple(dst, loads);
+        },
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("max_steps"),
+        "The default greedy on lengths in one call: (dst, per-rank token sums), or None when "
+        "a length is negative or all are zero.");
     m.def(
         "greedy_tolerance",
         [](const Ints& l, int64_t d, double tol, int64_t cap) {

@@ -21,6 +21,14 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   with the refinement at most 0.4%, for up to about 3 ms more at 153,600 items. It is on by
   default because the slowest rank sets the step time; ``refine=False`` is the paper's Alg. 1
   exactly.
+- With ``refine=True`` both are a portfolio (C++ ``lpt``, reference :func:`ref_lpt`): refined
+  LPT always; refined Karmarkar-Karp when items x ranks <= ``_core.PORTFOLIO_KK_WORK`` (2^20);
+  refined MULTIFIT (bisection on first-fit decreasing, at most ``_core.MULTIFIT_ROUNDS``
+  rounds) when items <= ``_core.PORTFOLIO_MULTIFIT_ITEMS`` (4096). The lightest maximum load
+  wins, ties in that order; the others are skipped once the best reaches the lower bound
+  (mean, heaviest item, d-th + (d+1)-th heaviest). So on every instance up to those sizes the
+  default is never worse than LPT, KK or MULTIFIT; above them it is refined LPT, which keeps
+  983,040 items within about 2x numpy's argsort.
 - ``greedy_tolerance`` (Alg. 4): ranks whose length sums are within ``tolerance`` x the mean
   rank sum of the smallest count as tied; the one with the smallest sum of squares wins.
 - ``kk`` / ``kk_equal``: Karmarkar-Karp largest differencing (verl's baseline), on item costs
@@ -92,6 +100,7 @@ BACKENDS = ("cpp", "python")
 # greedy_tolerance: sums within this fraction of the mean rank sum count as tied.
 DEFAULT_TOLERANCE = 0.01
 _INT64_MAX = np.iinfo(np.int64).max
+_PACKED = CostModel("packed")
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ class Assignment:
 
     dst: np.ndarray
     loads: np.ndarray
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: Mapping[str, float] = field(default_factory=dict)
 
 
 def balance(
@@ -133,6 +142,26 @@ def balance(
     ``refine=False`` keeps the paper's Alg. 1 exactly. ``backend="python"`` runs the plain
     Python reference instead of the C++ core (same result, for tests and benchmarks).
     """
+    if (
+        type(lengths) is np.ndarray
+        and lengths.dtype == np.int64
+        and lengths.ndim == 1
+        and type(num_ranks) is int
+        and 1 <= num_ranks <= MAX_RANKS
+        and policy == "greedy"
+        and src is cost is ranks_per_node is max_items_per_rank is max_load_per_rank is None
+        and tolerance is None
+        and placement == "none"
+        and refine is True
+        and backend == "cpp"
+    ):
+        # The default call, validated in the core (it answers None where the checks below
+        # would raise or deal out by count); statistics are computed when first read.
+        fast = _core.greedy_lengths(lengths, num_ranks, REFINE_STEPS_PER_RANK * num_ranks)
+        if fast is not None:
+            dst, loads = fast
+            job = (lengths, None, dst, loads, None, num_ranks, _PACKED)
+            return Assignment(dst=dst, loads=loads, stats=_LazyStats(partial(_stats, *job)))
     l = _lengths(lengths)
     n = l.size
     d = check_num_ranks(num_ranks)
@@ -193,12 +222,12 @@ def balance(
         permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
         loads = permuted
         stats.update({k: float(v) for k, v in placed.stats.items()})
-    stats.update(_stats(l, longest, dst, loads, s, d, cost))
     if policy == "greedy_stay":
         w = cost.item_costs(l)
         makespan = float(np.bincount(dst, weights=w, minlength=d).max(initial=0.0))
         stats["tokens_moved_lower_bound"] = movement_lower_bound(w, s, d, makespan, sizes=l)
-    return Assignment(dst=dst, loads=loads, stats=stats)
+    job = (l, longest, dst, loads, s, d, cost)
+    return Assignment(dst=dst, loads=loads, stats=_LazyStats(partial(_stats, *job), stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,15 +372,43 @@ def _lower_bound(lengths: np.ndarray, loads: np.ndarray, cost: CostModel) -> flo
     return max(float(loads.mean()), single)
 
 
+class _LazyStats(Mapping):
+    """Read-only statistics computed on first read: most callers of :func:`balance` only use
+    ``dst``, and the statistics cost more than the plan at small sizes. ``known``: entries
+    already computed (placement, movement bound); computed ones win on a shared key."""
+
+    def __init__(self, compute: Callable[[], dict[str, float]], known: dict | None = None):
+        self._compute, self._known, self._all = compute, known or {}, None
+
+    def _items(self) -> dict[str, float]:
+        if self._all is None:
+            self._all = {**self._known, **self._compute()}
+        return self._all
+
+    def __getitem__(self, key: str) -> float:
+        return self._items()[key]
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
+
+
 def _stats(
     lengths: np.ndarray,
-    longest: int,
+    longest: int | None,
     dst: np.ndarray,
     loads: np.ndarray,
     src: np.ndarray | None,
     d: int,
     cost: CostModel,
 ) -> dict[str, float]:
+    if longest is None:
+        longest = int(lengths.max(initial=0))
     top = float(loads.max(initial=0.0))
     stats = {
         "imbalance_after": _ratio(top, float(loads.mean())),
@@ -490,12 +547,92 @@ def _refine(w, order, dst, load, count, cap, max_steps) -> None:
 
 
 def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
+    """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
+    refined LPT, then on small instances refined KK and MULTIFIT, the lightest maximum load
+    winning, ties to the earlier candidate; candidates stop once one reaches the lower bound
+    (mean, heaviest item, d-th plus (d+1)-th heaviest; rounded up for integer weights)."""
     w = [float(x) for x in weights]
-    dst = [0] * len(w)
-    load, count, order = [0.0] * num_ranks, [0] * num_ranks, _desc(w)
+    n, d = len(w), num_ranks
+    dst = [0] * n
+    load, count, order = [0.0] * d, [0] * d, _desc(w)
     _fill_least_loaded(w, order, load, count, cap, dst)
+    if max_steps <= 0:
+        return np.array(dst, dtype=np.int64)
     _refine(w, order, dst, load, count, cap, max_steps)
+    best = max(load)
+    total = 0.0
+    for i in order:
+        total += w[i]
+    if n < 2 or d < 2:
+        return np.array(dst, dtype=np.int64)
+    bound = max(total / d, w[order[0]])
+    if n > d:
+        bound = max(bound, w[order[d - 1]] + w[order[d]])
+    integral = all(x == math.floor(x) for x in w)
+    if integral:
+        bound = math.ceil(bound)
+    if not best > bound:
+        return np.array(dst, dtype=np.int64)
+    candidates = []
+    if n * d <= _core.PORTFOLIO_KK_WORK:
+        candidates.append(lambda: [int(r) for r in ref_karmarkar_karp(weights, d, False)])
+    if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
+        candidates.append(lambda: ref_multifit(w, order, d, cap))
+    for make in candidates:
+        if not best > bound:
+            break
+        plan = make()
+        if plan is None:
+            continue
+        load, count = [0.0] * d, [0] * d
+        for i in order:
+            load[plan[i]] += w[i]
+            count[plan[i]] += 1
+        if max(count) > cap:
+            continue
+        _refine(w, order, plan, load, count, cap, max_steps)
+        if max(load) < best:
+            best, dst = max(load), plan
     return np.array(dst, dtype=np.int64)
+
+
+def _first_fit(w, order, d, cap, bound) -> list[int] | None:
+    load, count, dst = [0.0] * d, [0] * d, [0] * len(w)
+    for i in order:
+        fits = [r for r in range(d) if count[r] < cap and load[r] + w[i] <= bound]
+        if not fits:
+            return None
+        dst[i] = fits[0]
+        load[fits[0]] += w[i]
+        count[fits[0]] += 1
+    return dst
+
+
+def ref_multifit(w: list[float], order: list[int], d: int, cap: int) -> list[int] | None:
+    """MULTIFIT (Coffman, Garey and Johnson): bisection on the capacity of first-fit
+    decreasing, from the lower bound max(total/d, heaviest) to max(2 total/d, heaviest),
+    at most ``MULTIFIT_ROUNDS`` rounds; ``None`` when no capacity fits (a tight count cap)."""
+    total = 0.0
+    for i in order:
+        total += w[i]
+    lo = max(total / d, w[order[0]])
+    hi = max(2.0 * total / d, w[order[0]])
+    found = _first_fit(w, order, d, cap, lo)
+    if found is not None:
+        return found
+    integral = all(x == math.floor(x) for x in w)  # then capacities < 1 apart plan alike
+    for rounds in range(_core.MULTIFIT_ROUNDS):
+        mid = hi if rounds == 0 else lo + (hi - lo) / 2
+        if rounds > 0 and (not lo < mid < hi or (integral and hi - lo < 1.0)):
+            break
+        plan = _first_fit(w, order, d, cap, mid)
+        if plan is not None:
+            hi, found = mid, plan
+        elif rounds == 0:
+            return None
+        else:
+            lo = mid
+    return found
 
 
 def ref_greedy_tolerance(

@@ -303,10 +303,17 @@ class _Volumes:
     def node_matrix(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """CSR over batches of ``W[b, k]`` = tokens already on node ``k`` for batch ``b``."""
         m = self.m
-        w = np.bincount(self.batch * m + self.src_node, weights=self.l, minlength=self.d * m)
-        nz = np.flatnonzero(w)
+        key = self.batch * m + self.src_node
+        if self.d * m <= 4 * key.size:
+            w = np.bincount(key, weights=self.l, minlength=self.d * m)
+            nz = np.flatnonzero(w)
+            w = w[nz]
+        else:  # a dense d x m table dwarfs the items (16,384 ranks: 33M cells): sort instead
+            key, inverse = np.unique(key[self.l > 0], return_inverse=True)
+            w = np.bincount(inverse, weights=self.l[self.l > 0], minlength=key.size)
+            nz = key
         indptr = np.searchsorted(nz // m, np.arange(self.d + 1)).astype(np.int64)
-        return indptr, (nz % m).astype(np.int64), w[nz].astype(np.int64)
+        return indptr, (nz % m).astype(np.int64), w.astype(np.int64)
 
     def max_inter(self, node_of: np.ndarray) -> int:
         """Most tokens one rank sends off-node when batch ``b`` runs on node ``node_of[b]``."""

@@ -11,7 +11,8 @@ FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_
 def test_balance_bench_quick(run_benchmark):
     records = run_benchmark("balance_bench.py", timeout=120).records
     summary = [r for r in records if r["policy"] == "summary"]
-    cases = [r for r in records if r["policy"] != "summary" and r["cost"] != "h100_audio_10b"]
+    extra = ("summary", "peers", "movement", "scale", "wrapper")
+    cases = [r for r in records if r["policy"] not in extra and r["cost"] != "h100_audio_10b"]
     assert len(summary) == 1
     assert {r["policy"] for r in cases} == set(POLICIES) | {"greedy_alg1"}
     assert {r["dist"] for r in cases} == set(DISTRIBUTIONS)
@@ -31,6 +32,19 @@ def test_balance_bench_quick(run_benchmark):
         if r["policy"] == "greedy":
             assert r["gap_to_lb"] <= alg1[(r["dist"], r["ranks"])]["gap_to_lb"] + 1e-12
     assert summary[0]["speedup_min"] > 1.0  # C++ faster than the reference on every timed case
+    # Issue 16: greedy is never worse than the LPT/KK/MULTIFIT references on any instance;
+    # greedy_stay's movement is compared with HiGHS's exact minimum (>= 1 by optimality).
+    peers = [r for r in records if r["policy"] == "peers"]
+    assert peers and summary[0]["peer_instances"] == len(peers)
+    for r in peers:
+        for ref in ("lpt", "kk", "multifit"):
+            assert r["greedy_max_load"] <= r[f"{ref}_max_load"]
+    moves = [r for r in records if r["policy"] == "movement"]
+    assert moves and all(r["moved_over_exact"] >= 1.0 - 1e-9 for r in moves)
+    assert summary[0]["greedy_stay_over_exact_max"] == max(r["moved_over_exact"] for r in moves)
+    (wrapper,) = [r for r in records if r["policy"] == "wrapper"]
+    assert wrapper["core_us"] > 0 and wrapper["wrapper_us"] > 0
+    assert summary[0]["wrapper_overhead_us"] == wrapper["overhead_us"]
     audio = [r for r in records if r.get("cost") == "h100_audio_10b"]
     assert audio  # the packaged H100 calibration is always there
     bs = {(r["dist"], r["ranks"]): r for r in audio if r["policy"] == "binary_search"}
