@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 from orchmllm.sim.compute import load_block_records, measured_fits
 from orchmllm.sim.sweep import PAPER_MODELS, SimModel, load_model, max_examples_per_rank, run_case
 

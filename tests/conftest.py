@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-process helpers live in ``tests/multiproc.py``."""
+"""Shared fixtures. Multi-process helpers live in ``orchmllm.testing``."""
 
 from __future__ import annotations
 

@@ -1,23 +1,35 @@
 """benchmarks/gpu_step.py on CPU (tiny config), and the single-process NCCL training smoke path."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from orchmllm.train import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_step  # noqa: E402
 
-from orchmllm.train import load_config  # noqa: E402
+def _load_script(path: Path) -> ModuleType:
+    """Import a benchmark script by file path (benchmarks/ is not a package and is not put
+    on the import path); registered in ``sys.modules`` so its dataclasses resolve their module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_step = _load_script(ROOT / "benchmarks" / "gpu_step.py")
 
 FIELDS = ("mode", "device", "step_time_s", "speedup_vs_none", "peak_mem_bytes", "tokens_per_s")
 PHASES = ("vision", "audio", "llm")

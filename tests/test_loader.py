@@ -16,7 +16,7 @@ from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
-from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.loader import BalancedDataLoader, LoaderOptions, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.sampling import local_batches
@@ -24,7 +24,7 @@ from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
 from orchmllm.orchestrator import LocalBatch, Orchestrator, default_phases
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates, example_metadata
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 T = 30.0  # collective timeout inside the workers
 
@@ -485,6 +485,27 @@ def test_single_process_and_bad_arguments():
         list(bad)
 
 
+def test_options_object_and_keywords_build_the_same_loader():
+    ds = _dataset(10)
+    opts = LoaderOptions(batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4)
+    by_options = BalancedDataLoader(ds, opts)
+    by_keywords = BalancedDataLoader(
+        ds, batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4
+    )
+    assert by_options.options is opts and by_keywords.options.seed == 4
+    assert list(by_options) == list(by_keywords)
+    # Keywords beside an options object override it, checked again.
+    assert BalancedDataLoader(ds, opts, seed=5).options.seed == 5 and opts.seed == 4
+    with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
+        BalancedDataLoader(ds, opts, prefetch=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        BalancedDataLoader(ds, batchsize=3, length_column="n_tokens")
+    with pytest.raises(TypeError, match="options must be a LoaderOptions, got dict"):
+        BalancedDataLoader(ds, {"batch_size": 3})
+    with pytest.raises(ValueError, match="batch_meta_fn needs mode='local'"):
+        LoaderOptions(batch_size=2, batch_meta_fn=len)
+
+
 def test_abandoned_iteration_stops_its_thread_when_dropped():
     """An iterator dropped mid-epoch closes itself (its steps are bounded by what was consumed,
     so this is collective-safe); no prefetch thread may outlive it and race a later
@@ -507,6 +528,7 @@ def test_package_exports_load_lazily():
 
     exported = (
         (data.BalancedDataLoader, BalancedDataLoader),
+        (data.LoaderOptions, LoaderOptions),
         (data.PlannedBatch, PlannedBatch),
         (data.BalancedCollator, BalancedCollator),
         (data.StepInfo, ex.StepInfo),

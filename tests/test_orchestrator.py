@@ -20,7 +20,7 @@ from orchmllm.orchestrator import (
     local_metadata,
     plan_step,
 )
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 # -- payload examples: every row says where it belongs ------------------------------------
 WIDTH = 4  # raw feature width = hidden, so an identity encoder keeps payloads intact

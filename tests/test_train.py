@@ -1,7 +1,7 @@
 """Training entry point: rebalancing never changes the training (consequence invariance).
 
 Real gloo process groups, real FSDP2, the real orchestrator and synthetic HF dataset, driven
-through ``orchmllm.train.main(argv)`` (the torchrun entry point) inside tests/multiproc.py
+through ``orchmllm.train.main(argv)`` (the torchrun entry point) inside orchmllm.testing
 workers; float64, so the only differences between modes are summation orders.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from orchmllm.testing import run_distributed
 from orchmllm.train import PHASES, forward_backward, load_config, main, parse_args, setup
-from tests.multiproc import run_distributed
 
 TINY = "configs/tiny.yaml"
 MODES = ("none", "llm", "full")

@@ -24,6 +24,7 @@ _LAZY = {  # name -> the module of orchmllm.data that defines it, imported on fi
     "build_dataset": "synthetic",
     "generate_example": "synthetic",
     "BalancedDataLoader": "loader",
+    "LoaderOptions": "loader",
     "PlannedBatch": "loader",
     "BalancedCollator": "collate",
     "StepInfo": "exchange",

@@ -26,7 +26,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -105,11 +105,11 @@ class _Sampled:
             len(self.dataset),
             rank=lo._group.rank,
             num_replicas=lo.num_replicas,
-            batch_size=lo.batch_size,
+            batch_size=lo.options.batch_size,
             epoch=epoch,
-            seed=lo.seed,
-            shuffle=lo.shuffle,
-            drop_last=lo.drop_last,
+            seed=lo.options.seed,
+            shuffle=lo.options.shuffle,
+            drop_last=lo.options.drop_last,
         )
         return len(self.batches)
 
@@ -176,139 +176,192 @@ def _list_loader(dl: DataLoader) -> DataLoader:
     return DataLoader(dl.dataset, batch_sampler=dl.batch_sampler, **kwargs)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LoaderOptions:
+    """Every option of :class:`BalancedDataLoader`, checked when built.
+
+    ``BalancedDataLoader(source, batch_size=8, ...)`` builds one from its keyword
+    arguments; build it yourself to share a set-up between loaders or to keep it in a
+    config (``dataclasses.replace(options, seed=1)`` gives a checked copy).
+
+    Attributes:
+        batch_size: Examples each rank samples per step (as ``DataLoader(batch_size=)``).
+            Required, except for a ``DataLoader`` source, whose own batches are used.
+        collate_fn: Turns a list of examples into a batch; runs on the balanced examples.
+            Default: the ``DataLoader`` source's own, else torch's ``default_collate``.
+        length_fn: ``length_fn(example) -> int``, the example's length (its cost unit,
+            e.g. tokens). On an HF dataset it is mapped once over the data (cached).
+        length_column: A column (or key) of each example holding its length.
+        lengths: One length per dataset index (map-style datasets only).
+        length_columns: The only columns ``length_fn`` reads on an HF dataset, so that
+            computing lengths never decodes images or audio.
+        num_proc: Processes for the one-off ``Dataset.map`` that computes lengths.
+        meta_fn: ``meta_fn(example) -> ints``, the row gathered per example instead of
+            ``[length]`` (for a custom ``planner``; not in index mode).
+        batch_meta_fn: ``batch_meta_fn(collated_batch) -> rows`` (``mode="local"`` only): any
+            number of rows per batch, e.g. the orchestrator's segment table.
+        planner: ``planner(meta, src, num_ranks) -> plan`` replacing the default
+            ``BalancePlanner(policy, cost)`` (see :data:`orchmllm.data.exchange.Planner`).
+        policy: The balancing policy (a name in ``orchmllm.POLICIES``): ``greedy`` for
+            packed batches, ``padded_cost`` or ``binary_search`` for padded ones.
+        cost: An ``orchmllm.CostModel`` for the policy (None: the policy's default).
+        mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
+            balanced share: needs a map-style dataset with lengths known up front),
+            ``"move"`` (each rank loads what it sampled, examples then move to their
+            destination as bytes: streams, ``DataLoader`` sources), ``"local"`` (the batch
+            as sampled plus the plan: :class:`PlannedBatch`), or ``"auto"`` (index when
+            possible, else move).
+        prefetch: Steps prepared ahead in a background thread (0: synchronous).
+        shuffle: Reshuffle the sampling order every epoch (as ``DistributedSampler``).
+        seed: The shuffling seed; the same on every rank.
+        drop_last: Drop the tail that does not divide evenly over the ranks.
+        num_replicas: Ranks the data is split over (default: the process group's size).
+        group: The CPU (gloo) process group for the loader's collectives (default: a new
+            gloo group over all ranks, so the loader never shares the training group).
+        timeout: Seconds any collective of the loader may wait for the other ranks.
+    """
+
+    batch_size: int | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    length_fn: LengthFn | None = None
+    length_column: str | None = None
+    lengths: Sequence[int] | np.ndarray | None = None
+    length_columns: Sequence[str] | None = None
+    num_proc: int | None = None
+    meta_fn: Callable[[Any], Sequence[int]] | None = None
+    batch_meta_fn: Callable[[Any], np.ndarray] | None = None
+    planner: ex.Planner | None = None
+    policy: str = "greedy"
+    cost: Any = None
+    mode: str = "auto"
+    prefetch: int = 2
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    num_replicas: int | None = None
+    group: dist.ProcessGroup | None = None
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        sources = [
+            n for n in ("length_fn", "length_column", "lengths") if getattr(self, n) is not None
+        ]
+        if len(sources) > 1:
+            raise ValueError(
+                f"pass at most one of length_fn, length_column, lengths; got {sources}"
+            )
+        if not sources and self.meta_fn is None and self.batch_meta_fn is None:
+            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
+        if self.batch_meta_fn is not None and self.mode != "local":
+            raise ValueError(f"batch_meta_fn needs mode='local', got mode={self.mode!r}")
+        if self.mode == "index" and self.meta_fn is not None:
+            raise ValueError(
+                "mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'"
+            )
+
+
+def _options(options: LoaderOptions | None, kwargs: dict[str, Any]) -> LoaderOptions:
+    """``options`` with ``kwargs`` applied (both checked by ``LoaderOptions``)."""
+    if options is None:
+        return LoaderOptions(**kwargs)
+    if not isinstance(options, LoaderOptions):
+        raise TypeError(f"options must be a LoaderOptions, got {type(options).__name__}")
+    return replace(options, **kwargs) if kwargs else options
+
+
+def _resolve_mode(source: Any, opts: LoaderOptions) -> str:
+    """The mode ``"auto"`` stands for with this source, after checking the source fits."""
+    map_style = _is_map_style(source)
+    if isinstance(source, DataLoader):
+        if opts.batch_size is not None:
+            raise ValueError("batch_size comes from the dataloader; do not pass it too")
+    elif opts.batch_size is None:
+        raise ValueError("batch_size must be >= 1, got None")
+    if opts.lengths is not None and not map_style:
+        raise ValueError("lengths= needs a map-style dataset (one length per index)")
+    mode = opts.mode
+    if mode == "auto":
+        known = opts.lengths is not None or (is_hf_dataset(source) and opts.meta_fn is None)
+        mode = "index" if map_style and known else "move"
+    if mode == "index" and not map_style:
+        raise ValueError(
+            f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
+            "use mode='move' for iterable data or a DataLoader"
+        )
+    if (
+        mode != "index"
+        and is_hf_dataset(source)
+        and opts.length_column is not None
+        and opts.length_column not in source.column_names
+    ):
+        raise ValueError(
+            f"length_column={opts.length_column!r} is not a column of the dataset; "
+            f"columns are {source.column_names}"
+        )
+    return mode
+
+
+def _index_lengths(source: Any, opts: LoaderOptions) -> np.ndarray:
+    """Every example's length, by dataset index (index mode plans on these alone)."""
+    if opts.lengths is None:
+        return dataset_lengths(
+            source,
+            length_column=opts.length_column,
+            length_fn=opts.length_fn,
+            columns=opts.length_columns,
+            num_proc=opts.num_proc,
+        )
+    lengths = check_lengths(opts.lengths, source="lengths")
+    if lengths.size != len(source):
+        raise ValueError(f"lengths has {lengths.size} entries, the dataset {len(source)}")
+    return lengths
+
+
+def _num_replicas(source: Any, opts: LoaderOptions, group: ex.Group) -> int:
+    """Given, else the wrapped DataLoader's DistributedSampler's, else the group's size."""
+    if opts.num_replicas is not None:
+        return opts.num_replicas
+    sampler = getattr(source, "sampler", None) if isinstance(source, DataLoader) else None
+    return getattr(sampler, "num_replicas", group.size)
+
+
 class BalancedDataLoader:
     """Iterate balanced mini-batches; see the module docstring for the modes.
 
     ``source``: a map-style dataset (HF ``datasets.Dataset`` or anything with
     ``__getitem__``/``__len__``), an iterable dataset holding this rank's shard, or a
     ``DataLoader`` (its sampler, workers and, unless ``collate_fn`` is given, its collate
-    function are kept; examples are balanced before collation). Lengths come from
-    ``length_column``, ``length_fn(example)`` (on HF datasets mapped once with
-    ``num_proc`` processes, reading only ``length_columns`` if given) or ``lengths``.
-    ``planner(meta, src, num_ranks)`` replaces the default single-phase
-    :class:`~orchmllm.data.planners.BalancePlanner`; ``meta_fn(example)`` gives the
-    integer row gathered per example (default: ``[length]``). In ``mode="local"`` the
-    batch is collated before the gather and ``batch_meta_fn(batch)`` may give the rows
-    instead (any number per batch, e.g. the orchestrator's segment table).
+    function are kept; examples are balanced before collation). The options are a
+    :class:`LoaderOptions`, or its fields as keyword arguments.
 
     Collective: create and iterate it on every rank in the same order; every rank must
     consume the same number of batches before breaking out of an epoch.
     """
 
-    def __init__(
-        self,
-        source: Any,
-        *,
-        batch_size: int | None = None,
-        collate_fn: Callable[[list], Any] | None = None,
-        length_fn: LengthFn | None = None,
-        length_column: str | None = None,
-        lengths: Sequence[int] | np.ndarray | None = None,
-        length_columns: Sequence[str] | None = None,
-        meta_fn: Callable[[Any], Sequence[int]] | None = None,
-        batch_meta_fn: Callable[[Any], np.ndarray] | None = None,
-        planner: ex.Planner | None = None,
-        policy: str = "greedy",
-        cost: Any = None,
-        mode: str = "auto",
-        prefetch: int = 2,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_replicas: int | None = None,
-        group: dist.ProcessGroup | None = None,
-        timeout: float = 600.0,
-        num_proc: int | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        given = [
-            n
-            for n, v in (
-                ("length_fn", length_fn),
-                ("length_column", length_column),
-                ("lengths", lengths),
-            )
-            if v is not None
-        ]
-        if len(given) > 1:
-            raise ValueError(f"pass at most one of length_fn, length_column, lengths; got {given}")
-        if not given and meta_fn is None and batch_meta_fn is None:
-            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
-        if batch_meta_fn is not None and mode != "local":
-            raise ValueError(f"batch_meta_fn needs mode='local', got mode={mode!r}")
-        is_loader = isinstance(source, DataLoader)
-        if is_loader:
-            if batch_size is not None:
-                raise ValueError("batch_size comes from the dataloader; do not pass it too")
-        elif batch_size is None or batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        map_style = _is_map_style(source)
-        if mode == "auto":
-            known = lengths is not None or (is_hf_dataset(source) and meta_fn is None)
-            mode = "index" if map_style and known else "move"
-        if mode == "index" and not map_style:
-            raise ValueError(
-                f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
-                "use mode='move' for iterable data or a DataLoader"
-            )
-        if mode == "index" and meta_fn is not None:
-            raise ValueError(
-                "mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'"
-            )
-        if lengths is not None and not map_style:
-            raise ValueError("lengths= needs a map-style dataset (one length per index)")
-
+    def __init__(self, source: Any, options: LoaderOptions | None = None, /, **kwargs: Any) -> None:
+        opts = _options(options, kwargs)
+        self.options = opts
         self.source = source
-        self.mode = mode
-        self.batch_size = batch_size
-        self.collate_fn = collate_fn or (source.collate_fn if is_loader else default_collate)
-        self.length_fn = length_fn
-        self.length_column = length_column
-        self.meta_fn = meta_fn
-        self.batch_meta_fn = batch_meta_fn
-        self.planner = planner or BalancePlanner(policy=policy, cost=cost)
-        self.prefetch = prefetch
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.timeout = timeout
-        self._group = ex.Group(
-            group if group is not None else ex.new_cpu_group(timeout=timeout), timeout=timeout
-        )
-        self.num_replicas = self._group.size if num_replicas is None else num_replicas
-        sampler = getattr(source, "sampler", None) if is_loader else None
-        if sampler is not None and hasattr(sampler, "num_replicas") and num_replicas is None:
-            self.num_replicas = sampler.num_replicas
-        self._lengths: np.ndarray | None = None
-        if mode == "index":
-            if lengths is not None:
-                self._lengths = check_lengths(lengths, source="lengths")
-                if self._lengths.size != len(source):
-                    raise ValueError(
-                        f"lengths has {self._lengths.size} entries, the dataset {len(source)}"
-                    )
-            else:
-                self._lengths = dataset_lengths(
-                    source,
-                    length_column=length_column,
-                    length_fn=length_fn,
-                    columns=length_columns,
-                    num_proc=num_proc,
-                )
-        elif (
-            is_hf_dataset(source)
-            and length_column is not None
-            and length_column not in source.column_names
-        ):
-            raise ValueError(
-                f"length_column={length_column!r} is not a column of the dataset; "
-                f"columns are {source.column_names}"
-            )
+        self.mode = _resolve_mode(source, opts)
+        is_loader = isinstance(source, DataLoader)
+        self.collate_fn = opts.collate_fn or (source.collate_fn if is_loader else default_collate)
+        self.planner = opts.planner or BalancePlanner(policy=opts.policy, cost=opts.cost)
+        group = opts.group if opts.group is not None else ex.new_cpu_group(timeout=opts.timeout)
+        self._group = ex.Group(group, timeout=opts.timeout)
+        self.num_replicas = _num_replicas(source, opts, self._group)
+        self._lengths = _index_lengths(source, opts) if self.mode == "index" else None
+        map_style = _is_map_style(source)
         self._sampled = _Sampled(source, self) if map_style else None
-        self._streamed = None if map_style else _Streamed(source, None if is_loader else batch_size)
+        batch = None if is_loader else opts.batch_size
+        self._streamed = None if map_style else _Streamed(source, batch)
         self.epoch = 0
         self._step = 0  # steps of self.epoch the training loop has consumed
         # Held weakly: an iterator the loop drops mid-epoch is then collected at once, and
@@ -326,15 +379,15 @@ class BalancedDataLoader:
 
     def state_dict(self) -> dict[str, int]:
         """Position of the training loop: batches it consumed, not those prefetched."""
-        return {"epoch": self.epoch, "step": self._step, "seed": self.seed}
+        return {"epoch": self.epoch, "step": self._step, "seed": self.options.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration yields the batches from ``state['step']`` on."""
         missing = {"epoch", "step", "seed"} - set(state)
         if missing:
             raise ValueError(f"state is missing {sorted(missing)}")
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state seed {state['seed']} differs from seed={self.seed}")
+        if int(state["seed"]) != self.options.seed:
+            raise ValueError(f"state seed {state['seed']} differs from seed={self.options.seed}")
         if int(state["step"]) < 0:
             raise ValueError(f"state step must be >= 0, got {state['step']}")
         self.close()
@@ -347,8 +400,8 @@ class BalancedDataLoader:
         return steps_per_epoch(
             len(self.source),
             num_replicas=self.num_replicas,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
+            batch_size=self.options.batch_size,
+            drop_last=self.options.drop_last,
         )
 
     # -- iteration ---------------------------------------------------------------------
@@ -383,14 +436,14 @@ class BalancedDataLoader:
         mine = [
             g.size,
             self.num_replicas,
-            self.batch_size or -1,
+            self.options.batch_size or -1,
             dataset_len,
             self.epoch,
             self._step,
             MODES.index(self.mode),
-            self.seed,
-            int(self.shuffle),
-            int(self.drop_last),
+            self.options.seed,
+            int(self.options.shuffle),
+            int(self.options.drop_last),
         ]
         table = g.all_gather_fixed(mine)
         for col, name in enumerate(_HANDSHAKE):
@@ -406,12 +459,15 @@ class BalancedDataLoader:
     # -- one step (runs in the background thread) ---------------------------------------
 
     def _meta_row(self, example: Any, index: int) -> list[int]:
-        if self.meta_fn is not None:
-            row = [int(v) for v in self.meta_fn(example)]
+        if self.options.meta_fn is not None:
+            row = [int(v) for v in self.options.meta_fn(example)]
             return row
         return [
             example_length(
-                example, index=index, length_column=self.length_column, length_fn=self.length_fn
+                example,
+                index=index,
+                length_column=self.options.length_column,
+                length_fn=self.options.length_fn,
             )
         ]
 
@@ -477,9 +533,9 @@ class BalancedDataLoader:
             examples = source.local(step)
             if examples is None:
                 return None, []
-            if local and self.batch_meta_fn is not None:
+            if local and self.options.batch_meta_fn is not None:
                 batch = self.collate_fn(examples)
-                return batch, np.asarray(self.batch_meta_fn(batch), dtype=np.int64)
+                return batch, np.asarray(self.options.batch_meta_fn(batch), dtype=np.int64)
             rows = [self._meta_row(e, i) for i, e in enumerate(examples)]
             return (self.collate_fn(examples) if local else examples), rows
 
@@ -514,9 +570,9 @@ class _EpochIterator(Iterator[Any]):
         self.prefetcher = Prefetcher(
             produce,
             start=start,
-            depth=loader.prefetch,
+            depth=loader.options.prefetch,
             name=f"orchmllm-loader-e{epoch}",
-            close_timeout=loader.timeout,
+            close_timeout=loader.options.timeout,
         )
 
     def __next__(self) -> Any:
