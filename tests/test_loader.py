@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
-from orchmllm.data.exchange import PeerFailed
+from orchmllm.data.exchange import EpochMismatch, PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
 from orchmllm.data.loader import BalancedDataLoader, LoaderOptions, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -143,7 +143,12 @@ def _index_and_synthetic_worker(rank, world):
 
 
 def _move_and_errors_worker(rank, world):
-    return _move_mode_worker(rank, world, MOVE_N, MOVE_BATCH), _errors_worker(rank, world)
+    return (
+        _move_mode_worker(rank, world, MOVE_N, MOVE_BATCH),
+        _errors_worker(rank, world),
+        _bad_length_index_worker(rank, world),
+        _uneven_exit_worker(rank, world),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -460,6 +465,108 @@ def test_errors_surface_on_every_rank_without_hanging(move_run):
     assert out[0]["collate"].startswith("PeerFailed")
     for r in out:
         assert "num_replicas differs between ranks: [2, 3]" in r["world"]
+
+
+BAD_ID = 13  # its position in a local batch of 4 is below 4, so never 13 itself
+
+
+def _bad_13(example) -> int:
+    return -5 if example["id"] == BAD_ID else len(example["input_ids"])
+
+
+def _first_error(loader) -> str | None:
+    try:
+        _epoch(loader)
+    except (ValueError, PeerFailed) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _bad_length_index_worker(rank, world):
+    """A bad or missing length in move mode names the example's dataset index (or, for a
+    stream, its position in this rank's stream), not its position in the local batch."""
+    ds = _dataset(16)
+    kw = dict(collate_fn=_ids, timeout=T)
+    res = {"owner": BAD_ID in list(DistributedSampler(ds, num_replicas=world, rank=rank))}
+    res["map"] = _first_error(
+        BalancedDataLoader(ds, batch_size=4, mode="move", length_fn=_bad_13, **kw)
+    )
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=_ids, num_workers=1)
+    res["dataloader"] = _first_error(BalancedDataLoader(dl, length_fn=_bad_13, timeout=T))
+    rows = [dict(ds[i]) for i in range(16)]
+    del rows[BAD_ID]["n_tokens"]
+    res["missing"] = _first_error(
+        BalancedDataLoader(rows, batch_size=4, length_column="n_tokens", **kw)
+    )
+    # Rank 1's shard holds ids 1, 3, ..., 15: id 13 is item 6 of its stream (item 2 of batch 1).
+    res["stream"] = _first_error(
+        BalancedDataLoader(_Shard(16, rank, world), batch_size=4, length_fn=_bad_13, **kw)
+    )
+    return res
+
+
+def test_bad_or_missing_length_names_the_dataset_index(move_run):
+    out = [r[2] for r in move_run]
+    (owner,) = [rank for rank, r in enumerate(out) if r["owner"]]
+    peer = out[1 - owner]
+    for key in ("map", "dataloader"):
+        assert out[owner][key] == (
+            f"ValueError: length_fn must return a non-negative integer; example {BAD_ID} gave -5"
+        ), key
+        assert peer[key].startswith("PeerFailed") and f"[{owner}]" in peer[key], key
+    assert out[owner]["missing"].startswith(
+        f"ValueError: length_column='n_tokens' is missing from example {BAD_ID} (dict)"
+    )
+    assert out[1]["stream"] == (
+        "ValueError: length_fn must return a non-negative integer; item 6 of this rank's "
+        "stream gave -5"
+    )
+    assert out[0]["stream"].startswith("PeerFailed") and "[1]" in out[0]["stream"]
+
+
+def _leave_after(loader, batches):
+    """Leave the epoch after ``batches`` batches; the EpochMismatch text, if any."""
+    try:
+        for i, _ in enumerate(loader):
+            if i + 1 == batches:
+                break
+        loader.close()
+    except EpochMismatch as exc:
+        return str(exc)
+    return None
+
+
+def _uneven_exit_worker(rank, world):
+    """Rank 0 leaves the epoch after 1 batch, rank 1 after 4: a clear error on both ranks
+    (before: gloo collective mismatch, SIGABRT), and the loader stays usable."""
+    ds = _dataset(40)  # 10 steps of 2 per rank
+    res = {}
+    for prefetch in (0, 2):
+        loader = BalancedDataLoader(
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=prefetch,
+            timeout=10, name=f"train-p{prefetch}",
+        )  # fmt: skip
+        res[f"error{prefetch}"] = _leave_after(loader, 1 if rank == 0 else 4)
+        loader.set_epoch(1)
+        res[f"next_epoch{prefetch}"] = [i for b in loader for i in b]
+        # Leaving after the same number of batches is fine, prefetched or not.
+        res[f"even{prefetch}"] = _leave_after(loader, 3)
+    return res
+
+
+def test_ranks_leaving_an_epoch_at_different_steps_fail_clearly_on_every_rank(move_run):
+    out = [r[3] for r in move_run]
+    for prefetch, step in ((0, 1), (2, 4)):  # prefetched: the first step rank 0 never started
+        expected = (
+            f"train-p{prefetch}, epoch 0: ranks left the epoch at different steps: rank(s) [0] "
+            f"stopped after 1 batch(es); rank(s) [1] went on to step {step}. Every rank must "
+            "consume the same number of batches"
+        )
+        for r in out:
+            assert r[f"error{prefetch}"].startswith(expected), r[f"error{prefetch}"]
+            assert r[f"even{prefetch}"] is None
+        assert sorted(i for r in out for i in r[f"next_epoch{prefetch}"]) == list(range(40))
 
 
 def test_single_process_and_bad_arguments():

@@ -60,10 +60,13 @@ class BalancedCollator:
         t0 = time.perf_counter()
 
         def prepare() -> tuple[list, list[list[int]]]:
-            rows = [
+            rows = [  # the collate function never sees dataset indices: name the position
                 [
                     example_length(
-                        e, index=i, length_column=self.length_column, length_fn=self.length_fn
+                        e,
+                        index=f"item {i} of this rank's batch {self.step}",
+                        length_column=self.length_column,
+                        length_fn=self.length_fn,
                     )
                 ]
                 for i, e in enumerate(examples)

@@ -48,6 +48,7 @@ from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import local_batches, steps_per_epoch
 
 MODES = ("auto", "index", "move", "local")
+_CREATED = itertools.count(1)  # loaders created by this process, for their default names
 _HANDSHAKE = (
     "world_size",
     "num_replicas",
@@ -74,6 +75,23 @@ class PlannedBatch:
 def _as_list(examples: list) -> list:
     """Collate for the wrapped DataLoader's workers: keep examples as a list."""
     return list(examples)
+
+
+class _Indexed:
+    """A map-style dataset whose items come with their index, so that errors about an
+    example loaded by a DataLoader's workers can name its dataset index."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Any]]:
+        return list(zip(indices, _load(self.dataset, indices), strict=True))
 
 
 def _load(dataset: Any, indices: Sequence[int]) -> list:
@@ -113,10 +131,12 @@ class _Sampled:
         )
         return len(self.batches)
 
-    def local(self, step: int) -> list | None:
+    def local(self, step: int) -> list[tuple[int, Any]] | None:
+        """This rank's examples of ``step`` as (dataset index, example), or None at the end."""
         if step >= len(self.batches):
             return None
-        return _load(self.dataset, self.batches[step])
+        keys = self.batches[step]
+        return list(zip(keys, _load(self.dataset, keys), strict=True))
 
 
 class _Streamed:
@@ -125,11 +145,11 @@ class _Streamed:
     def __init__(self, source: Any, batch_size: int | None) -> None:
         self.batch_size = batch_size
         self.source = source
-        if isinstance(source, DataLoader):
-            self.iterable = _list_loader(source)
-        else:
-            self.iterable = source
+        # A DataLoader over a map-style dataset yields (dataset index, example) pairs.
+        self.indexed = isinstance(source, DataLoader) and _is_map_style(source.dataset)
+        self.iterable = _list_loader(source) if isinstance(source, DataLoader) else source
         self.it: Iterator | None = None
+        self.read = 0  # examples read from this rank's stream this epoch
 
     def start(self, epoch: int, step: int) -> None:
         for obj in (
@@ -142,17 +162,25 @@ class _Streamed:
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
         self.it = iter(self.iterable)
+        self.read = 0
         for _ in range(step):  # resume: the skipped steps' local batches, without planning
             if self.local(-1) is None:
                 break
 
-    def local(self, step: int) -> list | None:
+    def local(self, step: int) -> list[tuple[int | str, Any]] | None:
+        """This rank's next examples as (dataset index, example), or (where a stream has no
+        index) (position in this rank's stream, example); None at the end."""
         assert self.it is not None
         if self.batch_size is None:  # a DataLoader already yields lists of examples
-            batch = next(self.it, None)
+            batch = next(self.it, None) or []
         else:
             batch = list(itertools.islice(self.it, self.batch_size))
-        return batch or None
+        if not batch:
+            return None
+        start, self.read = self.read, self.read + len(batch)
+        if self.indexed:
+            return batch
+        return [(f"item {start + i} of this rank's stream", e) for i, e in enumerate(batch)]
 
 
 def _list_loader(dl: DataLoader) -> DataLoader:
@@ -173,7 +201,7 @@ def _list_loader(dl: DataLoader) -> DataLoader:
         kwargs["prefetch_factor"] = dl.prefetch_factor
     if isinstance(dl.dataset, IterableDataset):
         return DataLoader(dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, **kwargs)
-    return DataLoader(dl.dataset, batch_sampler=dl.batch_sampler, **kwargs)
+    return DataLoader(_Indexed(dl.dataset), batch_sampler=dl.batch_sampler, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -219,6 +247,8 @@ class LoaderOptions:
         group: The CPU (gloo) process group for the loader's collectives (default: a new
             gloo group over all ranks, so the loader never shares the training group).
         timeout: Seconds any collective of the loader may wait for the other ranks.
+        name: What errors call this loader (default ``BalancedDataLoader#k``, the k-th
+            loader this process created: the same loader on every rank).
     """
 
     batch_size: int | None = None
@@ -241,6 +271,7 @@ class LoaderOptions:
     num_replicas: int | None = None
     group: dist.ProcessGroup | None = None
     timeout: float = 600.0
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -349,6 +380,7 @@ class BalancedDataLoader:
     def __init__(self, source: Any, options: LoaderOptions | None = None, /, **kwargs: Any) -> None:
         opts = _options(options, kwargs)
         self.options = opts
+        self.name = opts.name or f"BalancedDataLoader#{next(_CREATED)}"
         self.source = source
         self.mode = _resolve_mode(source, opts)
         is_loader = isinstance(source, DataLoader)
@@ -369,6 +401,8 @@ class BalancedDataLoader:
         # strong reference here would keep that thread running past the process group).
         self._active: weakref.ref[_EpochIterator] | None = None
         self.last_step: StepInfo | None = None
+        # An EpochMismatch not yet raised in the loop; close() and the next iteration raise it.
+        self._failure: ex.EpochMismatch | None = None
 
     # -- sampler semantics ----------------------------------------------------------------
 
@@ -416,11 +450,20 @@ class BalancedDataLoader:
     def close(self) -> None:
         """Stop the background thread of the current iteration (collective-safe: call it
         on every rank after the same number of batches). Iterating again, set_epoch's next
-        iteration and ``with`` blocks close it too."""
+        iteration and ``with`` blocks close it too.
+
+        Raises :class:`~orchmllm.data.exchange.EpochMismatch` (on every rank) when the
+        ranks' loops left the epoch after different numbers of batches.
+        """
         active = self._active() if self._active is not None else None
         self._active = None
-        if active is not None:
-            active.close()
+        try:
+            if active is not None:
+                active.close()
+        finally:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> BalancedDataLoader:
         return self
@@ -449,16 +492,18 @@ class BalancedDataLoader:
         for col, name in enumerate(_HANDSHAKE):
             if np.any(table[:, col] != table[0, col]):
                 raise ValueError(
-                    f"{name} differs between ranks: {table[:, col].tolist()} (rank order)"
+                    f"{self.name}: {name} differs between ranks: {table[:, col].tolist()} "
+                    "(rank order)"
                 )
         if self.num_replicas != g.size:
             raise ValueError(
-                f"num_replicas={self.num_replicas} but the process group has {g.size} ranks"
+                f"{self.name}: num_replicas={self.num_replicas} but the process group has "
+                f"{g.size} ranks"
             )
 
     # -- one step (runs in the background thread) ---------------------------------------
 
-    def _meta_row(self, example: Any, index: int) -> list[int]:
+    def _meta_row(self, example: Any, index: int | str) -> list[int]:
         if self.options.meta_fn is not None:
             row = [int(v) for v in self.options.meta_fn(example)]
             return row
@@ -475,9 +520,27 @@ class BalancedDataLoader:
         if num_steps is not None and step >= num_steps:
             raise StopIteration
         t0 = time.perf_counter()
-        if self.mode == "index":
-            return self._produce_index(epoch, step, t0)
-        return self._produce_local_or_move(epoch, num_steps, step, t0)
+        try:
+            if self.mode == "index":
+                return self._produce_index(epoch, step, t0)
+            return self._produce_local_or_move(epoch, num_steps, step, t0)
+        except ex.EpochMismatch as exc:  # a peer's loop left the epoch before this one
+            raise self._record(exc, epoch) from None
+
+    def _leave(self, epoch: int, num_steps: int | None, step: int, consumed: int) -> None:
+        """The loop left the epoch after ``consumed`` batches; the thread stopped before
+        ``step`` (see :func:`~orchmllm.data.exchange.leave_epoch`)."""
+        if num_steps is not None and step >= num_steps:
+            return  # every rank's producer ends at num_steps by itself: nothing pending
+        try:
+            ex.leave_epoch(self._group, consumed=consumed, step=step)
+        except ex.EpochMismatch as exc:
+            raise self._record(exc, epoch) from None
+
+    def _record(self, exc: ex.EpochMismatch, epoch: int) -> ex.EpochMismatch:
+        """The error named after this loader, kept until the loop or close() raises it."""
+        self._failure = ex.EpochMismatch(f"{self.name}, epoch {epoch}: {exc}")
+        return self._failure
 
     def _after_gather(self, step: int, num_steps: int | None, work: Callable[[], Any]) -> Any:
         """Run this rank's work that follows the gather; if it fails, tell the peers at
@@ -530,13 +593,14 @@ class BalancedDataLoader:
         local = self.mode == "local"
 
         def prepare() -> tuple[Any, Sequence[Sequence[int]]]:
-            examples = source.local(step)
-            if examples is None:
+            keyed = source.local(step)
+            if keyed is None:
                 return None, []
+            examples = [e for _, e in keyed]
             if local and self.options.batch_meta_fn is not None:
                 batch = self.collate_fn(examples)
                 return batch, np.asarray(self.options.batch_meta_fn(batch), dtype=np.int64)
-            rows = [self._meta_row(e, i) for i, e in enumerate(examples)]
+            rows = [self._meta_row(e, key) for key, e in keyed]
             return (self.collate_fn(examples) if local else examples), rows
 
         done = ex.balance_step(self._group, self.planner, prepare, step=step, move=not local)
@@ -567,12 +631,16 @@ class _EpochIterator(Iterator[Any]):
         def produce(step: int) -> tuple[Any, StepInfo]:
             return loader._produce(epoch, num_steps, step)
 
+        def leave(step: int, consumed: int) -> None:
+            loader._leave(epoch, num_steps, step, consumed)
+
         self.prefetcher = Prefetcher(
             produce,
             start=start,
             depth=loader.options.prefetch,
-            name=f"orchmllm-loader-e{epoch}",
+            name=f"orchmllm-loader-{loader.name}-e{epoch}",
             close_timeout=loader.options.timeout,
+            on_close=leave,
         )
 
     def __next__(self) -> Any:
@@ -581,6 +649,10 @@ class _EpochIterator(Iterator[Any]):
         except StopIteration:
             self.loader._step = 0
             self.close()
+            raise
+        except ex.EpochMismatch as exc:
+            if exc is self.loader._failure:  # raised here: close() need not raise it again
+                self.loader._failure = None
             raise
         self.loader._step = info.step + 1
         self.loader.last_step = info
