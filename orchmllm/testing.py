@@ -26,6 +26,7 @@ the cost of small checks) and :func:`assert_check_passed` reports each one separ
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -51,6 +52,9 @@ def _worker(
     backend: str,
 ) -> None:
     os.environ.update(env)
+    # As under torchrun: the platform's default start method for processes the code under
+    # test starts (DataLoader workers), not the spawn method this harness started us with.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     # torch is already imported here, so OMP_NUM_THREADS alone would not take effect.
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update(

@@ -29,6 +29,7 @@ _LAZY = {  # name -> the module of orchmllm.data that defines it, imported on fi
     "BalancedCollator": "collate",
     "StepInfo": "exchange",
     "PeerFailed": "exchange",
+    "EpochMismatch": "exchange",
     "BalancePlanner": "planners",
     "orchestrated_loader": "orchestrated",
     "map_lengths": "lengths",

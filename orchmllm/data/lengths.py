@@ -31,7 +31,7 @@ def is_hf_dataset(obj: object, *, iterable: bool = False) -> bool:
     return hf is not None and isinstance(obj, hf.IterableDataset if iterable else hf.Dataset)
 
 
-def _which(index: int | str) -> str:
+def which_example(index: int | str) -> str:
     """An example as an error names it: its dataset index, or where a stream gave it."""
     return f"example {index}" if isinstance(index, int) else index
 
@@ -44,12 +44,12 @@ def check_length(value: object, *, index: int | str, source: str) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
-            f"{source} must return a non-negative integer; {_which(index)} gave {value!r} "
+            f"{source} must return a non-negative integer; {which_example(index)} gave {value!r} "
             f"({type(value).__name__})"
         )
     if value < 0:
         raise ValueError(
-            f"{source} must return a non-negative integer; {_which(index)} gave {int(value)}"
+            f"{source} must return a non-negative integer; {which_example(index)} gave {int(value)}"
         )
     return int(value)
 
@@ -188,7 +188,7 @@ def example_length(
         value = example[length_column]
     except (KeyError, TypeError, IndexError):
         raise ValueError(
-            f"length_column={length_column!r} is missing from {_which(index)} "
+            f"length_column={length_column!r} is missing from {which_example(index)} "
             f"({type(example).__name__})"
         ) from None
     return check_length(value, index=index, source=f"column {length_column!r}")
