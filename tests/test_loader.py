@@ -473,6 +473,16 @@ def _errors_worker(rank, world):
         _epoch(loader)
     except (RuntimeError, PeerFailed) as exc:
         res["collate"] = f"{type(exc).__name__}: {exc}"
+    # The same with the collation in DataLoader workers, which plan 2 * 2 steps ahead of
+    # loading: the peers learn of the failure at the next step still to plan.
+    loader = BalancedDataLoader(
+        _dataset(40), batch_size=2, length_column="n_tokens", timeout=T, num_workers=2,
+        collate_fn=_FailingCollate(rank),
+    )  # fmt: skip
+    try:
+        _epoch(loader)
+    except (RuntimeError, PeerFailed) as exc:
+        res["collate_workers"] = f"{type(exc).__name__}: {exc}"
     # Ranks that disagree on the world size fail at the start of the epoch.
     loader = BalancedDataLoader(
         ds, batch_size=2, length_column="n_tokens", timeout=T, num_replicas=world + rank
@@ -498,6 +508,10 @@ def test_errors_surface_on_every_rank_without_hanging(move_run):
     assert bad[1 - owner].startswith("PeerFailed") and f"[{owner}]" in bad[1 - owner]
     assert out[1]["collate"] == "RuntimeError: collate failed on rank 1"
     assert out[0]["collate"].startswith("PeerFailed")
+    assert "collate failed on rank 1" in out[1]["collate_workers"]
+    assert out[0]["collate_workers"] == (
+        "PeerFailed: rank(s) [1] failed to prepare step 5; see their logs"
+    )
     for r in out:
         assert "num_replicas differs between ranks: [2, 3]" in r["world"]
 
@@ -577,31 +591,39 @@ def _uneven_exit_worker(rank, world):
     (before: gloo collective mismatch, SIGABRT), and the loader stays usable."""
     ds = _dataset(40)  # 10 steps of 2 per rank
     res = {}
-    for prefetch in (0, 2):
+    for prefetch, workers in UNEVEN:
+        name = f"train-p{prefetch}-w{workers}"
         loader = BalancedDataLoader(
             ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=prefetch,
-            timeout=10, name=f"train-p{prefetch}",
+            num_workers=workers, timeout=T, name=name,
         )  # fmt: skip
-        res[f"error{prefetch}"] = _leave_after(loader, 1 if rank == 0 else 4)
+        res[f"error-{name}"] = _leave_after(loader, 1 if rank == 0 else 4)
         loader.set_epoch(1)
-        res[f"next_epoch{prefetch}"] = [i for b in loader for i in b]
+        res[f"next_epoch-{name}"] = [i for b in loader for i in b]
         # Leaving after the same number of batches is fine, prefetched or not.
-        res[f"even{prefetch}"] = _leave_after(loader, 3)
+        res[f"even-{name}"] = _leave_after(loader, 3)
     return res
+
+
+# (prefetch, num_workers) -> the step rank 1 went on to: with prefetch, the first step rank
+# 0's thread never started (1 + 2 + 1); with workers also the 2 * 2 index batches the
+# DataLoader asks for ahead of loading (each asking plans a step).
+UNEVEN = {(0, 0): 1, (2, 0): 4, (2, 2): 8}
 
 
 def test_ranks_leaving_an_epoch_at_different_steps_fail_clearly_on_every_rank(move_run):
     out = [r[3] for r in move_run]
-    for prefetch, step in ((0, 1), (2, 4)):  # prefetched: the first step rank 0 never started
+    for (prefetch, workers), step in UNEVEN.items():
+        name = f"train-p{prefetch}-w{workers}"
         expected = (
-            f"train-p{prefetch}, epoch 0: ranks left the epoch at different steps: rank(s) [0] "
+            f"{name}, epoch 0: ranks left the epoch at different steps: rank(s) [0] "
             f"stopped after 1 batch(es); rank(s) [1] went on to step {step}. Every rank must "
             "consume the same number of batches"
         )
         for r in out:
-            assert r[f"error{prefetch}"].startswith(expected), r[f"error{prefetch}"]
-            assert r[f"even{prefetch}"] is None
-        assert sorted(i for r in out for i in r[f"next_epoch{prefetch}"]) == list(range(40))
+            assert r[f"error-{name}"].startswith(expected), r[f"error-{name}"]
+            assert r[f"even-{name}"] is None
+        assert sorted(i for r in out for i in r[f"next_epoch-{name}"]) == list(range(40))
 
 
 # -- DataLoader parity, token budget, metrics -------------------------------------------

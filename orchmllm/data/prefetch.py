@@ -18,6 +18,7 @@ its peers where its loop stopped at a point every peer reaches (see
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -96,6 +97,7 @@ class Prefetcher(Generic[T], Iterator[T]):
         self.wait_s = 0.0  # time the loop spent blocked in __next__ (not hidden)
         self._done = False
         self._ended = False  # the producer is done: StopIteration, an error, or close()
+        self._pid = os.getpid()
         self._shared = _Shared(depth)
         self._thread: threading.Thread | None = None
         if depth > 0:
@@ -168,6 +170,8 @@ class Prefetcher(Generic[T], Iterator[T]):
             raise error
 
     def __del__(self) -> None:
-        if not getattr(self, "_ended", True):  # dropped mid-way: stop as close() would
+        # Dropped mid-way: stop as close() would, but never in a process forked from this
+        # one (a DataLoader worker): on_close may run a collective on the parent's sockets.
+        if not getattr(self, "_ended", True) and os.getpid() == self._pid:
             with contextlib.suppress(Exception):
                 self.close()
