@@ -22,6 +22,8 @@ processes are started with ``spawn`` and import it)::
 process group (or NCCL, one GPU per rank) and returns each rank's (picklable) result.
 :func:`run_checks` runs several such checks in one set of processes (start-up dominates
 the cost of small checks) and :func:`assert_check_passed` reports each one separately.
+Processes the code under test starts (DataLoader workers) use the platform's default start
+method, as under ``torchrun``, not the ``spawn`` used to start the ranks.
 """
 
 from __future__ import annotations
