@@ -212,9 +212,6 @@ class LoaderBatches:
                 dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, **kwargs
             )
 
-    def __len__(self) -> int:
-        return len(self.dl)
-
     def __call__(self, epoch: int, skip: int) -> Iterator[Local]:
         """The epoch's batches from the ``skip``-th on (skipped index batches are never
         loaded; an iterable dataset's are read and dropped)."""
