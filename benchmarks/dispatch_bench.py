@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -39,10 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from orchmllm import balance, comm  # noqa: E402
-from orchmllm.plan import Rearrangement  # noqa: E402
-from tests.multiproc import run_distributed  # noqa: E402
+from orchmllm import balance, comm
+from orchmllm.plan import Rearrangement
+from orchmllm.testing import run_distributed
 
 FULL = dict(
     worlds=[2, 4], batch=8, mean_len=1024, hidden=512, reps=7,

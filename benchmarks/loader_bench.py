@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tests.multiproc import run_distributed  # noqa: E402
+from orchmllm.testing import run_distributed
 
 
 def _dataset(n: int, seed: int, median: int):

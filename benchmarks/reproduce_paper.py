@@ -39,17 +39,14 @@ from typing import Any
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
-
-from orchmllm.data.synthetic import BLOCK, block_seed  # noqa: E402
-from orchmllm.sim.batch import Batch  # noqa: E402
-from orchmllm.sim.comm import Network  # noqa: E402
-from orchmllm.sim.compute import load_block_records, measured_fits, submodules  # noqa: E402
-from orchmllm.sim.layout import plan  # noqa: E402
-from orchmllm.sim.memory import MemoryModel  # noqa: E402
-from orchmllm.sim.step import Cluster, simulate_step  # noqa: E402
-from orchmllm.sim.sweep import (  # noqa: E402
+from orchmllm.data.synthetic import BLOCK, block_seed
+from orchmllm.sim.batch import Batch
+from orchmllm.sim.comm import Network
+from orchmllm.sim.compute import load_block_records, measured_fits, submodules
+from orchmllm.sim.layout import plan
+from orchmllm.sim.memory import MemoryModel
+from orchmllm.sim.step import Cluster, simulate_step
+from orchmllm.sim.sweep import (
     PAPER_MODELS,
     SimModel,
     largest_minibatch,
@@ -58,6 +55,7 @@ from orchmllm.sim.sweep import (  # noqa: E402
     sample_pool,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 RANKS = (64, 128, 256, 512, 1024, 2560)  # Table 2's scales
 FIG8_RANKS = (64, 256, 2560)  # the paper's Figure 8 is at 2560; two smaller scales for the trend
 QUICK_RANKS = (32, 64)

@@ -20,6 +20,7 @@ _LAZY = {
     "LocalBatch": "orchmllm.orchestrator",
     "LLMBatch": "orchmllm.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
+    "LoaderOptions": "orchmllm.data.loader",
     "PlannedBatch": "orchmllm.data.loader",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",

@@ -1,7 +1,8 @@
-"""Shared fixtures. Multi-process helpers live in ``tests/multiproc.py``."""
+"""Shared fixtures. Multi-process helpers live in ``orchmllm.testing``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -59,3 +61,13 @@ def run_benchmark(tmp_path_factory, repo_env) -> Callable[..., BenchmarkRun]:
         return BenchmarkRun(json.loads(out.read_text()), proc.stdout, proc.stderr)
 
     return run
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import a benchmark script by file path (benchmarks/ is not a package and is not put
+    on the import path); registered in ``sys.modules`` so its dataclasses resolve their module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

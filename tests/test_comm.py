@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.plan import Rearrangement
-from tests.multiproc import assert_check_passed, run_checks
+from orchmllm.testing import assert_check_passed, run_checks
 
 TIMEOUT = 20.0
 

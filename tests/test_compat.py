@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchmllm import compat
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 # -- fakes of torch.nn.attention.varlen.varlen_attn, one per signature it has had ------------
 

@@ -16,7 +16,7 @@ from orchmllm import comm, dispatcher
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
 from orchmllm.plan import Rearrangement
-from tests.multiproc import assert_check_passed, run_checks
+from orchmllm.testing import assert_check_passed, run_checks
 
 TIMEOUT = 20.0
 

@@ -1,6 +1,6 @@
 """The Hugging Face examples: balancing never changes the training of a real transformers model.
 
-Each example's ``main(argv)`` runs on 2 gloo processes (tests/multiproc.py, with timeouts),
+Each example's ``main(argv)`` runs on 2 gloo processes (orchmllm.testing, with timeouts),
 float64, balanced and with ``--balance none`` (the plain pipeline; for the multimodal model the
 HF model's own forward), in one session per example: the per-step losses agree to 1e-5 and the
 balanced runs' ranks are closer to equal. Single-process checks pin the two pieces the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extra
 

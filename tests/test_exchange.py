@@ -12,7 +12,7 @@ from orchmllm.orchestrator import Orchestrator
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates
 from orchmllm.step_plan import default_phases
-from tests.multiproc import assert_check_passed, run_checks
+from orchmllm.testing import assert_check_passed, run_checks
 
 TIMEOUT = 20.0
 

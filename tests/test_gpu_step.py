@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from orchmllm.train import load_config
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_step  # noqa: E402
 
-from orchmllm.train import load_config  # noqa: E402
+gpu_step = load_script(ROOT / "benchmarks" / "gpu_step.py")
 
 FIELDS = ("mode", "device", "step_time_s", "speedup_vs_none", "peak_mem_bytes", "tokens_per_s")
 PHASES = ("vision", "audio", "llm")

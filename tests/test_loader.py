@@ -1,5 +1,9 @@
 """BalancedDataLoader on real gloo processes: coverage, balance, prefetch, resume, errors."""
 
+import contextlib
+import dataclasses
+import inspect
+import io
 import subprocess
 import sys
 import threading
@@ -8,25 +12,27 @@ from collections import Counter
 import datasets
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
 from orchmllm import agreement
 from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
-from orchmllm.data.exchange import PeerFailed
+from orchmllm.data.exchange import EpochMismatch, PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
-from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.loader import BalancedDataLoader, LoaderOptions, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner
-from orchmllm.data.sampling import local_batches
+from orchmllm.data.sampling import local_batches, token_budget_batches
+from orchmllm.data.stats import METRICS
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates, example_metadata
 from orchmllm.step_plan import default_phases
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 T = 30.0  # collective timeout inside the workers
 
@@ -136,6 +142,10 @@ MOVE_N, MOVE_BATCH = 25, 4  # shards of 13 and 12 items: rank 0 has one step mor
 AGREE_N = 24
 
 
+def _without_timings(stats):
+    return {k: v for k, v in stats.items() if not k.endswith("_ms")}
+
+
 def _index_and_synthetic_worker(rank, world):
     return (
         _index_mode_worker(rank, world, INDEX_N, INDEX_BATCH),
@@ -145,7 +155,12 @@ def _index_and_synthetic_worker(rank, world):
 
 
 def _move_and_errors_worker(rank, world):
-    return _move_mode_worker(rank, world, MOVE_N, MOVE_BATCH), _errors_worker(rank, world)
+    return (
+        _move_mode_worker(rank, world, MOVE_N, MOVE_BATCH),
+        _errors_worker(rank, world),
+        _bad_length_index_worker(rank, world),
+        _uneven_exit_worker(rank, world),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -293,21 +308,46 @@ def _synthetic_worker(rank, world):
         default_phases(_RATES, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels}),
         timeout=T,
     )
-    same, steps = [], 0
+    same, steps, stats = [], 0, []
     for planned in orchestrated_loader(ds, orch, batch_size=3, seed=1, timeout=T):
         assert isinstance(planned.batch, LocalBatch)
         same.append(orch.plan_batch(planned.batch).same_as(planned.plan))
+        stats.append((planned.stats, _expected_orchestrated_stats(planned.plan, orch)))
         steps += 1
-    return out, same, steps
+    return out, same, steps, stats
+
+
+def _expected_orchestrated_stats(plan, orch):
+    """Per phase, what the metrics must be: length units of the moved items, and bytes
+    of the moved inputs (float32 raw rows; int64 token ids and loss mask) by node."""
+    out = {}
+    moves = [(p.name, plan.phases[p.name].encoder, plan.phases[p.name].raw, 4 * p.feature_dim)
+             for p in orch.phases]  # fmt: skip
+    for name, move, units, row_bytes in moves:
+        moved = move.src_rank != move.dst_rank
+        out[f"{name}/tokens_moved"] = int(units[moved].sum())
+        out[f"{name}/bytes_intra"] = int(units[moved].sum()) * row_bytes  # one node
+    moved = plan.llm.src_rank != plan.llm.dst_rank
+    out["llm/tokens_moved"] = int(plan.seq_len[moved].sum())
+    out["llm/bytes_intra"] = int(plan.text_len[moved].sum()) * 16
+    return out
 
 
 def test_synthetic_multimodal_index_mode_and_orchestrator_plans(index_run):
     out = [r[1] for r in index_run]
-    items = [x for r, _, _ in out for b in r for x in b]
+    items = [x for r, *_ in out for b in r for x in b]
     assert sorted(i for i, _ in items) == list(range(30))
     assert all(length > 0 for _, length in items)
-    for _, same, steps in out:
+    for _, same, steps, _ in out:
         assert steps == 5 and all(same) and len(same) == steps
+    # Every PlannedBatch carries its step's metrics per phase, the same on every rank.
+    for (stats, expected), (peer, _) in zip(out[0][3], out[1][3], strict=True):
+        for phase in ("vision", "audio", "llm"):
+            assert {f"{phase}/{m}" for m in METRICS} <= set(stats)
+            assert 1.0 <= stats[f"{phase}/imbalance_after"] <= stats[f"{phase}/imbalance_before"]
+            assert stats[f"{phase}/bytes_inter"] == 0  # one node
+        assert {k: stats[k] for k in expected} == expected
+        assert _without_timings(stats) == _without_timings(peer)
 
 
 class _Counted:
@@ -436,6 +476,16 @@ def _errors_worker(rank, world):
         _epoch(loader)
     except (RuntimeError, PeerFailed) as exc:
         res["collate"] = f"{type(exc).__name__}: {exc}"
+    # The same with the collation in DataLoader workers, which plan 2 * 2 steps ahead of
+    # loading: the peers learn of the failure at the next step still to plan.
+    loader = BalancedDataLoader(
+        _dataset(40), batch_size=2, length_column="n_tokens", timeout=T, num_workers=2,
+        collate_fn=_FailingCollate(rank),
+    )  # fmt: skip
+    try:
+        _epoch(loader)
+    except (RuntimeError, PeerFailed) as exc:
+        res["collate_workers"] = f"{type(exc).__name__}: {exc}"
     # Ranks that disagree on the world size fail at the start of the epoch.
     loader = BalancedDataLoader(
         ds, batch_size=2, length_column="n_tokens", timeout=T, num_replicas=world + rank
@@ -461,8 +511,328 @@ def test_errors_surface_on_every_rank_without_hanging(move_run):
     assert bad[1 - owner].startswith("PeerFailed") and f"[{owner}]" in bad[1 - owner]
     assert out[1]["collate"] == "RuntimeError: collate failed on rank 1"
     assert out[0]["collate"].startswith("PeerFailed")
+    assert "collate failed on rank 1" in out[1]["collate_workers"]
+    assert out[0]["collate_workers"] == (
+        "PeerFailed: rank(s) [1] failed to prepare step 5; see their logs"
+    )
     for r in out:
         assert "num_replicas differs between ranks: [2, 3]" in r["world"]
+
+
+BAD_ID = 13  # its position in a local batch of 4 is below 4, so never 13 itself
+
+
+def _bad_13(example) -> int:
+    return -5 if example["id"] == BAD_ID else len(example["input_ids"])
+
+
+def _first_error(loader) -> str | None:
+    try:
+        _epoch(loader)
+    except (ValueError, PeerFailed) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _bad_length_index_worker(rank, world):
+    """A bad or missing length in move mode names the example's dataset index (or, for a
+    stream, its position in this rank's stream), not its position in the local batch."""
+    ds = _dataset(16)
+    kw = dict(collate_fn=_ids, timeout=T)
+    res = {"owner": BAD_ID in list(DistributedSampler(ds, num_replicas=world, rank=rank))}
+    res["map"] = _first_error(
+        BalancedDataLoader(ds, batch_size=4, mode="move", length_fn=_bad_13, **kw)
+    )
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=_ids, num_workers=1)
+    res["dataloader"] = _first_error(BalancedDataLoader(dl, length_fn=_bad_13, timeout=T))
+    rows = [dict(ds[i]) for i in range(16)]
+    del rows[BAD_ID]["n_tokens"]
+    res["missing"] = _first_error(
+        BalancedDataLoader(rows, batch_size=4, length_column="n_tokens", **kw)
+    )
+    # Rank 1's shard holds ids 1, 3, ..., 15: id 13 is item 6 of its stream (item 2 of batch 1).
+    res["stream"] = _first_error(
+        BalancedDataLoader(_Shard(16, rank, world), batch_size=4, length_fn=_bad_13, **kw)
+    )
+    return res
+
+
+def test_bad_or_missing_length_names_the_dataset_index(move_run):
+    out = [r[2] for r in move_run]
+    (owner,) = [rank for rank, r in enumerate(out) if r["owner"]]
+    peer = out[1 - owner]
+    for key in ("map", "dataloader"):
+        assert out[owner][key] == (
+            f"ValueError: length_fn must return a non-negative integer; example {BAD_ID} gave -5"
+        ), key
+        assert peer[key].startswith("PeerFailed") and f"[{owner}]" in peer[key], key
+    assert out[owner]["missing"].startswith(
+        f"ValueError: length_column='n_tokens' is missing from example {BAD_ID} (dict)"
+    )
+    assert out[1]["stream"] == (
+        "ValueError: length_fn must return a non-negative integer; item 6 of this rank's "
+        "stream gave -5"
+    )
+    assert out[0]["stream"].startswith("PeerFailed") and "[1]" in out[0]["stream"]
+
+
+def _leave_after(loader, batches):
+    """Leave the epoch after ``batches`` batches; the EpochMismatch text, if any."""
+    try:
+        for i, _ in enumerate(loader):
+            if i + 1 == batches:
+                break
+        loader.close()
+    except EpochMismatch as exc:
+        return str(exc)
+    return None
+
+
+def _uneven_exit_worker(rank, world):
+    """Rank 0 leaves the epoch after 1 batch, rank 1 after 4: a clear error on both ranks
+    (before: gloo collective mismatch, SIGABRT), and the loader stays usable."""
+    ds = _dataset(40)  # 10 steps of 2 per rank
+    res = {}
+    for prefetch, workers in UNEVEN:
+        name = f"train-p{prefetch}-w{workers}"
+        loader = BalancedDataLoader(
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=prefetch,
+            num_workers=workers, timeout=T, name=name,
+        )  # fmt: skip
+        res[f"error-{name}"] = _leave_after(loader, 1 if rank == 0 else 4)
+        loader.set_epoch(1)
+        res[f"next_epoch-{name}"] = [i for b in loader for i in b]
+        # Leaving after the same number of batches is fine, prefetched or not.
+        res[f"even-{name}"] = _leave_after(loader, 3)
+    return res
+
+
+# (prefetch, num_workers) -> the step rank 1 went on to: with prefetch, the first step rank
+# 0's thread never started (1 + 2 + 1); with workers also the 2 * 2 index batches the
+# DataLoader asks for ahead of loading (each asking plans a step).
+UNEVEN = {(0, 0): 1, (2, 0): 4, (2, 2): 8}
+
+
+def test_ranks_leaving_an_epoch_at_different_steps_fail_clearly_on_every_rank(move_run):
+    out = [r[3] for r in move_run]
+    for (prefetch, workers), step in UNEVEN.items():
+        name = f"train-p{prefetch}-w{workers}"
+        expected = (
+            f"{name}, epoch 0: ranks left the epoch at different steps: rank(s) [0] "
+            f"stopped after 1 batch(es); rank(s) [1] went on to step {step}. Every rank must "
+            "consume the same number of batches"
+        )
+        for r in out:
+            assert r[f"error-{name}"].startswith(expected), r[f"error-{name}"]
+            assert r[f"even-{name}"] is None
+        assert sorted(i for r in out for i in r[f"next_epoch-{name}"]) == list(range(40))
+
+
+# -- DataLoader parity, token budget, metrics -------------------------------------------
+
+PAR_N = 37  # odd: the sampler pads; rank 0's stream shard is one example longer
+BUDGET = 120  # tokens per rank per step (lengths are 1..59)
+
+
+class _WorkerShard(IterableDataset):
+    """This rank's shard of a stream, split between DataLoader workers as an
+    IterableDataset must be; its __len__ is the examples in this rank's shard."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.ds, self.ids = _dataset(n), list(range(rank, n, world))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __iter__(self):
+        info = get_worker_info()
+        ids = self.ids if info is None else self.ids[info.id :: info.num_workers]
+        for i in ids:
+            yield self.ds[i]
+
+
+def _two_epochs(loader):
+    out = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        out.append([b for b in loader])
+    return out
+
+
+def _resumed(make, *, epoch, head):
+    """Stop after ``head`` batches of ``epoch``, then a new loader resumes from the state."""
+    first = make()
+    first.set_epoch(epoch)
+    batches, _ = _epoch(first, steps=head)
+    state = first.state_dict()
+    first.close()
+    again = make()
+    again.load_state_dict(state)
+    return batches + list(again)
+
+
+def _parity_worker(rank, world):
+    """Workers (persistent too) in every form give the batches of the same loader without
+    them; len() and resume are exact."""
+    ds = _dataset(PAR_N)
+    kw = dict(length_column="n_tokens", collate_fn=_ids, timeout=T)
+    res = {}
+    for mode in ("index", "move"):
+
+        def make(mode=mode, **extra):
+            return BalancedDataLoader(ds, batch_size=3, mode=mode, **kw, **extra)
+
+        pooled = make(num_workers=2, persistent_workers=True)
+        res[mode] = {
+            "plain": _two_epochs(make()),
+            "workers": _two_epochs(pooled),
+            "len": len(pooled),
+            "resumed": _resumed(lambda: make(num_workers=2), epoch=1, head=2),
+        }
+
+    def stream():
+        return BalancedDataLoader(
+            _WorkerShard(PAR_N, rank, world), batch_size=3, length_fn=_len_ids, collate_fn=_ids,
+            num_workers=2, timeout=T,
+        )  # fmt: skip
+
+    loader = stream()
+    res["stream"] = {
+        "epochs": _two_epochs(loader),
+        "len": len(loader),
+        "resumed": _resumed(stream, epoch=1, head=2),
+    }
+
+    def wrapped():
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=5)
+        dl = DataLoader(
+            ds, batch_size=3, sampler=sampler, collate_fn=_ids, num_workers=2,
+            persistent_workers=True,
+        )  # fmt: skip
+        return BalancedDataLoader(dl, length_column="n_tokens", timeout=T)
+
+    loader = wrapped()
+    res["dataloader"] = {
+        "epochs": _two_epochs(loader),
+        "len": len(loader),
+        "dl_len": len(loader.source),
+        "resumed": _resumed(wrapped, epoch=1, head=2),
+    }
+    return res
+
+
+def _budget_worker(rank, world):
+    ds = _dataset(60)
+    kw = dict(max_tokens_per_rank=BUDGET, collate_fn=_ids, timeout=T, with_stats=True)
+    res = {"lengths": ds["n_tokens"]}
+    index = BalancedDataLoader(ds, length_column="n_tokens", seed=2, num_workers=1, **kw)
+    res["index"] = {"steps": list(index), "len": len(index)}
+    stream = BalancedDataLoader(_Shard(60, rank, world), length_fn=_len_ids, **kw)
+    res["stream"] = {"steps": list(stream)}
+    return res
+
+
+def _stats_worker(rank, world):
+    """Metrics in move mode: one node (everything intra-node) and one rank per node
+    (everything inter-node); log_every prints on rank 0 only."""
+    ds = _dataset(24)
+    res = {}
+    for key, planner in (
+        ("one_node", BalancePlanner()),
+        ("rank_per_node", BalancePlanner(ranks_per_node=1)),
+    ):
+        loader = BalancedDataLoader(
+            _Shard(24, rank, world), batch_size=4, length_fn=_len_ids, collate_fn=_ids,
+            planner=planner, with_stats=True, timeout=T,
+        )  # fmt: skip
+        res[key] = [(stats, _moved_tokens(loader.last_step)) for _, stats in loader]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        logged = BalancedDataLoader(
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, log_every=2,
+            name="logged", timeout=T,
+        )  # fmt: skip
+        res["log_steps"] = len(list(logged))
+    res["log"] = out.getvalue()
+    return res
+
+
+def _moved_tokens(info):
+    return int(info.meta[info.plan.src_rank != info.plan.dst_rank, 0].sum())
+
+
+def _features_worker(rank, world):
+    return {
+        "parity": _parity_worker(rank, world),
+        "budget": _budget_worker(rank, world),
+        "stats": _stats_worker(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def features_run():
+    return run_distributed(_features_worker, WORLD, timeout=150)
+
+
+def test_workers_in_every_form_keep_batches_len_and_resume_exact(features_run):
+    out = [r["parity"] for r in features_run]
+    for mode in ("index", "move"):
+        steps = len(_sampler_epoch(PAR_N, WORLD, 3, 0)[0])
+        for r in out:
+            assert r[mode]["workers"] == r[mode]["plain"]  # same batches with workers
+            assert r[mode]["len"] == steps == len(r[mode]["workers"][0])
+            assert r[mode]["resumed"] == r[mode]["plain"][1]
+    for form in ("stream", "dataloader"):
+        for r in out:
+            assert r[form]["resumed"] == r[form]["epochs"][1]
+            assert all(r[form]["len"] == len(e) for e in r[form]["epochs"])
+        assert len({r[form]["len"] for r in out}) == 1  # the same on every rank
+    # The stream's epoch lasts as long as the longest shard (19 examples: 7 steps of 3).
+    assert out[0]["stream"]["len"] == 7
+    for epoch in (0, 1):
+        got = sorted(i for r in out for b in r["stream"]["epochs"][epoch] for i in b)
+        assert got == list(range(PAR_N))  # workers split the shard: every example once
+    assert all(r["dataloader"]["len"] == r["dataloader"]["dl_len"] for r in out)
+
+
+def test_token_budget_batches_are_balanced_within_the_budget(features_run):
+    out = [r["budget"] for r in features_run]
+    lengths = out[0]["lengths"]
+    for key in ("index", "stream"):
+        runs = [r[key]["steps"] for r in out]
+        assert len({len(steps) for steps in runs}) == 1  # the same step count on every rank
+        for (batch, stats), (peer, peer_stats) in zip(*runs, strict=True):
+            for ids in (batch, peer):
+                assert sum(lengths[i] for i in ids) <= BUDGET
+            assert stats["batch/imbalance_after"] <= stats["batch/imbalance_before"]
+            assert _without_timings(stats) == _without_timings(peer_stats)
+        ids = sorted(i for steps in runs for batch, _ in steps for i in batch)
+        assert ids == list(range(60))  # every example exactly once
+    packing = token_budget_batches(lengths, num_replicas=WORLD, max_tokens=BUDGET, seed=2)
+    assert out[0]["index"]["len"] == len(out[0]["index"]["steps"]) == len(packing)
+    # Full steps: all but the last hold more than half the ranks' budget on average.
+    totals = [sum(lengths[i] for r in out for i in r["index"]["steps"][s][0])
+              for s in range(len(packing) - 1)]  # fmt: skip
+    assert min(totals) > WORLD * BUDGET / 2
+
+
+def test_every_batch_carries_its_step_metrics_and_log_every_prints_on_rank_zero(features_run):
+    out = [r["stats"] for r in features_run]
+    for key, local, remote in (("one_node", "intra", "inter"), ("rank_per_node", "inter", "intra")):
+        steps = [r[key] for r in out]
+        assert any(stats["batch/tokens_moved"] > 0 for stats, _ in steps[0])
+        for (stats, moved), (peer, _) in zip(*steps, strict=True):
+            assert {"epoch", "step", "prepare_ms", "wait_ms", "bytes_meta"} <= set(stats)
+            assert {f"batch/{m}" for m in METRICS} <= set(stats)
+            assert stats["batch/tokens_moved"] == moved
+            assert (stats[f"batch/bytes_{local}"] > 0) == (moved > 0)
+            assert stats[f"batch/bytes_{remote}"] == 0
+            assert _without_timings(stats) == _without_timings(peer)
+    lines = out[0]["log"].splitlines()
+    assert len(lines) == -(-out[0]["log_steps"] // 2) and out[1]["log"] == ""
+    assert lines[0].startswith("logged epoch 0 step 0 | batch imbalance ")
+    assert lines[1].startswith("logged epoch 0 step 2 | ")
 
 
 def test_single_process_and_bad_arguments():
@@ -488,6 +858,96 @@ def test_single_process_and_bad_arguments():
         list(bad)
 
 
+def test_options_object_and_keywords_build_the_same_loader():
+    ds = _dataset(10)
+    opts = LoaderOptions(batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4)
+    by_options = BalancedDataLoader(ds, opts)
+    by_keywords = BalancedDataLoader(
+        ds, batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4
+    )
+    assert by_options.options is opts and by_keywords.options.seed == 4
+    assert list(by_options) == list(by_keywords)
+    # Keywords beside an options object override it, checked again.
+    assert BalancedDataLoader(ds, opts, seed=5).options.seed == 5 and opts.seed == 4
+    with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
+        BalancedDataLoader(ds, opts, prefetch=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        BalancedDataLoader(ds, batchsize=3, length_column="n_tokens")
+    with pytest.raises(TypeError, match="options must be a LoaderOptions, got dict"):
+        BalancedDataLoader(ds, {"batch_size": 3})
+    with pytest.raises(ValueError, match="batch_meta_fn needs mode='local'"):
+        LoaderOptions(batch_size=2, batch_meta_fn=len)
+
+
+def test_dataloader_parity_combinations_that_cannot_work_fail_at_construction():
+    ds = _dataset(12)
+    kw = dict(length_column="n_tokens", collate_fn=_ids)
+    dl = DataLoader(ds, batch_size=3, collate_fn=_ids)
+    with pytest.raises(ValueError, match=r"set them on it \(DataLoader\(\.\.\., num_workers=N\)\)"):
+        BalancedDataLoader(dl, num_workers=2, length_column="n_tokens")
+    with pytest.raises(ValueError, match="batch_size comes from the dataloader's batches"):
+        BalancedDataLoader(dl, batch_size=3, length_column="n_tokens")
+    with pytest.raises(ValueError, match="wrap it in an IterableDataset, or use num_workers=0"):
+        BalancedDataLoader(iter(list(ds)), batch_size=3, num_workers=2, length_fn=_len_ids)
+    with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
+        BalancedDataLoader(ds, batch_size=3, persistent_workers=True, **kw)
+    with pytest.raises(ValueError, match="pass batch_size= or max_tokens_per_rank=, not both"):
+        BalancedDataLoader(ds, batch_size=3, max_tokens_per_rank=10, **kw)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=10 is below the length of example"):
+        BalancedDataLoader(ds, max_tokens_per_rank=10, **kw)  # lengths up to 59
+    with pytest.raises(ValueError, match="max_tokens_per_rank budgets lengths"):
+        BalancedDataLoader(ds, max_tokens_per_rank=100, mode="local", batch_meta_fn=len)
+    # A token budget on a stream: an example over the budget is named when it is read.
+    over = BalancedDataLoader(_Shard(12, 0, 1), max_tokens_per_rank=10, length_fn=_len_ids)
+    with pytest.raises(ValueError, match="below the length of item 0 of this rank's stream"):
+        list(over)
+    # len() in every form: map-style, DataLoader, a stream with __len__; a clear TypeError
+    # where no rank can know it.
+    assert len(BalancedDataLoader(ds, batch_size=5, **kw)) == 3
+    assert len(BalancedDataLoader(dl, length_column="n_tokens")) == len(dl) == 4
+    assert len(BalancedDataLoader(_WorkerShard(12, 0, 1), batch_size=5, length_fn=_len_ids)) == 3
+    with pytest.raises(TypeError, match="known only at the end of the epoch for _Shard data"):
+        len(BalancedDataLoader(_Shard(12, 0, 1), batch_size=5, length_fn=_len_ids))
+    budget = BalancedDataLoader(ds, max_tokens_per_rank=100, **kw)
+    assert len(budget) == len(list(budget))
+
+
+def _id_tensor(examples):
+    return torch.tensor(_ids(examples))
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the no-accelerator path")
+def test_pin_memory_without_an_accelerator_warns_and_still_yields():
+    ds = _dataset(6)
+    with pytest.warns(UserWarning, match="no accelerator is available: batches are not pinned"):
+        loader = BalancedDataLoader(
+            ds, batch_size=2, length_column="n_tokens", pin_memory=True, collate_fn=_id_tensor
+        )
+    assert sorted(torch.cat(list(loader)).tolist()) == list(range(6))
+
+
+def test_public_names_document_args_returns_raises_and_the_loss_normalisation():
+    from orchmllm.data.orchestrated import orchestrated_loader
+
+    norm = "global_num_items"  # where the docs send users for the loss normalisation
+    docs = {
+        "BalancedDataLoader": (BalancedDataLoader, ("Args:", "Raises:", norm)),
+        "BalancedCollator": (BalancedCollator, ("Args:", "Returns", "Raises:", norm)),
+        "orchestrated_loader": (orchestrated_loader, ("Args:", "Returns:", "Raises:", norm)),
+        "PlannedBatch": (PlannedBatch, ("Attributes:", "stats")),
+        "LoaderOptions": (LoaderOptions, ("Attributes:",)),
+    }
+    for name, (obj, sections) in docs.items():
+        doc = inspect.getdoc(obj)
+        assert all(s in doc for s in sections), (name, [s for s in sections if s not in doc])
+    loader_doc = inspect.getdoc(BalancedDataLoader)
+    for option in ("mode", "prefetch", "shuffle", "seed", "drop_last", "policy", "yields"):
+        assert option in loader_doc, option
+    options_doc = inspect.getdoc(LoaderOptions)
+    for f in dataclasses.fields(LoaderOptions):  # every option is documented
+        assert f"    {f.name}: " in options_doc, f.name
+
+
 def test_abandoned_iteration_stops_its_thread_when_dropped():
     """An iterator dropped mid-epoch closes itself (its steps are bounded by what was consumed,
     so this is collective-safe); no prefetch thread may outlive it and race a later
@@ -510,10 +970,12 @@ def test_package_exports_load_lazily():
 
     exported = (
         (data.BalancedDataLoader, BalancedDataLoader),
+        (data.LoaderOptions, LoaderOptions),
         (data.PlannedBatch, PlannedBatch),
         (data.BalancedCollator, BalancedCollator),
         (data.StepInfo, ex.StepInfo),
         (data.PeerFailed, PeerFailed),
+        (data.EpochMismatch, EpochMismatch),
         (data.BalancePlanner, BalancePlanner),
         (data.orchestrated_loader, orchestrated_loader),
         (data.map_lengths, map_lengths),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orchmllm
-from tests.multiproc import assert_check_passed, run_checks
+from orchmllm.testing import assert_check_passed, run_checks
 
 VOCAB, HIDDEN = 32, 16
 # Token counts of the global batch; "sampled" gives rank 0 the first four sequences.

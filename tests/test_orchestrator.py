@@ -16,7 +16,7 @@ from orchmllm.step_plan import (
     EncoderPhase,
     default_phases,
 )
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
 # -- distributed execution ----------------------------------------------------------------

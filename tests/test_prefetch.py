@@ -85,3 +85,38 @@ def test_abandoned_prefetcher_stops_its_thread():
 def test_negative_depth():
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(lambda s: s, depth=-1)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_on_close_runs_once_at_the_first_step_no_loop_may_have_started(depth):
+    """Where the loop stopped is told at a step every rank that stopped there reaches
+    (threaded: consumed + depth + 1; synchronous: consumed), once, also when dropped."""
+    calls = []
+    p = Prefetcher(lambda s: s, start=3, depth=depth, on_close=lambda *args: calls.append(args))
+    assert [next(p), next(p)] == [3, 4]
+    p.close()
+    p.close()
+    first = 5 + depth + 1 if depth else 5
+    assert calls == [(first, 5)]
+    dropped = Prefetcher(lambda s: s, depth=depth, on_close=lambda *args: calls.append(args))
+    next(dropped)
+    del dropped
+    gc.collect()
+    assert calls[1:] == [(1 + depth + 1 if depth else 1, 1)]
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_on_close_is_skipped_at_the_end_and_its_error_surfaces_in_close(depth):
+    calls = []
+    p = Prefetcher(_squares(3), depth=depth, on_close=lambda *args: calls.append(args))
+    assert list(p) == [0, 1, 4]
+    p.close()
+    assert calls == []  # the producer ended by itself: nothing to tell
+
+    def fail(step, consumed):
+        raise RuntimeError(f"loop left after {consumed}")
+
+    p = Prefetcher(lambda s: s, depth=depth, on_close=fail)
+    next(p)
+    with pytest.raises(RuntimeError, match="loop left after 1"):
+        p.close()

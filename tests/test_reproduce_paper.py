@@ -4,16 +4,14 @@ the comparison with benchmarks/gpu_step.py records."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tests.conftest import ROOT, load_script
 
-import reproduce_paper  # noqa: E402
+reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
 
 REQUIRED = (
     "model",

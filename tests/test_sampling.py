@@ -5,7 +5,12 @@ from collections import Counter
 import pytest
 from torch.utils.data.distributed import DistributedSampler
 
-from orchmllm.data.sampling import local_batches, steps_per_epoch
+from orchmllm.data.sampling import (
+    local_batches,
+    rank_indices,
+    steps_per_epoch,
+    token_budget_batches,
+)
 
 
 @pytest.mark.parametrize(
@@ -44,3 +49,37 @@ def test_bad_arguments():
         local_batches(10, rank=0, num_replicas=2, batch_size=0)
     with pytest.raises(ValueError, match="rank"):
         local_batches(10, rank=2, num_replicas=2, batch_size=1)
+
+
+def test_token_budget_batches_hold_every_example_once_within_the_budget(rng):
+    lengths = rng.integers(1, 300, size=500)
+    steps = token_budget_batches(lengths, num_replicas=4, max_tokens=1000, epoch=2, seed=7)
+    assert all(len(per_rank) == 4 for per_rank in steps)
+    loads = [[int(lengths[b].sum()) for b in per_rank] for per_rank in steps]
+    assert max(max(x) for x in loads) <= 1000
+    # Steps take consecutive runs of the epoch's order (every example once), and a step
+    # ends only when even its least-loaded rank cannot take the next example.
+    order = rank_indices(500, rank=0, num_replicas=1, epoch=2, seed=7)
+    start = 0
+    for s, per_rank in enumerate(steps):
+        end = start + sum(len(b) for b in per_rank)
+        assert sorted(i for b in per_rank for i in b) == sorted(order[start:end])
+        if s + 1 < len(steps):
+            assert min(loads[s]) + lengths[order[end]] > 1000
+        start = end
+    assert start == 500
+    again = token_budget_batches(lengths, num_replicas=4, max_tokens=1000, epoch=2, seed=7)
+    assert again == steps  # a pure function: every rank computes the same steps
+    assert token_budget_batches(lengths, num_replicas=4, max_tokens=1000, epoch=3, seed=7) != steps
+    dropped = token_budget_batches(
+        lengths, num_replicas=4, max_tokens=1000, epoch=2, seed=7, drop_last=True
+    )
+    assert dropped == steps[:-1]
+
+
+def test_token_budget_batches_reject_an_example_over_the_budget():
+    with pytest.raises(
+        ValueError, match=r"max_tokens_per_rank=5 is below the length of example 2 \(9\)"
+    ):
+        token_budget_batches([1, 2, 9, 3], num_replicas=2, max_tokens=5)
+    assert token_budget_batches([], num_replicas=2, max_tokens=5) == []

@@ -1,7 +1,7 @@
 """Training entry point: rebalancing never changes the training (consequence invariance).
 
 Real gloo process groups, real FSDP2, the real orchestrator and synthetic HF dataset, driven
-through ``orchmllm.train.main(argv)`` (the torchrun entry point) inside tests/multiproc.py
+through ``orchmllm.train.main(argv)`` (the torchrun entry point) inside orchmllm.testing
 workers; float64, so the only differences between modes are summation orders.
 """
 
@@ -24,6 +24,7 @@ import yaml
 
 from orchmllm import checkpoint
 from orchmllm.data.synthetic import save_dataset
+from orchmllm.testing import run_distributed
 from orchmllm.train import (
     PHASES,
     RunningSummary,
@@ -37,7 +38,6 @@ from orchmllm.train import (
     write_once,
 )
 from tests.conftest import ROOT
-from tests.multiproc import run_distributed
 
 TINY = "configs/tiny.yaml"
 MODES = ("none", "llm", "full")

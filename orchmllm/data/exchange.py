@@ -29,7 +29,7 @@ from orchmllm import comm, watch
 from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
 
-OK, EXHAUSTED, FAILED = 0, 1, 2
+OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
 CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
 _INT64 = 8
@@ -40,6 +40,10 @@ items, then rank 1's, ...; shorter rows padded with -1), ``src`` the rank of eac
 Every rank calls it on the same input and must get the same plan, unless the planner has
 ``deterministic = False``: then only rank 0 calls it and broadcasts the result (see
 :func:`agreed_plan`; a planner without the attribute counts as deterministic)."""
+
+
+class EpochMismatch(RuntimeError):
+    """Ranks left an epoch after different numbers of batches (raised on every rank)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ def gather_step(
     failed = np.flatnonzero(header[:, 0] == FAILED)
     if failed.size:
         raise PeerFailed(f"rank(s) {failed.tolist()} failed to prepare step {step}; see their logs")
+    if np.any(header[:, 0] == CLOSED):
+        raise _epoch_mismatch(header, step)
     comm.check_agreement(header[:, 3:], agree, rank=g.rank, what=f"step {step}")
     width = int(header[:, 2].max())
     padded = np.full((len(rows), width), PAD, dtype=np.int64)
@@ -148,6 +154,48 @@ def gather_step(
         meta, src = g.all_gather_rows(padded)
         bytes_sent += (2 + int(header[:, 1].max()) * width) * _INT64 * (g.size - 1)
     return Gathered(meta=meta, src=src, status=header[:, 0].copy(), bytes_sent=bytes_sent)
+
+
+def leave_epoch(g: Group, *, consumed: int, step: int) -> None:
+    """Tell the peers this rank's loop left the epoch after ``consumed`` batches.
+
+    Called at ``step``, the first step no rank may have started when the loops stopped
+    after the same number of batches; so a peer that consumed more is still in a step's
+    gather there, and both sides see the difference in the header instead of waiting in
+    mismatched collectives. Raises :class:`EpochMismatch` unless every rank left after
+    ``consumed`` batches (a peer that failed in a step no loop consumed is ignored).
+    """
+    # Same header shape as a step's (status, count, width, planner fingerprint).
+    header = g.all_gather_fixed([CLOSED, consumed, 0, comm.fingerprint(None)])
+    status, count = header[:, 0], header[:, 1]
+    if np.any((status != CLOSED) & (status != FAILED)) or np.any(
+        count[status == CLOSED] != consumed
+    ):
+        raise _epoch_mismatch(header, step)
+
+
+def _epoch_mismatch(header: np.ndarray, step: int) -> EpochMismatch:
+    status, count = header[:, 0], header[:, 1]
+    closed = status == CLOSED
+    parts = [
+        f"rank(s) {_ranks(np.flatnonzero(closed & (count == c)))} stopped after {c} batch(es)"
+        for c in np.unique(count[closed]).tolist()
+    ]
+    going = np.flatnonzero(~closed & (status != FAILED))
+    if going.size:
+        parts.append(f"rank(s) {_ranks(going)} went on to step {step}")
+    return EpochMismatch(
+        "ranks left the epoch at different steps: " + "; ".join(parts) + ". Every rank must "
+        "consume the same number of batches before leaving an epoch: break at the same step "
+        "on every rank, or run the epoch to its end"
+    )
+
+
+def _ranks(ranks: np.ndarray, limit: int = 8) -> str:
+    """``[0, 3]``, or the first ``limit`` and a count, so a message stays short at scale."""
+    if ranks.size <= limit:
+        return str(ranks.tolist())
+    return f"[{', '.join(map(str, ranks[:limit].tolist()))}, ...] ({ranks.size} ranks)"
 
 
 def check_rearrangement(plan: object, g: Group, num_items: int) -> Rearrangement:

@@ -31,16 +31,25 @@ def is_hf_dataset(obj: object, *, iterable: bool = False) -> bool:
     return hf is not None and isinstance(obj, hf.IterableDataset if iterable else hf.Dataset)
 
 
-def check_length(value: object, *, index: int, source: str) -> int:
-    """``value`` as a Python int, or ``ValueError`` naming ``source`` and ``index``."""
+def which_example(index: int | str) -> str:
+    """An example as an error names it: its dataset index, or where a stream gave it."""
+    return f"example {index}" if isinstance(index, int) else index
+
+
+def check_length(value: object, *, index: int | str, source: str) -> int:
+    """``value`` as a Python int, or ``ValueError`` naming ``source`` and the example.
+
+    ``index``: the example's dataset index, or (streams, which have none) a description
+    such as ``"item 12 of this rank's stream"``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
-            f"{source} must return a non-negative integer; example {index} gave {value!r} "
+            f"{source} must return a non-negative integer; {which_example(index)} gave {value!r} "
             f"({type(value).__name__})"
         )
     if value < 0:
         raise ValueError(
-            f"{source} must return a non-negative integer; example {index} gave {int(value)}"
+            f"{source} must return a non-negative integer; {which_example(index)} gave {int(value)}"
         )
     return int(value)
 
@@ -167,18 +176,19 @@ def dataset_lengths(
 def example_length(
     example: Any,
     *,
-    index: int,
+    index: int | str,
     length_column: str | None = None,
     length_fn: LengthFn | None = None,
 ) -> int:
-    """Length of one loaded example, from its ``length_column`` entry or ``length_fn``."""
+    """Length of one loaded example, from its ``length_column`` entry or ``length_fn``;
+    errors name the example by ``index`` (see :func:`check_length`)."""
     if length_fn is not None:
         return check_length(length_fn(example), index=index, source="length_fn")
     try:
         value = example[length_column]
     except (KeyError, TypeError, IndexError):
         raise ValueError(
-            f"length_column={length_column!r} is missing from example {index} "
+            f"length_column={length_column!r} is missing from {which_example(index)} "
             f"({type(example).__name__})"
         ) from None
     return check_length(value, index=index, source=f"column {length_column!r}")

@@ -8,7 +8,8 @@ balancing core releases the GIL) and, depending on the mode, builds the balanced
 - ``"index"``: map-style dataset with lengths known before loading (a length column, a
   length function mapped once over an HF dataset, or a ``lengths`` array). Ranks exchange
   only dataset indices and lengths; each rank then loads and collates exactly the examples
-  assigned to it, so no example crosses the network.
+  assigned to it (in DataLoader workers if ``num_workers``), so no example crosses the
+  network.
 - ``"move"``: iterable/streaming data, or an existing DataLoader, where a rank can read
   only its own shard: examples are loaded locally, then moved to their destination rank
   with one all-to-all of their serialized bytes, then collated.
@@ -17,24 +18,36 @@ balancing core releases the GIL) and, depending on the mode, builds the balanced
 
 Every rank yields the same number of steps per epoch, ``set_epoch`` reshuffles, and
 ``state_dict()`` records the steps the training loop consumed (not what was prefetched),
-so a job restarted from it sees exactly the batches it would have seen.
+so a job restarted from it sees exactly the batches it would have seen, workers or not.
+Batches are cut by count (``batch_size``) or by a per-rank token budget
+(``max_tokens_per_rank``). Each step's balance metrics come as a plain dict (see
+:mod:`orchmllm.data.stats`).
+
+Balancing moves examples between ranks, so a loss averaged per rank would weight them
+differently than before: normalise the loss by the global count of loss-bearing items
+(``orchmllm.global_num_items``), as in the module docstring of :mod:`orchmllm.dispatcher`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from orchmllm.data import exchange as ex
+from orchmllm.data import sources as sr
+from orchmllm.data import stats as st
 from orchmllm.data.exchange import StepInfo
 from orchmllm.data.lengths import (
     LengthFn,
@@ -45,13 +58,22 @@ from orchmllm.data.lengths import (
 )
 from orchmllm.data.planners import BalancePlanner
 from orchmllm.data.prefetch import Prefetcher
-from orchmllm.data.sampling import local_batches, steps_per_epoch
+from orchmllm.data.sampling import (
+    check_budget,
+    local_batches,
+    rank_indices,
+    steps_per_epoch,
+    token_budget_batches,
+)
+from orchmllm.plan import Rearrangement
 
 MODES = ("auto", "index", "move", "local")
+_CREATED = itertools.count(1)  # loaders created by this process, for their default names
 _HANDSHAKE = (
     "world_size",
     "num_replicas",
     "batch_size",
+    "max_tokens_per_rank",
     "dataset_len",
     "epoch",
     "step",
@@ -59,256 +81,384 @@ _HANDSHAKE = (
     "seed",
     "shuffle",
     "drop_last",
+    "prefetch",
+    "num_workers",
 )
 
 
 @dataclass(frozen=True)
 class PlannedBatch:
-    """``mode="local"``: the batch as sampled on this rank, plus the plan for it."""
+    """What ``mode="local"`` yields: the batch as sampled on this rank, and its plan.
+
+    Attributes:
+        batch: This rank's local mini-batch, collated, as sampled (nothing moved yet).
+        plan: The planner's output for the step, identical on every rank: a
+            :class:`~orchmllm.plan.Rearrangement` (execute it with
+            ``BatchDispatcher.dispatch(..., plan=plan)``) or, from
+            :func:`~orchmllm.data.orchestrated.orchestrated_loader`, a ``StepPlan`` (pass it
+            to ``Orchestrator.run(batch, encoders, plan=plan)``).
+        info: The step's record (:class:`~orchmllm.data.exchange.StepInfo`).
+        stats: The step's balance metrics (see :mod:`orchmllm.data.stats`).
+    """
 
     batch: Any
     plan: Any
     info: StepInfo
+    stats: dict[str, float] = field(default_factory=dict)
 
 
-def _as_list(examples: list) -> list:
-    """Collate for the wrapped DataLoader's workers: keep examples as a list."""
-    return list(examples)
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LoaderOptions:
+    """Every option of :class:`BalancedDataLoader`, checked when built.
 
+    ``BalancedDataLoader(source, batch_size=8, ...)`` builds one from its keyword
+    arguments; build it yourself to share a set-up between loaders or to keep it in a
+    config (``dataclasses.replace(options, seed=1)`` gives a checked copy).
 
-def _load(dataset: Any, indices: Sequence[int]) -> list:
-    keys = [int(i) for i in indices]
-    if not keys:
-        return []
-    if hasattr(dataset, "__getitems__"):
-        return list(dataset.__getitems__(keys))
-    return [dataset[i] for i in keys]
-
-
-def _is_map_style(source: Any) -> bool:
-    if isinstance(source, (DataLoader, IterableDataset)) or is_hf_dataset(source, iterable=True):
-        return False
-    return hasattr(source, "__getitem__") and hasattr(source, "__len__")
-
-
-class _Sampled:
-    """Local mini-batches of a map-style dataset, by distributed-sampler indices."""
-
-    def __init__(self, dataset: Any, loader: BalancedDataLoader) -> None:
-        self.dataset = dataset
-        self.loader = loader
-        self.batches: list[list[int]] = []
-
-    def start(self, epoch: int, step: int) -> int:
-        lo = self.loader
-        self.batches = local_batches(
-            len(self.dataset),
-            rank=lo._group.rank,
-            num_replicas=lo.num_replicas,
-            batch_size=lo.batch_size,
-            epoch=epoch,
-            seed=lo.seed,
-            shuffle=lo.shuffle,
-            drop_last=lo.drop_last,
-        )
-        return len(self.batches)
-
-    def local(self, step: int) -> list | None:
-        if step >= len(self.batches):
-            return None
-        return _load(self.dataset, self.batches[step])
-
-
-class _Streamed:
-    """Local mini-batches read in order from an iterable (this rank's shard) or a DataLoader."""
-
-    def __init__(self, source: Any, batch_size: int | None) -> None:
-        self.batch_size = batch_size
-        self.source = source
-        if isinstance(source, DataLoader):
-            self.iterable = _list_loader(source)
-        else:
-            self.iterable = source
-        self.it: Iterator | None = None
-
-    def start(self, epoch: int, step: int) -> None:
-        for obj in (
-            self.source,
-            getattr(self.source, "sampler", None),
-            getattr(self.source, "batch_sampler", None),
-            getattr(getattr(self.source, "batch_sampler", None), "sampler", None),
-            getattr(self.source, "dataset", None),
-        ):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
-        self.it = iter(self.iterable)
-        for _ in range(step):  # resume: the skipped steps' local batches, without planning
-            if self.local(-1) is None:
-                break
-
-    def local(self, step: int) -> list | None:
-        assert self.it is not None
-        if self.batch_size is None:  # a DataLoader already yields lists of examples
-            batch = next(self.it, None)
-        else:
-            batch = list(itertools.islice(self.it, self.batch_size))
-        return batch or None
-
-
-def _list_loader(dl: DataLoader) -> DataLoader:
-    """The same DataLoader (dataset, sampler, workers) yielding lists of raw examples, so
-    examples can be balanced before the user's collate function runs."""
-    if dl.batch_size is None and dl.batch_sampler is None:
-        raise ValueError("dataloader must batch (batch_size or batch_sampler), got batch_size=None")
-    kwargs: dict[str, Any] = {
-        "num_workers": dl.num_workers,
-        "collate_fn": _as_list,
-        "timeout": dl.timeout,
-        "worker_init_fn": dl.worker_init_fn,
-        "multiprocessing_context": dl.multiprocessing_context,
-        "generator": dl.generator,
-        "persistent_workers": dl.persistent_workers,
-    }
-    if dl.num_workers:
-        kwargs["prefetch_factor"] = dl.prefetch_factor
-    if isinstance(dl.dataset, IterableDataset):
-        return DataLoader(dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, **kwargs)
-    return DataLoader(dl.dataset, batch_sampler=dl.batch_sampler, **kwargs)
-
-
-class BalancedDataLoader:
-    """Iterate balanced mini-batches; see the module docstring for the modes.
-
-    ``source``: a map-style dataset (HF ``datasets.Dataset`` or anything with
-    ``__getitem__``/``__len__``), an iterable dataset holding this rank's shard, or a
-    ``DataLoader`` (its sampler, workers and, unless ``collate_fn`` is given, its collate
-    function are kept; examples are balanced before collation). Lengths come from
-    ``length_column``, ``length_fn(example)`` (on HF datasets mapped once with
-    ``num_proc`` processes, reading only ``length_columns`` if given) or ``lengths``.
-    ``planner(meta, src, num_ranks)`` replaces the default single-phase
-    :class:`~orchmllm.data.planners.BalancePlanner`; ``meta_fn(example)`` gives the
-    integer row gathered per example (default: ``[length]``). In ``mode="local"`` the
-    batch is collated before the gather and ``batch_meta_fn(batch)`` may give the rows
-    instead (any number per batch, e.g. the orchestrator's segment table).
-
-    Collective: create and iterate it on every rank in the same order; every rank must
-    consume the same number of batches before breaking out of an epoch.
+    Attributes:
+        batch_size: Examples each rank samples per step (as ``DataLoader(batch_size=)``).
+            Pass it or ``max_tokens_per_rank``, except for a ``DataLoader`` source, whose
+            own batches are used.
+        max_tokens_per_rank: Instead of ``batch_size``: each rank's batch holds at most this
+            many length units (tokens) after balancing. With lengths known up front the
+            epoch is packed into steps of one batch per rank under the budget
+            (:func:`~orchmllm.data.sampling.token_budget_batches`); otherwise each rank
+            cuts its stream at the budget. A plan that would put more on a rank is
+            replaced by the sampled layout. Every rank takes the same number of steps.
+        collate_fn: Turns a list of examples into a batch; runs on the balanced examples.
+            Default: the ``DataLoader`` source's own, else torch's ``default_collate``.
+        length_fn: ``length_fn(example) -> int``, the example's length (its cost unit,
+            e.g. tokens). On an HF dataset it is mapped once over the data (cached).
+        length_column: A column (or key) of each example holding its length.
+        lengths: One length per dataset index (map-style datasets only).
+        length_columns: The only columns ``length_fn`` reads on an HF dataset, so that
+            computing lengths never decodes images or audio.
+        num_proc: Processes for the one-off ``Dataset.map`` that computes lengths.
+        meta_fn: ``meta_fn(example) -> ints``, the row gathered per example instead of
+            ``[length]`` (for a custom ``planner``; not in index mode).
+        batch_meta_fn: ``batch_meta_fn(collated_batch) -> rows`` (``mode="local"`` only): any
+            number of rows per batch, e.g. the orchestrator's segment table.
+        planner: ``planner(meta, src, num_ranks) -> plan`` replacing the default
+            ``BalancePlanner(policy, cost)`` (see :data:`orchmllm.data.exchange.Planner`).
+        policy: The balancing policy (a name in ``orchmllm.POLICIES``): ``greedy`` for
+            packed batches, ``padded_cost`` or ``binary_search`` for padded ones.
+        cost: An ``orchmllm.CostModel`` for the policy (None: the policy's default).
+        mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
+            balanced share: needs a map-style dataset with lengths known up front),
+            ``"move"`` (each rank loads what it sampled, examples then move to their
+            destination as bytes: streams, ``DataLoader`` sources), ``"local"`` (the batch
+            as sampled plus the plan: :class:`PlannedBatch`), or ``"auto"`` (index when
+            possible, else move).
+        prefetch: Steps prepared ahead in a background thread (0: synchronous).
+        num_workers: DataLoader worker processes that load (and in index mode collate)
+            examples, as ``DataLoader(num_workers=)``; for a ``DataLoader`` source set it
+            on that DataLoader. An ``IterableDataset`` must split itself between workers.
+        pin_memory: Pin the yielded batches' tensors (for fast copies to the accelerator).
+        persistent_workers: Keep the workers between epochs (needs ``num_workers > 0``).
+        shuffle: Reshuffle the sampling order every epoch (as ``DistributedSampler``).
+        seed: The shuffling seed; the same on every rank.
+        drop_last: Drop the tail that does not divide evenly over the ranks (with a token
+            budget: the last, partial step).
+        num_replicas: Ranks the data is split over (default: the process group's size).
+        group: The CPU (gloo) process group for the loader's collectives (default: a new
+            gloo group over all ranks, so the loader never shares the training group).
+        timeout: Seconds any collective of the loader may wait for the other ranks.
+        name: What errors and log lines call this loader (default ``BalancedDataLoader#k``,
+            the k-th loader this process created: the same loader on every rank).
+        with_stats: Yield ``(batch, stats)`` pairs instead of batches.
+        log_every: Print one line of balance metrics on rank 0 every this many steps (0:
+            never).
     """
 
-    def __init__(
-        self,
-        source: Any,
-        *,
-        batch_size: int | None = None,
-        collate_fn: Callable[[list], Any] | None = None,
-        length_fn: LengthFn | None = None,
-        length_column: str | None = None,
-        lengths: Sequence[int] | np.ndarray | None = None,
-        length_columns: Sequence[str] | None = None,
-        meta_fn: Callable[[Any], Sequence[int]] | None = None,
-        batch_meta_fn: Callable[[Any], np.ndarray] | None = None,
-        planner: ex.Planner | None = None,
-        policy: str = "greedy",
-        cost: Any = None,
-        mode: str = "auto",
-        prefetch: int = 2,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_replicas: int | None = None,
-        group: dist.ProcessGroup | None = None,
-        timeout: float = 600.0,
-        num_proc: int | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        given = [
-            n
-            for n, v in (
-                ("length_fn", length_fn),
-                ("length_column", length_column),
-                ("lengths", lengths),
-            )
-            if v is not None
+    batch_size: int | None = None
+    max_tokens_per_rank: int | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    length_fn: LengthFn | None = None
+    length_column: str | None = None
+    lengths: Sequence[int] | np.ndarray | None = None
+    length_columns: Sequence[str] | None = None
+    num_proc: int | None = None
+    meta_fn: Callable[[Any], Sequence[int]] | None = None
+    batch_meta_fn: Callable[[Any], np.ndarray] | None = None
+    planner: ex.Planner | None = None
+    policy: str = "greedy"
+    cost: Any = None
+    mode: str = "auto"
+    prefetch: int = 2
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    num_replicas: int | None = None
+    group: dist.ProcessGroup | None = None
+    timeout: float = 600.0
+    name: str | None = None
+    with_stats: bool = False
+    log_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("prefetch", "num_workers", "log_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_size", "max_tokens_per_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.persistent_workers and not self.num_workers:
+            raise ValueError("persistent_workers=True needs num_workers > 0, got num_workers=0")
+        lengths = [
+            n for n in ("length_fn", "length_column", "lengths") if getattr(self, n) is not None
         ]
-        if len(given) > 1:
-            raise ValueError(f"pass at most one of length_fn, length_column, lengths; got {given}")
-        if not given and meta_fn is None and batch_meta_fn is None:
-            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
-        if batch_meta_fn is not None and mode != "local":
-            raise ValueError(f"batch_meta_fn needs mode='local', got mode={mode!r}")
-        is_loader = isinstance(source, DataLoader)
-        if is_loader:
-            if batch_size is not None:
-                raise ValueError("batch_size comes from the dataloader; do not pass it too")
-        elif batch_size is None or batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        map_style = _is_map_style(source)
-        if mode == "auto":
-            known = lengths is not None or (is_hf_dataset(source) and meta_fn is None)
-            mode = "index" if map_style and known else "move"
-        if mode == "index" and not map_style:
+        if len(lengths) > 1:
             raise ValueError(
-                f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
-                "use mode='move' for iterable data or a DataLoader"
+                f"pass at most one of length_fn, length_column, lengths; got {lengths}"
             )
-        if mode == "index" and meta_fn is not None:
+        if not lengths and self.meta_fn is None and self.batch_meta_fn is None:
+            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
+        if self.batch_meta_fn is not None and self.mode != "local":
+            raise ValueError(f"batch_meta_fn needs mode='local', got mode={self.mode!r}")
+        if self.mode == "index" and self.meta_fn is not None:
             raise ValueError(
                 "mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'"
             )
-        if lengths is not None and not map_style:
-            raise ValueError("lengths= needs a map-style dataset (one length per index)")
-
-        self.source = source
-        self.mode = mode
-        self.batch_size = batch_size
-        self.collate_fn = collate_fn or (source.collate_fn if is_loader else default_collate)
-        self.length_fn = length_fn
-        self.length_column = length_column
-        self.meta_fn = meta_fn
-        self.batch_meta_fn = batch_meta_fn
-        self.planner = planner or BalancePlanner(policy=policy, cost=cost)
-        self.prefetch = prefetch
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.timeout = timeout
-        self._group = ex.Group(
-            group if group is not None else ex.new_cpu_group(timeout=timeout), timeout=timeout
-        )
-        self.num_replicas = self._group.size if num_replicas is None else num_replicas
-        sampler = getattr(source, "sampler", None) if is_loader else None
-        if sampler is not None and hasattr(sampler, "num_replicas") and num_replicas is None:
-            self.num_replicas = sampler.num_replicas
-        self._lengths: np.ndarray | None = None
-        if mode == "index":
-            if lengths is not None:
-                self._lengths = check_lengths(lengths, source="lengths")
-                if self._lengths.size != len(source):
-                    raise ValueError(
-                        f"lengths has {self._lengths.size} entries, the dataset {len(source)}"
-                    )
-            else:
-                self._lengths = dataset_lengths(
-                    source,
-                    length_column=length_column,
-                    length_fn=length_fn,
-                    columns=length_columns,
-                    num_proc=num_proc,
+        if self.max_tokens_per_rank is not None:
+            if self.batch_size is not None:
+                raise ValueError(
+                    f"pass batch_size= or max_tokens_per_rank=, not both; got batch_size="
+                    f"{self.batch_size}, max_tokens_per_rank={self.max_tokens_per_rank}"
                 )
-        elif (
-            is_hf_dataset(source)
-            and length_column is not None
-            and length_column not in source.column_names
-        ):
+            if not lengths or self.meta_fn is not None or self.batch_meta_fn is not None:
+                raise ValueError(
+                    "max_tokens_per_rank budgets lengths: pass length_fn=, length_column= or "
+                    "lengths=, and no meta_fn= or batch_meta_fn= (a custom planner's rows)"
+                )
+
+
+def _options(options: LoaderOptions | None, kwargs: dict[str, Any]) -> LoaderOptions:
+    """``options`` with ``kwargs`` applied (both checked by ``LoaderOptions``)."""
+    if options is None:
+        return LoaderOptions(**kwargs)
+    if not isinstance(options, LoaderOptions):
+        raise TypeError(f"options must be a LoaderOptions, got {type(options).__name__}")
+    return replace(options, **kwargs) if kwargs else options
+
+
+def _resolve_mode(source: Any, opts: LoaderOptions) -> str:
+    """The mode ``"auto"`` stands for with this source, after checking the source fits."""
+    _check_source(source, opts)
+    map_style = sr.is_map_style(source)
+    mode = opts.mode
+    if mode == "auto":
+        known = opts.lengths is not None or (is_hf_dataset(source) and opts.meta_fn is None)
+        mode = "index" if map_style and known else "move"
+    if mode == "index" and not map_style:
+        raise ValueError(
+            f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
+            "use mode='move' for iterable data or a DataLoader"
+        )
+    if (
+        mode != "index"
+        and is_hf_dataset(source)
+        and opts.length_column is not None
+        and opts.length_column not in source.column_names
+    ):
+        raise ValueError(
+            f"length_column={opts.length_column!r} is not a column of the dataset; "
+            f"columns are {source.column_names}"
+        )
+    return mode
+
+
+def _check_source(source: Any, opts: LoaderOptions) -> None:
+    """Options this kind of source cannot honour fail here, saying what to use instead."""
+    if isinstance(source, DataLoader):
+        for name in ("batch_size", "max_tokens_per_rank"):
+            if getattr(opts, name) is not None:
+                raise ValueError(
+                    f"{name} comes from the dataloader's batches; do not pass it too (or pass "
+                    "the dataset instead of the DataLoader)"
+                )
+        if opts.num_workers or opts.persistent_workers:
             raise ValueError(
-                f"length_column={length_column!r} is not a column of the dataset; "
-                f"columns are {source.column_names}"
+                "num_workers and persistent_workers come from the dataloader: set them on it "
+                f"(DataLoader(..., num_workers=N)); got num_workers={opts.num_workers}, "
+                f"persistent_workers={opts.persistent_workers}"
             )
-        self._sampled = _Sampled(source, self) if map_style else None
-        self._streamed = None if map_style else _Streamed(source, None if is_loader else batch_size)
+        return
+    if opts.batch_size is None and opts.max_tokens_per_rank is None:
+        raise ValueError("pass batch_size= (>= 1) or max_tokens_per_rank=, got neither")
+    if opts.num_workers and not (sr.is_map_style(source) or isinstance(source, IterableDataset)):
+        raise ValueError(
+            f"num_workers={opts.num_workers} needs a map-style dataset, a torch IterableDataset "
+            f"or a DataLoader; got {type(source).__name__}: wrap it in an IterableDataset, or "
+            "use num_workers=0"
+        )
+    if opts.lengths is not None and not sr.is_map_style(source):
+        raise ValueError("lengths= needs a map-style dataset (one length per index)")
+
+
+def _known_lengths(source: Any, opts: LoaderOptions, mode: str) -> np.ndarray | None:
+    """Every example's length by dataset index, when known before loading: always in
+    index mode (it plans on these alone), in the other modes only if given."""
+    if opts.lengths is not None:
+        lengths = check_lengths(opts.lengths, source="lengths")
+        if lengths.size != len(source):
+            raise ValueError(f"lengths has {lengths.size} entries, the dataset {len(source)}")
+        return lengths
+    if mode != "index":
+        return None
+    return dataset_lengths(
+        source,
+        length_column=opts.length_column,
+        length_fn=opts.length_fn,
+        columns=opts.length_columns,
+        num_proc=opts.num_proc,
+    )
+
+
+def _num_replicas(source: Any, opts: LoaderOptions, group: ex.Group) -> int:
+    """Given, else the wrapped DataLoader's DistributedSampler's, else the group's size."""
+    if opts.num_replicas is not None:
+        return opts.num_replicas
+    sampler = getattr(source, "sampler", None) if isinstance(source, DataLoader) else None
+    return getattr(sampler, "num_replicas", group.size)
+
+
+def _pinning(source: Any, opts: LoaderOptions) -> bool:
+    """Whether to pin batches: asked (here or on a DataLoader source) and possible."""
+    asked = opts.pin_memory or (isinstance(source, DataLoader) and source.pin_memory)
+    if asked and not torch.accelerator.is_available():
+        warnings.warn(
+            "pin_memory=True but no accelerator is available: batches are not pinned",
+            stacklevel=4,
+        )
+        return False
+    return bool(asked)
+
+
+@dataclass(frozen=True)
+class _WithinBudget:
+    """A planner whose plans keep every rank within ``max_tokens`` (column 0 of the
+    metadata): a plan that would not is replaced by the sampled layout, which is."""
+
+    planner: ex.Planner
+    max_tokens: int
+
+    @property
+    def deterministic(self) -> bool:
+        return getattr(self.planner, "deterministic", True)
+
+    def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:
+        plan = self.planner(meta, src, num_ranks)
+        if not isinstance(plan, Rearrangement):
+            raise ValueError(
+                f"max_tokens_per_rank needs a planner returning a Rearrangement, got "
+                f"{type(plan).__name__}"
+            )
+        loads = np.bincount(plan.dst_rank, weights=meta[:, 0], minlength=num_ranks)
+        if loads.size and loads.max() > self.max_tokens:
+            return Rearrangement.from_assignment(src, src, num_ranks=num_ranks)
+        return plan
+
+
+@dataclass
+class _Epoch:
+    """One pass over an epoch from ``start``: what the producer thread keeps between steps."""
+
+    epoch: int
+    start: int
+    num_steps: int | None  # None: known only when every rank is exhausted
+    next_gather: int  # the step of the next metadata exchange
+    sampled: list[list[int]] = field(default_factory=list)  # index mode: local indices/step
+    batches: Iterator[sr.Local] | None = None  # other modes: local batches from start
+    planned: deque = field(default_factory=deque)  # index mode: plans made ahead of loading
+    loaded: Iterator[Any] | None = None  # index mode: the balanced batches, loaded
+    planning_failed: bool = False  # the error came from a collective step, on every rank
+
+
+class _Planned(NamedTuple):
+    gathered: ex.Gathered
+    plan: Rearrangement
+    t0: float
+    plan_s: float
+
+
+class _Step(NamedTuple):
+    batch: Any
+    info: StepInfo
+    stats: dict[str, float]
+
+
+class BalancedDataLoader:
+    """Iterate balanced mini-batches: a drop-in for ``DataLoader`` + ``DistributedSampler``.
+
+    Each iteration is one epoch: every rank samples its mini-batch as a
+    ``DistributedSampler`` would (or by token budget), the ranks agree on a plan that
+    evens out their work, and each rank gets its balanced share. The global batch of every
+    step is unchanged; only which rank computes which example changes, so normalise the
+    loss by the global count of loss-bearing items (``orchmllm.global_num_items``) and the
+    gradients equal an unbalanced run's.
+
+    Args:
+        source: A map-style dataset (HF ``datasets.Dataset`` or anything with
+            ``__getitem__``/``__len__``: every rank passes the whole dataset), an iterable
+            holding this rank's shard (torch/HF ``IterableDataset`` or any iterable), or a
+            ``DataLoader`` (its sampler, workers and, unless ``collate_fn`` is given, its
+            collate function are kept; examples are balanced before collation).
+        options: A :class:`LoaderOptions`; or pass its fields as keyword arguments
+            (``batch_size=``, ``length_column=``, ``mode=``, ``prefetch=``, ``shuffle=``,
+            ``seed=``, ``drop_last=``, ``policy=``, ...; keywords beside ``options``
+            override it). ``mode`` picks how balanced batches are built (index, move,
+            local: see the module docstring), ``prefetch`` how many steps are planned ahead
+            in a background thread, ``shuffle``/``seed``/``drop_last`` act as on
+            ``DistributedSampler``, and ``policy`` is the balancing algorithm.
+
+    Iterating yields, per step: the collated balanced batch (``mode`` index or move), or a
+    :class:`PlannedBatch` (``mode="local"``); with ``with_stats=True`` a pair
+    ``(that, stats)``, ``stats`` a flat dict of numbers (:mod:`orchmllm.data.stats`),
+    also kept in ``last_stats``. ``len()`` is the number of steps per epoch.
+
+    Raises:
+        ValueError: A bad option or a combination that cannot work (naming it and what to
+            use instead), ranks that disagree on the set-up (at the start of an epoch), a
+            bad length (naming the example's dataset index).
+        EpochMismatch: The ranks left an epoch after different numbers of batches (on
+            every rank, from the loop or from ``close()``).
+        PeerFailed: Another rank failed to prepare a step (its own error is raised there).
+
+    Collective: create and iterate it on every rank in the same order; every rank must
+    consume the same number of batches before leaving an epoch.
+    """
+
+    def __init__(self, source: Any, options: LoaderOptions | None = None, /, **kwargs: Any) -> None:
+        opts = _options(options, kwargs)
+        self.options = opts
+        self.name = opts.name or f"BalancedDataLoader#{next(_CREATED)}"
+        self.source = source
+        self.mode = _resolve_mode(source, opts)
+        is_loader = isinstance(source, DataLoader)
+        self.collate_fn = opts.collate_fn or (source.collate_fn if is_loader else default_collate)
+        planner = opts.planner or BalancePlanner(policy=opts.policy, cost=opts.cost)
+        self._stats_cost = st.planner_cost(planner)
+        self._ranks_per_node = getattr(planner, "ranks_per_node", None)
+        budget = opts.max_tokens_per_rank
+        self.planner = planner if budget is None else _WithinBudget(planner, budget)
+        group = opts.group if opts.group is not None else ex.new_cpu_group(timeout=opts.timeout)
+        self._group = ex.Group(group, timeout=opts.timeout)
+        self.num_replicas = _num_replicas(source, opts, self._group)
+        self._lengths = _known_lengths(source, opts, self.mode)
+        if budget is not None and self._lengths is not None:
+            check_budget(self._lengths, budget)  # an example no step can hold: fail now
+        self._pin = _pinning(source, opts)
+        self._reader = self._make_reader()
+        self._steps_known = self._agreed_stream_steps()
+        self._packing: tuple[int, list[list[list[int]]]] | None = None  # (epoch, steps)
         self.epoch = 0
         self._step = 0  # steps of self.epoch the training loop has consumed
         # Held weakly: an iterator the loop drops mid-epoch is then collected at once, and
@@ -316,6 +466,38 @@ class BalancedDataLoader:
         # strong reference here would keep that thread running past the process group).
         self._active: weakref.ref[_EpochIterator] | None = None
         self.last_step: StepInfo | None = None
+        self.last_stats: dict[str, float] = {}
+        # An EpochMismatch not yet raised in the loop; close() and the next iteration raise it.
+        self._failure: ex.EpochMismatch | None = None
+
+    def _make_reader(self) -> sr.MapLoader | sr.IterStream | sr.LoaderBatches:
+        """What loads this rank's examples (one object for all epochs: persistent workers)."""
+        opts = self.options
+        workers = sr.Workers(opts.num_workers, opts.persistent_workers)
+        if isinstance(self.source, DataLoader):
+            return sr.LoaderBatches(self.source)
+        if not sr.is_map_style(self.source):
+            return sr.IterStream(self.source, chunk=opts.batch_size or sr.CHUNK, workers=workers)
+        if self.mode == "index":  # workers load and collate the balanced indices
+            return sr.MapLoader(self.source, workers, collate_fn=self.collate_fn, indexed=False)
+        return sr.MapLoader(self.source, workers, indexed=True)
+
+    def _agreed_stream_steps(self) -> int | None:
+        """Steps per epoch of a stream or DataLoader source, when every rank knows its own
+        count (the epoch lasts as long as the longest rank's). Collective."""
+        if sr.is_map_style(self.source):
+            return None
+        local = -1
+        if self.options.max_tokens_per_rank is None:
+            try:
+                n = len(self.source)
+                local = (
+                    n if isinstance(self.source, DataLoader) else -(-n // self.options.batch_size)
+                )
+            except TypeError:  # no __len__: known only at the end
+                pass
+        counts = self._group.all_gather_fixed([local])
+        return int(counts.max()) if np.all(counts >= 0) else None
 
     # -- sampler semantics ----------------------------------------------------------------
 
@@ -326,48 +508,103 @@ class BalancedDataLoader:
 
     def state_dict(self) -> dict[str, int]:
         """Position of the training loop: batches it consumed, not those prefetched."""
-        return {"epoch": self.epoch, "step": self._step, "seed": self.seed}
+        return {"epoch": self.epoch, "step": self._step, "seed": self.options.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration yields the batches from ``state['step']`` on."""
         missing = {"epoch", "step", "seed"} - set(state)
         if missing:
             raise ValueError(f"state is missing {sorted(missing)}")
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state seed {state['seed']} differs from seed={self.seed}")
+        if int(state["seed"]) != self.options.seed:
+            raise ValueError(f"state seed {state['seed']} differs from seed={self.options.seed}")
         if int(state["step"]) < 0:
             raise ValueError(f"state step must be >= 0, got {state['step']}")
         self.close()
         self.epoch, self._step = int(state["epoch"]), int(state["step"])
 
     def __len__(self) -> int:
-        """Steps per epoch (map-style sources only)."""
-        if self._sampled is None:
-            raise TypeError("the number of steps of iterable data is known only at its end")
-        return steps_per_epoch(
-            len(self.source),
-            num_replicas=self.num_replicas,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
+        """Steps per epoch (of the current epoch: token-budget packings vary by epoch).
+
+        Raises ``TypeError`` for a stream whose length some rank does not know (an
+        iterable without ``__len__``, or token-budget batches cut as the stream is read).
+        """
+        opts = self.options
+        if sr.is_map_style(self.source) and opts.max_tokens_per_rank is None:
+            return steps_per_epoch(
+                len(self.source),
+                num_replicas=self.num_replicas,
+                batch_size=opts.batch_size,
+                drop_last=opts.drop_last,
+            )
+        steps = self._sampled_steps(self.epoch)  # token budget over known lengths
+        if steps is not None:
+            return len(steps)
+        if self._steps_known is not None:
+            return self._steps_known
+        raise TypeError(
+            f"{self.name}: the number of steps is known only at the end of the epoch for "
+            f"{type(self.source).__name__} data (give it a __len__: the examples in this "
+            "rank's shard), or with a token budget over lengths known only when loaded"
         )
+
+    def _sampled_steps(self, epoch: int) -> list[list[int]] | None:
+        """This rank's sampled dataset indices per step, where sampling needs no loading: a
+        map-style dataset cut by count, or by token budget over lengths known up front."""
+        opts = self.options
+        if not sr.is_map_style(self.source):
+            return None
+        if opts.max_tokens_per_rank is None:
+            return local_batches(
+                len(self.source),
+                rank=self._group.rank,
+                num_replicas=self.num_replicas,
+                batch_size=opts.batch_size,
+                epoch=epoch,
+                seed=opts.seed,
+                shuffle=opts.shuffle,
+                drop_last=opts.drop_last,
+            )
+        if self._lengths is None:
+            return None
+        if self._packing is None or self._packing[0] != epoch:
+            steps = token_budget_batches(
+                self._lengths,
+                num_replicas=self.num_replicas,
+                max_tokens=opts.max_tokens_per_rank,
+                epoch=epoch,
+                seed=opts.seed,
+                shuffle=opts.shuffle,
+                drop_last=opts.drop_last,
+            )
+            self._packing = (epoch, steps)
+        return [per_rank[self._group.rank] for per_rank in self._packing[1]]
 
     # -- iteration ---------------------------------------------------------------------
 
     def __iter__(self) -> _EpochIterator:
         self.close()
         self._handshake()
-        it = _EpochIterator(self, self.epoch, self._step)
+        it = _EpochIterator(self, self._begin(self.epoch, self._step))
         self._active = weakref.ref(it)
         return it
 
     def close(self) -> None:
         """Stop the background thread of the current iteration (collective-safe: call it
         on every rank after the same number of batches). Iterating again, set_epoch's next
-        iteration and ``with`` blocks close it too."""
+        iteration and ``with`` blocks close it too.
+
+        Raises :class:`~orchmllm.data.exchange.EpochMismatch` (on every rank) when the
+        ranks' loops left the epoch after different numbers of batches.
+        """
         active = self._active() if self._active is not None else None
         self._active = None
-        if active is not None:
-            active.close()
+        try:
+            if active is not None:
+                active.close()
+        finally:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> BalancedDataLoader:
         return self
@@ -378,157 +615,291 @@ class BalancedDataLoader:
     def _handshake(self) -> None:
         """Every rank checks that all ranks agree on the set-up, so a mismatch fails here
         with a clear message instead of hanging in a later collective."""
-        g = self._group
-        dataset_len = len(self.source) if self._sampled is not None else -1
+        g, opts = self._group, self.options
+        source = self.source
+        workers = source.num_workers if isinstance(source, DataLoader) else opts.num_workers
         mine = [
             g.size,
             self.num_replicas,
-            self.batch_size or -1,
-            dataset_len,
+            opts.batch_size or -1,
+            opts.max_tokens_per_rank or -1,
+            len(source) if sr.is_map_style(source) else -1,
             self.epoch,
             self._step,
             MODES.index(self.mode),
-            self.seed,
-            int(self.shuffle),
-            int(self.drop_last),
+            opts.seed,
+            int(opts.shuffle),
+            int(opts.drop_last),
+            opts.prefetch,
+            workers,
         ]
         table = g.all_gather_fixed(mine)
         for col, name in enumerate(_HANDSHAKE):
             if np.any(table[:, col] != table[0, col]):
                 raise ValueError(
-                    f"{name} differs between ranks: {table[:, col].tolist()} (rank order)"
+                    f"{self.name}: {name} differs between ranks: {table[:, col].tolist()} "
+                    "(rank order)"
                 )
         if self.num_replicas != g.size:
             raise ValueError(
-                f"num_replicas={self.num_replicas} but the process group has {g.size} ranks"
+                f"{self.name}: num_replicas={self.num_replicas} but the process group has "
+                f"{g.size} ranks"
             )
+
+    def _begin(self, epoch: int, start: int) -> _Epoch:
+        """The state of a pass over ``epoch`` from step ``start`` (nothing loaded yet)."""
+        sampled = self._sampled_steps(epoch)
+        ep = _Epoch(epoch, start, None if sampled is None else len(sampled), start)
+        if self.mode == "index":
+            ep.sampled = sampled
+        elif sampled is not None:  # only this rank's sampled steps from start are loaded
+            ep.batches = (self._local(pairs) for pairs in self._reader(sampled[start:]))
+        elif isinstance(self._reader, sr.LoaderBatches):
+            ep.batches = self._reader(epoch, start)
+        else:  # read (and drop) the steps before start: their cut depends on the data
+            ep.batches = itertools.islice(self._cut(self._pairs(epoch)), start, None)
+        return ep
+
+    def _pairs(self, epoch: int) -> Iterator[tuple[sr.Key, Any]]:
+        """This rank's examples of the epoch as (key, example), in sampling order."""
+        if isinstance(self._reader, sr.MapLoader):  # token budget, lengths known when loaded
+            order = rank_indices(
+                len(self.source),
+                rank=self._group.rank,
+                num_replicas=self.num_replicas,
+                epoch=epoch,
+                seed=self.options.seed,
+                shuffle=self.options.shuffle,
+                drop_last=self.options.drop_last,
+            )
+            chunks = (order[i : i + sr.CHUNK] for i in range(0, len(order), sr.CHUNK))
+            return itertools.chain.from_iterable(self._reader(chunks))
+        assert isinstance(self._reader, sr.IterStream)
+        return self._reader(epoch)
+
+    def _cut(self, pairs: Iterator[tuple[sr.Key, Any]]) -> Iterator[sr.Local]:
+        """Local batches from a stream of pairs: by count or by token budget."""
+        opts = self.options
+        if opts.max_tokens_per_rank is None:
+            return sr.by_count(pairs, opts.batch_size)
+        return sr.by_tokens(pairs, self._length, opts.max_tokens_per_rank)
+
+    def _local(self, pairs: list[tuple[int, Any]]) -> sr.Local:
+        keys = [k for k, _ in pairs]
+        lengths = None
+        if self.options.max_tokens_per_rank is not None:  # packed on lengths known up front
+            lengths = self._lengths[keys].tolist()
+        return sr.Local(keys, [e for _, e in pairs], lengths)
 
     # -- one step (runs in the background thread) ---------------------------------------
 
-    def _meta_row(self, example: Any, index: int) -> list[int]:
-        if self.meta_fn is not None:
-            row = [int(v) for v in self.meta_fn(example)]
-            return row
-        return [
-            example_length(
-                example, index=index, length_column=self.length_column, length_fn=self.length_fn
-            )
-        ]
+    def _length(self, example: Any, key: sr.Key) -> int:
+        if self._lengths is not None and isinstance(key, int):
+            return int(self._lengths[key])
+        return example_length(
+            example,
+            index=key,
+            length_column=self.options.length_column,
+            length_fn=self.options.length_fn,
+        )
 
-    def _produce(self, epoch: int, num_steps: int | None, step: int) -> tuple[Any, StepInfo]:
-        if num_steps is not None and step >= num_steps:
+    def _meta_row(self, example: Any, key: sr.Key) -> list[int]:
+        if self.options.meta_fn is not None:
+            return [int(v) for v in self.options.meta_fn(example)]
+        return [self._length(example, key)]
+
+    def _produce(self, ep: _Epoch, step: int) -> _Step:
+        if ep.num_steps is not None and step >= ep.num_steps:
             raise StopIteration
-        t0 = time.perf_counter()
-        if self.mode == "index":
-            return self._produce_index(epoch, step, t0)
-        return self._produce_local_or_move(epoch, num_steps, step, t0)
+        try:
+            if self.mode == "index":
+                return self._produce_index(ep, step)
+            return self._produce_local_or_move(ep, step)
+        except ex.EpochMismatch as exc:  # a peer's loop left the epoch before this one
+            raise self._record(exc, ep.epoch) from None
 
-    def _after_gather(self, step: int, num_steps: int | None, work: Callable[[], Any]) -> Any:
-        """Run this rank's work that follows the gather; if it fails, tell the peers at
-        the next step's header (where they will be) so that they fail instead of wait."""
+    def _leave(self, ep: _Epoch, consumed: int) -> None:
+        """The loop left the epoch after ``consumed`` batches and the thread stopped: tell
+        the peers at the next exchange (see :func:`~orchmllm.data.exchange.leave_epoch`)."""
+        if ep.num_steps is not None and ep.next_gather >= ep.num_steps:
+            return  # every rank's producer ends at num_steps by itself: nothing pending
+        try:
+            ex.leave_epoch(self._group, consumed=consumed, step=ep.next_gather)
+        except ex.EpochMismatch as exc:
+            raise self._record(exc, ep.epoch) from None
+
+    def _record(self, exc: ex.EpochMismatch, epoch: int) -> ex.EpochMismatch:
+        """The error named after this loader, kept until the loop or close() raises it."""
+        self._failure = ex.EpochMismatch(f"{self.name}, epoch {epoch}: {exc}")
+        return self._failure
+
+    def _after_gather(self, ep: _Epoch, work: Callable[[], Any]) -> Any:
+        """Run this rank's work that follows a gather; if it fails, tell the peers at the
+        next exchange (where they will be) so that they fail instead of wait."""
         try:
             return work()
         except Exception as exc:
-            if num_steps is None or step + 1 < num_steps:
-                ex.gather_step(self._group, None, error=exc, step=step + 1)
+            if not ep.planning_failed and (ep.num_steps is None or ep.next_gather < ep.num_steps):
+                ex.gather_step(self._group, None, error=exc, step=ep.next_gather)
             raise
 
-    def _produce_index(self, epoch: int, step: int, t0: float) -> tuple[Any, StepInfo]:
+    def _finish(self, batch: Any) -> Any:
+        return pin_memory(batch) if self._pin else batch
+
+    def _plan_index_steps(self, ep: _Epoch) -> Iterator[list[int]]:
+        """The batch sampler of index mode: per step, gather the ranks' sampled (index,
+        length) rows, plan, and yield the indices this rank loads. Runs where the loader
+        asks for indices (ahead of loading by ``prefetch_factor * num_workers`` steps)."""
         g = self._group
-        assert self._sampled is not None and self._lengths is not None
-        local = self._sampled.batches[step]
-        rows = [[i, int(self._lengths[i])] for i in local]
-        gathered = ex.gather_step(g, rows, step=step, planner=self.planner)
-        plan = ex.check_rearrangement(
-            ex.run_planner(g, self.planner, gathered.meta[:, 1:], gathered.src),
-            g,
-            len(gathered.src),
-        )
-        plan_s = time.perf_counter() - t0
-        indices = gathered.meta[:, 0]
+        assert self._lengths is not None
+        for step in range(ep.start, len(ep.sampled)):
+            t0 = time.perf_counter()
+            rows = [[i, int(self._lengths[i])] for i in ep.sampled[step]]
+            ep.next_gather = step + 1
+            try:
+                gathered = ex.gather_step(g, rows, step=step, planner=self.planner)
+                plan = ex.run_planner(g, self.planner, gathered.meta[:, 1:], gathered.src)
+                plan = ex.check_rearrangement(plan, g, len(gathered.src))
+            except BaseException:
+                ep.planning_failed = True
+                raise
+            ep.planned.append(_Planned(gathered, plan, t0, time.perf_counter() - t0))
+            yield gathered.meta[plan.items_at(g.rank), 0].tolist()
 
-        def load() -> Any:
-            return self.collate_fn(_load(self.source, indices[plan.items_at(g.rank)]))
-
-        batch = self._after_gather(step, len(self._sampled.batches), load)
+    def _produce_index(self, ep: _Epoch, step: int) -> _Step:
+        assert isinstance(self._reader, sr.MapLoader)
+        if ep.loaded is None:
+            ep.loaded = self._reader(self._plan_index_steps(ep))
+        batch = self._after_gather(ep, lambda: self._finish(next(ep.loaded)))
+        gathered, plan, t0, plan_s = ep.planned.popleft()
+        meta = gathered.meta[:, 1:]
         info = StepInfo(
-            epoch,
+            ep.epoch,
             step,
-            gathered.meta[:, 1:],
+            meta,
             gathered.src,
-            indices,
+            gathered.meta[:, 0],
             plan,
             plan_s,
             time.perf_counter() - t0,
             gathered.bytes_sent,
             0,
         )
-        return batch, info
+        stats = st.phase_stats(
+            "batch", plan, meta[:, 0], cost=self._stats_cost, plan_ms=1e3 * plan_s
+        )
+        return _Step(batch, info, self._step_stats(info, stats))
 
-    def _produce_local_or_move(
-        self, epoch: int, num_steps: int | None, step: int, t0: float
-    ) -> tuple[Any, StepInfo]:
-        source = self._sampled if self._sampled is not None else self._streamed
-        assert source is not None
-
+    def _produce_local_or_move(self, ep: _Epoch, step: int) -> _Step:
+        assert ep.batches is not None
+        t0 = time.perf_counter()
         local = self.mode == "local"
+        opts = self.options
 
         def prepare() -> tuple[Any, Sequence[Sequence[int]]]:
-            examples = source.local(step)
-            if examples is None:
+            mine = next(ep.batches, None)
+            if mine is None:
                 return None, []
-            if local and self.batch_meta_fn is not None:
-                batch = self.collate_fn(examples)
-                return batch, np.asarray(self.batch_meta_fn(batch), dtype=np.int64)
-            rows = [self._meta_row(e, i) for i, e in enumerate(examples)]
-            return (self.collate_fn(examples) if local else examples), rows
+            if local and opts.batch_meta_fn is not None:
+                batch = self._finish(self.collate_fn(mine.examples))
+                return batch, np.asarray(opts.batch_meta_fn(batch), dtype=np.int64)
+            if mine.lengths is not None:
+                rows = [[n] for n in mine.lengths]
+            else:
+                pairs = zip(mine.keys, mine.examples, strict=True)
+                rows = [self._meta_row(e, k) for k, e in pairs]
+            return (self._finish(self.collate_fn(mine.examples)) if local else mine.examples), rows
 
+        ep.next_gather = step + 1
         done = ex.balance_step(self._group, self.planner, prepare, step=step, move=not local)
         if done is None:
             raise StopIteration
         if local:  # collated before the gather: nothing can fail after it
             batch = done.examples
+            stats = self._local_stats(done, batch)
         else:
-            batch = self._after_gather(step, num_steps, lambda: self.collate_fn(done.examples))
-        info = done.info(epoch=epoch, step=step, prep_s=time.perf_counter() - t0)
+            batch = self._after_gather(ep, lambda: self._finish(self.collate_fn(done.examples)))
+            stats = st.phase_stats(
+                "batch",
+                done.plan,
+                done.meta[:, 0],
+                cost=self._stats_cost,
+                plan_ms=1e3 * done.plan_s,
+                item_bytes=done.gathered.meta[:, 0],
+                ranks_per_node=self._ranks_per_node,
+            )
+        info = done.info(epoch=ep.epoch, step=step, prep_s=time.perf_counter() - t0)
+        stats = self._step_stats(info, stats)
         if local:
-            return PlannedBatch(batch, done.plan, info), info
-        return batch, info
+            return _Step(PlannedBatch(batch, done.plan, info, stats), info, stats)
+        return _Step(batch, info, stats)
+
+    def _local_stats(self, done: ex.BalancedStep, batch: Any) -> dict[str, float]:
+        """Local mode: the planner's own metrics if it has them (the orchestrator's, per
+        phase), else the single phase's; the loader moves nothing, so no bytes here."""
+        step_stats = getattr(self.planner, "step_stats", None)
+        if step_stats is not None:
+            return step_stats(done.plan, batch)
+        if isinstance(done.plan, Rearrangement):
+            lengths = done.meta[:, 0]
+            return st.phase_stats(
+                "batch", done.plan, lengths, cost=self._stats_cost, plan_ms=1e3 * done.plan_s
+            )
+        return {}
+
+    @staticmethod
+    def _step_stats(info: StepInfo, phases: dict[str, float]) -> dict[str, float]:
+        return {
+            "epoch": info.epoch,
+            "step": info.step,
+            "prepare_ms": 1e3 * info.prep_s,
+            "bytes_meta": info.bytes_meta,
+            **phases,
+        }
 
 
 class _EpochIterator(Iterator[Any]):
     """One pass over an epoch from a start step; owns the background thread."""
 
-    def __init__(self, loader: BalancedDataLoader, epoch: int, start: int) -> None:
+    def __init__(self, loader: BalancedDataLoader, ep: _Epoch) -> None:
         self.loader = loader
-        num_steps = None
-        if loader._sampled is not None:
-            num_steps = loader._sampled.start(epoch, start)
-        else:
-            assert loader._streamed is not None
-            loader._streamed.start(epoch, start)
 
-        def produce(step: int) -> tuple[Any, StepInfo]:
-            return loader._produce(epoch, num_steps, step)
+        def produce(step: int) -> _Step:
+            return loader._produce(ep, step)
+
+        def leave(step: int, consumed: int) -> None:
+            loader._leave(ep, consumed)
 
         self.prefetcher = Prefetcher(
             produce,
-            start=start,
-            depth=loader.prefetch,
-            name=f"orchmllm-loader-e{epoch}",
-            close_timeout=loader.timeout,
+            start=ep.start,
+            depth=loader.options.prefetch,
+            name=f"orchmllm-loader-{loader.name}-e{ep.epoch}",
+            close_timeout=loader.options.timeout,
+            on_close=leave,
         )
 
     def __next__(self) -> Any:
+        lo = self.loader
+        waited = self.prefetcher.wait_s
         try:
-            batch, info = next(self.prefetcher)
+            step = next(self.prefetcher)
         except StopIteration:
-            self.loader._step = 0
+            lo._step = 0
             self.close()
             raise
-        self.loader._step = info.step + 1
-        self.loader.last_step = info
-        return batch
+        except ex.EpochMismatch as exc:
+            if exc is lo._failure:  # raised here: close() need not raise it again
+                lo._failure = None
+            raise
+        lo._step = step.info.step + 1
+        lo.last_step = step.info
+        step.stats["wait_ms"] = 1e3 * (self.prefetcher.wait_s - waited)
+        lo.last_stats = step.stats
+        every = lo.options.log_every
+        if every and lo._group.rank == 0 and step.info.step % every == 0:
+            print(st.format_line(lo.name, step.stats), flush=True)
+        return (step.batch, step.stats) if lo.options.with_stats else step.batch
 
     @property
     def wait_s(self) -> float:

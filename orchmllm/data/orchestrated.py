@@ -4,7 +4,7 @@ Each step the background thread collates the local mini-batch into a
 :class:`~orchmllm.orchestrator.LocalBatch`, all-gathers its segment table (the only
 metadata the orchestrator needs) and computes every phase's plan with
 :func:`~orchmllm.step_plan.plan_step`, all while the previous step trains. The training
-loop gets ``PlannedBatch(batch, plan, info)`` and calls
+loop gets ``PlannedBatch(batch, plan, info, stats)`` and calls
 ``orchestrator.run(batch.batch, encoders, plan=batch.plan)``: only the all-to-alls remain
 on the critical path.
 """
@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from orchmllm.data import stats as st
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
+from orchmllm.plan import Rearrangement
 from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, plan_step
 
 
@@ -50,8 +52,53 @@ class OrchestratorPlanner:
         """What decides the plans (compared across ranks in the loader's step header)."""
         return self.options
 
+    def step_stats(self, plan: StepPlan, batch: LocalBatch) -> dict[str, float]:
+        """The step's metrics per phase (:mod:`orchmllm.data.stats`) known when planning:
+        balance and planning time from the plan, the length units each phase's move
+        carries, and the bytes of the inputs it moves (raw encoder inputs; for ``llm``
+        token ids and loss mask). Encoder outputs' bytes are known only once encoded:
+        ``Orchestrator.run`` reports them in ``LLMBatch.stats``."""
+        rpn = self.options.ranks_per_node
+        out: dict[str, float] = {}
+        for p in self.options.phases:
+            pp = plan.phases[p.name]
+            x = batch.raw[p.name]  # [raw rows, feature_dim], also with no rows
+            row_bytes = x.shape[1] * x.element_size()
+            out.update(_phase_stats(p.name, pp.stats, pp.encoder, pp.raw, pp.raw, row_bytes, rpn))
+        text_bytes = batch.input_ids.element_size() + batch.loss_mask.element_size()
+        out.update(
+            _phase_stats(
+                "llm", plan.llm_stats, plan.llm, plan.seq_len, plan.text_len, text_bytes, rpn
+            )
+        )
+        return out
+
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
         return plan_step(rows, src, self.options, num_ranks=num_ranks)
+
+
+def _phase_stats(
+    name: str,
+    stats: Mapping[str, float],
+    move: Rearrangement,
+    lengths: np.ndarray,
+    rows: np.ndarray,
+    row_bytes: int,
+    ranks_per_node: int | None,
+) -> dict[str, float]:
+    """One phase's metrics: ``lengths`` per item (what ``tokens_moved`` counts), ``rows``
+    per item on the wire, ``row_bytes`` each."""
+    moved = move.src_rank != move.dst_rank
+    traffic = move.traffic(sizes=rows, ranks_per_node=ranks_per_node)
+    values = (
+        stats["imbalance_before"],
+        stats["imbalance_after"],
+        int(lengths[moved].sum()),
+        traffic["intra"] * row_bytes,
+        traffic["inter"] * row_bytes,
+        stats["plan_ms"],
+    )
+    return st.named(name, values)
 
 
 def orchestrated_loader(
@@ -63,11 +110,34 @@ def orchestrated_loader(
     prefetch: int = 2,
     **kwargs: Any,
 ) -> BalancedDataLoader:
-    """A :class:`BalancedDataLoader` in ``mode="local"`` yielding ``PlannedBatch`` whose
-    ``batch`` is a ``LocalBatch`` and ``plan`` the orchestrator's ``StepPlan``.
+    """A loader that plans every phase of each step ahead of it, for the orchestrator.
 
-    ``source`` and ``kwargs`` as for :class:`BalancedDataLoader` (sampling, seed, timeout,
-    group); ``to_example`` turns a dataset row into the schema dict.
+    A :class:`~orchmllm.data.loader.BalancedDataLoader` in ``mode="local"``: each rank's
+    sampled mini-batch is collated as it is (nothing moves in the loader) and the
+    orchestrator's per-phase plans for the step are computed in the background thread while
+    the previous step trains; ``orchestrator.run(planned.batch, encoders, plan=planned.plan)``
+    then only moves data. Normalise the loss by the global count of prediction targets
+    (``StepPlan.num_targets``, or ``orchmllm.global_num_items``), never per rank.
+
+    Args:
+        source: The dataset, as for ``BalancedDataLoader`` (a map-style dataset is sampled
+            like ``DistributedSampler``; an iterable holds this rank's shard).
+        orchestrator: Its phases, mode, policies and placement decide the plans.
+        batch_size: Examples each rank samples per step.
+        to_example: Turns a dataset row into the schema dict (:mod:`orchmllm.schema`).
+        prefetch: Steps planned ahead in the background thread (0: synchronous).
+        **kwargs: Other :class:`~orchmllm.data.loader.LoaderOptions` fields: ``shuffle``,
+            ``seed``, ``drop_last``, ``num_workers``, ``pin_memory``, ``timeout``,
+            ``group``, ``name``, ``with_stats``, ``log_every``.
+
+    Returns:
+        The loader. Each iteration yields per step a :class:`PlannedBatch` whose ``batch``
+        is this rank's ``LocalBatch``, ``plan`` the step's ``StepPlan`` (equal on every
+        rank) and ``stats`` the per-phase metrics (vision, audio, ..., llm).
+
+    Raises:
+        ValueError: As ``BalancedDataLoader`` (options that conflict with ``mode="local"``
+            and the segment table, such as ``max_tokens_per_rank``, included).
     """
     return BalancedDataLoader(
         source,

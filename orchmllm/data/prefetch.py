@@ -7,11 +7,18 @@ what the loop consumed (a bounded queue), and on close it may still finish every
 could have started, ``< start + consumed + depth + 1``, and no other. That bound depends
 only on how many steps the loop consumed, so ranks that stop at the same step run the
 same collectives and nothing hangs. Errors in the producer are re-raised in the loop.
+
+Ranks whose loops stop at different steps cannot be told apart by that rule alone: the
+one that consumed more is still producing when the other stops. ``on_close(step,
+consumed)`` runs at ``step``, the first step the rule forbids, so that a producer can tell
+its peers where its loop stopped at a point every peer reaches (see
+:func:`orchmllm.data.exchange.leave_epoch`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -30,9 +37,16 @@ class _Shared:
     def __init__(self, depth: int) -> None:
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.limit: int | None = None  # exclusive bound on steps the producer may start
+        self.consumed = 0  # absolute count of items the loop consumed, set before limit
+        self.close_error: BaseException | None = None  # raised by on_close
 
 
-def _run(produce: Callable[[int], T], start: int, shared: _Shared) -> None:
+def _run(
+    produce: Callable[[int], T],
+    start: int,
+    shared: _Shared,
+    on_close: Callable[[int, int], None] | None,
+) -> None:
     step = start
     try:
         while shared.limit is None or step < shared.limit:
@@ -45,6 +59,12 @@ def _run(produce: Callable[[int], T], start: int, shared: _Shared) -> None:
             step += 1
     except BaseException as exc:  # surfaces in the training loop
         shared.queue.put((_ERROR, exc))
+        return
+    if on_close is not None:  # stopped by close(), at step == limit
+        try:
+            on_close(step, shared.consumed)
+        except BaseException as exc:  # surfaces in close()
+            shared.close_error = exc
 
 
 class Prefetcher(Generic[T], Iterator[T]):
@@ -52,6 +72,8 @@ class Prefetcher(Generic[T], Iterator[T]):
 
     With ``depth >= 1`` a daemon thread keeps up to ``depth`` results ready; with
     ``depth == 0`` each result is produced when asked (synchronous, same results).
+    ``on_close(step, consumed)``: see the module docstring; it is not called when the
+    producer ended by itself (StopIteration or an error).
     """
 
     def __init__(
@@ -62,6 +84,7 @@ class Prefetcher(Generic[T], Iterator[T]):
         depth: int = 2,
         name: str = "orchmllm-prefetch",
         close_timeout: float = 300.0,
+        on_close: Callable[[int, int], None] | None = None,
     ) -> None:
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
@@ -70,13 +93,19 @@ class Prefetcher(Generic[T], Iterator[T]):
         self.depth = depth
         self.consumed = 0
         self.close_timeout = close_timeout
+        self.on_close = on_close
         self.wait_s = 0.0  # time the loop spent blocked in __next__ (not hidden)
         self._done = False
+        self._ended = False  # the producer is done: StopIteration, an error, or close()
+        self._pid = os.getpid()
         self._shared = _Shared(depth)
         self._thread: threading.Thread | None = None
         if depth > 0:
             self._thread = threading.Thread(
-                target=_run, args=(produce, start, self._shared), name=name, daemon=True
+                target=_run,
+                args=(produce, start, self._shared, on_close),
+                name=name,
+                daemon=True,
             )
             self._thread.start()
 
@@ -88,8 +117,8 @@ class Prefetcher(Generic[T], Iterator[T]):
             if self._thread is None:
                 try:
                     item = self.produce(self.start + self.consumed)
-                except StopIteration:
-                    self._done = True
+                except BaseException:
+                    self._done = self._ended = True
                     raise
             else:
                 kind, item = self._shared.queue.get()
@@ -107,15 +136,23 @@ class Prefetcher(Generic[T], Iterator[T]):
     def close(self) -> None:
         """Let the producer finish the steps it may have started, then stop it.
 
-        Blocks until the thread ends (at most ``depth + 1`` more steps of work) or
-        ``close_timeout`` passes; raises ``TimeoutError`` in the latter case (a peer
-        rank stopped at a different step, so a collective cannot complete).
+        Blocks until the thread ends (at most ``depth + 1`` more steps of work, then
+        ``on_close``) or ``close_timeout`` passes; raises ``TimeoutError`` in the latter
+        case (a peer rank stopped at a different step, so a collective cannot complete).
+        Raises what ``on_close`` raised.
         """
         self._done = True
+        if self._ended:
+            return
+        consumed = self.start + self.consumed
         thread = self._thread
         if thread is None:
+            self._ended = True
+            if self.on_close is not None:
+                self.on_close(consumed, consumed)
             return
-        self._shared.limit = self.start + self.consumed + self.depth + 1
+        self._shared.consumed = consumed
+        self._shared.limit = consumed + self.depth + 1
         deadline = time.monotonic() + self.close_timeout
         while thread.is_alive():
             # drain, so a producer blocked on a full queue can finish
@@ -123,13 +160,18 @@ class Prefetcher(Generic[T], Iterator[T]):
                 self._shared.queue.get(timeout=0.05)
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"prefetch thread {thread.name} did not stop within {self.close_timeout}s"
+                    f"prefetch thread {thread.name} did not stop within {self.close_timeout}s: "
+                    "another rank is still iterating, or stopped after another number of steps"
                 )
         thread.join()
-        self._thread = None
+        self._thread, self._ended = None, True
+        error, self._shared.close_error = self._shared.close_error, None
+        if error is not None:
+            raise error
 
     def __del__(self) -> None:
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread.is_alive():
+        # Dropped mid-way: stop as close() would, but never in a process forked from this
+        # one (a DataLoader worker): on_close may run a collective on the parent's sockets.
+        if not getattr(self, "_ended", True) and os.getpid() == self._pid:
             with contextlib.suppress(Exception):
                 self.close()

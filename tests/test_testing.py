@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import run_distributed
+from orchmllm.testing import run_distributed
 
 
 def _all_reduce_rank(rank: int, world_size: int, offset: int) -> int:

@@ -1,20 +1,34 @@
-"""Run a function on several gloo processes, with a hard timeout.
+"""Test distributed code on one machine: run a function on several processes, with a timeout.
 
-Every multi-process test goes through :func:`run_distributed`, so that a bug in a
-collective fails the test within ``timeout`` seconds instead of hanging CI.
+Public helper for users and for this project's own tests and benchmarks: a bug in a
+collective (a rank that never joins, a size mismatch) fails within ``timeout`` seconds
+instead of hanging CI, and each rank's traceback is reported.
 
-The worker function must be importable (defined at module level of a test module),
-because processes are started with ``spawn``. It is called as
-``fn(rank, world_size, *args)`` inside an initialised gloo process group (or NCCL, one GPU
-per rank, for benchmarks that ask for it), and its return value (picklable) is collected
-per rank.
+Example (a test module; the worker must be defined at module level, because the
+processes are started with ``spawn`` and import it)::
 
-:func:`run_checks` runs several such checks in one process session (start-up dominates
-the cost of small checks) and reports each one separately.
+    import torch, torch.distributed as dist
+    from orchmllm.testing import run_distributed
+
+    def _sum_of_ranks(rank, world_size):
+        t = torch.tensor([rank])
+        dist.all_reduce(t)
+        return int(t)
+
+    def test_all_reduce():
+        assert run_distributed(_sum_of_ranks, 3, timeout=30) == [3, 3, 3]
+
+:func:`run_distributed` calls ``fn(rank, world_size, *args)`` inside an initialised gloo
+process group (or NCCL, one GPU per rank) and returns each rank's (picklable) result.
+:func:`run_checks` runs several such checks in one set of processes (start-up dominates
+the cost of small checks) and :func:`assert_check_passed` reports each one separately.
+Processes the code under test starts (DataLoader workers) use the platform's default start
+method, as under ``torchrun``, not the ``spawn`` used to start the ranks.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -40,6 +54,9 @@ def _worker(
     backend: str,
 ) -> None:
     os.environ.update(env)
+    # As under torchrun: the platform's default start method for processes the code under
+    # test starts (DataLoader workers), not the spawn method this harness started us with.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     # torch is already imported here, so OMP_NUM_THREADS alone would not take effect.
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update(

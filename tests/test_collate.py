@@ -1,0 +1,38 @@
+"""BalancedCollator in a user's own DataLoader: metrics, pin_memory, and a clear error
+where it cannot work (worker processes cannot run collectives)."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from orchmllm.data.collate import BalancedCollator
+from orchmllm.data.stats import METRICS
+
+ROWS = [{"id": i, "n": 1 + i % 5} for i in range(8)]
+
+
+def _ids(examples):
+    return torch.tensor([e["id"] for e in examples])
+
+
+def test_collator_in_workers_fails_saying_what_to_use_instead():
+    dl = DataLoader(
+        ROWS, batch_size=4, num_workers=1, collate_fn=BalancedCollator(_ids, length_column="n")
+    )
+    with pytest.raises(
+        RuntimeError, match=r"use num_workers=0, or BalancedDataLoader\(your_dataloader\)"
+    ):
+        next(iter(dl))
+
+
+def test_collator_keeps_pin_memory_and_reports_each_step():
+    collator = BalancedCollator(_ids, length_column="n")
+    pin = torch.accelerator.is_available()
+    dl = DataLoader(ROWS, batch_size=4, collate_fn=collator, pin_memory=pin)
+    batches = list(dl)
+    assert sorted(torch.cat(batches).tolist()) == list(range(8))
+    assert all(b.is_pinned() == pin for b in batches)
+    stats = collator.last_stats
+    assert stats["step"] == 1 and {f"batch/{m}" for m in METRICS} <= set(stats)
+    assert stats["batch/imbalance_before"] == stats["batch/imbalance_after"] == 1.0  # one rank
+    assert stats["batch/tokens_moved"] == stats["batch/bytes_intra"] == 0
