@@ -16,6 +16,7 @@ moves examples across.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -29,7 +30,8 @@ DEFAULT_TIMEOUT_S = 600.0
 @dataclass
 class Topology:
     """``group``: the data-parallel group (None: the default group); ``meta_group``: a gloo
-    group over the same ranks (``group`` itself when that is gloo); ``ranks_per_node``:
+    group over the same ranks, separate from ``group`` even when that is gloo, so metadata
+    can be gathered in a background thread while training collectives run; ``ranks_per_node``:
     consecutive ranks per node (None: unknown, node-wise placement off); ``timeout``: seconds
     any one collective may wait. Build it with :meth:`build`."""
 
@@ -49,8 +51,8 @@ class Topology:
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> Topology:
         """The topology over ``group``'s ranks. Creates the gloo metadata group when
-        ``meta_group`` is None and ``group`` is not gloo: a collective, so every rank builds
-        its topologies together and in the same order (then :meth:`close` destroys it)."""
+        ``meta_group`` is None: a collective, so every rank builds its topologies together and
+        in the same order (:meth:`close`, or dropping the topology, destroys it)."""
         if not (isinstance(timeout, int | float) and not isinstance(timeout, bool)) or not (
             timeout > 0
         ):
@@ -63,21 +65,18 @@ class Topology:
             raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
         if not (dist.is_available() and dist.is_initialized()):
             return cls(None, None, ranks_per_node, float(timeout))
-        owned = []
+        owned: list[dist.ProcessGroup] = []
         if meta_group is None:
-            if dist.get_backend(group) == "gloo":
-                meta_group = group
-            else:
-                ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-                meta_group = dist.new_group(
-                    ranks, backend="gloo", timeout=timedelta(seconds=timeout)
-                )
-                owned.append(meta_group)
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            meta_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+            owned.append(meta_group)
         elif dist.get_backend(meta_group) != "gloo":
             raise ValueError(
                 f"meta_group must be a gloo group, got backend {dist.get_backend(meta_group)!r}"
             )
-        return cls(group, meta_group, ranks_per_node, float(timeout), owned)
+        topology = cls(group, meta_group, ranks_per_node, float(timeout), owned)
+        weakref.finalize(topology, _destroy, owned)  # a dropped topology frees its group
+        return topology
 
     @property
     def distributed(self) -> bool:
@@ -93,5 +92,11 @@ class Topology:
 
     def close(self) -> None:
         """Destroy the groups this topology created (idempotent; every rank calls it)."""
-        while self._owned:
-            dist.destroy_process_group(self._owned.pop())
+        _destroy(self._owned)
+
+
+def _destroy(groups: list[dist.ProcessGroup]) -> None:
+    while groups:
+        group = groups.pop()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)

@@ -41,6 +41,7 @@ from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
 from orchmllm.orchestrator import IGNORE_INDEX, LLMBatch, Orchestrator
 from orchmllm.step_plan import MODES, default_phases
+from orchmllm.topology import Topology
 
 PLACEMENTS = ("none", "assign", "ilp", "auto")
 PHASES = ("vision", "audio", "llm")
@@ -314,7 +315,7 @@ def write_once(path: str, write: Callable[[str], object]) -> bool:
 
 
 def make_orchestrator(
-    cfg: RunConfig, *, mode: str, placement: str, rpn: int, timeout: float, dtype: torch.dtype
+    cfg: RunConfig, *, mode: str, placement: str, topology: Topology, dtype: torch.dtype
 ) -> Orchestrator:
     """The orchestrator with this run's phases and policies (it plans in the loader's
     prefetch thread, which gathers metadata on a gloo group of its own)."""
@@ -328,9 +329,8 @@ def make_orchestrator(
         mode=mode,
         llm_policy=cfg.balance.llm_policy,
         placement=placement,
-        ranks_per_node=rpn,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
-        timeout=timeout,
+        topology=topology,
     )
 
 
@@ -401,8 +401,11 @@ def setup(args: argparse.Namespace) -> Run:
     dataset = prepare_dataset(
         cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
     )
+    # The process groups, built once: the loader plans on the gloo metadata group in its
+    # background thread while training collectives run on the default group.
+    topology = Topology.build(ranks_per_node=rpn, timeout=args.timeout)
     orch = make_orchestrator(
-        cfg, mode=args.balance, placement=placement, rpn=rpn, timeout=args.timeout, dtype=dtype
+        cfg, mode=args.balance, placement=placement, topology=topology, dtype=dtype
     )
     # Samples like a DistributedSampler; plans each step in a background thread ahead of it
     # (a time-limited ILP placement on rank 0 alone, broadcast: see agreement.agreed_plan).
@@ -413,6 +416,7 @@ def setup(args: argparse.Namespace) -> Run:
         prefetch=args.prefetch,
         seed=seed,
         timeout=args.timeout,
+        topology=topology,
     )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
     _set_sum_reduction(model)

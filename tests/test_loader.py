@@ -2,8 +2,10 @@
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import io
+import os
 import subprocess
 import sys
 import threading
@@ -33,6 +35,7 @@ from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates, example_metadata
 from orchmllm.step_plan import default_phases
 from orchmllm.testing import run_distributed
+from orchmllm.topology import Topology
 
 T = 30.0  # collective timeout inside the workers
 
@@ -762,11 +765,37 @@ def _moved_tokens(info):
     return int(info.meta[info.plan.src_rank != info.plan.dst_rank, 0].sum())
 
 
+def _threads_and_files() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _groups_worker(rank, world):
+    """Loaders created, iterated and dropped one after another (a loader per epoch) hold no
+    threads or sockets once gone; loaders given a topology open no group of their own."""
+    ds = _dataset(8)
+    kw = dict(batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=0, timeout=T)
+    list(BalancedDataLoader(ds, **kw))  # warm-up: lazy imports and allocator pools
+    gc.collect()
+    before = _threads_and_files()
+    for _ in range(20):
+        list(BalancedDataLoader(ds, **kw))
+        gc.collect()
+    after = _threads_and_files()
+    topology = Topology.build(timeout=T)
+    shared = [BalancedDataLoader(ds, topology=topology, **kw) for _ in range(3)]
+    return {
+        "own": (before, after),
+        "shared": [loader._group.group is topology.meta_group for loader in shared],
+        "steps": [len(list(loader)) for loader in shared],
+    }
+
+
 def _features_worker(rank, world):
     return {
         "parity": _parity_worker(rank, world),
         "budget": _budget_worker(rank, world),
         "stats": _stats_worker(rank, world),
+        "groups": _groups_worker(rank, world),
     }
 
 
@@ -794,6 +823,14 @@ def test_workers_in_every_form_keep_batches_len_and_resume_exact(features_run):
         got = sorted(i for r in out for b in r["stream"]["epochs"][epoch] for i in b)
         assert got == list(range(PAR_N))  # workers split the shard: every example once
     assert all(r["dataloader"]["len"] == r["dataloader"]["dl_len"] for r in out)
+
+
+def test_dropped_loaders_close_their_groups_and_a_topology_shares_one(features_run):
+    for r in (r["groups"] for r in features_run):
+        (threads0, files0), (threads1, files1) = r["own"]
+        # 20 loaders with a gloo group each leaked >= 2 threads and sockets per loader.
+        assert threads1 - threads0 < 10 and files1 - files0 < 10, r["own"]
+        assert all(r["shared"]) and r["steps"] == [2, 2, 2]
 
 
 def test_token_budget_batches_are_balanced_within_the_budget(features_run):

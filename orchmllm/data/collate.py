@@ -77,7 +77,8 @@ class BalancedCollator:
         self.length_column = length_column
         self.planner = planner or BalancePlanner(policy=policy, cost=cost)
         self._group = ex.Group(
-            group if group is not None else ex.new_cpu_group(timeout=timeout), timeout=timeout
+            group if group is not None else ex.new_cpu_group(timeout=timeout, owner=self),
+            timeout=timeout,
         )
         self.step = 0
         self.last_step: ex.StepInfo | None = None

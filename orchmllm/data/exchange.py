@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -78,13 +79,22 @@ class Group:
         return comm.all_gather_rows(rows, group=self.group, timeout=self.timeout)
 
 
-def new_cpu_group(*, timeout: float) -> dist.ProcessGroup | None:
+def new_cpu_group(*, timeout: float, owner: object) -> dist.ProcessGroup | None:
     """A gloo group over all ranks, separate from the training group, so the loader's
     collectives can run in a background thread beside NCCL (or gloo) training traffic.
-    Collective call: every rank must create its loaders in the same order."""
+    Collective call: every rank must create its loaders in the same order. The group is
+    destroyed when ``owner`` is garbage-collected (every gloo group holds threads and sockets:
+    a loader per epoch must not leak them)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    weakref.finalize(owner, _destroy, group)
+    return group
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group(group)
 
 
 def planner_signature(planner: object) -> object:

@@ -66,6 +66,7 @@ from orchmllm.data.sampling import (
     token_budget_batches,
 )
 from orchmllm.plan import Rearrangement
+from orchmllm.topology import Topology
 
 MODES = ("auto", "index", "move", "local")
 _CREATED = itertools.count(1)  # loaders created by this process, for their default names
@@ -160,8 +161,12 @@ class LoaderOptions:
         drop_last: Drop the tail that does not divide evenly over the ranks (with a token
             budget: the last, partial step).
         num_replicas: Ranks the data is split over (default: the process group's size).
-        group: The CPU (gloo) process group for the loader's collectives (default: a new
-            gloo group over all ranks, so the loader never shares the training group).
+        group: The CPU (gloo) process group for the loader's collectives (default: the
+            ``topology``'s metadata group, else a new gloo group over all ranks, destroyed
+            with the loader, so the loader never shares the training group).
+        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the loader
+            gathers on its gloo metadata group instead of opening one of its own (iterate
+            only one loader of a topology at a time: their collectives share the group).
         timeout: Seconds any collective of the loader may wait for the other ranks.
         name: What errors and log lines call this loader (default ``BalancedDataLoader#k``,
             the k-th loader this process created: the same loader on every rank).
@@ -193,6 +198,7 @@ class LoaderOptions:
     drop_last: bool = False
     num_replicas: int | None = None
     group: dist.ProcessGroup | None = None
+    topology: Topology | None = None
     timeout: float = 600.0
     name: str | None = None
     with_stats: bool = False
@@ -449,7 +455,11 @@ class BalancedDataLoader:
         self._ranks_per_node = getattr(planner, "ranks_per_node", None)
         budget = opts.max_tokens_per_rank
         self.planner = planner if budget is None else _WithinBudget(planner, budget)
-        group = opts.group if opts.group is not None else ex.new_cpu_group(timeout=opts.timeout)
+        group = opts.group
+        if group is None and opts.topology is not None:
+            group = opts.topology.meta_group
+        if group is None:
+            group = ex.new_cpu_group(timeout=opts.timeout, owner=self)
         self._group = ex.Group(group, timeout=opts.timeout)
         self.num_replicas = _num_replicas(source, opts, self._group)
         self._lengths = _known_lengths(source, opts, self.mode)
