@@ -153,19 +153,17 @@ def _fake_record(tmp_path: Path) -> Path:
     return path
 
 
+def _validation(results_dir, run_benchmark):
+    """The validation section alone, reading gpu_step records from ``results_dir``."""
+    return run_benchmark(
+        "reproduce_paper.py", "--sections", "validation", "--gpu-results", str(results_dir),
+        "--no-plots", "--out", str(results_dir / "out"), timeout=120,
+    )  # fmt: skip
+
+
 def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> None:
     fake = json.loads(_fake_record(tmp_path).read_text())
-    run = run_benchmark(
-        "reproduce_paper.py",
-        "--sections",
-        "validation",
-        "--gpu-results",
-        str(tmp_path),
-        "--no-plots",
-        "--out",
-        str(tmp_path / "out"),
-        timeout=120,
-    )
+    run = _validation(tmp_path, run_benchmark)
     rows = {r["mode"]: r for r in run.records if r.get("figure") == "gpu_validation"}
     assert set(rows) == {"none", "llm", "full"}
     assert "Simulated vs measured" in run.stdout
@@ -183,17 +181,7 @@ def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> 
 
 
 def test_no_gpu_record_is_said(tmp_path, run_benchmark) -> None:
-    run = run_benchmark(
-        "reproduce_paper.py",
-        "--sections",
-        "validation",
-        "--gpu-results",
-        str(tmp_path),
-        "--no-plots",
-        "--out",
-        str(tmp_path / "out"),
-        timeout=120,
-    )
+    run = _validation(tmp_path, run_benchmark)
     assert "no GPU record" in run.stdout
     assert [r for r in run.records if r.get("figure") == "gpu_validation"] == [
         {"figure": "gpu_validation", "gpu_records": 0}
