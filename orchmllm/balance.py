@@ -298,10 +298,16 @@ def _policy(name: Any) -> Policy:
     return REGISTRY[name]
 
 
+def default_cost(policy: str) -> CostModel:
+    """The cost a policy balances when given none: padded batches for padded policies, else
+    packed tokens."""
+    return CostModel("padded" if _policy(policy).padded else "packed")
+
+
 def _cost(cost: CostModel | None, policy: Policy) -> CostModel:
     kind = "padded" if policy.padded else "packed"
     if cost is None:
-        return CostModel(kind)
+        return default_cost(policy.name)
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
     if policy.name != "identity" and cost.kind != kind:

@@ -227,3 +227,11 @@ def load_calibration(name: str) -> list[dict[str, Any]]:
         raise ValueError(f"name must be one of {CALIBRATIONS}, got {name!r}")
     text = resources.files("orchmllm").joinpath("sim", "data", name).read_text()
     return json.loads(text)
+
+
+def imbalance(loads: np.ndarray) -> float:
+    """The slowest rank's load over the mean (max / mean; 1.0 when there is no load at all):
+    the figure every balance statistic reports."""
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = float(loads.mean()) if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0

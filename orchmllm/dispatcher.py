@@ -24,7 +24,7 @@ import torch.distributed as dist
 from orchmllm import comm
 from orchmllm.agreement import agreed_plan
 from orchmllm.balance import POLICIES, balance, plan_is_deterministic
-from orchmllm.cost import CostModel
+from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
 from orchmllm.topology import DEFAULT_TIMEOUT_S, Topology
 
@@ -368,8 +368,8 @@ class BatchDispatcher:
         after = self.stats_cost.loads(glob, plan.dst_rank, plan.num_ranks)
         stay = plan.src_rank == plan.dst_rank
         stats: dict[str, Any] = {
-            "imbalance_before": _ratio(before),
-            "imbalance_after": _ratio(after),
+            "imbalance_before": imbalance(before),
+            "imbalance_after": imbalance(after),
             "loads_before": before.tolist(),
             "loads_after": after.tolist(),
             "bytes_intra": traffic["intra"],
@@ -414,11 +414,6 @@ def _check_given_plan(plan: Rearrangement, src: np.ndarray, world: int) -> None:
 
 def _eye(plan: Rearrangement, rank: int) -> np.ndarray:
     return np.arange(plan.num_ranks) == rank
-
-
-def _ratio(loads: np.ndarray) -> float:
-    mean = float(loads.mean()) if loads.size else 0.0
-    return float(loads.max()) / mean if mean > 0 else 1.0
 
 
 def _padded_tokens(lengths: np.ndarray, ranks: np.ndarray, num_ranks: int) -> int:

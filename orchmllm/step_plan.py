@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchmllm.balance import PADDED_POLICIES, balance, plan_is_deterministic
-from orchmllm.cost import CostModel
+from orchmllm.balance import PADDED_POLICIES, balance, default_cost, plan_is_deterministic
+from orchmllm.cost import CostModel, imbalance
 from orchmllm.placement import place_batches
 from orchmllm.plan import Rearrangement, expand_rows
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments
@@ -247,11 +247,6 @@ class StepPlan:
         return out
 
 
-def _imbalance(loads: np.ndarray) -> float:
-    mean = float(loads.mean()) if loads.size else 0.0
-    return float(loads.max() / mean) if mean > 0 else 1.0
-
-
 def _policy_cost(policy: str, cost: CostModel | None) -> CostModel | None:
     """``cost`` when the policy can optimise it (same kind, non-negative terms), else None."""
     kind = "padded" if policy in PADDED_POLICIES else "packed"
@@ -284,14 +279,14 @@ def _balance_phase(
         dst = np.asarray(a.dst, dtype=np.int64)
     else:
         dst = src.copy()
-    model = cost or CostModel("padded" if policy in PADDED_POLICIES else "packed")
+    model = cost or default_cost(policy)
     before = model.loads(lengths, src, num_ranks)
     after = model.loads(lengths, dst, num_ranks)
     if after.max() >= before.max():  # never move for a plan that is no better than staying
         dst, after = src.copy(), before
     stats = {
-        "imbalance_before": _imbalance(before),
-        "imbalance_after": _imbalance(after),
+        "imbalance_before": imbalance(before),
+        "imbalance_after": imbalance(after),
         "loads_before": before.tolist(),
         "loads_after": after.tolist(),
         "plan_ms": (time.perf_counter() - t0) * 1e3,

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import PADDED_POLICIES
-from orchmllm.cost import CostModel
+from orchmllm.balance import POLICIES, default_cost
+from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
 
 METRICS = (
@@ -33,19 +33,14 @@ METRICS = (
 )
 
 
-def imbalance(loads: np.ndarray) -> float:
-    """max / mean of per-rank loads (1.0 when there is no load at all)."""
-    mean = float(loads.mean()) if loads.size else 0.0
-    return float(loads.max() / mean) if mean > 0 else 1.0
-
-
 def planner_cost(planner: Any) -> CostModel:
     """The cost model balance is measured with: the planner's ``cost``, else its policy's
     default (padded for padded policies, else packed tokens)."""
     cost = getattr(planner, "cost", None)
     if isinstance(cost, CostModel):
         return cost
-    return CostModel("padded" if getattr(planner, "policy", "") in PADDED_POLICIES else "packed")
+    policy = getattr(planner, "policy", None)
+    return default_cost(policy) if policy in POLICIES else CostModel("packed")
 
 
 def phase_stats(
