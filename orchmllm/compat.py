@@ -5,7 +5,7 @@ string says little), so each API is probed for what it is (a module attribute, a
 keyword of a signature), never by comparing version strings. Every call site in the library
 goes through a function here, which adapts the call to what the installed torch offers, or
 raises :class:`MissingTorchFeature` naming the API and the oldest torch release that has it.
-The releases in :data:`MINIMUM` were read from the sources of the torch 2.6 to 2.13 wheels.
+The releases in :data:`MINIMUM` were read from the sources of the torch 2.4 to 2.13 wheels.
 
 Two features are optional and degrade instead of failing:
 
@@ -14,8 +14,8 @@ Two features are optional and degrade instead of failing:
 - ``FSDPModule.set_reduce_scatter_unused_params``: a safety net only; the models already give
   every parameter a gradient on every rank (empty inputs still run every module).
 
-APIs older than the declared minimum torch are not probed (``all_to_all_single`` with split
-sizes, ``Work.wait(timeout=)``, ``new_group(backend=, timeout=)``, ``nn.RMSNorm``):
+Other APIs, all older than the declared minimum torch, are not probed (``all_to_all_single``
+with split sizes, ``Work.wait(timeout=)``, ``new_group(backend=, timeout=)``, ``nn.RMSNorm``):
 ``.ci/oldest-torch`` runs the whole suite on that minimum. The all-to-all's autograd is the
 library's own ``autograd.Function`` (:mod:`orchmllm.comm`), not ``torch.distributed.nn``;
 ``torch.distributed.checkpoint`` (``dcp.save``/``dcp.load`` and ``state_dict.get_state_dict``/
