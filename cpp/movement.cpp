@@ -7,12 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
-#include <limits>
 #include <set>
 #include <stdexcept>
 #include <tuple>
-#include <string>
 #include <utility>
 #include <vector>
 
