@@ -1,5 +1,6 @@
-// The exact assignment behind node-wise placement (orchmllm/placement.py): batches to node
-// slots, then batches to ranks inside a node. A pure function over int64 arrays.
+// The assignment behind node-wise placement (orchmllm/placement.py): batches to node
+// slots, then batches to ranks inside a node. A pure function over int64 arrays, exact unless
+// its search is bounded.
 //
 // Deterministic: every loop runs in a fixed order, ties break by the smaller index.
 #include <pybind11/numpy.h>
@@ -11,6 +12,7 @@
 #include <limits>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -26,9 +28,22 @@ namespace orch {
 // Successive shortest augmenting paths (Jonker-Volgenant / Crouse) with integer potentials:
 // a virtual "unmatched" column with unlimited capacity and cost 0 bounds every search, and a
 // full column is expanded through all rows it holds. Integer profits make the result exact.
-std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t* cols,
-                                            const int64_t* profit, int64_t num_rows,
-                                            int64_t num_cols, int64_t capacity) {
+//
+// max_settled > 0 bounds each row's search to that many settled columns; a row whose search
+// would go further stays unmatched. The result is then feasible but may fall short of the
+// optimum: `bound` says by how much at most (below). Counting columns, not time, keeps it
+// deterministic.
+struct AssignmentResult {
+    std::vector<int64_t> col_of;
+    // An upper bound on the total profit of any assignment (LP duality with the column
+    // prices the search reached); equal to the profit found when every search finished.
+    int64_t bound;
+};
+
+AssignmentResult capacitated_assignment(const int64_t* indptr, const int64_t* cols,
+                                        const int64_t* profit, int64_t num_rows,
+                                        int64_t num_cols, int64_t capacity,
+                                        int64_t max_settled) {
     constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
     const int64_t none = num_cols;  // the virtual unmatched column
     std::vector<int64_t> u(num_rows, 0), v(num_cols + 1, 0);
@@ -37,6 +52,31 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
     std::vector<int64_t> dist(num_cols + 1, kInf), pred(num_cols + 1, -1);
     std::vector<char> settled(num_cols + 1, 0);
     std::vector<int64_t> touched, scanned, done;
+    // Each row's edges by profit descending (ties by column), sorted here unless the caller's
+    // already are: a search stops reading a row once no later edge can beat the best column
+    // with room found so far (v <= 0, so base - profit bounds an edge's distance below).
+    std::vector<int64_t> sorted_cols, sorted_profit;
+    const auto in_order = [&](int64_t a, int64_t b) {
+        return profit[a] != profit[b] ? profit[a] > profit[b] : cols[a] < cols[b];
+    };
+    bool is_sorted = true;
+    for (int64_t r = 0; r < num_rows && is_sorted; ++r)
+        for (int64_t e = indptr[r] + 1; e < indptr[r + 1] && is_sorted; ++e)
+            is_sorted = in_order(e - 1, e);
+    if (!is_sorted) {
+        std::vector<int64_t> idx(indptr[num_rows]);
+        for (int64_t e = 0; e < indptr[num_rows]; ++e) idx[e] = e;
+        for (int64_t r = 0; r < num_rows; ++r)
+            std::sort(idx.begin() + indptr[r], idx.begin() + indptr[r + 1], in_order);
+        sorted_cols.resize(idx.size());
+        sorted_profit.resize(idx.size());
+        for (size_t j = 0; j < idx.size(); ++j) {
+            sorted_cols[j] = cols[idx[j]];
+            sorted_profit[j] = profit[idx[j]];
+        }
+        cols = sorted_cols.data();
+        profit = sorted_profit.data();
+    }
 
     // Dijkstra frontier: (distance, 0 if the column has room else 1, column); stale entries
     // (settled, or a distance since improved) are skipped when popped. Ties therefore prefer
@@ -46,11 +86,31 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
     const auto has_room = [&](int64_t k) {
         return k == none || static_cast<int64_t>(members[k].size()) < capacity;
     };
-    for (int64_t cur = 0; cur < num_rows; ++cur) {
+    // Warm start: a row whose most profitable column (any of them, on a tie: the first with
+    // room) still has room takes it, with potentials u = -profit, v = 0. Every reduced cost
+    // stays >= 0, matched edges are tight and free columns keep v = 0: the state the search
+    // below reaches had it processed these rows first. Only the rest need a search.
+    std::vector<int64_t> pending;
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t best_profit = indptr[r] < indptr[r + 1] ? profit[indptr[r]] : 0;
+        int64_t best = -1;
+        for (int64_t e = indptr[r]; e < indptr[r + 1] && best < 0; ++e)
+            if (profit[e] == best_profit && has_room(cols[e])) best = cols[e];
+        if (best >= 0) {
+            col_of[r] = best;
+            members[best].push_back(r);
+            u[r] = -best_profit;
+        } else {
+            pending.push_back(r);
+        }
+    }
+    const int64_t budget = max_settled > 0 ? max_settled : num_cols + 1;
+    for (const int64_t cur : pending) {
         touched.clear();
         scanned.clear();
         done.clear();
         frontier.clear();
+        Entry sink_bound(kInf, 0, none);  // the best column with room reached so far
         int64_t min_val = 0;
         const auto relax = [&](int64_t r) {
             scanned.push_back(r);
@@ -58,20 +118,25 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
             const auto visit = [&](int64_t k, int64_t cost) {
                 if (settled[k]) return;
                 const int64_t d = base + cost - v[k];
-                if (d < dist[k]) {
-                    if (dist[k] == kInf) touched.push_back(k);
-                    dist[k] = d;
-                    pred[k] = r;
-                    frontier.emplace_back(d, has_room(k) ? 0 : 1, k);
-                    std::push_heap(frontier.begin(), frontier.end(), std::greater<Entry>());
-                }
+                if (d >= dist[k]) return;
+                const Entry entry(d, has_room(k) ? 0 : 1, k);
+                if (sink_bound < entry) return;  // never popped before sink_bound ends it
+                if (std::get<1>(entry) == 0) sink_bound = entry;
+                if (dist[k] == kInf) touched.push_back(k);
+                dist[k] = d;
+                pred[k] = r;
+                frontier.push_back(entry);
+                std::push_heap(frontier.begin(), frontier.end(), std::greater<Entry>());
             };
-            for (int64_t e = indptr[r]; e < indptr[r + 1]; ++e) visit(cols[e], -profit[e]);
             visit(none, 0);
+            for (int64_t e = indptr[r]; e < indptr[r + 1]; ++e) {
+                if (base - profit[e] > std::get<0>(sink_bound)) break;
+                visit(cols[e], -profit[e]);
+            }
         };
         relax(cur);
         int64_t sink = -1;
-        while (sink < 0) {
+        while (sink < 0 && static_cast<int64_t>(done.size()) < budget) {
             std::pop_heap(frontier.begin(), frontier.end(), std::greater<Entry>());
             const auto [d, full, best] = frontier.back();
             frontier.pop_back();
@@ -85,29 +150,41 @@ std::vector<int64_t> capacitated_assignment(const int64_t* indptr, const int64_t
                 for (const int64_t r : members[best]) relax(r);
             }
         }
-        // Potentials keep every reduced cost non-negative and the matched edges tight.
-        u[cur] += min_val;
-        for (const int64_t r : scanned)
-            if (r != cur) u[r] += min_val - dist[col_of[r]];
-        for (const int64_t k : done) v[k] -= min_val - dist[k];
-        // Augment along the path back to `cur`.
-        for (int64_t k = sink;;) {
-            const int64_t r = pred[k];
-            const int64_t old = col_of[r];
-            col_of[r] = k == none ? -1 : k;
-            if (k != none) members[k].push_back(r);
-            if (r == cur) break;
-            auto& from = members[old];
-            from.erase(std::find(from.begin(), from.end(), r));
-            k = old;
-        }
+        if (sink >= 0) {
+            // Potentials keep every reduced cost non-negative and the matched edges tight.
+            u[cur] += min_val;
+            for (const int64_t r : scanned)
+                if (r != cur) u[r] += min_val - dist[col_of[r]];
+            for (const int64_t k : done) v[k] -= min_val - dist[k];
+            // Augment along the path back to `cur`.
+            for (int64_t k = sink;;) {
+                const int64_t r = pred[k];
+                const int64_t old = col_of[r];
+                col_of[r] = k == none ? -1 : k;
+                if (k != none) members[k].push_back(r);
+                if (r == cur) break;
+                auto& from = members[old];
+                from.erase(std::find(from.begin(), from.end(), r));
+                k = old;
+            }
+        }  // else: over budget, `cur` stays unmatched and nothing changed
         for (const int64_t k : touched) {
             dist[k] = kInf;
             pred[k] = -1;
             settled[k] = 0;
         }
     }
-    return col_of;
+    // Weak duality with column prices y = -v >= 0: any assignment earns at most
+    // sum_r max(0, max_k profit(r, k) - y_k) + capacity * sum_k y_k.
+    int64_t bound = 0;
+    for (int64_t k = 0; k < num_cols; ++k) bound -= capacity * v[k];
+    for (int64_t r = 0; r < num_rows; ++r) {
+        int64_t best = 0;
+        for (int64_t e = indptr[r]; e < indptr[r + 1]; ++e)
+            best = std::max(best, profit[e] + v[cols[e]]);
+        bound += best;
+    }
+    return {std::move(col_of), bound};
 }
 
 }  // namespace orch
@@ -127,7 +204,8 @@ py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
 void register_assignment(py::module_& m) {
     m.def(
         "capacitated_assignment",
-        [](I64 indptr, I64 cols, I64 profit, int64_t num_cols, int64_t capacity) {
+        [](I64 indptr, I64 cols, I64 profit, int64_t num_cols, int64_t capacity,
+           int64_t max_settled) {
             const int64_t rows = indptr.size() - 1;
             if (rows < 0 || cols.size() != profit.size() ||
                 indptr.data()[rows] != static_cast<int64_t>(cols.size()))
@@ -148,15 +226,19 @@ void register_assignment(py::module_& m) {
                         "capacitated_assignment: profits sum above 2^58 (int64 overflow)");
                 total += p;
             }
-            std::vector<int64_t> out;
+            if (max_settled < 0)
+                throw std::invalid_argument("capacitated_assignment: max_settled < 0");
+            orch::AssignmentResult out;
             {
                 py::gil_scoped_release release;
                 out = orch::capacitated_assignment(indptr.data(), cols.data(), profit.data(),
-                                                   rows, num_cols, capacity);
+                                                   rows, num_cols, capacity, max_settled);
             }
-            return to_array(out);
+            return py::make_tuple(to_array(out.col_of), out.bound);
         },
         py::arg("indptr"), py::arg("cols"), py::arg("profit"), py::arg("num_cols"),
-        py::arg("capacity"),
-        "Max-profit assignment of CSR rows to columns of equal capacity; -1 = unmatched.");
+        py::arg("capacity"), py::arg("max_settled") = 0,
+        "Max-profit assignment of CSR rows to columns of equal capacity: (column per row, -1 = "
+        "unmatched; an upper bound on the profit of any assignment). max_settled > 0 bounds "
+        "each row's search (0: exact, and the bound equals the profit found).");
 }

@@ -7,10 +7,12 @@ namespace py = pybind11;
 void register_assignment(py::module_& m);
 void register_balance(py::module_& m);
 void register_movement(py::module_& m);
+void register_traffic(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "OrchMLLM C++ core: balancing algorithms over int64/float64 arrays (no torch).";
     register_assignment(m);
     register_balance(m);
     register_movement(m);
+    register_traffic(m);
 }

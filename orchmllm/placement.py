@@ -12,13 +12,20 @@ Methods of :func:`place_batches`:
 - ``assign``: exact maximum of the tokens that stay inside their node, as an assignment of
   batches to node slots (each node's column repeated ``ranks_per_node`` times), then inside each
   node every batch goes to the rank holding most of its tokens (assignment again), so those
-  tokens do not move at all. Both assignments run in the C++ core on the sparse volume matrix.
+  tokens do not move at all. Both assignments run in the C++ core on the sparse volume matrix
+  (``cpp/traffic.cpp`` builds it, ``cpp/assignment.cpp`` solves it). The statistics carry
+  ``on_node_tokens_bound``, an LP-duality upper bound on the tokens any permutation keeps on
+  their node; for ``assign`` it equals what it keeps, a certificate of exactness.
 - ``ilp``: the paper's Algorithm 3 in cvxpy + CBC: binary ``x[batch, node]``, each node takes
   ``ranks_per_node`` batches, minimise the largest inter-node volume any one rank sends. It is
   time-limited, starts from the ``assign`` solution (as an upper bound on the objective, and it
   never returns anything worse), and falls back to ``assign`` when the solver is missing or
   fails, with a warning the first time each failure occurs in the process.
-- ``auto``: ``assign``, then the ILP refinement only where it is certain to finish within the
+- ``auto``: ``assign`` with each batch's search bounded to ``AUTO_SEARCH_COLUMNS`` node
+  columns (exact below that many nodes; beyond, a batch whose search would go further takes a
+  free slot, and ``on_node_tokens_bound`` says how much that can cost; the share of the bound
+  reached at each size is printed by ``benchmarks/placement_bench.py``),
+  then the ILP refinement only where it is certain to finish within the
   budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8) when
   ``time_limit_s >= AUTO_ILP_MIN_BUDGET_S``, solved to proven optimality (so with the default
   50 ms budget ``auto`` is ``assign``). If the result leaves the busiest rank sending more
@@ -80,6 +87,12 @@ _SOLVER_SHARE = 0.8
 # busy 2-core x86), and keeps the result only when proven optimal.
 AUTO_ILP_MAX_BINARIES = 32
 AUTO_ILP_MIN_BUDGET_S = 0.15
+# ``auto``'s node assignment settles at most this many node columns per batch: exact up to
+# AUTO_SEARCH_COLUMNS - 1 nodes (a search never needs more), and beyond that bounded, with
+# the shortfall reported (``on_node_tokens_bound``). At 16,384 ranks of greedy batches the
+# exact search spends ~90% of its time on the few batches whose search crosses hundreds of
+# nodes (benchmarks/placement_bench.py prints the bound and the time of both).
+AUTO_SEARCH_COLUMNS = 64
 _AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 # solver -> seconds its one-time setup took in this process (see prepare_ilp)
 _PREPARED: dict[str, float] = {}
@@ -191,12 +204,15 @@ def place_batches(
     use_ilp = method == "ilp" or (method == "auto" and tiny)
     setup_ms = prepare_ilp(solver) * 1e3 if use_ilp else 0.0
     clock = _Clock(float(time_limit_s))
-    optimal = ilp_improved = False
+    optimal = ilp_improved = kept_unpermuted = False
+    on_node_bound = int(l.sum())
     if method == "identity":
         perm = np.arange(d, dtype=np.int64)
     else:
         volumes = _Volumes(l, s, t, d, c)
-        node_of = _assign_nodes(volumes)
+        node_of, on_node_bound = _assign_nodes(
+            volumes, AUTO_SEARCH_COLUMNS if method == "auto" else 0
+        )
         if use_ilp:
             node_of, optimal, ilp_improved = _refine_ilp(
                 volumes, node_of, solver, clock=clock if method == "ilp" else None
@@ -208,6 +224,7 @@ def place_batches(
         # The assignment maximises the tokens kept inside their node, which can leave one rank
         # sending more across nodes than the batches where they stand: then keep those.
         perm, after = np.arange(d, dtype=np.int64), before
+        kept_unpermuted = True
     new_dst = perm[t]
     elapsed_ms = (time.perf_counter() - clock.wall0) * 1e3
 
@@ -217,6 +234,8 @@ def place_batches(
         "placement_solve_ms": elapsed_ms,
         "placement_setup_ms": setup_ms,
         "placement_optimal": float(optimal),
+        "on_node_tokens_bound": float(on_node_bound),
+        "placement_kept_unpermuted": float(kept_unpermuted),
         "placement_ilp_improved": float(ilp_improved),
     }
     return Placement(dst=new_dst, perm=perm, stats=stats, before=before, after=after)
@@ -302,18 +321,7 @@ class _Volumes:
 
     def node_matrix(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """CSR over batches of ``W[b, k]`` = tokens already on node ``k`` for batch ``b``."""
-        m = self.m
-        key = self.batch * m + self.src_node
-        if self.d * m <= 4 * key.size:
-            w = np.bincount(key, weights=self.l, minlength=self.d * m)
-            nz = np.flatnonzero(w)
-            w = w[nz]
-        else:  # a dense d x m table dwarfs the items (16,384 ranks: 33M cells): sort instead
-            key, inverse = np.unique(key[self.l > 0], return_inverse=True)
-            w = np.bincount(inverse, weights=self.l[self.l > 0], minlength=key.size)
-            nz = key
-        indptr = np.searchsorted(nz // m, np.arange(self.d + 1)).astype(np.int64)
-        return indptr, (nz % m).astype(np.int64), w.astype(np.int64)
+        return _core.grouped_sums(self.batch, self.src_node, self.l, self.d, self.m)
 
     def max_inter(self, node_of: np.ndarray) -> int:
         """Most tokens one rank sends off-node when batch ``b`` runs on node ``node_of[b]``."""
@@ -336,27 +344,24 @@ class _Volumes:
         return int((self.held - kept).max(initial=0))
 
 
-def _assign_nodes(v: _Volumes) -> np.ndarray:
-    """Node per batch maximising the tokens that stay on their node (exact)."""
+def _assign_nodes(v: _Volumes, max_settled: int) -> tuple[np.ndarray, int]:
+    """Node per batch maximising the tokens that stay on their node, and an upper bound on
+    those tokens (equal to what is reached when ``max_settled`` is 0: exact)."""
     indptr, cols, profit = v.node_matrix()
-    node_of = np.asarray(_core.capacitated_assignment(indptr, cols, profit, v.m, v.c), np.int64)
+    node_of, bound = _core.capacitated_assignment(indptr, cols, profit, v.m, v.c, max_settled)
+    node_of = np.asarray(node_of, np.int64)
     free = np.repeat(np.arange(v.m), v.c - np.bincount(node_of[node_of >= 0], minlength=v.m))
     node_of[node_of < 0] = free  # unmatched batches, in index order, take the free slots
-    return node_of
+    return node_of, int(bound)
 
 
 def _assign_ranks(v: _Volumes, node_of: np.ndarray) -> np.ndarray:
     """Rank per batch inside its node, maximising the tokens that do not move at all (exact)."""
-    d, c = v.d, v.c
-    local = node_of[v.batch] == v.src_node
-    key = v.batch[local] * c + v.src[local] % c  # edges (batch, slot of the rank in its node)
-    w = np.bincount(key, weights=v.l[local], minlength=d * c)
-    nz = np.flatnonzero(w)
-    batch = nz // c
-    indptr = np.searchsorted(batch, np.arange(d + 1)).astype(np.int64)
-    cols = (node_of[batch] * c + nz % c).astype(np.int64)
-    perm = np.asarray(_core.capacitated_assignment(indptr, cols, w[nz].astype(np.int64), d, 1))
-    perm = perm.astype(np.int64)
+    d = v.d
+    local = node_of[v.batch] == v.src_node  # edges (batch, rank on the batch's node)
+    csr = _core.grouped_sums(v.batch[local], v.src[local], v.l[local], d, d)
+    perm, _ = _core.capacitated_assignment(*csr, d, 1)
+    perm = np.asarray(perm, dtype=np.int64)
     taken = np.zeros(d, dtype=bool)
     taken[perm[perm >= 0]] = True
     free = np.flatnonzero(~taken)  # sorted by rank, hence by node
@@ -504,14 +509,8 @@ def _rounded_assignment(values: np.ndarray | None, c: int) -> np.ndarray | None:
 
 
 def _traffic(l: np.ndarray, s: np.ndarray, t: np.ndarray, d: int, c: int) -> Traffic:
-    moved = s != t
-    away = (s // c) != (t // c)
-    return Traffic(
-        inter_sent=np.bincount(s[away], weights=l[away], minlength=d).astype(np.int64),
-        inter_recv=np.bincount(t[away], weights=l[away], minlength=d).astype(np.int64),
-        intra=int(l[moved & ~away].sum()),
-        kept=int(l[~moved].sum()),
-    )
+    sent, recv, intra, kept = _core.traffic(l, s, t, d, c)
+    return Traffic(inter_sent=sent, inter_recv=recv, intra=int(intra), kept=int(kept))
 
 
 def _traffic_stats(tr: Traffic, when: str) -> dict[str, float]:

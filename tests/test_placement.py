@@ -15,6 +15,7 @@ import orchmllm
 from orchmllm import _core
 from orchmllm.cost import CostModel
 from orchmllm.placement import (
+    AUTO_SEARCH_COLUMNS,
     MAX_RANKS,
     METHODS,
     movement_aware_dst,
@@ -62,19 +63,43 @@ def _check_loads_kept(lengths, dst, placed, d):
 
 
 def test_capacitated_assignment_matches_dense_hungarian(rng):
+    """Exact search: the optimum, and a dual bound equal to it. A bounded search (a few
+    settled columns per row): a feasible assignment, at most the optimum, at most its bound,
+    and the bound is a true upper bound on the optimum."""
     for _ in range(300):
         cols, cap = int(rng.integers(1, 6)), int(rng.integers(1, 4))
         rows = int(rng.integers(1, cols * cap + 1))
         profit = rng.integers(0, 20, (rows, cols)) * (rng.random((rows, cols)) < 0.5)
         r, c = np.nonzero(profit)
         indptr = np.searchsorted(r, np.arange(rows + 1)).astype(np.int64)
-        col = _core.capacitated_assignment(indptr, c.astype(np.int64), profit[r, c], cols, cap)
-        matched = col >= 0
-        assert np.all(np.bincount(col[matched], minlength=cols) <= cap)
-        got = profit[np.flatnonzero(matched), col[matched]].sum()
         dense = np.repeat(profit, cap, axis=1)
         i, j = linear_sum_assignment(dense, maximize=True)
-        assert got == dense[i, j].sum()
+        optimum = dense[i, j].sum()
+        for max_settled in (0, 1, 2):
+            col, bound = _core.capacitated_assignment(
+                indptr, c.astype(np.int64), profit[r, c], cols, cap, max_settled
+            )
+            matched = col >= 0
+            assert np.all(np.bincount(col[matched], minlength=cols) <= cap)
+            got = profit[np.flatnonzero(matched), col[matched]].sum()
+            assert got <= optimum <= bound
+            if max_settled == 0:
+                assert got == optimum == bound
+
+
+def test_grouped_sums_matches_a_dense_table(rng):
+    for _ in range(50):
+        rows, cols, n = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(0, 60))
+        row, col = rng.integers(0, rows, n), rng.integers(0, cols, n)
+        weight = rng.integers(0, 4, n)
+        dense = np.zeros((rows, cols), dtype=np.int64)
+        np.add.at(dense, (row, col), weight)
+        indptr, got_cols, sums = _core.grouped_sums(row, col, weight, rows, cols)
+        r, c = np.nonzero(dense)
+        order = np.lexsort((c, -dense[r, c], r))  # rows in order, by sum descending, by column
+        np.testing.assert_array_equal(indptr, np.searchsorted(r, np.arange(rows + 1)))
+        np.testing.assert_array_equal(got_cols, c[order])
+        np.testing.assert_array_equal(sums, dense[r, c][order])
 
 
 def test_capacitated_assignment_rejects_bad_csr():
@@ -89,8 +114,8 @@ def test_capacitated_assignment_refuses_profits_that_would_overflow():
     indptr, cols = np.array([0, 1, 2]), np.array([0, 1])
     with pytest.raises(ValueError, match="overflow"):
         _core.capacitated_assignment(indptr, cols, np.array([2**62, 2**62]), 2, 1)
-    ok = _core.capacitated_assignment(indptr, cols, np.array([2**57, 2**57]), 2, 1)
-    assert ok.tolist() == [0, 1]
+    ok, bound = _core.capacitated_assignment(indptr, cols, np.array([2**57, 2**57]), 2, 1)
+    assert ok.tolist() == [0, 1] and bound == 2**58
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +181,30 @@ def test_auto_is_exact_and_deterministic_at_two_nodes():
         same = (np.arange(d)[:, None] < c) == on_node0[None, :]  # [rank, batch]
         best = min(best, (v.sum(axis=1) - (v * same).sum(axis=1)).max())
     assert first.stats["inter_node_tokens_max_rank_after"] == best
+
+
+def _on_node(placed):
+    return placed.stats["tokens_kept_after"] + placed.stats["intra_node_tokens_total_after"]
+
+
+@pytest.mark.parametrize("d", [32, 1024])
+def test_auto_search_is_exact_on_small_clusters_and_bounded_beyond(d):
+    """Up to AUTO_SEARCH_COLUMNS - 1 nodes auto's node assignment is assign's (exact); beyond,
+    it keeps at most what assign keeps and reports a true upper bound on it."""
+    rng = np.random.default_rng(d)
+    c = 4
+    lengths, src = _instance(rng, d, 8)
+    dst = _greedy(lengths, src, d)
+    kw = dict(num_ranks=d, ranks_per_node=c)
+    exact = place_batches(lengths, src, dst, method="assign", **kw)
+    auto = place_batches(lengths, src, dst, method="auto", **kw)
+    assert _on_node(exact) == exact.stats["on_node_tokens_bound"]
+    assert auto.stats["on_node_tokens_bound"] >= _on_node(exact)
+    if d // c < AUTO_SEARCH_COLUMNS:
+        np.testing.assert_array_equal(auto.perm, exact.perm)
+    else:
+        assert _on_node(auto) <= _on_node(exact)
+        assert _on_node(auto) >= 0.9 * _on_node(exact)
 
 
 def test_ilp_never_worse_than_assign(rng):

@@ -1,0 +1,114 @@
+// Where the tokens of a move go, for node-wise placement (orchmllm/placement.py): the sparse
+// volume table it assigns over, and the traffic a move causes. O(items) passes, no sorting
+// by comparison, so they stay far below the assignment's time at 10^6 items.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
+    py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+}
+
+void check_range(const I64& a, int64_t n, int64_t limit, const char* name) {
+    if (a.size() != n) throw std::invalid_argument(std::string(name) + ": size mismatch");
+    for (int64_t i = 0; i < n; ++i)
+        if (a.data()[i] < 0 || a.data()[i] >= limit)
+            throw std::invalid_argument(std::string(name) + ": index out of range");
+}
+
+// CSR of the sums of `weight` per (row, col), rows in order, each row's entries by sum
+// descending (ties by column; the order capacitated_assignment searches fastest in), zero
+// sums left out: one counting sort by row, then each row's sums in a column-indexed scratch
+// array (a row has few distinct columns, so sorting them is cheap).
+py::tuple grouped_sums(I64 row, I64 col, I64 weight, int64_t num_rows, int64_t num_cols) {
+    const int64_t n = weight.size();
+    check_range(row, n, num_rows, "grouped_sums: row");
+    check_range(col, n, num_cols, "grouped_sums: col");
+    for (int64_t i = 0; i < n; ++i)
+        if (weight.data()[i] < 0) throw std::invalid_argument("grouped_sums: weight < 0");
+    std::vector<int64_t> indptr(num_rows + 1, 0), cols, sums;
+    {
+        py::gil_scoped_release release;
+        const int64_t *r = row.data(), *c = col.data(), *w = weight.data();
+        // (col, weight) pairs in row order, written where they go: reading the items in
+        // input order and each row's pairs in a run costs far less than gathering by index.
+        std::vector<int64_t> start(num_rows + 1, 0);
+        std::vector<std::pair<int64_t, int64_t>> by_row(n);
+        for (int64_t i = 0; i < n; ++i) ++start[r[i] + 1];
+        for (int64_t k = 0; k < num_rows; ++k) start[k + 1] += start[k];
+        std::vector<int64_t> next(start.begin(), start.end() - 1);
+        for (int64_t i = 0; i < n; ++i) by_row[next[r[i]]++] = {c[i], w[i]};
+        std::vector<int64_t> acc(num_cols, 0), seen;
+        cols.reserve(n);
+        sums.reserve(n);
+        for (int64_t k = 0; k < num_rows; ++k) {
+            seen.clear();
+            for (int64_t j = start[k]; j < start[k + 1]; ++j) {
+                const auto [col_k, w_k] = by_row[j];
+                if (acc[col_k] == 0 && w_k != 0) seen.push_back(col_k);
+                acc[col_k] += w_k;
+            }
+            std::sort(seen.begin(), seen.end(), [&](int64_t a, int64_t b) {
+                return acc[a] != acc[b] ? acc[a] > acc[b] : a < b;
+            });
+            for (const int64_t col_k : seen) {
+                cols.push_back(col_k);
+                sums.push_back(acc[col_k]);
+                acc[col_k] = 0;
+            }
+            indptr[k + 1] = static_cast<int64_t>(cols.size());
+        }
+    }
+    return py::make_tuple(to_array(indptr), to_array(cols), to_array(sums));
+}
+
+// Tokens of the move src -> dst: sent and received across nodes per rank, moved inside a
+// node, and not moved (rank r lives on node r / ranks_per_node).
+py::tuple traffic(I64 lengths, I64 src, I64 dst, int64_t num_ranks, int64_t ranks_per_node) {
+    const int64_t n = lengths.size();
+    check_range(src, n, num_ranks, "traffic: src");
+    check_range(dst, n, num_ranks, "traffic: dst");
+    std::vector<int64_t> sent(num_ranks, 0), recv(num_ranks, 0);
+    int64_t intra = 0, kept = 0;
+    {
+        py::gil_scoped_release release;
+        const int64_t *l = lengths.data(), *s = src.data(), *t = dst.data();
+        for (int64_t i = 0; i < n; ++i) {
+            if (s[i] == t[i]) {
+                kept += l[i];
+            } else if (s[i] / ranks_per_node == t[i] / ranks_per_node) {
+                intra += l[i];
+            } else {
+                sent[s[i]] += l[i];
+                recv[t[i]] += l[i];
+            }
+        }
+    }
+    return py::make_tuple(to_array(sent), to_array(recv), intra, kept);
+}
+
+}  // namespace
+
+void register_traffic(py::module_& m) {
+    m.def("grouped_sums", &grouped_sums, py::arg("row"), py::arg("col"), py::arg("weight"),
+          py::arg("num_rows"), py::arg("num_cols"),
+          "CSR (indptr, cols, sums) of non-negative weight summed per (row, col), each row by "
+          "sum descending then column; zero sums left out.");
+    m.def("traffic", &traffic, py::arg("lengths"), py::arg("src"), py::arg("dst"),
+          py::arg("num_ranks"), py::arg("ranks_per_node"),
+          "(inter-node tokens sent per rank, received per rank, intra-node tokens, kept tokens).");
+}
