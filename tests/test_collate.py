@@ -15,14 +15,24 @@ def _ids(examples):
     return torch.tensor([e["id"] for e in examples])
 
 
-def test_collator_in_workers_fails_saying_what_to_use_instead():
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_collator_in_workers_fails_saying_what_to_use_instead(context):
+    """Forked workers fail at their first batch; spawned ones as the iterator starts (the
+    collator refuses to be pickled), before a worker process even runs."""
     dl = DataLoader(
-        ROWS, batch_size=4, num_workers=1, collate_fn=BalancedCollator(_ids, length_column="n")
+        ROWS,
+        batch_size=4,
+        num_workers=1,
+        multiprocessing_context=context,
+        collate_fn=BalancedCollator(_ids, length_column="n"),
     )
-    with pytest.raises(
-        RuntimeError, match=r"use num_workers=0, or BalancedDataLoader\(your_dataloader\)"
-    ):
-        next(iter(dl))
+    use_instead = r"use num_workers=0, or BalancedDataLoader\(your_dataloader\)"
+    if context == "spawn":
+        with pytest.raises(RuntimeError, match=use_instead):
+            iter(dl)
+    else:
+        with pytest.raises(RuntimeError, match=use_instead):
+            next(iter(dl))
 
 
 def test_collator_keeps_pin_memory_and_reports_each_step():

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections import Counter
 
 import datasets
@@ -26,7 +27,7 @@ from orchmllm.data.exchange import EpochMismatch, PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
 from orchmllm.data.loader import BalancedDataLoader, LoaderOptions, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
-from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.planners import BalancePlanner, LayoutMismatchWarning
 from orchmllm.data.sampling import local_batches, token_budget_batches
 from orchmllm.data.stats import METRICS
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
@@ -893,6 +894,24 @@ def test_single_process_and_bad_arguments():
     bad = BalancedDataLoader(_Shard(4, 0, 1), batch_size=2, length_fn=lambda e: 1.5)
     with pytest.raises(ValueError, match=r"length_fn must return a non-negative integer.*1\.5"):
         list(bad)
+
+
+def test_loader_and_collator_warn_when_the_policy_assumes_the_other_layout():
+    def padded(examples):
+        return _ids(examples)
+
+    padded.orchmllm_layout = "padded"
+    ds = _dataset(6)
+    with pytest.warns(LayoutMismatchWarning, match="use policy='padded_cost'"):
+        BalancedDataLoader(ds, batch_size=3, length_column="n_tokens", collate_fn=padded)
+    with pytest.warns(LayoutMismatchWarning, match="use policy='padded_cost'"):
+        BalancedCollator(padded, length_column="n_tokens")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutMismatchWarning)
+        loader = BalancedDataLoader(
+            ds, batch_size=3, length_column="n_tokens", collate_fn=padded, policy="padded_cost"
+        )
+        assert sorted(i for b in loader for i in b) == list(range(6))
 
 
 def test_options_object_and_keywords_build_the_same_loader():

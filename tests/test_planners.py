@@ -1,13 +1,20 @@
 """Planners: the plan of orchmllm.balance on the gathered lengths, and which plans are a pure
 function of them (the others are computed on rank 0 and broadcast)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
 import orchmllm
 from orchmllm.balance import PLACEMENTS, plan_is_deterministic
 from orchmllm.data.orchestrated import OrchestratorPlanner
-from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.planners import (
+    BalancePlanner,
+    LayoutMismatchWarning,
+    collate_layout,
+    warn_on_layout_mismatch,
+)
 from orchmllm.orchestrator import Orchestrator
 from orchmllm.schema import EncodingRates
 from orchmllm.step_plan import default_phases
@@ -54,3 +61,56 @@ def test_orchestrator_plans_are_nondeterministic_only_when_balanced_with_ilp(mod
         # mode="none" balances nothing, so it never reaches the placement.
         expected = placement != "ilp" or mode == "none"
         assert OrchestratorPlanner(orch).deterministic == expected
+
+
+def _padding_collate(examples):
+    return examples
+
+
+_padding_collate.orchmllm_layout = "padded"
+
+
+def test_collate_layout_reads_declarations_and_knows_hf_collators():
+    hf = pytest.importorskip("transformers")
+    DataCollatorForSeq2Seq, DataCollatorWithFlattening = (
+        hf.DataCollatorForSeq2Seq,
+        hf.DataCollatorWithFlattening,
+    )
+    assert collate_layout(_padding_collate) == "padded"
+    assert collate_layout(DataCollatorForSeq2Seq(tokenizer=None)) == "padded"
+    assert collate_layout(DataCollatorWithFlattening()) == "packed"
+    assert collate_layout(lambda examples: examples) is None  # never guessed
+
+    def odd(examples):
+        return examples
+
+    odd.orchmllm_layout = "ragged"
+    with pytest.raises(ValueError, match="orchmllm_layout must be one of.*'ragged'"):
+        collate_layout(odd)
+
+
+@pytest.mark.parametrize(
+    ("layout", "policy", "warns"),
+    [
+        ("padded", "greedy", "padded_cost"),
+        ("padded", "padded_cost", None),
+        ("packed", "binary_search", "policy='greedy'"),
+        ("packed", "greedy", None),
+    ],
+)
+def test_a_policy_for_the_other_layout_warns(layout, policy, warns):
+    def collate(examples):
+        return examples
+
+    collate.orchmllm_layout = layout
+    planner = BalancePlanner(policy=policy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_on_layout_mismatch(collate, planner)
+        warn_on_layout_mismatch(collate, lambda meta, src, d: None)  # a custom planner: trusted
+    messages = [str(w.message) for w in caught if w.category is LayoutMismatchWarning]
+    if warns is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1
+        assert warns in messages[0] and f"policy={policy!r}" in messages[0]

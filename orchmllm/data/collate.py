@@ -22,7 +22,12 @@ from torch.utils.data import default_collate, get_worker_info
 from orchmllm.data import exchange as ex
 from orchmllm.data import stats as st
 from orchmllm.data.lengths import LengthFn, example_length
-from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
+
+_NOT_IN_WORKERS = (
+    "BalancedCollator runs collectives and cannot run in DataLoader workers; use "
+    "num_workers=0, or BalancedDataLoader(your_dataloader) to keep the workers"
+)
 
 
 class BalancedCollator:
@@ -50,8 +55,12 @@ class BalancedCollator:
     Raises:
         ValueError: Not exactly one of ``length_fn``/``length_column``; a bad length
             (naming the item's position in this rank's batch and the step).
-        RuntimeError: Called in a DataLoader worker process (``num_workers > 0``): use
-            ``BalancedDataLoader(your_dataloader)``, which keeps the workers.
+        RuntimeError: Sent to DataLoader worker processes (``num_workers > 0``): use
+            ``BalancedDataLoader(your_dataloader)``, which keeps the workers. The DataLoader
+            cannot be checked when it is built (it is the user's); with the ``spawn`` or
+            ``forkserver`` start method the error comes as its iterator starts (the
+            collator refuses to be pickled), with ``fork`` from the worker's first batch,
+            before any batch reaches the training loop.
         PeerFailed: Another rank failed to prepare the step.
 
     Collective: every rank's DataLoader must produce the same number of batches (e.g.
@@ -76,6 +85,7 @@ class BalancedCollator:
         self.length_fn = length_fn
         self.length_column = length_column
         self.planner = planner or BalancePlanner(policy=policy, cost=cost)
+        warn_on_layout_mismatch(self.collate_fn, self.planner)
         self._group = ex.Group(
             group if group is not None else ex.new_cpu_group(timeout=timeout, owner=self),
             timeout=timeout,
@@ -84,12 +94,14 @@ class BalancedCollator:
         self.last_step: ex.StepInfo | None = None
         self.last_stats: dict[str, float] = {}
 
+    def __getstate__(self) -> None:
+        # Pickled means sent to a worker process (spawn/forkserver start): fail there, as the
+        # iterator starts, rather than at the worker's first batch.
+        raise RuntimeError(_NOT_IN_WORKERS)
+
     def __call__(self, examples: list) -> Any:
-        if get_worker_info() is not None:
-            raise RuntimeError(
-                "BalancedCollator runs collectives and cannot run in DataLoader workers; use "
-                "num_workers=0, or BalancedDataLoader(your_dataloader) to keep the workers"
-            )
+        if get_worker_info() is not None:  # forked workers never pickle the collator
+            raise RuntimeError(_NOT_IN_WORKERS)
         t0 = time.perf_counter()
 
         def prepare() -> tuple[list, list[list[int]]]:

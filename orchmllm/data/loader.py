@@ -56,7 +56,7 @@ from orchmllm.data.lengths import (
     example_length,
     is_hf_dataset,
 )
-from orchmllm.data.planners import BalancePlanner
+from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
 from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import (
     check_budget,
@@ -142,7 +142,11 @@ class LoaderOptions:
         planner: ``planner(meta, src, num_ranks) -> plan`` replacing the default
             ``BalancePlanner(policy, cost)`` (see :data:`orchmllm.data.exchange.Planner`).
         policy: The balancing policy (a name in ``orchmllm.POLICIES``): ``greedy`` for
-            packed batches, ``padded_cost`` or ``binary_search`` for padded ones.
+            packed batches, ``padded_cost`` or ``binary_search`` for padded ones. A
+            ``collate_fn`` whose layout is known (Hugging Face's collators, or one with an
+            ``orchmllm_layout`` attribute: :func:`~orchmllm.data.planners.collate_layout`)
+            paired with a policy for the other layout warns once
+            (:class:`~orchmllm.data.planners.LayoutMismatchWarning`).
         cost: An ``orchmllm.CostModel`` for the policy (None: the policy's default).
         mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
             balanced share: needs a map-style dataset with lengths known up front),
@@ -451,6 +455,7 @@ class BalancedDataLoader:
         is_loader = isinstance(source, DataLoader)
         self.collate_fn = opts.collate_fn or (source.collate_fn if is_loader else default_collate)
         planner = opts.planner or BalancePlanner(policy=opts.policy, cost=opts.cost)
+        warn_on_layout_mismatch(self.collate_fn, planner)
         self._stats_cost = st.planner_cost(planner)
         self._ranks_per_node = getattr(planner, "ranks_per_node", None)
         budget = opts.max_tokens_per_rank

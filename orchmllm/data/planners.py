@@ -13,13 +13,32 @@ with its ``deterministic`` attribute.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import balance, plan_is_deterministic
+from orchmllm.balance import PADDED_POLICIES, balance, plan_is_deterministic
 from orchmllm.plan import Rearrangement
+
+LAYOUTS = ("padded", "packed")
+# Collate classes whose batch layout is known, by (module, class); matched by name so that
+# transformers stays an optional dependency.
+_HF_COLLATORS = "transformers.data.data_collator"
+KNOWN_COLLATE_LAYOUTS = {
+    (_HF_COLLATORS, "DataCollatorWithPadding"): "padded",
+    (_HF_COLLATORS, "DataCollatorForLanguageModeling"): "padded",
+    (_HF_COLLATORS, "DataCollatorForSeq2Seq"): "padded",
+    (_HF_COLLATORS, "DataCollatorForTokenClassification"): "padded",
+    (_HF_COLLATORS, "DataCollatorWithFlattening"): "packed",
+}
+
+
+class LayoutMismatchWarning(UserWarning):
+    """The collate function pads its batches and the policy balances packed ones, or the
+    reverse: the plan then balances a cost the step does not pay."""
 
 
 @dataclass(frozen=True)
@@ -50,3 +69,49 @@ class BalancePlanner:
             placement=self.placement,
         )
         return Rearrangement.from_assignment(src, result.dst, num_ranks=num_ranks)
+
+
+def collate_layout(collate_fn: Callable[[list], Any]) -> str | None:
+    """``"padded"``, ``"packed"`` or None (cannot tell) for a collate function.
+
+    A collate function declares its layout with an ``orchmllm_layout`` attribute (e.g.
+    ``my_collate.orchmllm_layout = "padded"``); Hugging Face's collators are known by class
+    (``KNOWN_COLLATE_LAYOUTS``). Anything else is not guessed: a batch's tensors alone do not
+    say whether the zeros in them are padding.
+    """
+    declared = getattr(collate_fn, "orchmllm_layout", None)
+    if declared is not None:
+        if declared not in LAYOUTS:
+            raise ValueError(
+                f"collate_fn.orchmllm_layout must be one of {LAYOUTS}, got {declared!r}"
+            )
+        return declared
+    kind = type(collate_fn)
+    return KNOWN_COLLATE_LAYOUTS.get((kind.__module__, kind.__qualname__))
+
+
+def warn_on_layout_mismatch(collate_fn: Callable[[list], Any], planner: Any) -> None:
+    """Warn (:class:`LayoutMismatchWarning`) when a :class:`BalancePlanner`'s policy assumes
+    the other batch layout than ``collate_fn`` makes. Python shows each such warning once per
+    process; a custom planner is trusted to know its cost."""
+    layout = collate_layout(collate_fn)
+    if layout is None or not isinstance(planner, BalancePlanner):
+        return
+    if layout == "padded" and planner.policy not in PADDED_POLICIES:
+        advice = (
+            f"a padded batch costs count x its longest example, which policy="
+            f"{planner.policy!r} does not balance: use policy='padded_cost' (or "
+            f"'binary_search')"
+        )
+    elif layout == "packed" and planner.policy in PADDED_POLICIES:
+        advice = (
+            f"a packed batch costs the sum of its lengths, which policy={planner.policy!r} "
+            f"(a padded policy) does not balance: use policy='greedy'"
+        )
+    else:
+        return
+    warnings.warn(
+        f"collate_fn {collate_fn!r} makes {layout} batches; {advice}",
+        LayoutMismatchWarning,
+        stacklevel=3,
+    )
