@@ -45,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import orchmllm  # orchmllm
+from orchmllm.progress import PROGRESS, StepProgress
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 
@@ -117,6 +118,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader, sampler = make_loader(dataset, args)
     records = []
+    progress = StepProgress(total=len(loader) * args.epochs, rank=rank, mode=args.progress)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -143,13 +145,14 @@ def train(args: argparse.Namespace) -> list[dict]:
                     "imbalance": float(tokens.max() / tokens.mean()),
                 }
             )
-            if rank == 0 and not args.quiet:
-                r = records[-1]
-                print(
-                    f"step {len(records) - 1:3d}  loss {r['loss']:.6f}  target tokens per rank "
-                    f"{r['tokens']}  imbalance (max/mean) {r['imbalance']:.3f}",
-                    flush=True,
-                )
+            r = records[-1]
+            progress.step(
+                f"step {len(records) - 1:3d}  loss {r['loss']:.6f}  target tokens per rank "
+                f"{r['tokens']}  imbalance (max/mean) {r['imbalance']:.3f}",
+                loss=f"{r['loss']:.4f}",
+                imbalance=f"{r['imbalance']:.3f}",
+            )
+    progress.close()
     if rank == 0:
         mean = np.mean([r["imbalance"] for r in records])
         print(f"balance={args.balance}: mean imbalance {mean:.3f} over {len(records)} steps")
@@ -171,7 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--progress", choices=PROGRESS, default="auto", help="rank 0's per-step report")
     args = p.parse_args(argv)
     if args.balance != "none" and args.balance not in orchmllm.POLICIES:
         p.error(f"--balance must be 'none' or one of {orchmllm.POLICIES}, got {args.balance!r}")

@@ -47,6 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import orchmllm
+from orchmllm.progress import PROGRESS, StepProgress
 
 IGNORE_INDEX = -100
 TEXT, IMAGE, AUDIO = 0, 1, 2  # orchmllm's segment kinds (the example schema of orchmllm.schema)
@@ -462,6 +463,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         )
         sampler = loader
     records = []
+    progress = StepProgress(total=len(loader) * args.epochs, rank=rank, mode=args.progress)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -488,12 +490,14 @@ def train(args: argparse.Namespace) -> list[dict]:
                     "imbalance": {n: _imbalance(per_rank[i]) for i, n in enumerate(phases_names)},
                 }
             )
-            if rank == 0 and not args.quiet:
-                r = records[-1]
-                imb = "  ".join(f"{n} {v:.3f}" for n, v in r["imbalance"].items())
-                print(
-                    f"step {len(records) - 1:3d}  loss {r['loss']:.6f}  imbalance {imb}", flush=True
-                )
+            r = records[-1]
+            imb = "  ".join(f"{n} {v:.3f}" for n, v in r["imbalance"].items())
+            progress.step(
+                f"step {len(records) - 1:3d}  loss {r['loss']:.6f}  imbalance {imb}",
+                loss=f"{r['loss']:.4f}",
+                imbalance=f"{r['imbalance']['llm']:.3f}",
+            )
+    progress.close()
     if rank == 0:
         mean = {n: np.mean([r["imbalance"][n] for r in records]) for n in phases_names}
         print(
@@ -524,7 +528,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--progress", choices=PROGRESS, default="auto", help="rank 0's per-step report")
     return p.parse_args(argv)
 
 

@@ -40,6 +40,7 @@ from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
 from orchmllm.orchestrator import IGNORE_INDEX, LLMBatch, Orchestrator
+from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.step_plan import MODES, default_phases
 from orchmllm.topology import Topology
 
@@ -157,7 +158,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
-    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default="auto",
+        help="rank 0's per-step report: a tqdm bar, one line per step, or nothing (auto: a "
+        "bar on a terminal, else lines)",
+    )
+    p.add_argument("--quiet", action="store_true", help="same as --progress off")
     p.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -449,6 +457,12 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
     if metrics:
         start_metrics(metrics, start=start)
     batches = iter(run.loader)
+    progress = StepProgress(
+        total=run.steps,
+        initial=start,
+        rank=dist.get_rank(),
+        mode="off" if args.quiet else args.progress,
+    )
     for step in range(start, run.steps):
         t0 = time.perf_counter()
         try:
@@ -489,8 +503,11 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
         summary.add(record)
         if metrics:
             append_metrics(metrics, record)
-        if dist.get_rank() == 0 and not args.quiet:
-            print(_progress(record), flush=True)
+        progress.step(
+            _progress(record),
+            loss=f"{global_loss:.4f}",
+            imbalance=f"{record['phases']['llm']['imbalance_after']:.3f}",
+        )
         if args.checkpoint_dir and _checkpoint_due(step + 1, run):
             t0 = time.perf_counter()
             try:
@@ -500,6 +517,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
                 )  # fmt: skip
             except Exception as exc:
                 _step_failed(exc, "train", t0)
+    progress.close()
     run.loader.close()
     return summary, run.model
 

@@ -49,6 +49,7 @@ FLOORS = {
     "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
     "orchmllm.report": 7,
+    "orchmllm.progress": 7,
 }
 TORCH_FREE_FLOOR = 2.5
 

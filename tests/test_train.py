@@ -425,11 +425,16 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_e
     (partial / ".metadata").write_bytes(b"half")
 
     store = _launcher_store()
-    procs = _launch_ranks(tmp_path / "resume", argv, world, repo_env, store.port)
+    # The resumed run draws rank 0's progress bar (to a file: forced on), from the checkpoint.
+    bar_argv = [a for a in argv if a != "--quiet"] + ["--progress", "bar"]
+    procs = _launch_ranks(tmp_path / "resume", bar_argv, world, repo_env, store.port)
     for rank, p in enumerate(procs):
         assert p.wait(timeout=300) == 0, (tmp_path / "resume" / f"err{rank}").read_text()[-3000:]
     log = (tmp_path / "resume" / "out0").read_text()
     assert f"resumed at step {killed_at} from {ckpt / f'step-{killed_at:08d}'}" in log
+    bars = [(tmp_path / "resume" / f"err{rank}").read_text() for rank in range(world)]
+    assert f"{steps}/{steps}" in bars[0] and "loss=" in bars[0] and "step/s" in bars[0]
+    assert "step/s" not in bars[1] and "  loss " not in log  # no bar on rank 1, no lines
     assert checkpoint.latest_step(str(ckpt)) == steps and not partial.exists()
     ref_records, ref_params = _load(tmp_path, "ref")
     records, params = _load(tmp_path, "resumed")
