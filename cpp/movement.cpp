@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <set>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "assignment.hpp"
 #include "balance.hpp"
 
 namespace py = pybind11;
@@ -35,13 +37,16 @@ namespace orch {
 // counts twice, so that ties and near-ties keep traffic inside nodes.
 // Two candidates differ in what a rank sheds: the lightest set of items covering its excess
 // (a subset sum on a grid), or whatever does not fit after keeping its heaviest items first.
-// The one with the least movement wins; if neither reaches the limit, greedy's own plan after
-// phase 3 is returned, so the limit always holds.
+// A third candidate, at most 8 items per rank or when the others fail: greedy's own batches,
+// each placed whole on the rank holding most of its weight (an assignment), then phase 3.
+// The one with the least movement wins; the third always reaches the limit, so it holds.
 namespace {
 
 constexpr int64_t kGrid = 1024;             // subset-sum resolution: steps per excess
 constexpr int64_t kRepairStepsPerRank = 4;  // phase 2 budget, like greedy's refinement
 constexpr int kImprovePasses = 4;           // phase 3 sweeps (each one only lowers the movement)
+constexpr int64_t kBatchSearchColumns = 64;  // batches_home: settled ranks per batch's search
+constexpr int64_t kHomeMaxItemsPerRank = 8;  // batches_home runs up to this many items per rank
 
 using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
 
@@ -65,6 +70,69 @@ class Stay {
         double sum = 0.0;
         for (int64_t i = 0; i < n_; ++i) sum += cost(i, dst[i]);
         return sum;
+    }
+
+    // Whole batches of a balanced plan (batch_of) moved to the ranks that already hold most of
+    // their weight: a permutation of the batches, so the loads are only permuted and the limit
+    // still holds. A batch b on rank r keeps W[b, r] home and, with nodes, W[b, node of r]
+    // on its node, so its profit is W[b, r] + W[b, node of r] (with nodes) or W[b, r]; only
+    // ranks holding some of b's weight are candidates. The assignment's search is bounded (a
+    // heuristic candidate, at any size).
+    std::vector<int64_t> batches_home(const std::vector<int64_t>& batch_of) const {
+        std::vector<int64_t> start(d_ + 1, 0), by_batch(n_);
+        for (int64_t i = 0; i < n_; ++i) ++start[batch_of[i] + 1];
+        for (int64_t b = 0; b < d_; ++b) start[b + 1] += start[b];
+        std::vector<int64_t> next(start.begin(), start.end() - 1);
+        for (int64_t i = 0; i < n_; ++i) by_batch[next[batch_of[i]]++] = i;
+        double total = 0.0;
+        bool integral = true;
+        for (int64_t i = 0; i < n_; ++i) {
+            total += w_[i];
+            integral = integral && w_[i] == static_cast<double>(static_cast<int64_t>(w_[i]));
+        }
+        constexpr double kExact = static_cast<double>(int64_t{1} << 50);
+        const double scale = integral && 2.0 * total < kExact ? 1.0 : kExact / (2.0 * total + 1.0);
+        std::vector<int64_t> indptr(d_ + 1, 0), cols, profit;
+        std::vector<double> on_rank(d_, 0.0), on_node(c_ > 0 ? d_ / c_ : 0, 0.0);
+        std::vector<int64_t> ranks;
+        for (int64_t b = 0; b < d_; ++b) {
+            ranks.clear();
+            for (int64_t j = start[b]; j < start[b + 1]; ++j) {
+                const int64_t i = by_batch[j], r = src_[i];
+                if (on_rank[r] == 0.0) ranks.push_back(r);
+                on_rank[r] += w_[i];
+                if (c_ > 0) on_node[r / c_] += w_[i];
+            }
+            std::sort(ranks.begin(), ranks.end());
+            for (const int64_t r : ranks) {
+                const double value = on_rank[r] + (c_ > 0 ? on_node[r / c_] : 0.0);
+                const int64_t p = std::llround(value * scale);
+                if (p > 0) {
+                    cols.push_back(r);
+                    profit.push_back(p);
+                }
+            }
+            for (const int64_t r : ranks) {
+                on_rank[r] = 0.0;
+                if (c_ > 0) on_node[r / c_] = 0.0;
+            }
+            indptr[b + 1] = static_cast<int64_t>(cols.size());
+        }
+        std::vector<int64_t> rank_of = capacitated_assignment(
+            indptr.data(), cols.data(), profit.data(), d_, d_, 1, kBatchSearchColumns).col_of;
+        std::vector<char> taken(d_, 0);
+        for (const int64_t r : rank_of)
+            if (r >= 0) taken[r] = 1;
+        int64_t free_rank = 0;
+        for (int64_t b = 0; b < d_; ++b) {  // unmatched batches take the free ranks in order
+            if (rank_of[b] >= 0) continue;
+            while (taken[free_rank]) ++free_rank;
+            rank_of[b] = free_rank;
+            taken[free_rank] = 1;
+        }
+        std::vector<int64_t> dst(n_);
+        for (int64_t i = 0; i < n_; ++i) dst[i] = rank_of[batch_of[i]];
+        return dst;
     }
 
     // Phase 1, heaviest first: every rank keeps its heaviest items while they fit.
@@ -312,9 +380,15 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
             best_moved = moved;
         }
     }
-    if (!best.empty()) return best;
-    stay.improve(greedy);
-    return greedy;
+    // Greedy's own batches, each moved whole to where its weight is: reaches the limit always,
+    // and wins where shedding cannot (few items per rank, a tight limit). With more items per
+    // rank shedding moves near the lower bound (balance_bench) and this candidate, which
+    // costs more than the others together, is left out.
+    if (!best.empty() && n > kHomeMaxItemsPerRank * num_ranks) return best;
+    std::vector<int64_t> home = stay.batches_home(greedy);
+    stay.improve(home);
+    if (best.empty() || stay.moved(home) < best_moved) return home;
+    return best;
 }
 
 }  // namespace orch

@@ -260,9 +260,11 @@ def movement_aware_dst(
     fullest rank they fit on (their own node first with ``ranks_per_node``); a repair phase of
     greedy-style moves and swaps brings any rank still above the limit under it; a final phase
     sends moved items back to their source rank, alone or in exchange for an item that is
-    already away (or a lighter one), while every rank stays within the limit. The plan moving
-    the least weight wins; if none reaches the limit, greedy's plan after the final phase is
-    returned, so the tolerance always holds. Items are chosen by weight alone, so ``sizes``
+    already away (or a lighter one), while every rank stays within the limit. With at most 8
+    items per rank, or when shedding fails, a third candidate keeps greedy's own batches and
+    places each whole on the rank already holding most of its weight (an assignment, as in
+    placement), then runs the final phase; it always reaches the limit. The plan moving the
+    least weight wins, so the tolerance always holds. Items are chosen by weight alone, so ``sizes``
     (tokens per item) only has to be valid; it is accepted for the ``balance()`` contract and
     used by :func:`movement_lower_bound`. Deterministic: ties break by item index, then rank
     index.
