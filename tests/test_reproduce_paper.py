@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchmllm.train import load_config
 from tests.conftest import ROOT, load_script
 
 reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
@@ -33,6 +34,7 @@ def quick(tmp_path_factory, run_benchmark) -> tuple[list[dict], Path]:
         "reproduce_paper.py", "--out", str(out), "--gpu-results", str(empty), timeout=240
     )
     assert "Figure 8" in run.stdout and "Table 2" in run.stdout
+    assert "Defaults from the simulator" in run.stdout
     assert "no GPU record" in run.stdout
     return run.records, out
 
@@ -56,6 +58,19 @@ def test_records_have_the_fields_and_sane_values(quick) -> None:
         for phase in ("vision", "audio", "llm"):
             assert r[f"imbalance_{phase}"] >= 1 - 1e-9
     assert {r["seed"] for r in cases if "seed" in r} == {0, 1}  # --quick: two seeds
+
+
+def test_defaults_section_compares_both_batches_at_its_scales(quick) -> None:
+    """The defaults table reads the Figure 13 records of its scales (--quick: 64 GPUs): both
+    kinds of batches, per model, with an MFU ratio and a reduction each."""
+    records, _ = quick
+    rows = [r for r in records if r["figure"] == "fig13_summary" and r["ranks"] == 64]
+    assert {(r["model"], r["batches"]) for r in rows} == {
+        (m, b) for m in ("mllm-10b", "mllm-18b", "mllm-84b") for b in ("greedy", "greedy_stay")
+    }
+    for r in rows:
+        assert 0.5 < r["speedup_placement"]["mean"] < 2.0
+        assert r["reduction_max_rank"]["max"] <= 1.0
 
 
 def test_figure8_factors_come_from_the_memory_model_and_multiply(quick) -> None:
@@ -191,8 +206,7 @@ def test_no_gpu_record_is_said(tmp_path, run_benchmark) -> None:
 def test_gpu_batch_holds_the_examples_gpu_step_runs() -> None:
     """The simulated set-up runs the very examples gpu_step samples for that step and seed
     (the ids of step 1 cross a recipe block boundary)."""
-    gpu_step = pytest.importorskip("gpu_step")
-    from orchmllm.train import load_config
+    gpu_step = load_script(ROOT / "benchmarks" / "gpu_step.py")
 
     rec = {"device": "cpu", "vision_layers": 2, "audio_layers": 2, "llm_layers": 2, "ranks": 4}
     rec["config"] = "configs/tiny.yaml"
