@@ -69,6 +69,9 @@ class Topology:
         if meta_group is None:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             meta_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+            # Return only once every rank has connected: a rank dropping this topology at once
+            # would otherwise destroy the group under a peer still connecting to it.
+            dist.barrier(group=meta_group)
             owned.append(meta_group)
         elif dist.get_backend(meta_group) != "gloo":
             raise ValueError(

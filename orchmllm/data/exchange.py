@@ -88,6 +88,7 @@ def new_cpu_group(*, timeout: float, owner: object) -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    dist.barrier(group=group)  # every rank connected before any can drop its owner
     weakref.finalize(owner, _destroy, group)
     return group
 
