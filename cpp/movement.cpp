@@ -1,7 +1,7 @@
 // Where the tokens go: the movement-aware balancing policy (greedy_stay). Pure functions over
 // int64/float64 arrays.
 //
-// Both are deterministic: every loop runs in a fixed order, ties break by the smaller index.
+// Deterministic: every loop runs in a fixed order, ties break by the smaller index.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 

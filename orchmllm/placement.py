@@ -90,8 +90,8 @@ AUTO_ILP_MIN_BUDGET_S = 0.15
 # ``auto``'s node assignment settles at most this many node columns per batch: exact up to
 # AUTO_SEARCH_COLUMNS - 1 nodes (a search never needs more), and beyond that bounded, with
 # the shortfall reported (``on_node_tokens_bound``). At 16,384 ranks of greedy batches the
-# exact search spends ~90% of its time on the few batches whose search crosses hundreds of
-# nodes (benchmarks/placement_bench.py prints the bound and the time of both).
+# exact search spends most of its time on the few batches whose search crosses hundreds of
+# nodes (benchmarks/placement_bench.py prints the time of both and the share of the bound).
 AUTO_SEARCH_COLUMNS = 64
 _AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 # solver -> seconds its one-time setup took in this process (see prepare_ilp)
@@ -264,10 +264,10 @@ def movement_aware_dst(
     items per rank, or when shedding fails, a third candidate keeps greedy's own batches and
     places each whole on the rank already holding most of its weight (an assignment, as in
     placement), then runs the final phase; it always reaches the limit. The plan moving the
-    least weight wins, so the tolerance always holds. Items are chosen by weight alone, so ``sizes``
-    (tokens per item) only has to be valid; it is accepted for the ``balance()`` contract and
-    used by :func:`movement_lower_bound`. Deterministic: ties break by item index, then rank
-    index.
+    least weight wins, so the tolerance always holds. Items are chosen by weight alone, so
+    ``sizes`` (tokens per item) only has to be valid; it is accepted for the ``balance()``
+    contract and used by :func:`movement_lower_bound`. Deterministic: ties break by item index,
+    then rank index.
     """
     w = _weights(weights)
     d = check_num_ranks(num_ranks)
