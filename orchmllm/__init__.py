@@ -9,7 +9,7 @@ The planner (``balance``, the cost models, ``Rearrangement`` and the step planne
 from importlib import import_module
 from typing import Any
 
-from orchmllm.balance import POLICIES, Assignment, balance
+from orchmllm.balance import POLICIES, Assignment, InfeasibleCapError, balance
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement
 from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, local_metadata, plan_step
@@ -31,6 +31,7 @@ __all__ = [
     "POLICIES",
     "Assignment",
     "CostModel",
+    "InfeasibleCapError",
     "Rearrangement",
     "EncoderPhase",
     "StepOptions",

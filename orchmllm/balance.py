@@ -50,10 +50,18 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   fit. Its statistics add ``tokens_moved_lower_bound``, the fewest tokens any plan with the
   same makespan must move (``orchmllm.placement.movement_lower_bound``).
 
-``max_items_per_rank`` is enforced while planning by the greedy and padded policies and
-checked afterwards for ``identity``, ``kk`` and ``greedy_stay``; ``max_load_per_rank`` (a
-memory cap in the policy's cost) is checked on the plan. A cap the policy cannot meet raises
-``ValueError`` with the smallest value that works.
+Caps are steered, not only checked: ``max_items_per_rank`` (items per rank) and
+``max_load_per_rank`` (a memory budget in the policy's cost) hold for every policy but
+``identity`` whenever the heuristics below or, on small instances, an exact search find a plan.
+The policy plans first (the greedy and padded ones enforce the item cap as they go); a plan
+over a cap is replaced by the capped ``greedy_cost`` portfolio (packed) or the exact
+``padded_cost`` (padded), then, for packed policies on at most ``EXACT_MAX_CELLS`` items x
+ranks, by the exact minimum makespan under the item cap (``orchmllm.exact``, HiGHS with a
+node limit). ``greedy_stay``'s fallbacks are placed whole on the ranks holding most of their
+tokens. When nothing fits, :class:`InfeasibleCapError` (a ``ValueError``) names the smallest
+value that works: exact for padded policies and small packed instances, else the lightest
+plan found and the floor no plan goes below. ``identity`` moves nothing, so its caps are
+checked. ``stats["caps_steered"]`` says whether a fallback replaced the policy's plan.
 
 Every fact about a policy (its cost kind, whether it enforces caps, is refined, is a pure
 function of its inputs, its C++ function and its Python reference) is one :class:`Policy`
@@ -81,6 +89,7 @@ import numpy as np
 
 from orchmllm import _core
 from orchmllm.cost import CostModel
+from orchmllm.exact import EXACT_MAX_CELLS, min_makespan
 from orchmllm.placement import (
     MAX_RANKS,
     REFINE_STEPS_PER_RANK,
@@ -136,11 +145,31 @@ def balance(
 ) -> Assignment:
     """Plan where every item goes so that the most loaded rank is as light as possible.
 
-    ``tolerance`` tunes ``greedy_tolerance`` (fraction of the mean rank sum, default
-    ``DEFAULT_TOLERANCE``) and is passed to ``greedy_stay``, as is ``ranks_per_node``.
-    ``refine`` (default on) runs the move/swap local search after ``greedy``/``greedy_cost``;
-    ``refine=False`` keeps the paper's Alg. 1 exactly. ``backend="python"`` runs the plain
-    Python reference instead of the C++ core (same result, for tests and benchmarks).
+    Args:
+        lengths: tokens per item (non-negative integers, 1-D).
+        num_ranks: ranks to balance over.
+        policy: one of ``POLICIES`` (module docstring).
+        src: current rank of every item (needed by ``identity``, ``greedy_stay`` and a
+            placement; adds movement statistics).
+        cost: the cost model balanced (``None``: the policy's default, :func:`default_cost`).
+        ranks_per_node: ranks per node, for ``greedy_stay`` and ``placement``.
+        placement: ``none``, or how batches are permuted over ranks to keep traffic inside
+            nodes (``orchmllm.placement``).
+        max_items_per_rank: at most this many items on any rank (module docstring: caps).
+        max_load_per_rank: at most this cost on any rank, e.g. a memory budget in tokens.
+        tolerance: ``greedy_tolerance``'s window (fraction of the mean rank sum, default
+            ``DEFAULT_TOLERANCE``), or ``greedy_stay``'s makespan slack over ``greedy``.
+        refine: the move/swap local search after ``greedy``/``greedy_cost`` (default on);
+            ``False`` keeps the paper's Alg. 1 exactly.
+        backend: ``python`` runs the plain Python reference instead of the C++ core (same
+            result, for tests and benchmarks).
+
+    Returns:
+        An :class:`Assignment`: ``dst`` per item, ``loads`` per rank, ``stats``.
+
+    Raises:
+        InfeasibleCapError: a cap no plan meets, or none was found for (a ``ValueError``).
+        ValueError: any other bad argument, named with its value.
     """
     if (
         type(lengths) is np.ndarray
@@ -184,10 +213,13 @@ def balance(
     if max_items_per_rank is not None:
         cap = _count("max_items_per_rank", max_items_per_rank)
         if cap * d < n:
-            raise ValueError(
+            least = -(-n // d)
+            raise InfeasibleCapError(
                 f"max_items_per_rank={cap} cannot hold {n} items on {d} ranks; "
-                f"the smallest value that works is {-(-n // d)}"
-            )
+                f"the smallest value that works is {least}",
+                argument="max_items_per_rank", value=cap, smallest=float(least),
+                proven=True, lower_bound=float(least),
+            )  # fmt: skip
     if max_load_per_rank is not None and not (
         isinstance(max_load_per_rank, numbers.Real) and max_load_per_rank > 0
     ):
@@ -209,10 +241,13 @@ def balance(
         refine=bool(refine),
         backend=backend,
     )
-    loads = cost.loads(l, dst, d)
-    _check_caps(record, dst, loads, d, max_items_per_rank, max_load_per_rank, l, cost)
-
     stats: dict[str, float] = {}
+    if max_items_per_rank is not None or max_load_per_rank is not None:
+        caps = _Caps(cap, max_items_per_rank, max_load_per_rank)
+        steered = _steer_caps(record, dst, l, d, cost, caps, s, ranks_per_node, backend)
+        stats["caps_steered"] = float(steered is not dst)
+        dst = steered
+    loads = cost.loads(l, dst, d)
     if placement != "none":
         placed = place_batches(
             l, s, dst, num_ranks=d, ranks_per_node=ranks_per_node, method=placement
@@ -329,31 +364,116 @@ def _check_finite(longest: int, n: int, d: int, cost: CostModel) -> None:
         )
 
 
-def _check_caps(
-    policy: Policy,
+class InfeasibleCapError(ValueError):
+    """A per-rank cap of :func:`balance` that no plan meets, or none was found for.
+
+    ``argument``/``value``: the cap and what was passed. ``smallest``: the smallest value that
+    works: exact when ``proven``, else the lightest plan found (``lower_bound`` is then the
+    floor no plan goes below).
+    """
+
+    def __init__(
+        self, message: str, *, argument: str, value: float, smallest: float,
+        proven: bool, lower_bound: float,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.argument, self.value, self.smallest = argument, value, smallest
+        self.proven, self.lower_bound = proven, lower_bound
+
+
+class _Caps(NamedTuple):
+    items: int  # the item cap in force (n when none was given)
+    max_items: int | None  # as given
+    max_load: float | None
+
+
+def _steer_caps(
+    record: Policy,
     dst: np.ndarray,
-    loads: np.ndarray,
-    d: int,
-    max_items: int | None,
-    max_load: float | None,
     lengths: np.ndarray,
+    d: int,
     cost: CostModel,
-) -> None:
-    if max_items is not None and not policy.capped:
-        need = int(np.bincount(dst, minlength=d).max(initial=0))
-        if need > max_items:
-            raise ValueError(
-                f"max_items_per_rank={max_items} is below what policy={policy.name!r} needs: the "
-                f"smallest value that works for it is {need} (kk_equal and the greedy policies "
-                f"enforce the cap, down to {-(-lengths.size // d)})"
-            )
-    if max_load is not None and loads.size and loads.max() > max_load:
-        lower = _lower_bound(lengths, loads, cost)
-        raise ValueError(
-            f"max_load_per_rank={max_load} is below the largest load policy={policy.name!r} "
-            f"reaches: the smallest value that works for it is {loads.max():.6g} "
-            f"(no plan can go below {lower:.6g})"
+    caps: _Caps,
+    src: np.ndarray | None,
+    ranks_per_node: int | None,
+    backend: str,
+) -> np.ndarray:
+    """``dst`` if it meets the caps, else the first plan that does among, in order: the
+    capped portfolio ``greedy_cost`` (packed policies) or the exact ``padded_cost`` (padded
+    ones); for packed policies on at most ``EXACT_MAX_CELLS`` items x ranks, the exact
+    minimum makespan under the item cap (:func:`orchmllm.exact.min_makespan`). Plans of a
+    policy that plans from ``src`` are first placed whole on the ranks holding most of their
+    tokens (``place_batches(method="assign")``), so fallbacks still move little. Raises
+    :class:`InfeasibleCapError` when none fits, naming the smallest value that works.
+    ``identity`` moves nothing, so its caps are only checked."""
+
+    def fits(plan: np.ndarray) -> bool:
+        if int(np.bincount(plan, minlength=d).max(initial=0)) > caps.items:
+            return False
+        return caps.max_load is None or float(cost.loads(lengths, plan, d).max()) <= caps.max_load
+
+    if fits(dst):
+        return dst
+    if record.name == "identity":
+        _raise_identity_caps(dst, lengths, d, cost, caps)
+
+    def placed(plan: np.ndarray) -> np.ndarray:
+        if not record.needs_src:
+            return plan
+        kw = {"num_ranks": d, "ranks_per_node": ranks_per_node or 1, "method": "assign"}
+        return np.asarray(place_batches(lengths, src, plan, **kw).dst, dtype=np.int64)
+
+    fallback = "padded_cost" if record.padded else "greedy_cost"
+    best = dst
+    if record.name != fallback:
+        best = placed(plan_dst(fallback, lengths, d, cost=cost, cap=caps.items, backend=backend))
+        if fits(best):
+            return best
+    # The item cap alone always fits by now (every fallback enforces it): the load cap is left.
+    best_load = float(cost.loads(lengths, best, d).max())
+    proven = record.padded  # padded_cost is exact for its cost (module docstring)
+    if not record.padded and lengths.size * d <= EXACT_MAX_CELLS:
+        exact = min_makespan(cost.item_costs(lengths), d, max_items=caps.items)
+        if exact.dst is not None:
+            exact_load = float(cost.loads(lengths, exact.dst, d).max())
+            if exact_load < best_load:
+                best, best_load = placed(exact.dst), exact_load
+            proven = exact.proven
+        if fits(best):
+            return best
+    lower = best_load if proven else _lower_bound(lengths, cost.loads(lengths, best, d), cost)
+    under = "" if caps.max_items is None else f" with max_items_per_rank={caps.max_items}"
+    if proven:
+        why = f"no plan{under} has a lighter busiest rank: the smallest value that works is"
+    else:
+        why = (
+            f"no plan{under} was found under it (an exact search runs up to {EXACT_MAX_CELLS} "
+            f"items x ranks) and no plan goes below {lower:.10g}; the smallest value found is"
         )
+    raise InfeasibleCapError(
+        f"max_load_per_rank={caps.max_load} is too small for policy={record.name!r}: "
+        f"{why} {best_load:.10g}",
+        argument="max_load_per_rank", value=caps.max_load, smallest=best_load,
+        proven=proven, lower_bound=lower,
+    )  # fmt: skip
+
+
+def _raise_identity_caps(
+    dst: np.ndarray, lengths: np.ndarray, d: int, cost: CostModel, caps: _Caps
+) -> None:
+    """policy='identity' keeps every item where it is, so the smallest caps that work for it
+    are the ones its batches already have."""
+    need = int(np.bincount(dst, minlength=d).max(initial=0))
+    if need > caps.items:
+        argument, value, smallest = "max_items_per_rank", caps.max_items, float(need)
+    else:
+        argument, value = "max_load_per_rank", caps.max_load
+        smallest = float(cost.loads(lengths, dst, d).max())
+    raise InfeasibleCapError(
+        f"{argument}={value} is below what policy='identity' (which moves nothing) needs: "
+        f"the smallest value that works for it is {smallest:.10g}",
+        argument=argument, value=value, smallest=smallest, proven=True, lower_bound=smallest,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -838,7 +958,7 @@ class Policy:
     version, same arguments (``None``: there is none, and ``backend="python"`` runs ``cpp``
     too); ``call(fn, job)`` runs either on a validated :class:`_Job`. ``padded``: its cost
     model is kind ``padded`` (count x longest), else ``packed`` (additive). ``capped``: it
-    enforces ``max_items_per_rank`` while planning (the others are checked on the plan).
+    enforces ``max_items_per_rank`` while planning (the others are steered after it).
     ``refined``: ``refine=True`` adds the move/swap local search. ``deterministic``: the plan
     is a pure function of the inputs, so every rank can compute it itself (all policies so far;
     a clocked one would not be). ``needs_src``: it plans from where the items are (``src`` is
@@ -910,6 +1030,7 @@ __all__ = [
     "POLICIES",
     "REGISTRY",
     "Assignment",
+    "InfeasibleCapError",
     "Policy",
     "balance",
     "plan_is_deterministic",

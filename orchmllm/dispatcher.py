@@ -101,7 +101,10 @@ class BatchDispatcher:
     on in debug mode, see :func:`debug_enabled`); what each rank passes (tensor names, dtypes,
     trailing shapes, ``requires_grad``, the policy and its options, a precomputed plan) is
     always compared, at no extra collective: it rides in the lengths gather. ``timeout``:
-    seconds any one collective may wait.
+    seconds any one collective may wait. ``max_items_per_rank`` / ``max_load_per_rank``: caps
+    every plan meets (a memory budget per rank in the policy's cost, e.g. tokens for packed
+    batches); a cap no plan meets raises :class:`orchmllm.InfeasibleCapError` on every rank,
+    naming the smallest value that works.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class BatchDispatcher:
         meta_group: dist.ProcessGroup | None = None,
         check_plan: bool | None = None,
         max_items_per_rank: int | None = None,
+        max_load_per_rank: float | None = None,
         pad_value: float = 0,
     ) -> None:
         if layout not in LAYOUTS:
@@ -145,6 +149,7 @@ class BatchDispatcher:
         self.placement = placement
         self.layout = layout
         self.max_items_per_rank = max_items_per_rank
+        self.max_load_per_rank = max_load_per_rank
         self.pad_value = pad_value
         self.check_plan = debug_enabled() if check_plan is None else bool(check_plan)
         self.deterministic = plan_is_deterministic(placement=placement, policies=(policy,))
@@ -197,6 +202,7 @@ class BatchDispatcher:
                     ranks_per_node=self.ranks_per_node,
                     placement=self.placement,
                     max_items_per_rank=self.max_items_per_rank,
+                    max_load_per_rank=self.max_load_per_rank,
                 ),
                 deterministic=self.deterministic,
                 group=self.meta_group,
@@ -333,7 +339,7 @@ class BatchDispatcher:
             "requires_grad": tuple((name, t.requires_grad) for name, t, _ in tensors),
             "policy": (
                 self.policy, self.layout, self.placement, self.ranks_per_node, self.cost,
-                self.max_items_per_rank,
+                self.max_items_per_rank, self.max_load_per_rank,
             ),
             "plan": None if plan is None else plan.fingerprint(),
         }  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -71,3 +72,15 @@ def load_script(path: Path) -> ModuleType:
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def brute_force_min_load(lengths, num_ranks: int, cost, max_items: int) -> float:
+    """The smallest busiest-rank cost of any plan with at most ``max_items`` items per rank,
+    by trying every one of the ``num_ranks ** len(lengths)`` plans (tiny instances only): the
+    exact yardstick the planner's caps and exact solver are tested against."""
+    l = np.asarray(lengths, dtype=np.int64)
+    plans = np.array(list(itertools.product(range(num_ranks), repeat=l.size)), dtype=np.int64)
+    plans = plans.reshape(-1, l.size)
+    counts = np.stack([np.bincount(p, minlength=num_ranks) for p in plans])
+    ok = counts.max(axis=1) <= max_items
+    return min(float(cost.loads(l, p, num_ranks).max()) for p in plans[ok])

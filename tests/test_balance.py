@@ -16,7 +16,9 @@ from orchmllm.balance import (
     PADDED_POLICIES,
     POLICIES,
     REGISTRY,
+    InfeasibleCapError,
     balance,
+    default_cost,
     plan_is_deterministic,
     ref_karmarkar_karp,
     ref_lpt,
@@ -24,6 +26,7 @@ from orchmllm.balance import (
 )
 from orchmllm.cost import CostModel
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
+from tests.conftest import brute_force_min_load
 
 # greedy_stay is the placement module's algorithm; its own tests check it.
 OWN = tuple(p for p in POLICIES if p != "greedy_stay")
@@ -272,6 +275,63 @@ def test_impossible_caps_name_the_smallest_value():
     with pytest.raises(ValueError, match=r"max_load_per_rank=20 .* smallest value .* is 30"):
         balance(lengths, 4, "greedy", max_load_per_rank=20)
     assert balance(lengths, 4, "greedy", max_load_per_rank=30).loads.max() == 30
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from([p for p in POLICIES if p != "identity"]),
+    d=st.integers(2, 3),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=7),
+    slack=st.integers(0, 7),
+    items_cap=st.booleans(),
+    load_factor=st.sampled_from([None, 0.8, 0.99, 1.0, 1.02]),
+    seed=st.integers(0, 99),
+)
+def test_caps_are_met_whenever_a_plan_exists(
+    policy, d, lengths, slack, items_cap, load_factor, seed
+):
+    """Against every plan of the instance: a cap some plan meets is met, whatever the policy
+    would plan alone; one no plan meets raises, naming the exact smallest value."""
+    n, cost = len(lengths), _cost_for(policy) or default_cost(policy)
+    cap = min(n, -(-n // d) + slack) if items_cap else n
+    least = brute_force_min_load(lengths, d, cost, cap)
+    kwargs = {"src": _with_src(lengths, d, seed), "cost": cost}
+    if items_cap:
+        kwargs["max_items_per_rank"] = cap
+    if load_factor is not None:
+        kwargs["max_load_per_rank"] = least * load_factor if least > 0 else 1.0
+    if load_factor is None or least <= kwargs["max_load_per_rank"]:
+        a = balance(lengths, d, policy, **kwargs)
+        assert np.bincount(a.dst, minlength=d).max() <= cap
+        assert a.loads.max() <= kwargs.get("max_load_per_rank", np.inf)
+    else:
+        with pytest.raises(InfeasibleCapError, match="max_load_per_rank=") as raised:
+            balance(lengths, d, policy, **kwargs)
+        assert raised.value.proven
+        assert raised.value.smallest == pytest.approx(least, rel=1e-9)
+
+
+def test_caps_unmet_on_a_large_instance_say_what_was_found():
+    lengths = sample_lengths("pareto", 64 * 16, rng=3)
+    below = float(lengths.sum()) / 64 * 0.99  # under the mean: no plan exists
+    with pytest.raises(InfeasibleCapError, match="no plan was found under it") as raised:
+        balance(lengths, 64, "greedy", max_load_per_rank=below)
+    e = raised.value
+    assert not e.proven and e.argument == "max_load_per_rank" and e.value == below
+    assert below < e.lower_bound <= e.smallest
+
+
+def test_steered_caps_keep_greedy_stay_moving_little():
+    """Under an item cap greedy_stay's own plan breaks, the capped fallback is placed whole on
+    the ranks holding most of its tokens: it keeps more tokens home than the fallback as is."""
+    lengths = sample_lengths("pareto", 8 * 12, rng=4)
+    src = np.repeat(np.arange(8), 12)
+    cap = 12
+    stay = balance(lengths, 8, "greedy_stay", src=src, max_items_per_rank=cap)
+    plain = balance(lengths, 8, "greedy_cost", src=src, max_items_per_rank=cap)
+    assert np.bincount(stay.dst, minlength=8).max() <= cap
+    assert stay.stats["tokens_kept"] >= plain.stats["tokens_kept"]
+    assert stay.loads.max() == plain.loads.max()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,6 +196,26 @@ def _w_deterministic_no_broadcast(rank: int, world: int):
         _check_moved(d, rank, glob)
 
 
+def _w_caps(rank: int, world: int):
+    """A memory budget per rank is met by every plan that can meet it; one that no plan
+    meets raises on every rank at once (the plan is computed everywhere from the same
+    lengths), naming the smallest budget that works, and the group goes on working."""
+    per_rank = [[30, 25, 20, 15, 10, 5]] + [[1] for _ in range(world - 1)]  # 108 tokens
+    for policy, budget in (("greedy", 30), ("greedy_stay", 30), ("kk", 31)):
+        disp = BatchDispatcher(
+            policy, ranks_per_node=2, max_load_per_rank=budget, max_items_per_rank=3,
+            timeout=TIMEOUT,
+        )  # fmt: skip
+        d, glob = _dispatch_keys(disp, per_rank, rank)
+        assert int(d.lengths.sum()) <= budget and d.lengths.numel() <= 3
+        _check_moved(d, rank, glob)
+    disp = BatchDispatcher("greedy", max_load_per_rank=29, timeout=TIMEOUT)
+    with pytest.raises(orchmllm.InfeasibleCapError, match="smallest value that works is 30"):
+        _dispatch_keys(disp, per_rank, rank)
+    d, glob = _dispatch_keys(BatchDispatcher(timeout=TIMEOUT), per_rank, rank)
+    _check_moved(d, rank, glob)
+
+
 def _n(example: dict) -> int:
     return example["n"]
 
@@ -384,6 +404,7 @@ CHECKS = {
     "ilp_plan_computed_once_and_shared": _w_ilp_agrees,
     "deterministic_plans_local_no_broadcast": _w_deterministic_no_broadcast,
     "precomputed_plan_from_loader": _w_precomputed_plan,
+    "caps_met_or_refused_everywhere": _w_caps,
 }
 
 

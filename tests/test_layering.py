@@ -28,6 +28,7 @@ FLOORS = {
     "orchmllm._core": 2,
     "orchmllm.cost": 2,
     "orchmllm.policies": 2,
+    "orchmllm.exact": 2,
     "orchmllm.balance": 2,
     "orchmllm.placement": 2,
     "orchmllm.plan": 2,

@@ -1,0 +1,33 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchmllm.cost import CostModel
+from orchmllm.exact import min_makespan
+from tests.conftest import brute_force_min_load
+
+PACKED = CostModel("packed")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.integers(2, 3),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=7),
+    slack=st.integers(0, 7),
+)
+def test_min_makespan_is_the_brute_force_minimum(d, lengths, slack):
+    n = len(lengths)
+    cap = min(n, -(-n // d) + slack)
+    found = min_makespan(np.array(lengths, dtype=np.float64), d, max_items=cap)
+    assert found.proven
+    assert np.bincount(found.dst, minlength=d).max() <= cap
+    best = brute_force_min_load(lengths, d, PACKED, cap)
+    assert PACKED.loads(np.array(lengths), found.dst, d).max() == best
+
+
+def test_min_makespan_handles_fractional_weights_and_no_items():
+    w = np.array([0.5, 0.25, 0.75, 1.5])
+    found = min_makespan(w, 2, max_items=2)
+    assert found.proven and np.bincount(found.dst, weights=w, minlength=2).max() == 1.75
+    empty = min_makespan(np.zeros(0), 4, max_items=1)
+    assert empty.proven and empty.dst.size == 0
