@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "assignment.hpp"
+#include "numpy_arrays.hpp"
 
 namespace py = pybind11;
 
@@ -173,19 +174,8 @@ AssignmentResult capacitated_assignment(const int64_t* indptr, const int64_t* co
 
 }  // namespace orch
 
-namespace {
-
-using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-
-py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
-    py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
-    std::copy(v.begin(), v.end(), out.mutable_data());
-    return out;
-}
-
-}  // namespace
-
 void register_assignment(py::module_& m) {
+    using orch::I64;
     m.def(
         "capacitated_assignment",
         [](I64 indptr, I64 cols, I64 profit, int64_t num_cols, int64_t capacity,
@@ -218,7 +208,7 @@ void register_assignment(py::module_& m) {
                 out = orch::capacitated_assignment(indptr.data(), cols.data(), profit.data(),
                                                    rows, num_cols, capacity, max_settled);
             }
-            return py::make_tuple(to_array(out.col_of), out.bound);
+            return py::make_tuple(orch::to_array(out.col_of), out.bound);
         },
         py::arg("indptr"), py::arg("cols"), py::arg("profit"), py::arg("num_cols"),
         py::arg("capacity"), py::arg("max_settled") = 0,

@@ -7,6 +7,7 @@ namespace py = pybind11;
 void register_assignment(py::module_& m);
 void register_balance(py::module_& m);
 void register_movement(py::module_& m);
+void register_slots(py::module_& m);
 void register_traffic(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
@@ -14,5 +15,6 @@ PYBIND11_MODULE(_core, m) {
     register_assignment(m);
     register_balance(m);
     register_movement(m);
+    register_slots(m);
     register_traffic(m);
 }

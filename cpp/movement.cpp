@@ -16,6 +16,7 @@
 
 #include "assignment.hpp"
 #include "balance.hpp"
+#include "numpy_arrays.hpp"
 
 namespace py = pybind11;
 
@@ -393,20 +394,8 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
 
 }  // namespace orch
 
-namespace {
-
-using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
-
-py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
-    py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
-    std::copy(v.begin(), v.end(), out.mutable_data());
-    return out;
-}
-
-}  // namespace
-
 void register_movement(py::module_& m) {
+    using orch::F64, orch::I64;
     m.def(
         "movement_aware",
         [](F64 weights, I64 src, int64_t num_ranks, double tolerance, int64_t ranks_per_node,
@@ -422,7 +411,7 @@ void register_movement(py::module_& m) {
                 out = orch::movement_aware(weights.data(), src.data(), n, num_ranks, tolerance,
                                            ranks_per_node, greedy_steps);
             }
-            return to_array(out);
+            return orch::to_array(out);
         },
         py::arg("weights"), py::arg("src"), py::arg("num_ranks"), py::arg("tolerance"),
         py::arg("ranks_per_node") = 0, py::arg("greedy_steps") = 0,

@@ -11,24 +11,13 @@
 #include <utility>
 #include <vector>
 
+#include "numpy_arrays.hpp"
+
 namespace py = pybind11;
 
 namespace {
 
-using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-
-py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
-    py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
-    std::copy(v.begin(), v.end(), out.mutable_data());
-    return out;
-}
-
-void check_range(const I64& a, int64_t n, int64_t limit, const char* name) {
-    if (a.size() != n) throw std::invalid_argument(std::string(name) + ": size mismatch");
-    for (int64_t i = 0; i < n; ++i)
-        if (a.data()[i] < 0 || a.data()[i] >= limit)
-            throw std::invalid_argument(std::string(name) + ": index out of range");
-}
+using orch::check_range, orch::I64, orch::to_array;
 
 // CSR of the sums of `weight` per (row, col), rows in order, each row's entries by sum
 // descending (ties by column; the order capacitated_assignment searches fastest in), zero

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchmllm import _core
+
 __all__ = ["Rearrangement", "RankSchedule", "expand_rows"]
+
+
+_FIELDS = ("src_rank", "src_slot", "dst_rank", "dst_slot")
 
 
 def _as_index_array(name: str, values: object) -> np.ndarray:
@@ -36,15 +41,6 @@ def _check_ranks(name: str, ranks: np.ndarray, num_ranks: int) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"{name}[{i}] = {int(ranks[i])} is outside [0, {num_ranks})")
-
-
-def _slots_by_order(groups: np.ndarray, order: np.ndarray, num_groups: int) -> np.ndarray:
-    """Slot of each item within its group, given an order that is sorted by group."""
-    counts = np.bincount(groups, minlength=num_groups)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    slots = np.empty(groups.size, dtype=np.int64)
-    slots[order] = np.arange(groups.size, dtype=np.int64) - starts[groups[order]]
-    return slots
 
 
 def _check_slots(name: str, ranks: np.ndarray, slots: np.ndarray, num_ranks: int) -> None:
@@ -123,8 +119,7 @@ class Rearrangement:
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
         object.__setattr__(self, "num_ranks", int(self.num_ranks))
-        names = ("src_rank", "src_slot", "dst_rank", "dst_slot")
-        arrays = {name: _as_index_array(name, getattr(self, name)) for name in names}
+        arrays = {name: _as_index_array(name, getattr(self, name)) for name in _FIELDS}
         n = arrays["src_rank"].size
         for name, arr in arrays.items():
             if arr.size != n:
@@ -138,6 +133,18 @@ class Rearrangement:
             object.__setattr__(self, name, arr)
 
     # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def _valid(cls, num_ranks: int, *arrays: np.ndarray) -> Rearrangement:
+        """A plan valid by construction (``from_assignment``, or the inverse or composition
+        of valid plans): skips ``__post_init__``'s checks, which cost more than building the
+        plan at 10^5-10^6 items. ``arrays`` in field order, int64 (shared, made read-only)."""
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "num_ranks", int(num_ranks))
+        for name, arr in zip(_FIELDS, arrays, strict=True):
+            arr.setflags(write=False)
+            object.__setattr__(plan, name, arr)
+        return plan
 
     @classmethod
     def from_assignment(cls, src: object, dst: object, *, num_ranks: int) -> Rearrangement:
@@ -157,11 +164,8 @@ class Rearrangement:
             raise ValueError(f"dst has {dst_arr.size} entries, src has {src_arr.size}")
         _check_ranks("src", src_arr, num_ranks)
         _check_ranks("dst", dst_arr, num_ranks)
-        by_src = np.argsort(src_arr, kind="stable")  # items by (source rank, global id)
-        src_slot = _slots_by_order(src_arr, by_src, num_ranks)
-        by_dst = by_src[np.argsort(dst_arr[by_src], kind="stable")]  # (dst, src, src_slot)
-        dst_slot = _slots_by_order(dst_arr, by_dst, num_ranks)
-        return cls(num_ranks, src_arr, src_slot, dst_arr, dst_slot)
+        src_slot, dst_slot = _core.plan_slots(src_arr, dst_arr, int(num_ranks))
+        return cls._valid(num_ranks, src_arr, src_slot, dst_arr, dst_slot)
 
     @classmethod
     def identity(cls, src: object, *, num_ranks: int) -> Rearrangement:
@@ -176,7 +180,7 @@ class Rearrangement:
 
     def inverse(self) -> Rearrangement:
         """Plan that moves every item back to where it came from."""
-        return Rearrangement(
+        return self._valid(
             self.num_ranks, self.dst_rank, self.dst_slot, self.src_rank, self.src_slot
         )
 
@@ -201,7 +205,7 @@ class Rearrangement:
                 f"{int(other.dst_slot[i])}) but self takes it from (rank "
                 f"{int(self.src_rank[i])}, slot {int(self.src_slot[i])})"
             )
-        return Rearrangement(
+        return self._valid(
             self.num_ranks, other.src_rank, other.src_slot, self.dst_rank, self.dst_slot
         )
 

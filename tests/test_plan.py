@@ -65,6 +65,29 @@ def test_from_assignment_slots(case):
 
 
 @settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=40))
+def test_from_assignment_slots_for_any_source_order(d, pairs):
+    """Sources in any order (not only the gather's): slots are the stable sorts' positions,
+    and the plan, built without ``__post_init__``'s checks, passes them."""
+    src = np.array([s % d for s, _ in pairs], dtype=np.int64)
+    dst = np.array([t % d for _, t in pairs], dtype=np.int64)
+    plan = Rearrangement.from_assignment(src, dst, num_ranks=d)
+    by_src = np.argsort(src, kind="stable")
+    by_dst = by_src[np.argsort(dst[by_src], kind="stable")]
+    for side, ranks, order in (("src", src, by_src), ("dst", dst, by_dst)):
+        expect = np.empty(src.size, dtype=np.int64)
+        for r in range(d):
+            mine = order[ranks[order] == r]
+            expect[mine] = np.arange(mine.size)
+        assert np.array_equal(getattr(plan, f"{side}_slot"), expect)
+    fields = (plan.src_rank, plan.src_slot, plan.dst_rank, plan.dst_slot)
+    assert Rearrangement(d, *fields) == plan
+    inv = plan.inverse()
+    assert Rearrangement(d, inv.src_rank, inv.src_slot, inv.dst_rank, inv.dst_slot) == inv
+    assert not plan.dst_slot.flags.writeable
+
+
+@settings(max_examples=150, deadline=None)
 @given(assignments())
 def test_inverse_and_compose(case):
     src, dst, d, _ = case
