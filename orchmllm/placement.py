@@ -45,6 +45,7 @@ the rank is over the makespan limit, reaching a makespan within ``tolerance`` of
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -319,7 +320,11 @@ class _Volumes:
         self.l, self.src, self.batch = l, s, t
         self.d, self.c, self.m = d, c, d // c
         self.src_node = s // c
-        self.held = np.bincount(s, weights=l, minlength=d).astype(np.int64)
+
+    @functools.cached_property
+    def held(self) -> np.ndarray:
+        """Tokens each rank holds before the move (only the ILP's bound asks)."""
+        return np.bincount(self.src, weights=self.l, minlength=self.d).astype(np.int64)
 
     def node_matrix(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """CSR over batches of ``W[b, k]`` = tokens already on node ``k`` for batch ``b``."""
@@ -556,8 +561,11 @@ def _vector(name: str, value: Any) -> np.ndarray:
 
 def _lengths(lengths: Any) -> np.ndarray:
     a = _vector("lengths", lengths)
+    integer = a.dtype.kind in "iu" and a.dtype.itemsize <= 8 and a.dtype != np.uint64
     if a.size and (
-        a.dtype.kind not in "iuf" or np.any(a < 0) or np.any(a != np.floor(a)) or np.any(a >= 2**63)
+        a.dtype.kind not in "iuf"
+        or np.any(a < 0)
+        or (not integer and (np.any(a != np.floor(a)) or np.any(a >= 2**63)))
     ):
         raise ValueError(f"lengths must be non-negative int64 integers, got {a[:8]!r}")
     total = float(a.sum(dtype=np.float64))
@@ -566,7 +574,7 @@ def _lengths(lengths: Any) -> np.ndarray:
             f"lengths must sum to at most 2**53 tokens (volumes are exact float64 sums), "
             f"got {total:.6g}"
         )
-    return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)
 
 
 def _ranks(name: str, value: Any, n: int, d: int) -> np.ndarray:
@@ -575,7 +583,7 @@ def _ranks(name: str, value: Any, n: int, d: int) -> np.ndarray:
         raise ValueError(f"{name} must have one entry per item ({n}), got {a.size}")
     if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= d):
         raise ValueError(f"{name} must hold integer ranks in [0, {d}), got {a[:8]!r}")
-    return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)
 
 
 def _weights(weights: Any) -> np.ndarray:

@@ -352,14 +352,19 @@ def plan_step(
         raise ValueError(f"src must hold ranks in [0, {num_ranks}), got {src.min()}..{src.max()}")
     # Global example ids: a new example starts where (rank, local example index) changes.
     n_seg = rows.shape[0]
-    key = np.stack([src, rows[:, EX]], axis=1)
+    ex = rows[:, EX]
     starts = np.ones(n_seg, dtype=bool)
-    starts[1:] = np.any(key[1:] != key[:-1], axis=1)
+    starts[1:] = (src[1:] != src[:-1]) | (ex[1:] != ex[:-1])
     seg_example = np.cumsum(starts) - 1
     first = np.flatnonzero(starts)
     ex_rank = src[first]
-    expected = np.arange(first.size) - np.searchsorted(ex_rank, ex_rank, side="left")
-    if not np.array_equal(rows[first, EX], expected):
+    # each example's index within its rank: position minus where its rank's run begins
+    rank_starts = np.ones(first.size, dtype=bool)
+    rank_starts[1:] = ex_rank[1:] != ex_rank[:-1]
+    run_begin = np.flatnonzero(rank_starts)
+    run_size = np.diff(np.append(run_begin, first.size))
+    expected = np.arange(first.size) - np.repeat(run_begin, run_size)
+    if not np.array_equal(ex[first], expected):
         raise ValueError(
             "rows must list each rank's examples 0, 1, ... in order, segments contiguous"
         )
