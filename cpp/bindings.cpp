@@ -6,6 +6,7 @@ namespace py = pybind11;
 
 void register_assignment(py::module_& m);
 void register_balance(py::module_& m);
+void register_exact(py::module_& m);
 void register_movement(py::module_& m);
 void register_slots(py::module_& m);
 void register_traffic(py::module_& m);
@@ -14,6 +15,7 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "OrchMLLM C++ core: balancing algorithms over int64/float64 arrays (no torch).";
     register_assignment(m);
     register_balance(m);
+    register_exact(m);
     register_movement(m);
     register_slots(m);
     register_traffic(m);

@@ -56,12 +56,13 @@ Caps are steered, not only checked: ``max_items_per_rank`` (items per rank) and
 The policy plans first (the greedy and padded ones enforce the item cap as they go); a plan
 over a cap is replaced by the capped ``greedy_cost`` portfolio (packed) or the exact
 ``padded_cost`` (padded), then, for packed policies on at most ``EXACT_MAX_CELLS`` items x
-ranks, by the exact minimum makespan under the item cap (``orchmllm.exact``, HiGHS with a
-node limit). ``greedy_stay``'s fallbacks are placed whole on the ranks holding most of their
-tokens. When nothing fits, :class:`InfeasibleCapError` (a ``ValueError``) names the smallest
-value that works: exact for padded policies and small packed instances, else the lightest
-plan found and the floor no plan goes below. ``identity`` moves nothing, so its caps are
-checked. ``stats["caps_steered"]`` says whether a fallback replaced the policy's plan.
+ranks, by the exact minimum makespan under the item cap (``orchmllm.exact``: a branch and
+bound in the C++ core with a node limit). ``greedy_stay``'s fallbacks are placed whole on the
+ranks holding most of their tokens. When nothing fits, :class:`InfeasibleCapError` (a
+``ValueError``) names the smallest value that works: exact for padded policies and small
+packed instances, else the lightest plan found and the floor no plan goes below.
+``identity`` moves nothing, so its caps are checked. ``stats["caps_steered"]`` says whether a
+fallback replaced the policy's plan.
 
 Every fact about a policy (its cost kind, whether it enforces caps, is refined, is a pure
 function of its inputs, its C++ function and its Python reference) is one :class:`Policy`
@@ -434,11 +435,10 @@ def _steer_caps(
     proven = record.padded  # padded_cost is exact for its cost (module docstring)
     if not record.padded and lengths.size * d <= EXACT_MAX_CELLS:
         exact = min_makespan(cost.item_costs(lengths), d, max_items=caps.items)
-        if exact.dst is not None:
-            exact_load = float(cost.loads(lengths, exact.dst, d).max())
-            if exact_load < best_load:
-                best, best_load = placed(exact.dst), exact_load
-            proven = exact.proven
+        exact_load = float(cost.loads(lengths, exact.dst, d).max())
+        if exact_load < best_load:
+            best, best_load = placed(exact.dst), exact_load
+        proven = exact.proven
         if fits(best):
             return best
     lower = best_load if proven else _lower_bound(lengths, cost.loads(lengths, best, d), cost)

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,3 +32,25 @@ def test_min_makespan_handles_fractional_weights_and_no_items():
     assert found.proven and np.bincount(found.dst, weights=w, minlength=2).max() == 1.75
     empty = min_makespan(np.zeros(0), 4, max_items=1)
     assert empty.proven and empty.dst.size == 0
+
+
+def test_min_makespan_without_a_proof_still_returns_a_capped_plan():
+    """Past the node budget the best plan found comes back, capped and never worse than the
+    longest-processing-time plan the search starts from."""
+    w = np.random.default_rng(5).integers(1, 1000, 600).astype(np.float64)
+    found = min_makespan(w, 8, max_items=75)
+    assert np.bincount(found.dst, minlength=8).max() <= 75
+    order = sorted(range(w.size), key=lambda i: (-w[i], i))
+    load, count = np.zeros(8), np.zeros(8, dtype=int)
+    for i in order:  # LPT under the cap, as the search's start
+        r = min((q for q in range(8) if count[q] < 75), key=lambda q: (load[q], q))
+        load[r] += w[i]
+        count[r] += 1
+    assert np.bincount(found.dst, weights=w, minlength=8).max() <= load.max()
+
+
+def test_min_makespan_refuses_bad_input():
+    with pytest.raises(ValueError, match="max_items"):
+        min_makespan(np.ones(5), 2, max_items=2)
+    with pytest.raises(ValueError, match="weights"):
+        min_makespan(np.array([1.0, np.nan]), 2, max_items=1)
