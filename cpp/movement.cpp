@@ -16,6 +16,7 @@
 
 #include "assignment.hpp"
 #include "balance.hpp"
+#include "keep_search.hpp"
 #include "numpy_arrays.hpp"
 
 namespace py = pybind11;
@@ -40,7 +41,10 @@ namespace orch {
 // (a subset sum on a grid), or whatever does not fit after keeping its heaviest items first.
 // A third candidate, at most 8 items per rank or when the others fail: greedy's own batches,
 // each placed whole on the rank holding most of its weight (an assignment), then phase 3.
-// The one with the least movement wins; the third always reaches the limit, so it holds.
+// A fourth, at most 16 ranks and 8 items per rank: the exact keep-set search
+// (keep_search.hpp), which finds the fewest weight moved at the limit when it ends within its
+// budget. The one with the least movement wins; the third always reaches the limit, so it
+// holds.
 namespace {
 
 constexpr int64_t kGrid = 1024;             // subset-sum resolution: steps per excess
@@ -48,6 +52,7 @@ constexpr int64_t kRepairStepsPerRank = 4;  // phase 2 budget, like greedy's ref
 constexpr int kImprovePasses = 4;           // phase 3 sweeps (each one only lowers the movement)
 constexpr int64_t kBatchSearchColumns = 64;  // batches_home: settled ranks per batch's search
 constexpr int64_t kHomeMaxItemsPerRank = 8;  // batches_home runs up to this many items per rank
+constexpr int64_t kKeepSearchWork = 1 << 19;  // the exact search's budget (keep_search.hpp)
 
 using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
 
@@ -385,10 +390,26 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
     // and wins where shedding cannot (few items per rank, a tight limit). With more items per
     // rank shedding moves near the lower bound (balance_bench) and this candidate, which
     // costs more than the others together, is left out.
-    if (!best.empty() && n > kHomeMaxItemsPerRank * num_ranks) return best;
-    std::vector<int64_t> home = stay.batches_home(greedy);
-    stay.improve(home);
-    if (best.empty() || stay.moved(home) < best_moved) return home;
+    if (best.empty() || n <= kHomeMaxItemsPerRank * num_ranks) {
+        std::vector<int64_t> home = stay.batches_home(greedy);
+        stay.improve(home);
+        if (best.empty() || stay.moved(home) < best_moved) {
+            best_moved = stay.moved(home);
+            best = std::move(home);
+        }
+    }
+    // On small instances the exact keep-set search, within its budget: the heuristics above
+    // can move twice the minimum there, where few indivisible items fill the limit tightly.
+    if (best_moved > 0.0) {
+        std::vector<int64_t> exact =
+            fewest_moved(w, src, n, num_ranks, stay.limit(), kKeepSearchWork);
+        if (!exact.empty()) {
+            stay.improve(exact);
+            const std::vector<double> load = stay.loads(exact);
+            const bool within = *std::max_element(load.begin(), load.end()) <= stay.limit();
+            if (within && stay.moved(exact) < best_moved) return exact;
+        }
+    }
     return best;
 }
 

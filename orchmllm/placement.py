@@ -264,8 +264,11 @@ def movement_aware_dst(
     already away (or a lighter one), while every rank stays within the limit. With at most 8
     items per rank, or when shedding fails, a third candidate keeps greedy's own batches and
     places each whole on the rank already holding most of its weight (an assignment, as in
-    placement), then runs the final phase; it always reaches the limit. The plan moving the
-    least weight wins, so the tolerance always holds. Items are chosen by weight alone, so
+    placement), then runs the final phase; it always reaches the limit. Up to 16 ranks with at
+    most 8 items each, a fourth is exact: which items each rank keeps, tried in increasing
+    moved weight, the first whose other items pack into the room left under the limit
+    (cpp/keep_search.cpp, within a fixed work budget). The plan moving the least weight wins,
+    so the tolerance always holds. Items are chosen by weight alone, so
     ``sizes`` (tokens per item) only has to be valid; it is accepted for the ``balance()``
     contract and used by :func:`movement_lower_bound`. Deterministic: ties break by item index,
     then rank index.

@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import orchmllm
@@ -492,6 +494,26 @@ def test_movement_aware_is_deterministic_and_exact_when_balanced():
     w = rng.integers(1, 100, 200).astype(float)
     s = rng.integers(0, 8, 200)
     np.testing.assert_array_equal(movement_aware_dst(w, s, 8), movement_aware_dst(w, s, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(2, 3),
+    lengths=st.lists(st.integers(1, 60), min_size=2, max_size=7),
+    seed=st.integers(0, 99),
+)
+def test_greedy_stay_moves_the_fewest_tokens_on_small_instances(d, lengths, seed):
+    """Against every plan of the instance: no plan within greedy_stay's makespan moves fewer
+    tokens (its exact keep-set search runs to the end at these sizes)."""
+    l = np.array(lengths, dtype=np.int64)
+    src = np.random.default_rng(seed).integers(0, d, l.size)
+    a = orchmllm.balance(l, d, "greedy_stay", src=src)
+    makespan = a.loads.max()
+    plans = np.array(list(itertools.product(range(d), repeat=l.size)), dtype=np.int64)
+    loads = np.stack([np.bincount(p, weights=l, minlength=d) for p in plans])
+    fits = loads.max(axis=1) <= makespan
+    fewest = min(int(l[p != src].sum()) for p in plans[fits])
+    assert a.stats["tokens_moved"] == fewest
 
 
 def test_movement_lower_bound_is_a_bound():

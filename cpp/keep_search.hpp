@@ -1,0 +1,22 @@
+// Exact fewest weight moved at a makespan limit, for small instances (used by greedy_stay,
+// cpp/movement.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace orch {
+
+// Ranks and items per rank up to which fewest_moved runs (2^items keep-sets per rank).
+constexpr int64_t kKeepSearchMaxRanks = 16;
+constexpr int64_t kKeepSearchMaxItemsPerRank = 8;
+
+// The plan moving the least weight off its source rank with every rank's load <= limit,
+// found by trying, in increasing moved weight, which items each rank keeps, and packing the
+// rest into the room left; empty when no plan is found within max_nodes units of work (a
+// combination tried costs d, a packing step 1) or the instance is above the sizes above.
+// Deterministic: ties break by keep-set and rank.
+std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n, int64_t d,
+                                  double limit, int64_t max_nodes);
+
+}  // namespace orch
