@@ -26,9 +26,10 @@ inline pybind11::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
 // `a` has `n` entries, each in [0, limit); else invalid_argument naming `name`.
 inline void check_range(const I64& a, int64_t n, int64_t limit, const char* name) {
     if (a.size() != n) throw std::invalid_argument(std::string(name) + ": size mismatch");
-    for (int64_t i = 0; i < n; ++i)
-        if (a.data()[i] < 0 || a.data()[i] >= limit)
-            throw std::invalid_argument(std::string(name) + ": index out of range");
+    const int64_t* p = a.data();
+    bool ok = true;
+    for (int64_t i = 0; i < n; ++i) ok &= p[i] >= 0 && p[i] < limit;  // no branch: vectorises
+    if (!ok) throw std::invalid_argument(std::string(name) + ": index out of range");
 }
 
 }  // namespace orch

@@ -15,7 +15,7 @@ namespace py = pybind11;
 
 namespace {
 
-using orch::check_range, orch::I64, orch::to_array;
+using orch::check_range, orch::I64;
 
 // src_slot: the item's position among the items of its source rank, in global order.
 // dst_slot: its position among the items of its destination rank, ordered by (source rank,
@@ -25,18 +25,29 @@ py::tuple plan_slots(I64 src, I64 dst, int64_t num_ranks) {
     if (num_ranks < 1) throw std::invalid_argument("plan_slots: num_ranks < 1");
     check_range(src, n, num_ranks, "plan_slots: src");
     check_range(dst, n, num_ranks, "plan_slots: dst");
-    std::vector<int64_t> src_slot(n), dst_slot(n);
+    py::array_t<int64_t> src_slot_out(n), dst_slot_out(n);
     {
         py::gil_scoped_release release;
         const int64_t *s = src.data(), *t = dst.data();
-        std::vector<int64_t> count(num_ranks, 0), start(num_ranks + 1, 0), by_src(n);
-        for (int64_t i = 0; i < n; ++i) src_slot[i] = count[s[i]]++;
-        for (int64_t r = 0; r < num_ranks; ++r) start[r + 1] = start[r] + count[r];
-        for (int64_t i = 0; i < n; ++i) by_src[start[s[i]] + src_slot[i]] = i;
-        std::fill(count.begin(), count.end(), 0);
-        for (const int64_t i : by_src) dst_slot[i] = count[t[i]]++;
+        int64_t *src_slot = src_slot_out.mutable_data(), *dst_slot = dst_slot_out.mutable_data();
+        std::vector<int64_t> count(num_ranks, 0);
+        bool sorted = true;  // sources in gather order (the usual case): no reordering needed
+        for (int64_t i = 0; i < n; ++i) {
+            src_slot[i] = count[s[i]]++;
+            sorted = sorted && (i == 0 || s[i - 1] <= s[i]);
+        }
+        if (sorted) {
+            std::fill(count.begin(), count.end(), 0);
+            for (int64_t i = 0; i < n; ++i) dst_slot[i] = count[t[i]]++;
+        } else {
+            std::vector<int64_t> start(num_ranks + 1, 0), by_src(n);
+            for (int64_t r = 0; r < num_ranks; ++r) start[r + 1] = start[r] + count[r];
+            for (int64_t i = 0; i < n; ++i) by_src[start[s[i]] + src_slot[i]] = i;
+            std::fill(count.begin(), count.end(), 0);
+            for (const int64_t i : by_src) dst_slot[i] = count[t[i]]++;
+        }
     }
-    return py::make_tuple(to_array(src_slot), to_array(dst_slot));
+    return py::make_tuple(src_slot_out, dst_slot_out);
 }
 
 }  // namespace
