@@ -91,21 +91,21 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
             return std::tie(a.shed, a.mask) < std::tie(b.shed, b.mask);
         });
     }
-    // A combination: the position in each rank's list; successors advance one rank at or
-    // after the one its parent advanced, so each combination is reached once.
-    std::vector<std::vector<uint16_t>> pool;
+    // A combination: the position in each rank's list (d entries of `pool` from id * d);
+    // successors advance one rank at or after the one its parent advanced, so each
+    // combination is reached once.
+    std::vector<uint16_t> pool(d, 0);
     using Entry = std::tuple<double, int64_t, int64_t>;  // (moved, pool id, last rank)
     std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
     double start = 0.0;
     for (int64_t r = 0; r < d; ++r) start += sets[r][0].shed;
-    pool.emplace_back(d, 0);
     heap.emplace(start, 0, 0);
     std::vector<int64_t> shed, rank_of;
     int64_t budget = max_nodes;
     while (!heap.empty() && budget > 0) {
         const auto [moved, id, last] = heap.top();
         heap.pop();
-        const std::vector<uint16_t> at = pool[id];
+        const std::vector<uint16_t> at(pool.begin() + id * d, pool.begin() + (id + 1) * d);
         std::vector<double> room(d);
         shed.clear();
         for (int64_t r = 0; r < d; ++r) {
@@ -125,11 +125,11 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
         }
         for (int64_t r = last; r < d; ++r) {
             if (at[r] + 1u >= sets[r].size()) continue;
-            std::vector<uint16_t> next = at;
-            ++next[r];
-            const double step = sets[r][next[r]].shed - sets[r][at[r]].shed;
-            pool.push_back(std::move(next));
-            heap.emplace(moved + step, static_cast<int64_t>(pool.size()) - 1, r);
+            const double step = sets[r][at[r] + 1u].shed - sets[r][at[r]].shed;
+            const int64_t next = static_cast<int64_t>(pool.size()) / d;
+            pool.insert(pool.end(), at.begin(), at.end());
+            ++pool[next * d + r];
+            heap.emplace(moved + step, next, r);
         }
     }
     return {};
