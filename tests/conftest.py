@@ -74,13 +74,19 @@ def load_script(path: Path) -> ModuleType:
     return module
 
 
+def every_plan(num_items: int, num_ranks: int) -> np.ndarray:
+    """All ``num_ranks ** num_items`` plans (rank per item), one per row: the exhaustive
+    yardstick of the tests on tiny instances."""
+    plans = itertools.product(range(num_ranks), repeat=num_items)
+    return np.array(list(plans), dtype=np.int64).reshape(-1, num_items)
+
+
 def brute_force_min_load(lengths, num_ranks: int, cost, max_items: int) -> float:
     """The smallest busiest-rank cost of any plan with at most ``max_items`` items per rank,
-    by trying every one of the ``num_ranks ** len(lengths)`` plans (tiny instances only): the
-    exact yardstick the planner's caps and exact solver are tested against."""
+    by trying every plan (tiny instances only): the exact yardstick the planner's quality,
+    caps and exact solver are tested against."""
     l = np.asarray(lengths, dtype=np.int64)
-    plans = np.array(list(itertools.product(range(num_ranks), repeat=l.size)), dtype=np.int64)
-    plans = plans.reshape(-1, l.size)
+    plans = every_plan(l.size, num_ranks)
     counts = np.stack([np.bincount(p, minlength=num_ranks) for p in plans])
     ok = counts.max(axis=1) <= max_items
     return min(float(cost.loads(l, p, num_ranks).max()) for p in plans[ok])

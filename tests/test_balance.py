@@ -1,5 +1,4 @@
 import ast
-import itertools
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -116,20 +115,13 @@ def test_ties_break_by_index():
 # quality against the exact optimum (brute force over all d^n assignments)
 
 
-def _brute_force(lengths: np.ndarray, d: int, cost: CostModel) -> float:
-    best = np.inf
-    for dst in itertools.product(range(d), repeat=lengths.size):
-        best = min(best, cost.loads(lengths, np.array(dst), d).max())
-    return best
-
-
 def test_greedy_within_lpt_bound_of_optimum():
     rng = np.random.default_rng(0)
     packed = CostModel("packed")
     for trial in range(40):
         d = 2 + trial % 2
         lengths = rng.integers(1, 100, size=rng.integers(d + 1, 9 if d == 2 else 8))
-        opt = _brute_force(lengths, d, packed)
+        opt = brute_force_min_load(lengths, d, packed, lengths.size)
         for refine in (False, True):  # Alg. 1 alone, and with the local search after it
             got = balance(lengths, d, "greedy", refine=refine).loads.max()
             assert got <= (4 / 3 - 1 / (3 * d)) * opt + 1e-9
@@ -202,9 +194,9 @@ def test_padded_searches_are_exact_on_their_objective():
     for trial in range(30):
         d = 2 + trial % 2
         lengths = rng.integers(1, 60, size=rng.integers(d + 1, 8))
-        proxy = _brute_force(lengths, d, CostModel("padded"))
+        proxy = brute_force_min_load(lengths, d, CostModel("padded"), lengths.size)
         assert balance(lengths, d, "binary_search").loads.max() == proxy
-        full = _brute_force(lengths, d, AUDIO)
+        full = brute_force_min_load(lengths, d, AUDIO, lengths.size)
         got = balance(lengths, d, "padded_cost", cost=AUDIO).loads.max()
         assert got == pytest.approx(full, rel=1e-12)
 

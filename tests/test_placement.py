@@ -26,6 +26,7 @@ from orchmllm.placement import (
     traffic,
 )
 from orchmllm.workloads import sample_lengths
+from tests.conftest import every_plan
 
 
 def _instance(rng, d, per_rank, *, mean_log=6.5):
@@ -509,7 +510,7 @@ def test_greedy_stay_moves_the_fewest_tokens_on_small_instances(d, lengths, seed
     src = np.random.default_rng(seed).integers(0, d, l.size)
     a = orchmllm.balance(l, d, "greedy_stay", src=src)
     makespan = a.loads.max()
-    plans = np.array(list(itertools.product(range(d), repeat=l.size)), dtype=np.int64)
+    plans = every_plan(l.size, d)
     loads = np.stack([np.bincount(p, weights=l, minlength=d) for p in plans])
     fits = loads.max(axis=1) <= makespan
     fewest = min(int(l[p != src].sum()) for p in plans[fits])
@@ -524,7 +525,7 @@ def test_movement_lower_bound_is_a_bound():
         sizes = rng.integers(1, 20, n)
         weights = sizes + sizes**2 / 10.0
         src = rng.integers(0, d, n)
-        assignments = np.array(list(itertools.product(range(d), repeat=n)))
+        assignments = every_plan(n, d)
         loads = np.stack([np.bincount(a, weights=weights, minlength=d) for a in assignments])
         makespan = np.sort(loads.max(axis=1))[len(assignments) // 3]
         feasible = assignments[loads.max(axis=1) <= makespan]
