@@ -32,10 +32,10 @@ class Search {
         // No plan beats the mean or the heaviest item (rounded up for integer weights).
         floor_ = std::max(rest_[0] / static_cast<double>(d), n ? w_[order_[0]] : 0.0);
         if (integral) floor_ = std::ceil(floor_);
-        first_fit_decreasing();
+        lpt_start();
     }
 
-    // Searches below the first-fit plan; true when the plan kept is optimal.
+    // Searches below the LPT plan; true when the plan kept is optimal.
     bool run() {
         if (best_ > floor_) dive(0, 0.0);
         return nodes_ <= node_limit_ || best_ <= floor_;
@@ -49,7 +49,7 @@ class Search {
 
   private:
     // The starting plan: each item, heaviest first, to the least-loaded rank with room (LPT).
-    void first_fit_decreasing() {
+    void lpt_start() {
         for (int64_t k = 0; k < n_; ++k) {
             int64_t r = -1;
             for (int64_t q = 0; q < d_; ++q)

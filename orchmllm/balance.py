@@ -431,17 +431,18 @@ def _steer_caps(
         if fits(best):
             return best
     # The item cap alone always fits by now (every fallback enforces it): the load cap is left.
-    best_load = float(cost.loads(lengths, best, d).max())
+    best_loads = cost.loads(lengths, best, d)
+    best_load = float(best_loads.max())
     proven = record.padded  # padded_cost is exact for its cost (module docstring)
     if not record.padded and lengths.size * d <= EXACT_MAX_CELLS:
         exact = min_makespan(cost.item_costs(lengths), d, max_items=caps.items)
-        exact_load = float(cost.loads(lengths, exact.dst, d).max())
-        if exact_load < best_load:
-            best, best_load = placed(exact.dst), exact_load
+        exact_loads = cost.loads(lengths, exact.dst, d)
+        if exact_loads.max() < best_load:
+            best, best_loads, best_load = placed(exact.dst), exact_loads, float(exact_loads.max())
         proven = exact.proven
         if fits(best):
             return best
-    lower = best_load if proven else _lower_bound(lengths, cost.loads(lengths, best, d), cost)
+    lower = best_load if proven else _lower_bound(lengths, best_loads, cost)
     under = "" if caps.max_items is None else f" with max_items_per_rank={caps.max_items}"
     if proven:
         why = f"no plan{under} has a lighter busiest rank: the smallest value that works is"

@@ -16,8 +16,8 @@ from orchmllm import _core
 
 # Items x ranks at most: beyond it the search rarely proves anything within its node budget.
 EXACT_MAX_CELLS = 1024
-# Search nodes before giving up without a proof: at most about 25 ms at 4096 items x ranks on
-# this project's 2-core CI machine (random weights, tight item caps).
+# Search nodes before giving up without a proof (a count, so deterministic; a node costs
+# O(ranks), so this bounds the search's time at any size it runs at).
 EXACT_NODE_LIMIT = 1_000_000
 
 
