@@ -564,7 +564,7 @@ def _vector(name: str, value: Any) -> np.ndarray:
 
 def _lengths(lengths: Any) -> np.ndarray:
     a = _vector("lengths", lengths)
-    integer = a.dtype.kind in "iu" and a.dtype.itemsize <= 8 and a.dtype != np.uint64
+    integer = a.dtype.kind in "iu" and a.dtype != np.uint64  # values below 2**63 by type
     if a.size and (
         a.dtype.kind not in "iuf"
         or np.any(a < 0)
