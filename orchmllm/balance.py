@@ -115,13 +115,18 @@ _PACKED = CostModel("packed")
 
 @dataclass(frozen=True)
 class Assignment:
-    """Result of :func:`balance`.
+    """Result of :func:`balance`: where every item goes, and how even the plan is.
 
-    ``dst``: int64 ``(n,)`` destination rank per item, input order. ``loads``: float64
-    ``(num_ranks,)`` cost of each destination batch under the policy's cost model. ``stats``:
-    ``imbalance_after`` (max/mean load), ``gap_to_lb`` (max load / max(mean load, costliest
-    single item)); with ``src`` also ``imbalance_before``, ``tokens_moved``, ``tokens_kept``;
-    with placement the placement statistics.
+    Attributes:
+        dst: int64 ``(n,)`` destination rank of every item, in input order.
+        loads: float64 ``(num_ranks,)`` cost of each destination batch under the policy's cost
+            model (after placement, indexed by the rank the batch was placed on).
+        stats: float statistics, read-only and computed on first read: ``imbalance_after``
+            (max/mean load), ``gap_to_lb`` (max load / max(mean load, costliest single
+            item)); with ``src`` also ``imbalance_before``, ``tokens_moved``, ``tokens_kept``;
+            with a cap ``caps_steered`` (1.0 when a fallback replaced the policy's plan); for
+            ``greedy_stay`` ``tokens_moved_lower_bound``; with placement the placement
+            statistics.
     """
 
     dst: np.ndarray
@@ -368,9 +373,21 @@ def _check_finite(longest: int, n: int, d: int, cost: CostModel) -> None:
 class InfeasibleCapError(ValueError):
     """A per-rank cap of :func:`balance` that no plan meets, or none was found for.
 
-    ``argument``/``value``: the cap and what was passed. ``smallest``: the smallest value that
-    works: exact when ``proven``, else the lightest plan found (``lower_bound`` is then the
-    floor no plan goes below).
+    A ``ValueError``, so callers that catch bad arguments catch it too; the attributes let a
+    caller retry with a cap that works.
+
+    Args:
+        message: the error text, naming the cap, its value and the smallest value that works.
+
+    Attributes:
+        argument: the cap, ``"max_items_per_rank"`` or ``"max_load_per_rank"``.
+        value: what was passed for it.
+        smallest: the smallest value that works: exact when ``proven``, else the busiest
+            rank's load in the lightest plan found.
+        proven: whether ``smallest`` is proven minimal: always for the item cap, ``identity``
+            and padded policies; for packed ones when the exact search (small instances)
+            completes.
+        lower_bound: the floor no plan goes below (equal to ``smallest`` when ``proven``).
     """
 
     def __init__(

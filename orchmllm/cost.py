@@ -40,7 +40,21 @@ class CostModel:
     """Cost of one batch: ``multiplier * (alpha*A + beta*B + const)`` (const only if non-empty).
 
     packed: ``A = sum(l)``, ``B = sum(l^2)``; padded: ``A = b*max(l)``, ``B = b*max(l)^2``
-    with ``b`` the item count.
+    with ``b`` the item count. Units are those of the calibration (ms for the shipped
+    records); the default ``CostModel("packed")`` is plain token counts.
+
+    Attributes:
+        kind: ``"packed"`` (flash varlen attention, cost additive over items) or ``"padded"``
+            (dense attention over a ``[b, max(l)]`` tensor).
+        alpha: coefficient of the linear term ``A`` (MLP and projections).
+        beta: coefficient of the quadratic term ``B`` (attention); 0 for a linear cost.
+        const: added once per non-empty batch (kernel launches, collectives).
+        multiplier: scales the whole cost, > 0, e.g. ``FORWARD_FRACTION`` for a frozen module
+            (:meth:`forward_only`) or a repeat count (:meth:`scaled`).
+
+    Raises:
+        ValueError: ``kind`` is not one of ``KINDS``, a coefficient is not finite, or
+            ``multiplier <= 0``.
     """
 
     kind: Literal["packed", "padded"]
@@ -61,10 +75,18 @@ class CostModel:
 
     @property
     def packed(self) -> bool:
+        """Whether the kind is ``packed``, i.e. the cost is additive over items."""
         return self.kind == "packed"
 
     def batch_cost(self, lengths: Sequence[int] | np.ndarray) -> float:
-        """Cost of one batch holding items of these lengths (0 for an empty batch)."""
+        """Cost of one batch holding items of these lengths.
+
+        Args:
+            lengths: length of every item in the batch, 1-D.
+
+        Returns:
+            The batch's cost as a float; 0.0 for an empty batch (no ``const``).
+        """
         l = np.asarray(lengths, dtype=np.float64)
         if l.size == 0:
             return 0.0
@@ -78,8 +100,19 @@ class CostModel:
     def item_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Additive per-item cost ``multiplier*(alpha*l + beta*l^2)`` (packed only).
 
-        A packed batch costs the sum of its items' costs plus the constant, which is what makes
-        longest-processing-time scheduling on these weights exact for this objective.
+        A packed batch costs the sum of its items' costs plus ``multiplier*const``, which is
+        what makes longest-processing-time scheduling on these weights exact for this
+        objective.
+
+        Args:
+            lengths: length of every item.
+
+        Returns:
+            float64 array of the same shape as ``lengths``: each item's cost, without
+            ``const``.
+
+        Raises:
+            ValueError: the model's kind is ``padded``, whose cost is not additive.
         """
         if not self.packed:
             raise ValueError("kind='padded' has no additive per-item cost; use batch_cost")
@@ -87,10 +120,20 @@ class CostModel:
         return self.multiplier * (self.alpha * l + self.beta * l * l)
 
     def loads(self, lengths: np.ndarray, dst: np.ndarray, num_ranks: int) -> np.ndarray:
-        """Cost of every destination batch, ``float64[num_ranks]``, vectorised.
+        """Cost of every destination batch, vectorised: :meth:`batch_cost` of each rank's items.
 
         Terms whose coefficient leaves the sum unchanged (``beta = 0``, ``const = 0``, factors
         of 1) are skipped: one ``bincount`` for plain token sums, same result bit for bit.
+
+        Args:
+            lengths: length of every item, 1-D.
+            dst: rank of every item, integers in ``[0, num_ranks)``, same size as ``lengths``
+                (not checked).
+            num_ranks: number of ranks (batches).
+
+        Returns:
+            float64 ``(num_ranks,)``: the cost of each rank's batch, 0.0 for a rank with no
+            items.
         """
         l = np.asarray(lengths, dtype=np.float64)
         dst = np.asarray(dst, dtype=np.int64)
@@ -116,21 +159,47 @@ class CostModel:
         return raw
 
     def scaled(self, factor: float) -> CostModel:
-        """The same model with the multiplier scaled (e.g. a cheaper or repeated module)."""
+        """The same model with the multiplier scaled (e.g. a cheaper or repeated module).
+
+        Args:
+            factor: what the multiplier is multiplied by, > 0.
+
+        Returns:
+            A new :class:`CostModel`; this one is unchanged.
+
+        Raises:
+            ValueError: the scaled multiplier is not finite or not > 0.
+        """
         return dataclasses.replace(self, multiplier=self.multiplier * factor)
 
     def forward_only(self, fraction: float = FORWARD_FRACTION) -> CostModel:
         """Cost of a frozen module whose backward pass is skipped entirely.
 
-        ``fraction`` is forward time over forward+backward time (default 1/3). Only valid when
-        nothing upstream is trainable; otherwise the input gradient still needs a backward pass.
+        Only valid when nothing upstream is trainable; otherwise the input gradient still needs
+        a backward pass.
+
+        Args:
+            fraction: forward time over forward+backward time, in ``(0, 1]`` (default
+                ``FORWARD_FRACTION``, 1/3).
+
+        Returns:
+            A new :class:`CostModel` with the multiplier scaled by ``fraction``.
+
+        Raises:
+            ValueError: ``fraction`` is outside ``(0, 1]``.
         """
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
         return self.scaled(fraction)
 
     def crossover_length(self) -> float:
-        """Item length where the quadratic term equals the linear one (``alpha/beta``)."""
+        """Item length where the quadratic term equals the linear one (``alpha/beta``).
+
+        Above it the quadratic (attention) term dominates an item's cost.
+
+        Returns:
+            ``alpha/beta`` as a float; ``inf`` when ``beta <= 0`` (no quadratic term).
+        """
         return float("inf") if self.beta <= 0 else self.alpha / self.beta
 
 

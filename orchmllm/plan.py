@@ -74,10 +74,16 @@ def expand_rows(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 class RankSchedule:
     """What one rank does in a move, in rows of a row-major buffer.
 
-    ``send_index``: rows of the local input (source-slot order) in send order (grouped by
-    destination peer), or None when the input is already in send order.
-    ``send_splits`` / ``recv_splits``: rows per peer. ``recv_index``: rows of the received
-    buffer (grouped by source peer) in destination-slot order, or None when already so.
+    Built by :meth:`Rearrangement.schedule`: gather ``send_index``, one all-to-all with these
+    splits, gather ``recv_index``.
+
+    Attributes:
+        send_index: int64 rows of the local input (source-slot order) in send order (grouped
+            by destination peer), or None when the input is already in send order.
+        send_splits: int64 ``(num_ranks,)`` rows sent to each peer (this rank included).
+        recv_splits: int64 ``(num_ranks,)`` rows received from each peer (this rank included).
+        recv_index: int64 rows of the received buffer (grouped by source peer) in
+            destination-slot order, or None when already so.
     """
 
     send_index: np.ndarray | None
@@ -87,10 +93,12 @@ class RankSchedule:
 
     @property
     def num_send_rows(self) -> int:
+        """Rows this rank sends in all, itself included (the send buffer's length)."""
         return int(self.send_splits.sum())
 
     @property
     def num_recv_rows(self) -> int:
+        """Rows this rank receives in all, itself included (the receive buffer's length)."""
         return int(self.recv_splits.sum())
 
 
@@ -104,7 +112,19 @@ class Rearrangement:
 
     Slots on a rank are positions in that rank's local order. Build one with
     :meth:`from_assignment`; the constructor validates that slots on every rank are a
-    permutation of ``0..count-1`` on both sides.
+    permutation of ``0..count-1`` on both sides. Arrays are stored as read-only int64 copies.
+
+    Attributes:
+        num_ranks: number of ranks the items move among, an integer >= 1.
+        src_rank: int64 ``(n,)`` rank holding each item before the move.
+        src_slot: int64 ``(n,)`` each item's position in its source rank's local order.
+        dst_rank: int64 ``(n,)`` rank holding each item after the move.
+        dst_slot: int64 ``(n,)`` each item's position in its destination rank's local order.
+
+    Raises:
+        ValueError: ``num_ranks`` is not an integer >= 1, an array is not 1-D integers or
+            differs in size from ``src_rank``, a rank is outside ``[0, num_ranks)``, or the
+            slots on a rank are not a permutation of ``0..count-1``.
     """
 
     num_ranks: int
@@ -153,6 +173,18 @@ class Rearrangement:
         Source slots follow the global order within each source rank. Destination slots
         are ordered by (source rank, source slot), so the receiver gets its items in the
         order of the global gather and needs no reordering after the all-to-all.
+
+        Args:
+            src: rank holding each item now, 1-D integers in global item order.
+            dst: rank each item goes to, same size as ``src``.
+            num_ranks: number of ranks, an integer >= 1.
+
+        Returns:
+            The plan (valid by construction, so not checked again).
+
+        Raises:
+            ValueError: ``num_ranks`` is not an integer >= 1, ``src`` or ``dst`` is not 1-D
+                integers, their sizes differ, or a rank is outside ``[0, num_ranks)``.
         """
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
             raise ValueError(f"num_ranks must be an integer, got {num_ranks!r}")
@@ -169,17 +201,33 @@ class Rearrangement:
 
     @classmethod
     def identity(cls, src: object, *, num_ranks: int) -> Rearrangement:
-        """Plan that leaves every item where it is."""
+        """Plan that leaves every item where it is.
+
+        Args:
+            src: rank holding each item, 1-D integers in global item order.
+            num_ranks: number of ranks, an integer >= 1.
+
+        Returns:
+            The plan with ``dst_rank == src_rank`` and ``dst_slot == src_slot``.
+
+        Raises:
+            ValueError: as :meth:`from_assignment`.
+        """
         return cls.from_assignment(src, src, num_ranks=num_ranks)
 
     # -- algebra ------------------------------------------------------------------------
 
     @property
     def num_items(self) -> int:
+        """Number of items in the plan, moved or not."""
         return int(self.src_rank.size)
 
     def inverse(self) -> Rearrangement:
-        """Plan that moves every item back to where it came from."""
+        """Plan that moves every item back to where it came from.
+
+        Returns:
+            The plan with source and destination swapped (sharing this plan's arrays).
+        """
         return self._valid(
             self.num_ranks, self.dst_rank, self.dst_slot, self.src_rank, self.src_slot
         )
@@ -190,6 +238,17 @@ class Rearrangement:
         Both plans describe the same items (same global ids) and other's destination must
         be self's source, e.g. ``llm_plan.compose(enc_plan.inverse())`` moves encoder
         outputs from the encoder layout straight to the LLM layout.
+
+        Args:
+            other: the plan applied first; its destination (rank, slot) of every item must be
+                this plan's source.
+
+        Returns:
+            The plan from ``other``'s source to this plan's destination.
+
+        Raises:
+            ValueError: ``other`` is not a :class:`Rearrangement`, has another ``num_ranks``
+                or item count, or puts an item elsewhere than this plan takes it from.
         """
         if not isinstance(other, Rearrangement):
             raise ValueError(f"other must be a Rearrangement, got {type(other).__name__}")
@@ -220,7 +279,13 @@ class Rearrangement:
     __hash__ = None  # type: ignore[assignment]
 
     def fingerprint(self) -> int:
-        """A 63-bit digest of the plan, equal on ranks that computed the same plan."""
+        """A 63-bit digest of the plan, equal on ranks that computed the same plan.
+
+        Cheap to compare across ranks to check that they all planned alike.
+
+        Returns:
+            A non-negative int below ``2**63`` (blake2b of ``num_ranks`` and the four arrays).
+        """
         h = hashlib.blake2b(digest_size=8)
         h.update(np.int64(self.num_ranks).tobytes())
         for arr in (self.src_rank, self.src_slot, self.dst_rank, self.dst_slot):
@@ -247,37 +312,106 @@ class Rearrangement:
         return arr
 
     def items_at(self, rank: int) -> np.ndarray:
-        """Global ids of the items ``rank`` holds after the move, in destination-slot order."""
+        """Global ids of the items ``rank`` holds after the move, in destination-slot order.
+
+        Args:
+            rank: the rank, an integer in ``[0, num_ranks)``.
+
+        Returns:
+            int64 global item ids; entry ``k`` is the item in destination slot ``k``.
+
+        Raises:
+            ValueError: ``rank`` is not an integer in ``[0, num_ranks)``.
+        """
         rank = self._check_rank(rank)
         ids = np.flatnonzero(self.dst_rank == rank)
         return ids[np.argsort(self.dst_slot[ids], kind="stable")]
 
     def source_items_at(self, rank: int) -> np.ndarray:
-        """Global ids of the items ``rank`` holds before the move, in source-slot order."""
+        """Global ids of the items ``rank`` holds before the move, in source-slot order.
+
+        Args:
+            rank: the rank, an integer in ``[0, num_ranks)``.
+
+        Returns:
+            int64 global item ids; entry ``k`` is the item in source slot ``k``.
+
+        Raises:
+            ValueError: ``rank`` is not an integer in ``[0, num_ranks)``.
+        """
         rank = self._check_rank(rank)
         ids = np.flatnonzero(self.src_rank == rank)
         return ids[np.argsort(self.src_slot[ids], kind="stable")]
 
     def count_matrix(self, *, sizes: object | None = None) -> np.ndarray:
-        """``M[s, t]`` = items (or sum of ``sizes``) moving from rank s to rank t."""
+        """``M[s, t]`` = items (or sum of ``sizes``) moving from rank s to rank t.
+
+        Args:
+            sizes: weight of every item (e.g. tokens or rows), non-negative integers, one per
+                item; None counts items.
+
+        Returns:
+            int64 ``(num_ranks, num_ranks)``; the diagonal holds what stays on its rank.
+
+        Raises:
+            ValueError: ``sizes`` is not 1-D non-negative integers with one entry per item.
+        """
         w = self._sizes(sizes)
         flat = self.src_rank * self.num_ranks + self.dst_rank
         m = np.bincount(flat, weights=w, minlength=self.num_ranks**2)
         return np.rint(m).astype(np.int64).reshape(self.num_ranks, self.num_ranks)
 
     def send_counts(self, rank: int, *, sizes: object | None = None) -> np.ndarray:
-        """Items (or tokens, with ``sizes``) that ``rank`` sends to each peer (self included)."""
+        """Items (or tokens, with ``sizes``) that ``rank`` sends to each peer (self included).
+
+        Args:
+            rank: the sending rank, an integer in ``[0, num_ranks)``.
+            sizes: weight of every item, as in :meth:`count_matrix`; None counts items.
+
+        Returns:
+            int64 ``(num_ranks,)``: row ``rank`` of :meth:`count_matrix`.
+
+        Raises:
+            ValueError: a bad ``rank`` or ``sizes``.
+        """
         rank = self._check_rank(rank)
         return self.count_matrix(sizes=sizes)[rank]
 
     def recv_counts(self, rank: int, *, sizes: object | None = None) -> np.ndarray:
-        """Items (or tokens, with ``sizes``) that ``rank`` receives from each peer."""
+        """Items (or tokens, with ``sizes``) that ``rank`` receives from each peer.
+
+        Args:
+            rank: the receiving rank, an integer in ``[0, num_ranks)``.
+            sizes: weight of every item, as in :meth:`count_matrix`; None counts items.
+
+        Returns:
+            int64 ``(num_ranks,)``: column ``rank`` of :meth:`count_matrix` (self included).
+
+        Raises:
+            ValueError: a bad ``rank`` or ``sizes``.
+        """
         rank = self._check_rank(rank)
         return self.count_matrix(sizes=sizes)[:, rank]
 
     def traffic(self, *, sizes: object | None = None, ranks_per_node: int | None = None) -> dict:
-        """Volume that leaves its rank, split into intra- and inter-node (rank r on node
-        r // ranks_per_node; None = one node). Items that stay are not counted."""
+        """Volume that leaves its rank, split into intra- and inter-node.
+
+        Items that stay are not counted as moved (only as ``kept``).
+
+        Args:
+            sizes: weight of every item (e.g. tokens), as in :meth:`count_matrix`; None counts
+                items.
+            ranks_per_node: ranks per node, rank ``r`` on node ``r // ranks_per_node``; None
+                puts every rank on one node.
+
+        Returns:
+            A dict of ints: ``intra`` and ``inter`` (volume moved within and across nodes),
+            ``kept`` (volume that stays on its rank), ``max_sent_rank`` and ``max_recv_rank``
+            (the most any one rank sends to or receives from other ranks).
+
+        Raises:
+            ValueError: ``ranks_per_node`` is not a positive integer, or a bad ``sizes``.
+        """
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool)
             or not isinstance(ranks_per_node, (int, np.integer))
@@ -304,6 +438,17 @@ class Rearrangement:
         The sender orders its items by (destination rank, destination slot); the receiver
         therefore gets them grouped by source peer, each group in destination-slot order,
         and reorders to destination-slot order (a no-op for ``from_assignment`` plans).
+
+        Args:
+            rank: the rank whose part of the move this is, an integer in ``[0, num_ranks)``.
+            sizes: rows of every item in the buffer (e.g. tokens of a packed sequence buffer),
+                non-negative integers, one per item; None is one row per item.
+
+        Returns:
+            The :class:`RankSchedule` of ``rank``.
+
+        Raises:
+            ValueError: a bad ``rank`` or ``sizes``.
         """
         rank = self._check_rank(rank)
         w = self._sizes(sizes)

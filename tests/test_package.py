@@ -33,7 +33,7 @@ def _section(doc: str, title: str) -> str | None:
 
 
 def _names(section: str | None, name: str) -> bool:
-    return section is not None and re.search(rf"^\s+{re.escape(name)}\b[^:\n]*:", section, re.M)
+    return section is not None and re.search(rf"^\s+\**{re.escape(name)}\b[^:\n]*:", section, re.M)
 
 
 def _init_parameters(cls: type) -> list[str]:
