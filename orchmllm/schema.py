@@ -85,6 +85,16 @@ class EncodingRates:
 
     image: ``n_patches // vision_downsample``; audio: ``n_frames // (audio_conv_stride *
     audio_downsample)`` (Whisper-style stride-2 convolution, then the connector's downsample).
+    Build it from the model config so that planned lengths are the ones the model produces.
+
+    Attributes:
+        vision_downsample: image patches per LLM token.
+        audio_conv_stride: mel frames per position of the audio encoder (its convolution's
+            stride; 2 for Whisper).
+        audio_downsample: audio-encoder positions per LLM token (the connector's downsample).
+
+    Raises:
+        ValueError: a rate that is not a positive integer.
     """
 
     vision_downsample: int = 1
@@ -98,7 +108,18 @@ class EncodingRates:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def divisor(self, kind: int) -> int:
-        """Raw units per encoded token for ``kind`` (1 for text)."""
+        """Raw units per encoded LLM token for one segment kind.
+
+        Args:
+            kind: a segment kind: :data:`TEXT`, :data:`IMAGE` or :data:`AUDIO`.
+
+        Returns:
+            1 for text, ``vision_downsample`` for images, ``audio_conv_stride *
+            audio_downsample`` for audio.
+
+        Raises:
+            ValueError: ``kind`` is none of the three.
+        """
         if kind == TEXT:
             return 1
         if kind == IMAGE:
@@ -108,25 +129,53 @@ class EncodingRates:
         raise ValueError(f"kind must be one of {(TEXT, IMAGE, AUDIO)}, got {kind!r}")
 
     def stride(self, kind: int) -> int:
-        """Raw units per position of ``kind``'s encoder (its own sequence is ``raw // stride``:
-        the audio encoder's stride-2 convolution halves its mel frames)."""
+        """Raw units per position of ``kind``'s encoder (its own sequence is ``raw // stride``).
+
+        Args:
+            kind: a segment kind.
+
+        Returns:
+            ``audio_conv_stride`` for :data:`AUDIO` (the audio encoder's convolution, stride 2
+            for Whisper, halves its mel frames); 1 for any other kind.
+        """
         return int(self.audio_conv_stride) if kind == AUDIO else 1
 
     def encoded(self, kind: int, raw: int) -> int:
-        """Tokens a segment of ``raw`` units contributes to the LLM sequence."""
+        """Tokens a segment of ``raw`` units contributes to the LLM sequence.
+
+        Args:
+            kind: the segment kind (see :meth:`divisor`).
+            raw: the segment's count: text tokens, image patches or mel frames.
+
+        Returns:
+            ``raw // divisor(kind)`` (rounded down).
+
+        Raises:
+            ValueError: ``kind`` is not a known segment kind.
+        """
         return int(raw) // self.divisor(kind)
 
 
 @dataclass(frozen=True)
 class ExampleMeta:
-    """Per-example lengths, derived from ``segments`` alone."""
+    """Per-example lengths, derived from ``segments`` alone (see :func:`example_metadata`).
+
+    Attributes:
+        text_len: text tokens, all text segments together.
+        image_raw: patches of each image, in segment order.
+        image_encoded: LLM tokens of each image (``EncodingRates.encoded``), in order.
+        audio_raw: mel frames of each audio clip, in segment order.
+        audio_encoded: LLM tokens of each audio clip, in order.
+        seq_len: length of the whole interleaved sequence the LLM sees: ``text_len`` plus
+            every encoded image and audio length.
+    """
 
     text_len: int
     image_raw: tuple[int, ...]
     image_encoded: tuple[int, ...]
     audio_raw: tuple[int, ...]
     audio_encoded: tuple[int, ...]
-    seq_len: int  # whole interleaved sequence the LLM sees
+    seq_len: int
 
 
 def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -145,7 +194,19 @@ def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 def example_metadata(segments: Sequence[Sequence[int]], rates: EncodingRates) -> ExampleMeta:
-    """Lengths per modality and the LLM sequence length of one example (pure)."""
+    """Lengths per modality and the LLM sequence length of one example (pure).
+
+    Args:
+        segments: the example's ``[kind, count]`` pairs (schema field ``segments``).
+        rates: how raw counts become LLM tokens.
+
+    Returns:
+        The example's :class:`ExampleMeta`.
+
+    Raises:
+        ValueError: a segment that is not a ``[kind, count]`` pair, has an unknown kind, or a
+            count below 1.
+    """
     segs = check_segments(segments)
     text = sum(c for k, c in segs if k == TEXT)
     img = tuple(c for k, c in segs if k == IMAGE)
@@ -169,7 +230,21 @@ def validate_example(
     patch_dim: int | None = None,
     n_mels: int | None = None,
 ) -> None:
-    """Raise ``ValueError`` if ``example`` breaks the schema (tensors match ``segments``)."""
+    """Check that ``example`` follows the schema: its tensors match its ``segments``.
+
+    Args:
+        example: one example as the schema dict (module docstring), e.g. from
+            :func:`orchmllm.data.synthetic.as_example`.
+        rates: the encoding rates; every image's patch count and audio clip's frame count
+            must be a multiple of its divisor, so its encoded length is exact.
+        patch_dim: the width each image's patch array must have (None: not checked).
+        n_mels: the width each audio clip's mel array must have (None: not checked).
+
+    Raises:
+        ValueError: bad ``segments`` or ``task``; ``input_ids``/``loss_mask`` whose length is
+            not the text segments' total; image or audio arrays whose number, shape or width
+            does not match ``segments``; a count not divisible by its rate.
+    """
     segs = check_segments(example["segments"])
     if example["task"] not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {example['task']!r}")

@@ -265,21 +265,41 @@ def move_examples(
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What was done for one step (the metadata and plan are identical on all ranks)."""
+    """What was done for one step (the metadata and plan are identical on all ranks).
+
+    The loader keeps the latest one in ``BalancedDataLoader.last_step``; ``PlannedBatch.info``
+    carries it in ``mode="local"``.
+
+    Attributes:
+        epoch: the epoch the step belongs to.
+        step: the step's index in its epoch, from 0.
+        meta: int64 ``(n, m)``, the gathered planner input (one row per item of the global
+            batch, in global item order: rank 0's items, then rank 1's, ...).
+        src: int64 ``(n,)``, the rank that sampled each item.
+        indices: int64 ``(n,)``, the dataset index of each item in index mode; None in the
+            other modes.
+        plan: the planner's output (a :class:`~orchmllm.plan.Rearrangement` for the default
+            planner).
+        plan_s: seconds to gather the metadata and plan.
+        prep_s: seconds for the whole step (load, gather, plan, move, collate).
+        bytes_meta: metadata bytes this rank sent (logical: its share times its peers).
+        bytes_payload: example bytes this rank sent (move mode; 0 in the others).
+    """
 
     epoch: int
     step: int
-    meta: np.ndarray  # (n, m) gathered planner input, global item order
-    src: np.ndarray  # (n,) rank that sampled each item
-    indices: np.ndarray | None  # (n,) dataset index of each item (index mode)
-    plan: Any  # the planner's output
-    plan_s: float  # seconds to gather the metadata and plan
-    prep_s: float  # seconds for the whole step (load, gather, plan, move, collate)
-    bytes_meta: int  # metadata bytes this rank sent
-    bytes_payload: int  # example bytes this rank sent (move mode)
+    meta: np.ndarray
+    src: np.ndarray
+    indices: np.ndarray | None
+    plan: Any
+    plan_s: float
+    prep_s: float
+    bytes_meta: int
+    bytes_payload: int
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes this rank sent for the step: ``bytes_meta + bytes_payload``."""
         return self.bytes_meta + self.bytes_payload
 
 

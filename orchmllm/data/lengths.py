@@ -108,10 +108,24 @@ def map_lengths(
 ) -> np.ndarray:
     """``length_fn(row)`` for every row, computed with ``Dataset.map`` once and cached.
 
-    ``columns`` restricts what each row holds (e.g. ``["segments"]``), so a length that
-    depends on metadata never decodes images or audio. ``num_proc > 1`` runs the map in
-    several processes. Raises ``ValueError`` naming ``length_fn`` and the example if it
-    returns a negative or non-integer value.
+    The cache (in this process) is keyed by the dataset's fingerprint, ``length_fn``'s hash
+    and ``columns``, so a second loader over the same data pays nothing; a ``length_fn`` that
+    HF ``datasets`` cannot hash is run every time.
+
+    Args:
+        dataset: an HF ``datasets.Dataset``.
+        length_fn: ``length_fn(row) -> int``, a row's length (a non-negative integer).
+        columns: the only columns each row holds (e.g. ``["segments"]``), so a length that
+            depends on metadata never decodes images or audio (None: every column).
+        num_proc: ``num_proc > 1`` runs the map in that many processes (None or 1: this one).
+
+    Returns:
+        int64 ``(len(dataset),)``, one length per row in index order; treat it as read-only
+        (it may be the cached array, which is flagged so).
+
+    Raises:
+        ValueError: ``num_proc < 1``; a name in ``columns`` that is not a column;
+            ``length_fn`` returning a negative or non-integer value (naming the example).
     """
     if num_proc is not None and num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
@@ -155,8 +169,25 @@ def dataset_lengths(
     """Lengths of every example of a map-style dataset, in index order.
 
     HF datasets: from ``length_column`` or via :func:`map_lengths`. Other map-style
-    datasets (``__getitem__`` + ``__len__``): ``length_fn(dataset[i])`` for every ``i``
-    (this loads each example once; prefer a length column for large data).
+    datasets (``__getitem__`` + ``__len__``): ``length_fn(dataset[i])`` (or
+    ``dataset[i][length_column]``) for every ``i`` (this loads each example once; prefer a
+    length column for large data).
+
+    Args:
+        dataset: an HF ``datasets.Dataset`` or any map-style dataset.
+        length_column: the column (or key of each example) holding its length.
+        length_fn: ``length_fn(example) -> int``, an example's length.
+        columns: HF datasets with ``length_fn`` only: the columns it reads
+            (see :func:`map_lengths`).
+        num_proc: HF datasets with ``length_fn`` only: processes for the map.
+
+    Returns:
+        int64 ``(len(dataset),)``, one non-negative length per example.
+
+    Raises:
+        ValueError: not exactly one of ``length_column`` and ``length_fn`` given; a length
+            column missing from the dataset or an example; a length that is negative or not
+            an integer (naming the example).
     """
     if (length_column is None) == (length_fn is None):
         raise ValueError("pass exactly one of length_column= or length_fn=")

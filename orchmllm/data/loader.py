@@ -517,16 +517,42 @@ class BalancedDataLoader:
     # -- sampler semantics ----------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` at its first step on the next iteration (reshuffles)."""
+        """Start epoch ``epoch`` at its first step on the next iteration (reshuffles).
+
+        As ``DistributedSampler.set_epoch``: the loader does not advance the epoch itself, so
+        call it with the same value on every rank before each epoch.
+
+        Args:
+            epoch: the epoch number; with ``seed`` it decides the epoch's shuffle and
+                token-budget packing (it is also passed to the ``set_epoch`` of a source,
+                sampler or HF iterable dataset that has one).
+        """
         self.epoch = int(epoch)
         self._step = 0
 
     def state_dict(self) -> dict[str, int]:
-        """Position of the training loop: batches it consumed, not those prefetched."""
+        """Position of the training loop: batches it consumed, not those prefetched.
+
+        Returns:
+            ``{"epoch", "step", "seed"}``: the current epoch, the steps of it the loop has
+            consumed (0 again once an epoch ran to its end) and the loader's seed. Save it
+            with the model's checkpoint and pass it to :meth:`load_state_dict` to resume.
+        """
         return {"epoch": self.epoch, "step": self._step, "seed": self.options.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration yields the batches from ``state['step']`` on."""
+        """Resume: the next iteration yields the batches from ``state['step']`` on.
+
+        Closes the current iteration first (see :meth:`close`).
+
+        Args:
+            state: a :meth:`state_dict` (from a loader with the same seed and set-up).
+
+        Raises:
+            ValueError: ``state`` lacks ``epoch``, ``step`` or ``seed``, its seed differs
+                from this loader's, or its step is negative.
+            EpochMismatch: as :meth:`close`.
+        """
         missing = {"epoch", "step", "seed"} - set(state)
         if missing:
             raise ValueError(f"state is missing {sorted(missing)}")

@@ -43,15 +43,30 @@ class LayoutMismatchWarning(UserWarning):
 
 @dataclass(frozen=True)
 class BalancePlanner:
-    """Single-phase plan: ``orchmllm.balance`` on column 0 of the metadata (the length)."""
+    """Single-phase plan: ``orchmllm.balance`` on column 0 of the metadata (the length).
+
+    The loader's default planner (``BalancePlanner(policy, cost)``); build one yourself to
+    pass ``ranks_per_node`` or ``placement``. Called as ``planner(meta, src, num_ranks)``
+    (:data:`~orchmllm.data.exchange.Planner`), it returns a
+    :class:`~orchmllm.plan.Rearrangement`; arguments are checked by :func:`orchmllm.balance`
+    when it plans.
+
+    Attributes:
+        policy: the balancing policy, a name in ``orchmllm.POLICIES``.
+        cost: an ``orchmllm.cost.CostModel``, or None for the policy's default.
+        ranks_per_node: ranks per node, for ``greedy_stay`` and ``placement``.
+        placement: ``none``, or how batches are permuted over ranks to keep traffic inside
+            nodes (``orchmllm.placement``).
+    """
 
     policy: str = "greedy"
-    cost: Any = None  # orchmllm.cost.CostModel or None (the policy's default)
+    cost: Any = None
     ranks_per_node: int | None = None
     placement: str = "none"
 
     @property
     def deterministic(self) -> bool:
+        """Whether every rank computes the same plan itself (False: rank 0 plans for all)."""
         return plan_is_deterministic(placement=self.placement, policies=(self.policy,))
 
     def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:

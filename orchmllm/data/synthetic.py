@@ -48,7 +48,33 @@ _N_SPECIAL = 4  # token ids below this are reserved (pad, bos, eos, image/audio 
 @dataclass(frozen=True)
 class SyntheticConfig(RecipeConfig):
     """Everything that determines the generated data (with the encoding rates): the example
-    recipe's fields (:class:`orchmllm.recipe.RecipeConfig`) plus size, seed and tensor shapes."""
+    recipe's fields (:class:`orchmllm.recipe.RecipeConfig`) plus size, seed and tensor shapes.
+
+    The recipe's fields decide lengths (distributions and sources in :mod:`orchmllm.recipe`);
+    the fields of this class decide how many examples there are and their tensors' widths.
+
+    Attributes:
+        task_weights: relative weight of each task in :data:`~orchmllm.schema.TASKS` (a task
+            left out has weight 0); default ``recipe.DEFAULT_MIX``.
+        patch: image patch side in pixels (default ``workloads.PATCH``, 14).
+        max_image_side: images whose long side exceeds this many pixels are downscaled to it
+            (default ``workloads.MAX_IMAGE_SIDE``, 448, as MLLM-10B); at least ``patch``.
+        max_audio_s: longest audio clip in seconds, longer ones are capped (default 30: Whisper's
+            window).
+        max_text_tokens: most text tokens of one example, all its text runs together.
+        scale: multiplies every length, so a tiny config keeps the composition.
+        p_multi_image: probability that a ``vqa`` example holds a second image.
+        p_spoken_question: probability that a ``vqa`` example's first question is spoken.
+        num_examples: examples in the dataset (:func:`build_dataset`; example ``i`` does not
+            depend on it).
+        seed: seeds both the lengths (per block of :data:`BLOCK` examples) and the tensors.
+        n_mels: mel bins per audio frame (the width of each ``audio_mels`` array).
+        vocab_size: token ids are drawn uniformly in ``[4, vocab_size)`` (below 4: special).
+
+    Raises:
+        ValueError: a field out of range (the recipe's checks, ``n_mels < 1``,
+            ``num_examples < 0``, ``vocab_size <= 4``).
+    """
 
     num_examples: int = 1000
     seed: int = 0
@@ -66,6 +92,7 @@ class SyntheticConfig(RecipeConfig):
 
     @property
     def patch_dim(self) -> int:
+        """Width of each image's patch array: ``3 * patch * patch`` (RGB pixels)."""
         return 3 * self.patch * self.patch
 
 
@@ -168,7 +195,19 @@ def iter_examples(
 
 
 def generate_example(idx: int, cfg: SyntheticConfig, rates: EncodingRates) -> dict:
-    """Example ``idx`` of the dataset ``cfg`` describes; depends only on ``(cfg, rates, idx)``."""
+    """Example ``idx`` of the dataset ``cfg`` describes; depends only on ``(cfg, rates, idx)``.
+
+    Args:
+        idx: the example's index (>= 0; may be ``>= cfg.num_examples``, as in a stream).
+        cfg: the dataset's config.
+        rates: the encoding rates; image and audio counts are multiples of their divisors.
+
+    Returns:
+        The example as the schema dict (:mod:`orchmllm.schema`): ``id``, ``task``,
+        ``segments``, ``input_ids`` (int64), ``loss_mask`` (int8), ``image_patches``
+        (float32 ``[n_patches, cfg.patch_dim]`` each) and ``audio_mels`` (float32
+        ``[n_frames, cfg.n_mels]`` each).
+    """
     return next(iter_examples(cfg, rates, range(idx, idx + 1)))
 
 
@@ -185,7 +224,24 @@ def build_dataset(
     num_proc: int | None = None,
     cache_dir: str | None = None,
 ) -> datasets.Dataset:
-    """Generate the dataset as an HF ``Dataset`` (numpy format; see :func:`as_example`)."""
+    """Generate the dataset as an HF ``Dataset`` (numpy format; see :func:`as_example`).
+
+    HF ``datasets`` writes it to an Arrow cache keyed by a fingerprint of ``cfg``, ``rates``
+    and the generating code, so a second call with the same arguments reads the cache and a
+    change to that code regenerates.
+
+    Args:
+        cfg: the dataset's config (``cfg.num_examples`` rows).
+        rates: the encoding rates.
+        keep_in_memory: load the result into memory instead of memory-mapping the cache.
+        num_proc: processes that generate the shards of :data:`BLOCK` examples in parallel
+            (None: this process alone).
+        cache_dir: where HF ``datasets`` writes its cache (None: its default).
+
+    Returns:
+        The dataset, one row per example (:func:`generate_example` of each index), in numpy
+        format; pass its rows through :func:`as_example`.
+    """
     import datasets
 
     shards = [range(a, min(a + BLOCK, cfg.num_examples)) for a in range(0, cfg.num_examples, BLOCK)]
@@ -222,6 +278,14 @@ def as_example(row: Mapping) -> dict:
 
     Numpy formatting stacks equal-shaped images into one 3-D array and turns segments into a
     2-D array; this undoes that so every consumer sees the same types.
+
+    Args:
+        row: one row of a dataset in the schema (e.g. from :func:`build_dataset`).
+
+    Returns:
+        A new dict: ``id`` int, ``task`` str, ``segments`` a list of ``[kind, count]`` int
+        lists, ``input_ids`` and ``loss_mask`` int64 arrays, ``image_patches`` and
+        ``audio_mels`` lists of float32 2-D arrays.
     """
     return {
         "id": int(row["id"]),
