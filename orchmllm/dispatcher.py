@@ -49,10 +49,21 @@ def debug_enabled() -> bool:
 class Dispatched:
     """A batch in the balanced layout, and what :meth:`BatchDispatcher.undo` needs.
 
-    ``tokens``: token-major tensors (packed: ``[sum(lengths), ...]``; padded:
-    ``[B, max(lengths), ...]``), ``lengths``: int64 ``[B]``, ``items``: item-major tensors
-    ``[B, ...]``, all in destination-slot order. ``global_lengths`` are the gathered lengths
-    in global item order (``plan.items_at(rank)`` indexes them).
+    ``tokens``, ``lengths`` and ``items`` hold this rank's new items in destination-slot order.
+
+    Attributes:
+        tokens: name -> token-major tensor (packed: ``[sum(lengths), ...]``; padded:
+            ``[B, max(lengths), ...]``, ``pad_value`` elsewhere).
+        lengths: int64 ``[B]``, the new items' lengths.
+        items: name -> item-major tensor ``[B, ...]``.
+        plan: the :class:`~orchmllm.plan.Rearrangement` executed, the same on every rank.
+        stats: the step's metrics (see :meth:`BatchDispatcher.dispatch`).
+        global_lengths: the gathered lengths in global item order (``plan.items_at(rank)``
+            indexes them).
+        layout: ``packed`` or ``padded``, as dispatched.
+        rank: this rank in the dispatcher's group.
+        source_pad_to: padded layout: each token tensor's padded length ``T`` before the move
+            (:meth:`BatchDispatcher.undo` pads back to the largest); empty when packed.
     """
 
     tokens: dict[str, torch.Tensor]
@@ -89,22 +100,48 @@ def _pad(packed: torch.Tensor, lengths: torch.Tensor, pad_to: int, value: float)
 class BatchDispatcher:
     """Rebalances variable-length mini-batches across the ranks of ``group``.
 
-    ``policy``: a name from ``orchmllm.POLICIES`` (default ``greedy`` for the packed layout,
-    ``padded_cost`` for the padded one). ``layout``: ``packed`` (token tensors are
-    ``[sum(lengths), ...]``) or ``padded`` (``[B, T, ...]``, re-padded to the new local
-    maximum after the move). ``topology``: the job's process groups and ranks per node
-    (:class:`orchmllm.topology.Topology`, shared with the loader and orchestrator); without
-    one, it is built here from ``group``, ``meta_group``, ``ranks_per_node`` and ``timeout``
-    (a gloo group for the lengths gather is created when ``group`` is not gloo: a collective,
-    so construct the dispatcher on every rank). ``check_plan``: also all-gather a fingerprint
-    of the computed plan and raise :class:`PlanMismatchError` when ranks disagree (default:
-    on in debug mode, see :func:`debug_enabled`); what each rank passes (tensor names, dtypes,
-    trailing shapes, ``requires_grad``, the policy and its options, a precomputed plan) is
-    always compared, at no extra collective: it rides in the lengths gather. ``timeout``:
-    seconds any one collective may wait. ``max_items_per_rank`` / ``max_load_per_rank``: caps
-    every plan meets (a memory budget per rank in the policy's cost, e.g. tokens for packed
-    batches); a cap no plan meets raises :class:`orchmllm.InfeasibleCapError` on every rank,
-    naming the smallest value that works.
+    Construct it on every rank together: without a ``topology`` or ``meta_group``, a gloo
+    group for the lengths gather is created here, a collective. What each rank passes to
+    :meth:`dispatch` (tensor names, dtypes, trailing shapes, ``requires_grad``, the policy and
+    its options, a precomputed plan) is always compared, at no extra collective: it rides in
+    the lengths gather.
+
+    Args:
+        policy: a name from ``orchmllm.POLICIES`` (None: ``greedy`` for the packed layout,
+            ``padded_cost`` for the padded one).
+        topology: the job's process groups and ranks per node
+            (:class:`orchmllm.topology.Topology`, shared with the loader and orchestrator);
+            when given, ``group``, ``meta_group``, ``ranks_per_node`` and ``timeout`` are
+            ignored; without one, it is built here from them.
+        group: the data-parallel group the batch moves on (None: the default group).
+        ranks_per_node: consecutive ranks per node, for ``greedy_stay``, ``placement`` and the
+            intra-/inter-node byte counts (None: unknown).
+        placement: ``none``, or how balanced batches are permuted over the ranks to keep
+            traffic inside nodes (``orchmllm.placement``; needs ``ranks_per_node``);
+            ``ilp`` is time-limited, so its plan is computed on rank 0 and broadcast.
+        cost: the cost model the policy balances (None: the policy's default); the load
+            statistics use it too (None: the layout's).
+        timeout: seconds any one collective may wait.
+        layout: ``packed`` (token tensors are ``[sum(lengths), ...]``) or ``padded``
+            (``[B, T, ...]``, re-padded to the new local maximum after the move).
+        meta_group: a gloo group over the same ranks the lengths are gathered on (None: one
+            is created here).
+        check_plan: also all-gather a fingerprint of the computed plan and raise
+            :class:`PlanMismatchError` when ranks disagree (None: on in debug mode, see
+            :func:`debug_enabled`).
+        max_items_per_rank: a cap on the items any rank gets, which every plan meets.
+        max_load_per_rank: a cap on any rank's load, in the policy's cost (a memory budget,
+            e.g. tokens for packed batches), which every plan meets. A cap no plan meets
+            raises :class:`orchmllm.InfeasibleCapError` in :meth:`dispatch`, naming the
+            smallest value that works.
+        pad_value: the value of padding positions in the padded layout (:meth:`dispatch`
+            and :meth:`undo` outputs).
+
+    Raises:
+        ValueError: an unknown ``layout`` or ``policy``, a ``cost`` that is not a
+            :class:`~orchmllm.cost.CostModel`, a ``placement`` without ``ranks_per_node``,
+            a bad ``timeout`` or ``ranks_per_node``, or a ``meta_group`` that is not gloo.
+        RuntimeError: ``torch.distributed`` is not initialised.
     """
 
     def __init__(
@@ -175,6 +212,34 @@ class BatchDispatcher:
         on the step. The lengths are still gathered (the move needs every item's size);
         a plan whose items are not the gathered ones (count per rank, gather order) raises
         ``ValueError`` on every rank.
+
+        Args:
+            tokens: name -> token-major tensor of this rank's items (packed:
+                ``[sum(lengths), ...]``; padded: ``[B, T, ...]`` with ``T >= max(lengths)``).
+            lengths: 1-D integer tensor ``[B]``, the tokens of each item (>= 0).
+            items: name -> item-major tensor ``[B, ...]`` (labels, ids) that moves with its
+                item (None: none).
+            plan: a plan computed ahead for exactly these items (None: plan here).
+
+        Returns:
+            The :class:`Dispatched` batch. Its ``stats``: ``imbalance_before``/``_after``,
+            ``loads_before``/``_after`` (per rank, in the cost), ``bytes_intra``/``_inter``
+            (summed over ranks), this rank's ``bytes_sent``/``bytes_recv``,
+            ``bytes_sent_max_rank``, ``items_moved``, ``tokens_moved``, ``tokens_kept``,
+            ``num_items``, ``padded_tokens_before``/``_after`` (padded layout),
+            ``gather_ms``, ``plan_ms``, ``move_ms``, and the policy's own statistics.
+
+        Raises:
+            ValueError: this rank's ``lengths``, ``tokens`` or ``items`` are malformed
+                (raised before any collective, on that rank alone), ``plan`` is not a
+                :class:`~orchmllm.plan.Rearrangement`, or it does not match the gathered
+                lengths.
+            InfeasibleCapError: a cap no plan meets (on every rank; with a broadcast plan,
+                on rank 0, and :class:`~orchmllm.agreement.PeerFailed` on the others).
+            PlanMismatchError: the ranks pass different tensor names, dtypes, trailing
+                shapes, ``requires_grad``, options or plans; or, with ``check_plan``, they
+                computed different plans.
+            RuntimeError: a collective did not complete within ``timeout``.
         """
         items = {} if items is None else dict(items)
         local_lengths = self._check_inputs(tokens, lengths, items)
@@ -260,6 +325,21 @@ class BatchDispatcher:
         ``[B', T', ...]``, returned as ``[B, T, ...]`` with the original ``T`` when the
         dispatched tensors were padded); ``items=True`` for item-major ``[B', ...]``.
         Autograd-aware: the backward is the forward move. Every rank calls this together.
+
+        Args:
+            dispatched: what :meth:`dispatch` returned for this batch.
+            tensor: a result on the balanced layout: token-major, rows aligned with
+                ``dispatched.lengths``, or item-major ``[B', ...]`` with ``items=True``.
+            items: ``tensor`` is item-major (one row per item) instead of token-major.
+
+        Returns:
+            The tensor in this rank's original layout and item order: packed
+            ``[sum(lengths), ...]``, padded ``[B, T, ...]`` (``pad_value`` elsewhere), or
+            ``[B, ...]`` with ``items=True``.
+
+        Raises:
+            ValueError: ``tensor``'s rows do not match the dispatched items.
+            RuntimeError: the move did not complete within ``timeout``.
         """
         plan = dispatched.plan
         glob = dispatched.global_lengths

@@ -53,17 +53,44 @@ IGNORE_INDEX = -100
 
 @dataclass
 class LocalBatch:
-    """One rank's sampled examples as flat tensors (items and tokens in local order)."""
+    """One rank's sampled examples as flat tensors (items and tokens in local order).
 
-    metadata: np.ndarray  # local_metadata rows
-    raw: dict[str, torch.Tensor]  # phase name -> [raw rows, feature_dim]
-    input_ids: torch.Tensor  # int64 [text tokens]
-    loss_mask: torch.Tensor  # int64 [text tokens]
+    Build it with :meth:`from_examples` and pass it to :meth:`Orchestrator.run`.
+
+    Attributes:
+        metadata: this rank's :func:`~orchmllm.step_plan.local_metadata` rows, int64
+            ``(segments, 4)``, a NumPy array (what :meth:`Orchestrator.gather` gathers).
+        raw: phase name -> float32 ``[raw rows, feature_dim]``, the phase's items' rows
+            concatenated.
+        input_ids: int64 ``[text tokens]``, every example's text tokens concatenated.
+        loss_mask: int64 ``[text tokens]``, aligned with ``input_ids``.
+    """
+
+    metadata: np.ndarray
+    raw: dict[str, torch.Tensor]
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
 
     @classmethod
     def from_examples(
         cls, examples: Sequence[Mapping], phases: Sequence[EncoderPhase]
     ) -> LocalBatch:
+        """Flatten this rank's examples into tensors on the CPU.
+
+        Args:
+            examples: this rank's examples in local order (schema fields ``segments``,
+                ``input_ids``, ``loss_mask``, and each phase's ``key``: one
+                ``(raw count, feature_dim)`` array per segment of the phase's kind).
+            phases: the encoder phases, as the orchestrator has them.
+
+        Returns:
+            The :class:`LocalBatch`; raw arrays become float32.
+
+        Raises:
+            ValueError: a bad segment table or ``loss_mask`` (:func:`local_metadata`), a
+                phase whose number of arrays differs from its segments, or an array whose
+                shape is not ``(raw count, feature_dim)``.
+        """
         metadata = local_metadata(examples)
         raw = {}
         for p in phases:
@@ -86,6 +113,14 @@ class LocalBatch:
         return cls(metadata, raw, tokens("input_ids"), tokens("loss_mask"))
 
     def to(self, device: torch.device | str) -> LocalBatch:
+        """The batch with its tensors on ``device`` (``metadata`` stays on the host).
+
+        Args:
+            device: where the moves run, e.g. the rank's CUDA device for NCCL.
+
+        Returns:
+            A new :class:`LocalBatch`; this one is unchanged.
+        """
         raw = {k: v.to(device) for k, v in self.raw.items()}
         return LocalBatch(self.metadata, raw, self.input_ids.to(device), self.loss_mask.to(device))
 
@@ -95,9 +130,25 @@ class LLMBatch:
     """What the LLM needs on this rank after the orchestrator ran the encoders.
 
     Embed ``input_ids`` with the LLM's token embedding, then :meth:`assemble` gives the packed
-    sequences ``[sum(lengths), hidden]``; ``targets`` holds the next token at each position
-    (``IGNORE_INDEX`` where nothing is predicted). Normalise the summed loss by
-    ``num_targets`` (global), so the gradient does not depend on the layout.
+    sequences ``[sum(lengths), hidden]``. Normalise the summed loss by ``num_targets``
+    (global), so the gradient does not depend on the layout.
+
+    Attributes:
+        input_ids: int64 ``[text tokens]``, the text of this rank's sequences, in sequence
+            order.
+        lengths: int64 ``[sequences]``, the length of each packed sequence.
+        targets: int64 ``[sum(lengths)]``, the next token at each position (``IGNORE_INDEX``
+            where nothing is predicted).
+        loss_mask: bool ``[sum(lengths)]``, the positions with a target
+            (``targets != IGNORE_INDEX``; not the per-token mask of :class:`LocalBatch`).
+        num_targets: the prediction targets over all ranks (normalises the loss).
+        example_ids: global ids (gather order) of this rank's sequences.
+        stats: per-phase statistics (:meth:`~orchmllm.step_plan.StepPlan.stats` plus the
+            bytes moved, see :meth:`Orchestrator.run`).
+        encoded: encoder outputs in the LLM layout, one ``[rows, hidden]`` per phase, in phase
+            order.
+        index: int64 ``[sum(lengths)]``, the row of ``cat([text_embeds, *encoded])`` each
+            position takes.
     """
 
     input_ids: torch.Tensor
@@ -105,12 +156,27 @@ class LLMBatch:
     targets: torch.Tensor
     loss_mask: torch.Tensor
     num_targets: int
-    example_ids: np.ndarray  # global ids (gather order) of this rank's sequences
+    example_ids: np.ndarray
     stats: dict[str, dict]
-    encoded: list[torch.Tensor]  # encoder outputs in the LLM layout, one per phase
+    encoded: list[torch.Tensor]
     index: torch.Tensor
 
     def assemble(self, text_embeds: torch.Tensor) -> torch.Tensor:
+        """Interleave text embeddings and encoder outputs into the packed sequences.
+
+        Differentiable: gradients flow back to ``text_embeds`` and to the encoder outputs.
+
+        Args:
+            text_embeds: ``[text tokens, hidden]``, the token embeddings of ``input_ids``;
+                the encoder outputs are cast to its dtype.
+
+        Returns:
+            ``[sum(lengths), hidden]`` on ``text_embeds``' device, sequences one after
+            another, each in template order.
+
+        Raises:
+            ValueError: ``text_embeds`` has another number of rows than ``input_ids``.
+        """
         if text_embeds.shape[0] != self.input_ids.shape[0]:
             raise ValueError(
                 f"text_embeds has {text_embeds.shape[0]} rows, input_ids {self.input_ids.shape[0]}"
@@ -125,14 +191,6 @@ Encoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Orchestrator:
     """Gathers, plans and executes the per-phase rearrangements of an MLLM step.
 
-    ``phases`` and the keyword options up to ``encoded_token_bytes`` are the step planner's
-    (:class:`orchmllm.step_plan.StepOptions`; ``mode``: ``none``, ``llm`` or ``full``).
-    ``topology``: the job's process groups (:class:`orchmllm.topology.Topology`: the
-    data-parallel group the moves use, the gloo group metadata is gathered on, ranks per
-    node, the timeout), shared with the loader; or, without one, ``group``, ``meta_group``
-    (default ``group``) and ``timeout``. ``ranks_per_node`` also splits the reported bytes
-    into intra- and inter-node.
-
     A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
     stopped by a clock) is computed on rank 0 of ``meta_group`` and broadcast there
     (:func:`orchmllm.agreement.agreed_plan`), which needs a CPU (gloo) group: when
@@ -140,6 +198,36 @@ class Orchestrator:
     created here, a collective, so construct the orchestrator on every rank together. Such an
     orchestrator also pays the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp`
     on the rank that solves), not in the first step.
+
+    Args:
+        phases: the encoder phases (:attr:`orchmllm.step_plan.StepOptions.phases`).
+        mode: ``none``, ``llm`` or ``full`` (:attr:`~orchmllm.step_plan.StepOptions.mode`).
+        llm_policy: the LLM phase's balancing policy.
+        llm_cost: the LLM phase's cost model (None: the policy's default).
+        placement: ``none`` or a placement method (:class:`~orchmllm.step_plan.StepOptions`).
+        ranks_per_node: consecutive ranks per node, for placement; also splits the reported
+            bytes into intra- and inter-node (None: the topology's, else unknown).
+        text_token_bytes: bytes the LLM move carries per text token (placement volumes).
+        encoded_token_bytes: bytes per encoder output row (placement volumes; None: as a
+            text token).
+        topology: the job's process groups (:class:`orchmllm.topology.Topology`: the
+            data-parallel group the moves use, the gloo group metadata is gathered on, ranks
+            per node, the timeout), shared with the loader; when given, its groups and
+            timeout replace ``group``, ``meta_group`` and ``timeout``.
+        group: without ``topology``, the data-parallel group the moves use (None: the
+            default group).
+        meta_group: without ``topology``, the group metadata is gathered and plans are
+            broadcast on (default ``group``).
+        timeout: without ``topology``, seconds any one collective may wait (None: the
+            group's own timeout; torch's default process-group timeout for the plan's
+            broadcast).
+
+    Attributes:
+        options: the :class:`~orchmllm.step_plan.StepOptions` every step is planned with.
+
+    Raises:
+        ValueError: a bad option (:class:`~orchmllm.step_plan.StepOptions`), or a plan that
+            is broadcast while ``meta_group`` is not a gloo group.
     """
 
     def __init__(
@@ -180,10 +268,12 @@ class Orchestrator:
 
     @property
     def phases(self) -> tuple[EncoderPhase, ...]:
+        """The encoder phases, in the order :meth:`run` executes them."""
         return self.options.phases
 
     @property
     def ranks_per_node(self) -> int | None:
+        """Consecutive ranks per node (None: unknown; placement off, all bytes intra-node)."""
         return self.options.ranks_per_node
 
     def _agree_timeout(self) -> timedelta:
@@ -198,7 +288,22 @@ class Orchestrator:
             )
 
     def gather(self, metadata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """All-gather every rank's :func:`local_metadata` rows (the step's only metadata)."""
+        """All-gather every rank's :func:`local_metadata` rows (the step's only metadata).
+
+        A collective on ``meta_group``: every rank calls this together.
+
+        Args:
+            metadata: this rank's :func:`local_metadata` rows, int64 ``(segments, 4)``.
+
+        Returns:
+            ``(rows, src)``: every rank's rows in rank order and the rank of each row, as
+            :meth:`plan` takes them.
+
+        Raises:
+            ValueError: ``metadata`` is not a 2-D integer array with the same number of
+                columns on every rank.
+            RuntimeError: a rank did not join the gather within ``timeout``.
+        """
         return comm.all_gather_rows(metadata, group=self.meta_group, timeout=self.timeout)
 
     def plan(self, rows: np.ndarray, src: np.ndarray) -> StepPlan:
@@ -207,6 +312,20 @@ class Orchestrator:
         Pure and computed on each rank when the options make it a function of ``rows`` and
         ``src`` alone; otherwise (``placement="ilp"``) computed on rank 0 of ``meta_group`` and
         broadcast, a collective: every rank calls this together. Safe in a thread either way.
+
+        Args:
+            rows: every rank's :func:`local_metadata` rows in rank order (from :meth:`gather`).
+            src: the rank of each row.
+
+        Returns:
+            The :class:`~orchmllm.step_plan.StepPlan`, the same on every rank.
+
+        Raises:
+            ValueError: rows the planner rejects (:func:`plan_step`), or a plan to broadcast
+                while ``meta_group`` is not a gloo group.
+            PeerFailed: on the other ranks, when rank 0 failed to compute a broadcast plan
+                (its own error is raised there).
+            RuntimeError: a broadcast that did not complete within ``timeout``.
         """
         deterministic = self.options.deterministic
         if not deterministic and dist.is_available() and dist.is_initialized():
@@ -220,6 +339,21 @@ class Orchestrator:
         )
 
     def plan_batch(self, batch: LocalBatch) -> StepPlan:
+        """Gather ``batch``'s metadata and plan the step (:meth:`gather`, then :meth:`plan`).
+
+        A collective: every rank calls this together.
+
+        Args:
+            batch: this rank's :class:`LocalBatch`.
+
+        Returns:
+            The :class:`~orchmllm.step_plan.StepPlan`, the same on every rank.
+
+        Raises:
+            ValueError: as :meth:`gather` and :meth:`plan`.
+            PeerFailed: as :meth:`plan`.
+            RuntimeError: as :meth:`gather` and :meth:`plan` (a collective timed out).
+        """
         return self.plan(*self.gather(batch.metadata))
 
     def _move(
@@ -252,6 +386,29 @@ class Orchestrator:
         empty tensors where a rank has no items. ``stats[phase]["bytes_intra"/"bytes_inter"]``
         are the forward bytes that leave their rank, summed over all ranks (raw inputs plus
         encoder outputs for an encoder phase, token ids and loss mask for ``llm``).
+
+        A collective on ``group`` (and, without ``plan``, on ``meta_group``): every rank calls
+        this together. The moves are autograd-aware: the encoder outputs' backward is an
+        all-to-all too, so every rank must backpropagate if any does.
+
+        Args:
+            batch: this rank's :class:`LocalBatch`, on the device the moves use.
+            encoders: phase name -> its encoder, ``encoder(raw_rows, lengths)`` with
+                ``raw_rows`` ``[sum(lengths), feature_dim]`` and ``lengths`` int64 raw rows
+                per item.
+            plan: the step's plan made ahead for exactly this batch (e.g.
+                ``PlannedBatch.plan`` from :func:`~orchmllm.data.orchestrated.orchestrated_loader`);
+                None plans now (:meth:`plan_batch`).
+
+        Returns:
+            This rank's :class:`LLMBatch`.
+
+        Raises:
+            ValueError: ``encoders`` lacks a phase, ``plan.num_ranks`` is not the group's
+                size, an encoder returned another shape, or a tensor does not match the plan
+                (or, without ``plan``, as :meth:`plan_batch`).
+            PeerFailed: without ``plan``, as :meth:`plan`.
+            RuntimeError: a move or gather did not complete within ``timeout``.
         """
         rank = dist.get_rank(self.group)
         missing = [p.name for p in self.phases if p.name not in encoders]

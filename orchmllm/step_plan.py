@@ -63,14 +63,28 @@ PLACEMENT_UNIT_BYTES = 1024
 class EncoderPhase:
     """One encoder phase: which segments it consumes and how it is balanced.
 
-    ``key``: the example field holding the raw arrays (``image_patches``); ``divisor``: raw
-    rows per LLM token; ``stride``: raw rows per encoder position (the encoder's own sequence
-    is ``raw // stride``: what the policy balances and ``cost`` is measured over);
-    ``feature_dim``: raw row width, ``value_bytes`` the bytes of one raw value (the move's
-    volume per raw row is their product). ``cost``: the phase's cost model; the policy
-    optimises it when it is of the policy's kind (packed or padded) with non-negative
-    coefficients, else the policy's default; loads and statistics always use it (None: padded
-    for padded policies, else packed linear).
+    Attributes:
+        name: the phase's name: the key of its plan (``StepPlan.phases``), its raw tensor
+            (``LocalBatch.raw``), its encoder and its statistics; ``"llm"`` is reserved.
+        kind: the non-text segment kind (``orchmllm.schema``) whose segments it consumes.
+        key: the example field holding the raw arrays (``image_patches``), one
+            ``(raw, feature_dim)`` array per segment of this kind.
+        divisor: raw rows per LLM token (a multiple of ``stride``).
+        feature_dim: raw row width.
+        policy: the balancing policy, a name from ``orchmllm.POLICIES``.
+        cost: the phase's cost model; the policy optimises it when it is of the policy's kind
+            (packed or padded) with non-negative coefficients, else the policy's default;
+            loads and statistics always use it (None: padded for padded policies, else packed
+            linear).
+        stride: raw rows per encoder position (the encoder's own sequence is
+            ``raw // stride``: what the policy balances and ``cost`` is measured over).
+        value_bytes: the bytes of one raw value; the move's volume per raw row is
+            :attr:`row_bytes` (it weighs placement only).
+
+    Raises:
+        ValueError: ``kind`` is the text kind or not a non-negative integer; ``divisor``,
+            ``feature_dim``, ``stride`` or ``value_bytes`` is not an integer >= 1;
+            ``divisor`` is not a multiple of ``stride``; ``name`` is ``"llm"``.
     """
 
     name: str
@@ -99,6 +113,7 @@ class EncoderPhase:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes one raw row carries in the encoder move: ``feature_dim * value_bytes``."""
         return self.feature_dim * self.value_bytes
 
 
@@ -106,11 +121,28 @@ class EncoderPhase:
 class StepOptions:
     """How a step is planned: the encoder phases, the mode, the LLM policy, the placement.
 
-    ``text_token_bytes``: what the LLM move carries per text token (default: an int64 id and
-    an int64 loss-mask entry, as :class:`orchmllm.orchestrator.LocalBatch` holds them);
-    ``encoded_token_bytes``: per encoder output row (the LLM hidden size times the activation
-    dtype's bytes; None counts an encoded token like a text token). Both only weigh the LLM
-    phase's placement volumes.
+    Attributes:
+        phases: the encoder phases (distinct kinds and names), kept as a tuple.
+        mode: one of :data:`MODES`: ``none`` moves nothing, ``llm`` balances only the LLM
+            phase (encoders run where their items were sampled), ``full`` every phase.
+        llm_policy: the LLM phase's balancing policy, a name from ``orchmllm.POLICIES``.
+        llm_cost: the LLM phase's cost model, used as :attr:`EncoderPhase.cost` is (None:
+            the policy's default).
+        placement: ``none``, or how each phase's balanced batches are permuted over the ranks
+            to keep the moved bytes inside nodes (``orchmllm.placement``: ``assign``,
+            ``ilp``, ``auto``); in effect only with ``ranks_per_node`` set and more than one
+            node.
+        ranks_per_node: consecutive ranks per node (None: unknown, placement off).
+        text_token_bytes: what the LLM move carries per text token (default: an int64 id and
+            an int64 loss-mask entry, as :class:`orchmllm.orchestrator.LocalBatch` holds
+            them).
+        encoded_token_bytes: what it carries per encoder output row (the LLM hidden size
+            times the activation dtype's bytes; None counts an encoded token like a text
+            token). Both byte counts only weigh the LLM phase's placement volumes.
+
+    Raises:
+        ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
+            ``ranks_per_node`` is not an integer >= 1 or None; a byte count is < 1.
     """
 
     phases: tuple[EncoderPhase, ...]
@@ -161,9 +193,24 @@ class StepOptions:
 
 
 def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
-    """This rank's segment table, ``int64 (segments, 4)``: example index, kind, raw count,
-    prediction targets in the segment (text tokens with loss_mask 1, except position 0 of the
-    sequence, which nothing predicts). Pure; this is all the orchestrator gathers."""
+    """This rank's segment table: one int64 row per segment; all the orchestrator gathers.
+
+    Pure: no collective, no torch.
+
+    Args:
+        examples: this rank's examples in local order, each with ``segments`` (its
+            ``[kind, count]`` pairs, in template order) and ``loss_mask`` (one entry per text
+            token).
+
+    Returns:
+        An int64 array ``(segments, 4)``, segments in example order: local example index,
+        kind, raw count, prediction targets in the segment (text tokens with loss_mask 1,
+        except position 0 of the sequence, which nothing predicts; 0 for other kinds).
+
+    Raises:
+        ValueError: a bad ``segments`` entry, an example with no segments, or a ``loss_mask``
+            whose length is not the example's text token count.
+    """
     rows = []
     for i, ex in enumerate(examples):
         segs = check_segments(ex["segments"])
@@ -210,25 +257,55 @@ class PhasePlan:
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
-    """Everything every rank needs for one step; equal on all ranks (see :meth:`same_as`)."""
+    """Everything every rank needs for one step; equal on all ranks (see :meth:`same_as`).
+
+    Examples are numbered globally in gather order (rank 0's in local order, then rank 1's,
+    ...); the arrays are int64.
+
+    Attributes:
+        num_ranks: the ranks the plan moves data between.
+        mode: the :attr:`StepOptions.mode` it was planned in.
+        example_src: ``(examples,)`` the rank that sampled each example.
+        text_len: ``(examples,)`` text tokens per example.
+        seq_len: ``(examples,)`` whole interleaved LLM sequence length per example.
+        seg_example: ``(segments,)`` global example id, segments in example order.
+        seg_kind: ``(segments,)`` segment kind.
+        seg_len: ``(segments,)`` LLM tokens of the segment (text count or encoded length,
+            ``raw // divisor``).
+        seg_item: ``(segments,)`` item id within its phase (-1 for text).
+        seg_text_offset: ``(segments,)`` offset of a text segment within its example's text
+            (0 for other kinds).
+        num_targets: global prediction targets, over all ranks (normalises the loss).
+        llm: the LLM phase's move of whole examples (``Pi_llm``).
+        phases: phase name -> its :class:`PhasePlan` (items and their two moves).
+        llm_stats: the LLM phase's planning statistics (see :meth:`stats`).
+    """
 
     num_ranks: int
     mode: str
-    example_src: np.ndarray  # (examples,) sampling rank
+    example_src: np.ndarray
     text_len: np.ndarray
-    seq_len: np.ndarray  # whole interleaved sequence length
-    seg_example: np.ndarray  # (segments,) global example id, segments in example order
+    seq_len: np.ndarray
+    seg_example: np.ndarray
     seg_kind: np.ndarray
-    seg_len: np.ndarray  # LLM tokens of the segment (text count or encoded length)
-    seg_item: np.ndarray  # item id within its phase (-1 for text)
-    seg_text_offset: np.ndarray  # offset of a text segment within its example's text
-    num_targets: int  # global prediction targets (normalises the loss)
+    seg_len: np.ndarray
+    seg_item: np.ndarray
+    seg_text_offset: np.ndarray
+    num_targets: int
     llm: Rearrangement
     phases: dict[str, PhasePlan]
     llm_stats: dict = field(repr=False)
 
     def same_as(self, other: StepPlan) -> bool:
-        """Same rearrangements and layout (timings aside)."""
+        """Whether ``other`` executes the same step: same rearrangements and layout.
+
+        Args:
+            other: another plan, e.g. one computed on another rank or recomputed.
+
+        Returns:
+            True when the modes, the LLM move, the segment lengths and every phase's two moves
+            are equal; timings and other statistics are not compared.
+        """
         return (
             self.mode == other.mode
             and self.llm == other.llm
@@ -241,7 +318,13 @@ class StepPlan:
         )
 
     def stats(self) -> dict[str, dict]:
-        """Per-phase metrics known when planning (the orchestrator adds the bytes moved)."""
+        """Per-phase metrics known when planning (the orchestrator adds the bytes moved).
+
+        Returns:
+            Phase name (and ``"llm"``) -> a copy of its statistics: ``imbalance_before``,
+            ``imbalance_after``, ``loads_before``, ``loads_after`` (per rank, in the phase's
+            cost), ``plan_ms``, ``items``, and the placement's statistics when it ran.
+        """
         out = {name: dict(p.stats) for name, p in self.phases.items()}
         out["llm"] = dict(self.llm_stats)
         return out
@@ -327,11 +410,28 @@ def _placed(
 def plan_step(
     rows: np.ndarray, src: np.ndarray, options: StepOptions, *, num_ranks: int
 ) -> StepPlan:
-    """Plan one step from the gathered segment rows (pure: same inputs, same plan; with
-    ``placement="ilp"`` the CBC time limit can stop the solve elsewhere on a busy machine).
+    """Plan one step from the gathered segment rows.
 
-    ``rows``/``src``: every rank's :func:`local_metadata` rows in rank order and the rank of
-    each row (what ``orchmllm.comm.all_gather_rows`` returns).
+    Pure: same inputs, same plan, no collective; with ``placement="ilp"`` the CBC time limit
+    can stop the solve elsewhere on a busy machine, so such a plan is computed on one rank
+    and broadcast (:meth:`orchmllm.orchestrator.Orchestrator.plan`).
+
+    Args:
+        rows: every rank's :func:`local_metadata` rows in rank order, int64 ``(n, 4)``.
+        src: the rank of each row, non-decreasing (``rows``/``src`` are what
+            ``orchmllm.comm.all_gather_rows`` returns).
+        options: how to plan (:class:`StepOptions`).
+        num_ranks: the ranks to plan for (the data-parallel group size).
+
+    Returns:
+        The :class:`StepPlan` for the step.
+
+    Raises:
+        ValueError: ``options`` is not a :class:`StepOptions`; ``num_ranks`` is not an
+            integer >= 1; ``src`` and ``rows`` differ in length; a segment kind has no phase;
+            ``src`` is decreasing or outside ``[0, num_ranks)``; a rank's rows do not list its
+            examples 0, 1, ... with contiguous segments; an example's LLM sequence is empty;
+            or a policy or placement rejects its input.
     """
     if not isinstance(options, StepOptions):
         raise ValueError(f"options must be a StepOptions, got {type(options).__name__}")
