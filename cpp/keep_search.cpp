@@ -1,12 +1,14 @@
-// The keep-set search behind greedy_stay's exact candidate (see keep_search.hpp). A plan is
-// fixed by what each rank keeps: the rest must fit into the room the kept items leave under
-// the limit. Combinations of keep-sets are visited in increasing moved weight (best first,
-// over per-rank lists sorted by the weight each sheds), so the first one whose shed items
-// pack is optimal.
+// The two exact searches behind greedy_stay's small-instance candidates (see keep_search.hpp).
+// Keep-sets: a plan is fixed by what each rank keeps; the rest must fit into the room the kept
+// items leave under the limit. Combinations of keep-sets are visited in increasing moved weight
+// (best first, over per-rank lists sorted by the weight each sheds), so the first one whose
+// shed items pack is optimal. Items: a depth-first branch and bound, for the instances where
+// the cheapest keep-sets do not pack and that order runs out of budget.
 #include "keep_search.hpp"
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <queue>
 #include <tuple>
 #include <utility>
@@ -133,6 +135,134 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
         }
     }
     return {};
+}
+
+namespace {
+
+// Depth-first search over items, heaviest first: each stays or moves to a rank it fits on.
+// The bound adds to the weight moved so far, for every rank, the lightest set of its own
+// undecided items that it must shed to end under the limit given what it holds now (subset
+// sums of each rank's undecided suffix, precomputed). A received item raises the bound at once
+// (its rank must now shed more), where the keep-set order learns the room an item needs only
+// by failing to pack, combination after combination.
+class ItemSearch {
+  public:
+    ItemSearch(const double* w, const int64_t* src, int64_t n, int64_t d, double limit,
+               int64_t max_nodes)
+        : w_(w), src_(src), n_(n), d_(d), limit_(limit), budget_(max_nodes), order_(n),
+          own_(d), sums_(d), next_(d, 0), rest_(d, 0.0), load_(d, 0.0), need_(d, 0.0),
+          dst_(n, -1), ranks_(n * d) {
+        for (int64_t i = 0; i < n; ++i) order_[i] = i;
+        std::sort(order_.begin(), order_.end(),
+                  [&](int64_t a, int64_t b) { return w[a] != w[b] ? w[a] > w[b] : a < b; });
+        for (const int64_t i : order_) own_[src[i]].push_back(i);
+        for (int64_t r = 0; r < d; ++r) {
+            const auto& list = own_[r];
+            const size_t k = list.size();
+            sums_[r].resize(k + 1);
+            for (size_t j = 0; j <= k; ++j) {  // subset sums of list[j:]
+                const size_t m = k - j;
+                std::vector<double>& out = sums_[r][j];
+                out.reserve(size_t{1} << m);
+                for (uint32_t mask = 0; mask < (1u << m); ++mask) {
+                    double s = 0.0;
+                    for (size_t b = 0; b < m; ++b)
+                        if (mask >> b & 1u) s += w[list[j + b]];
+                    out.push_back(s);
+                }
+                std::sort(out.begin(), out.end());
+            }
+            for (const int64_t i : list) rest_[r] += w[i];
+        }
+    }
+
+    // A plan moving less than `incumbent`, or empty.
+    std::vector<int64_t> run(double incumbent) {
+        best_ = incumbent;
+        double bound = 0.0;
+        for (int64_t r = 0; r < d_; ++r) bound += (need_[r] = must_shed(r));
+        dive(0, 0.0, bound);
+        return found_;
+    }
+
+  private:
+    // Lightest weight rank r's undecided own items can shed to bring it under the limit.
+    double must_shed(int64_t r) const {
+        const double excess = load_[r] + rest_[r] - limit_;
+        if (excess <= 0.0) return 0.0;
+        const std::vector<double>& s = sums_[r][next_[r]];
+        const auto it = std::lower_bound(s.begin(), s.end(), excess);
+        return it == s.end() ? kInfinity : *it;
+    }
+
+    void dive(int64_t t, double moved, double bound) {
+        if (moved + bound >= best_) return;
+        if (t == n_) {
+            best_ = moved;
+            found_ = dst_;
+            return;
+        }
+        if (--budget_ < 0) return;
+        const int64_t i = order_[t], s = src_[i];
+        const double x = w_[i];
+        rest_[s] -= x;
+        ++next_[s];
+        // Stay first, then the other ranks fullest first (best fit), ties by rank.
+        int64_t* const to = &ranks_[t * d_];
+        int64_t count = 0;
+        to[count++] = s;
+        for (int64_t q = 0; q < d_; ++q)
+            if (q != s && load_[q] + x <= limit_) to[count++] = q;
+        std::sort(to + 1, to + count, [&](int64_t a, int64_t b) {
+            return load_[a] != load_[b] ? load_[a] > load_[b] : a < b;
+        });
+        const double need_s = need_[s];
+        for (int64_t k = 0; k < count; ++k) {
+            const int64_t q = to[k];
+            if (load_[q] + x > limit_) continue;
+            const double need_q = need_[q];
+            load_[q] += x;
+            need_[s] = must_shed(s);
+            if (q != s) need_[q] = must_shed(q);
+            dst_[i] = q;
+            const double next_bound = bound - need_s - (q != s ? need_q : 0.0) + need_[s] +
+                                      (q != s ? need_[q] : 0.0);
+            dive(t + 1, moved + (q != s ? x : 0.0), next_bound);
+            load_[q] -= x;
+            need_[q] = need_q;
+            need_[s] = need_s;
+            if (budget_ < 0) break;
+        }
+        rest_[s] += x;
+        --next_[s];
+    }
+
+    static constexpr double kInfinity = std::numeric_limits<double>::infinity();
+    const double* w_;
+    const int64_t* src_;
+    int64_t n_, d_;
+    double limit_;
+    int64_t budget_;
+    std::vector<int64_t> order_;
+    std::vector<std::vector<int64_t>> own_;                // per rank, heaviest first
+    std::vector<std::vector<std::vector<double>>> sums_;  // [rank][first undecided]
+    std::vector<int64_t> next_;                           // first undecided own item
+    std::vector<double> rest_, load_, need_;              // undecided own, placed, bound
+    std::vector<int64_t> dst_, found_;
+    std::vector<int64_t> ranks_;  // the ranks tried for the item at each depth
+    double best_ = 0.0;
+};
+
+}  // namespace
+
+std::vector<int64_t> fewest_moved_by_items(const double* w, const int64_t* src, int64_t n,
+                                           int64_t d, double limit, double incumbent,
+                                           int64_t max_nodes) {
+    if (d > kKeepSearchMaxRanks) return {};
+    std::vector<int64_t> count(d, 0);
+    for (int64_t i = 0; i < n; ++i)
+        if (++count[src[i]] > kKeepSearchMaxItemsPerRank) return {};
+    return ItemSearch(w, src, n, d, limit, max_nodes).run(incumbent);
 }
 
 }  // namespace orch

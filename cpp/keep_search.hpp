@@ -19,4 +19,11 @@ constexpr int64_t kKeepSearchMaxItemsPerRank = 8;
 std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n, int64_t d,
                                   double limit, int64_t max_nodes);
 
+// The same optimum by a depth-first search over items, heaviest first (stay, or move to a rank
+// with room), bounded by what each rank must still shed: a plan moving less than `incumbent`,
+// or empty when none is found within max_nodes search nodes (or above the sizes above).
+std::vector<int64_t> fewest_moved_by_items(const double* w, const int64_t* src, int64_t n,
+                                           int64_t d, double limit, double incumbent,
+                                           int64_t max_nodes);
+
 }  // namespace orch

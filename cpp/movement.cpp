@@ -43,7 +43,8 @@ namespace orch {
 // each placed whole on the rank holding most of its weight (an assignment), then phase 3.
 // A fourth, at most 16 ranks and 8 items per rank: the exact keep-set search
 // (keep_search.hpp), which finds the fewest weight moved at the limit when it ends within its
-// budget. The one with the least movement wins; the third always reaches the limit, so it
+// budget; where it does not, a fifth, the item search of keep_search.hpp, from the best plan
+// so far. The one with the least movement wins; the third always reaches the limit, so it
 // holds.
 namespace {
 
@@ -53,6 +54,7 @@ constexpr int kImprovePasses = 4;           // phase 3 sweeps (each one only low
 constexpr int64_t kBatchSearchColumns = 64;  // batches_home: settled ranks per batch's search
 constexpr int64_t kHomeMaxItemsPerRank = 8;  // batches_home runs up to this many items per rank
 constexpr int64_t kKeepSearchWork = 1 << 19;  // the exact search's budget (keep_search.hpp)
+constexpr int64_t kItemSearchNodes = 1 << 19;  // the item search's budget (keep_search.hpp)
 
 using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
 
@@ -408,6 +410,12 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
             const std::vector<double> load = stay.loads(exact);
             const bool within = *std::max_element(load.begin(), load.end()) <= stay.limit();
             if (within && stay.moved(exact) < best_moved) return exact;
+        }
+        std::vector<int64_t> items = fewest_moved_by_items(w, src, n, num_ranks, stay.limit(),
+                                                           best_moved, kItemSearchNodes);
+        if (!items.empty()) {
+            stay.improve(items);
+            if (stay.moved(items) < best_moved) return items;  // with nodes, weighted
         }
     }
     return best;

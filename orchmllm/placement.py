@@ -267,8 +267,11 @@ def movement_aware_dst(
     placement), then runs the final phase; it always reaches the limit. Up to 16 ranks with at
     most 8 items each, a fourth is exact: which items each rank keeps, tried in increasing
     moved weight, the first whose other items pack into the room left under the limit
-    (cpp/keep_search.cpp, within a fixed work budget). The plan moving the least weight wins,
-    so the tolerance always holds. Items are chosen by weight alone, so
+    (cpp/keep_search.cpp, within a fixed work budget); where that budget runs out (a tight
+    limit that ranks meet only by trading a short item for a long one), a fifth searches item
+    by item, stay or move, bounded below by what each rank must still shed (same file, a
+    fixed node budget; ``balance_bench.py`` prints the planning time). The plan moving the
+    least weight wins, so the tolerance always holds. Items are chosen by weight alone, so
     ``sizes`` (tokens per item) only has to be valid; it is accepted for the ``balance()``
     contract and used by :func:`movement_lower_bound`. Deterministic: ties break by item index,
     then rank index.
