@@ -99,6 +99,7 @@ from orchmllm.placement import (
     movement_lower_bound,
     place_batches,
 )
+from orchmllm.schema import is_integer
 
 # POLICIES and PADDED_POLICIES are read from REGISTRY, at the end of this module.
 PLACEMENTS = ("none", "ilp", "assign", "auto")
@@ -275,12 +276,8 @@ def balance(
 # validation
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
 def _count(name: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
@@ -301,7 +298,7 @@ def _int_array(name: str, value: Any) -> np.ndarray:
         if bad.any():
             raise ValueError(f"{name} must be integers, got {a[bad][0]!r} at {np.argmax(bad)}")
     elif a.dtype == object:  # Python ints beyond int64 (or mixed with other objects)
-        bad = np.array([not _is_int(x) for x in a])
+        bad = np.array([not is_integer(x) for x in a])
         if bad.any():
             raise ValueError(f"{name} must be integers, got {a[bad][0]!r} at {np.argmax(bad)}")
     elif a.dtype.kind != "u":

@@ -33,7 +33,9 @@ from orchmllm.agreement import agreed_plan
 from orchmllm.cost import CostModel
 from orchmllm.placement import prepare_ilp
 from orchmllm.plan import Rearrangement
+from orchmllm.schema import TEXT
 from orchmllm.step_plan import (
+    EX,
     KIND,
     RAW,
     Assembly,
@@ -43,6 +45,7 @@ from orchmllm.step_plan import (
     assembly,
     local_metadata,
     plan_step,
+    segment_lengths,
 )
 from orchmllm.topology import Topology
 
@@ -87,9 +90,10 @@ class LocalBatch:
             The :class:`LocalBatch`; raw arrays become float32.
 
         Raises:
-            ValueError: a bad segment table or ``loss_mask`` (:func:`local_metadata`), a
-                phase whose number of arrays differs from its segments, or an array whose
-                shape is not ``(raw count, feature_dim)``.
+            ValueError: a bad segment table or ``loss_mask`` (:func:`local_metadata`), an
+                example whose ``input_ids`` count differs from its text segments, a phase
+                whose number of arrays differs from its segments, or an array whose shape is
+                not ``(raw count, feature_dim)``.
         """
         metadata = local_metadata(examples)
         raw = {}
@@ -108,6 +112,13 @@ class LocalBatch:
 
         def tokens(key: str) -> torch.Tensor:
             parts = [np.asarray(ex[key], dtype=np.int64).reshape(-1) for ex in examples]
+            text = metadata[metadata[:, KIND] == TEXT]
+            expected = np.bincount(text[:, EX], weights=text[:, RAW], minlength=len(parts))
+            for i, (part, n) in enumerate(zip(parts, expected, strict=True)):
+                if part.size != n:
+                    raise ValueError(
+                        f"examples[{i}] {key} has {part.size} tokens, segments say {int(n)}"
+                    )
             return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
         return cls(metadata, raw, tokens("input_ids"), tokens("loss_mask"))
@@ -404,9 +415,10 @@ class Orchestrator:
             This rank's :class:`LLMBatch`.
 
         Raises:
-            ValueError: ``encoders`` lacks a phase, ``plan.num_ranks`` is not the group's
-                size, an encoder returned another shape, or a tensor does not match the plan
-                (or, without ``plan``, as :meth:`plan_batch`).
+            ValueError: ``encoders`` lacks a phase, ``plan`` is not this step's (another
+                group size, other phases, or other segments on this rank than ``batch``
+                holds), an encoder returned another shape, or a tensor does not match the
+                plan (or, without ``plan``, as :meth:`plan_batch`).
             PeerFailed: without ``plan``, as :meth:`plan`.
             RuntimeError: a move or gather did not complete within ``timeout``.
         """
@@ -418,6 +430,7 @@ class Orchestrator:
             plan = self.plan_batch(batch)
         if plan.num_ranks != dist.get_world_size(self.group):
             raise ValueError(f"plan.num_ranks = {plan.num_ranks}, group has another size")
+        _check_plan_fits(plan, batch, self.phases, rank)
         stats = plan.stats()
         layout = assembly(plan, rank)
         encoded = []
@@ -473,4 +486,26 @@ class Orchestrator:
             stats=stats,
             encoded=encoded,
             index=torch.from_numpy(layout.index).to(device),
+        )
+
+
+def _check_plan_fits(
+    plan: StepPlan, batch: LocalBatch, phases: Sequence[EncoderPhase], rank: int
+) -> None:
+    """A plan given to :meth:`Orchestrator.run` must be this step's: the same phases, and this
+    rank's segments as the batch holds them (a plan of another step would move wrong rows)."""
+    names = [p.name for p in phases]
+    if sorted(plan.phases) != sorted(names):
+        raise ValueError(f"plan has phases {sorted(plan.phases)}, the orchestrator {names}")
+    # This rank's examples, and so its segments, are one run of the gather order.
+    first, end = np.searchsorted(
+        plan.seg_example, np.searchsorted(plan.example_src, [rank, rank + 1])
+    )
+    mine = slice(first, end)
+    if not np.array_equal(plan.seg_kind[mine], batch.metadata[:, KIND]) or not np.array_equal(
+        plan.seg_len[mine], segment_lengths(batch.metadata, phases)
+    ):
+        raise ValueError(
+            f"plan does not match rank {rank}'s batch: its segments (kinds and lengths) differ; "
+            "pass the plan computed for this batch"
         )

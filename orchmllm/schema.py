@@ -17,6 +17,7 @@ for a whole dataset cheaply, and the orchestrator gathers nothing larger.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,11 @@ import numpy as np
 
 TEXT, IMAGE, AUDIO = 0, 1, 2
 TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
+
+
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer (Python or numpy); ``True``/``False`` are not counts."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class Modality:
     policy: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, int) or isinstance(self.kind, bool) or self.kind <= TEXT:
+        if not is_integer(self.kind) or self.kind <= TEXT:
             raise ValueError(f"kind must be an integer > {TEXT} (text), got {self.kind!r}")
         if not self.name or self.name == "llm":
             raise ValueError(f"name must be non-empty and not 'llm', got {self.name!r}")

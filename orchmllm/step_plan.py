@@ -33,11 +33,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchmllm.balance import PADDED_POLICIES, balance, default_cost, plan_is_deterministic
+from orchmllm.balance import (
+    PADDED_POLICIES,
+    POLICIES,
+    balance,
+    default_cost,
+    plan_is_deterministic,
+)
 from orchmllm.cost import CostModel, imbalance
-from orchmllm.placement import place_batches
+from orchmllm.placement import METHODS, place_batches
 from orchmllm.plan import Rearrangement, expand_rows
-from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments
+from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments, is_integer
 
 __all__ = [
     "MODES",
@@ -53,6 +59,8 @@ __all__ = [
 ]
 
 MODES = ("none", "llm", "full")
+# How a step's balanced batches are placed over the ranks: off, or a placement method.
+STEP_PLACEMENTS = ("none", *METHODS)
 # Columns of the gathered metadata: one row per segment.
 EX, KIND, RAW, TARGETS = range(4)
 # Placement volumes are rounded up to KiB, so the ILP's coefficients stay small.
@@ -84,7 +92,8 @@ class EncoderPhase:
     Raises:
         ValueError: ``kind`` is the text kind or not a non-negative integer; ``divisor``,
             ``feature_dim``, ``stride`` or ``value_bytes`` is not an integer >= 1;
-            ``divisor`` is not a multiple of ``stride``; ``name`` is ``"llm"``.
+            ``divisor`` is not a multiple of ``stride``; ``policy`` is not in
+            ``orchmllm.POLICIES``; ``name`` is ``"llm"``.
     """
 
     name: str
@@ -98,12 +107,14 @@ class EncoderPhase:
     value_bytes: int = 4
 
     def __post_init__(self) -> None:
-        if self.kind == TEXT or not isinstance(self.kind, int) or self.kind < 0:
+        if self.kind == TEXT or not is_integer(self.kind) or self.kind < 0:
             raise ValueError(f"kind must be a non-text segment kind, got {self.kind!r}")
         for name in ("divisor", "feature_dim", "stride", "value_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.divisor % self.stride:
             raise ValueError(
                 f"divisor ({self.divisor}) must be a multiple of stride ({self.stride})"
@@ -142,7 +153,9 @@ class StepOptions:
 
     Raises:
         ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
-            ``ranks_per_node`` is not an integer >= 1 or None; a byte count is < 1.
+            ``llm_policy`` is not in ``orchmllm.POLICIES``; ``placement`` is not in
+            :data:`STEP_PLACEMENTS`; ``ranks_per_node`` is not an integer >= 1 or None; a
+            byte count is < 1.
     """
 
     phases: tuple[EncoderPhase, ...]
@@ -162,8 +175,12 @@ class StepOptions:
         names = {p.name for p in self.phases}
         if len(kinds) != len(self.phases) or len(names) != len(self.phases):
             raise ValueError(f"phases must have distinct kinds and names, got {self.phases}")
+        if self.llm_policy not in POLICIES:
+            raise ValueError(f"llm_policy must be one of {POLICIES}, got {self.llm_policy!r}")
+        if self.placement not in STEP_PLACEMENTS:
+            raise ValueError(f"placement must be one of {STEP_PLACEMENTS}, got {self.placement!r}")
         rpn = self.ranks_per_node
-        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+        if rpn is not None and (not is_integer(rpn) or rpn < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {rpn!r}")
         if self.text_token_bytes < 1:
             raise ValueError(f"text_token_bytes must be >= 1, got {self.text_token_bytes!r}")
@@ -209,14 +226,19 @@ def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
 
     Raises:
         ValueError: a bad ``segments`` entry, an example with no segments, or a ``loss_mask``
-            whose length is not the example's text token count.
+            whose length is not the example's text token count or that holds a value other
+            than 0 and 1.
     """
     rows = []
     for i, ex in enumerate(examples):
         segs = check_segments(ex["segments"])
         if not segs:
             raise ValueError(f"examples[{i}] has no segments")
-        mask = np.asarray(ex["loss_mask"], dtype=np.int64).reshape(-1)
+        mask = np.asarray(ex["loss_mask"]).reshape(-1)
+        if mask.size and not np.isin(mask, (0, 1)).all():
+            bad = mask[~np.isin(mask, (0, 1))][0].item()
+            raise ValueError(f"examples[{i}] loss_mask must hold 0 or 1, got {bad!r}")
+        mask = mask.astype(np.int64)
         n_text = sum(c for k, c in segs if k == TEXT)
         if mask.size != n_text:
             raise ValueError(
@@ -232,6 +254,23 @@ def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
             rows.append((i, kind, count, targets))
             pos += count
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+
+
+def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndarray:
+    """LLM tokens of every segment of :func:`local_metadata` rows: the text count, or the raw
+    count over the phase's divisor.
+
+    Args:
+        rows: ``int64 (segments, 4)`` metadata rows, of one rank or gathered.
+        phases: the encoder phases; a kind with no phase counts like text.
+
+    Returns:
+        ``int64 (segments,)``, in row order.
+    """
+    divisor = np.ones(rows.shape[0], dtype=np.int64)
+    for p in phases:
+        divisor[rows[:, KIND] == p.kind] = p.divisor
+    return rows[:, RAW] // divisor
 
 
 # -- planning ----------------------------------------------------------------------------
@@ -471,10 +510,7 @@ def plan_step(
     n_ex = first.size
     example_src = src[first]
     kinds = rows[:, KIND]
-    divisor = np.ones(n_seg, dtype=np.int64)
-    for p in phases:
-        divisor[kinds == p.kind] = p.divisor
-    seg_len = rows[:, RAW] // divisor
+    seg_len = segment_lengths(rows, phases)
     is_text = kinds == TEXT
     text_rows = np.where(is_text, rows[:, RAW], 0)
     text_len = np.bincount(seg_example, weights=text_rows, minlength=n_ex).astype(np.int64)

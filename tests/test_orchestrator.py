@@ -203,6 +203,20 @@ def _third_modality_worker(rank, world):
     }
 
 
+def _stale_plan_worker(rank, world):
+    """A plan given to run() that is not this batch's is refused on every rank, before any move
+    (so no rank waits on a collective the others skipped)."""
+    batches = payload_batches(world)
+    orch = Orchestrator(PHASES, ranks_per_node=2, timeout=30)
+    plan = orch.plan_batch(LocalBatch.from_examples(batches[rank], PHASES))
+    other = LocalBatch.from_examples(batches[(rank + 1) % world], PHASES)
+    encoders = _identity_encoders({n: torch.eye(WIDTH) for n in ("vision", "audio")}, [])
+    with pytest.raises(ValueError, match=f"rank {rank}'s batch"):
+        orch.run(other, encoders, plan=plan)
+    own = LocalBatch.from_examples(batches[rank], PHASES)
+    return orch.run(own, encoders, plan=plan).num_targets
+
+
 WORLD = 4
 
 
@@ -213,6 +227,7 @@ def _worker(rank, world):
         "grad": _grad_worker(rank, world),
         "agreement": _agreement_worker(rank, world),
         "third": _third_modality_worker(rank, world),
+        "stale_plan": _stale_plan_worker(rank, world),
     }
 
 
@@ -230,6 +245,11 @@ def test_a_third_modality_runs_through_planning_dispatch_and_assembly(distribute
     assert sorted(i for p in per for i in p["ids"]) == sorted(ex["id"] for ex in exs)
     assert sum(p["depth_rows"] for p in per) == depth_rows  # every depth row, exactly once
     assert all(p["called"] == ["audio", "depth", "vision"] for p in per)  # on every rank
+
+
+def test_a_plan_of_another_batch_is_refused_on_every_rank(distributed):
+    targets = [r["stale_plan"] for r in distributed]  # the right plan still runs afterwards
+    assert len(set(targets)) == 1 and targets[0] > 0
 
 
 def test_composition_conservation_and_one_move_per_encoder(distributed):

@@ -1,5 +1,7 @@
 """The pure step planner: determinism, conservation, composition, balance, bad input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,21 @@ def test_bad_input_raises():
         plan_step(shuffled, src, StepOptions(PHASES), num_ranks=2)
     with pytest.raises(ValueError, match="loss_mask"):
         local_metadata([{**batches[0][0], "loss_mask": [0]}])
+    two = np.asarray(batches[0][0]["loss_mask"]).copy()
+    two[-1] = 2
+    with pytest.raises(ValueError, match=r"examples\[0\] loss_mask must hold 0 or 1, got 2"):
+        local_metadata([{**batches[0][0], "loss_mask": two}])
+    short = {**batches[0][0], "input_ids": np.asarray(batches[0][0]["input_ids"])[:-1]}
+    with pytest.raises(ValueError, match=r"examples\[0\] input_ids has"):
+        LocalBatch.from_examples([short], PHASES)
+    with pytest.raises(ValueError, match="placement must be one of .* got 'nodes'"):
+        StepOptions(PHASES, placement="nodes")
+    with pytest.raises(ValueError, match="llm_policy must be one of .* got 'fast'"):
+        StepOptions(PHASES, llm_policy="fast")
+    with pytest.raises(ValueError, match="policy must be one of .* got 'fast'"):
+        dataclasses.replace(PHASES[0], policy="fast")
+    with pytest.raises(ValueError, match="divisor must be an integer >= 1, got True"):
+        dataclasses.replace(PHASES[0], divisor=True)
     bad = {**batches[0][0], "image_patches": [np.zeros((3, WIDTH), np.float32)]}
     with pytest.raises(ValueError, match="image_patches"):
         LocalBatch.from_examples([bad], PHASES)
