@@ -45,7 +45,8 @@ namespace orch {
 // (keep_search.hpp), which finds the fewest weight moved at the limit when it ends within its
 // budget; where it does not, a fifth, the item search of keep_search.hpp, from the best plan
 // so far. The one with the least movement wins; the third always reaches the limit, so it
-// holds.
+// holds. Up to 16 ranks the winner then goes through phase 4: every pair of ranks re-splits
+// the items the two hold, exactly.
 namespace {
 
 constexpr int64_t kGrid = 1024;             // subset-sum resolution: steps per excess
@@ -55,6 +56,7 @@ constexpr int64_t kBatchSearchColumns = 64;  // batches_home: settled ranks per 
 constexpr int64_t kHomeMaxItemsPerRank = 8;  // batches_home runs up to this many items per rank
 constexpr int64_t kKeepSearchWork = 1 << 19;  // the exact search's budget (keep_search.hpp)
 constexpr int64_t kItemSearchNodes = 1 << 19;  // the item search's budget (keep_search.hpp)
+constexpr int kResplitMaxItems = 16;  // phase 4: items two ranks hold, at most (2^16 splits)
 
 using Slot = std::pair<double, int64_t>;  // (load, rank), ordered by load then rank
 
@@ -329,7 +331,78 @@ class Stay {
         }
     }
 
+    // Phase 4, small instances: every pair of ranks re-splits the items the two hold, trying
+    // all 2^k ways (k <= kResplitMaxItems, in Gray-code order) and keeping the one that moves
+    // the least within the limit; passes until no pair improves. It reaches what phase 3's
+    // single moves and swaps cannot: any exchange between two ranks.
+    void resplit_pairs(std::vector<int64_t>& dst) const {
+        std::vector<std::vector<int64_t>> on = lists(dst);
+        for (int pass = 0; pass < kImprovePasses; ++pass) {
+            bool changed = false;
+            for (int64_t r = 0; r < d_; ++r)
+                for (int64_t q = r + 1; q < d_; ++q) changed |= resplit(r, q, dst, on);
+            if (!changed) break;
+        }
+    }
+
   private:
+    // The best split of ranks r and q's items (bit j of a split: item j on r); true if it
+    // moves less than the current one, which it then replaces.
+    bool resplit(int64_t r, int64_t q, std::vector<int64_t>& dst,
+                 std::vector<std::vector<int64_t>>& on) const {
+        std::vector<int64_t> items(on[r]);
+        items.insert(items.end(), on[q].begin(), on[q].end());
+        const int k = static_cast<int>(items.size());
+        if (k == 0 || k > kResplitMaxItems) return false;
+        const auto split_cost = [&](uint32_t split, double& load_r, double& load_q) {
+            double moved = 0.0;
+            load_r = load_q = 0.0;
+            for (int j = 0; j < k; ++j) {
+                const bool on_r = split >> j & 1u;
+                (on_r ? load_r : load_q) += w_[items[j]];
+                moved += cost(items[j], on_r ? r : q);
+            }
+            return moved;
+        };
+        const uint32_t current = (1u << on[r].size()) - 1u;  // on[r] comes first in items
+        double load_r, load_q;
+        const double current_moved = split_cost(current, load_r, load_q);
+        // Gray-code walk from "all on q": one item changes side per step.
+        std::vector<double> delta(k);  // cost change of item j going from q to r
+        double total = 0.0, moved = 0.0;
+        for (int j = 0; j < k; ++j) {
+            total += w_[items[j]];
+            moved += cost(items[j], q);
+            delta[j] = cost(items[j], r) - cost(items[j], q);
+        }
+        double on_r = 0.0, best_moved = current_moved;
+        uint32_t split = 0, best = current;
+        if (total <= limit_ && moved < best_moved) best_moved = moved, best = 0;
+        for (uint32_t g = 1; g < (1u << k); ++g) {
+            const int j = __builtin_ctz(g);
+            split ^= 1u << j;
+            const double sign = (split >> j & 1u) ? 1.0 : -1.0;
+            on_r += sign * w_[items[j]];
+            moved += sign * delta[j];
+            if (moved < best_moved && on_r <= limit_ && total - on_r <= limit_) {
+                best_moved = moved;
+                best = split;
+            }
+        }
+        if (best == current) return false;
+        // The walk's sums drift by rounding: keep the split only if it holds when recomputed.
+        if (split_cost(best, load_r, load_q) >= current_moved || load_r > limit_ ||
+            load_q > limit_)
+            return false;
+        on[r].clear();
+        on[q].clear();
+        for (int j = 0; j < k; ++j) dst[items[j]] = (best >> j & 1u) ? r : q;
+        for (const int64_t i : items) on[dst[i]].push_back(i);
+        std::sort(on[r].begin(), on[r].end());
+        std::sort(on[q].begin(), on[q].end());
+        return true;
+    }
+
     // Item i's weight in whole grid steps of `step` (rounded down, so a set reaching kGrid
     // steps covers kGrid * step).
     int64_t steps(int64_t i, double step) const {
@@ -400,23 +473,26 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
             best = std::move(home);
         }
     }
-    // On small instances the exact keep-set search, within its budget: the heuristics above
-    // can move twice the minimum there, where few indivisible items fill the limit tightly.
-    if (best_moved > 0.0) {
+    // On small instances the exact searches, within their budgets: the heuristics above can
+    // move twice the minimum there, where few indivisible items fill the limit tightly. The
+    // keep-set search's plan is the minimum; where it runs out, the item search's beats the
+    // best so far or is empty. Whatever wins, every pair of ranks then re-splits its items.
+    if (best_moved > 0.0 && num_ranks <= kKeepSearchMaxRanks) {
         std::vector<int64_t> exact =
             fewest_moved(w, src, n, num_ranks, stay.limit(), kKeepSearchWork);
+        if (exact.empty())
+            exact = fewest_moved_by_items(w, src, n, num_ranks, stay.limit(), best_moved,
+                                          kItemSearchNodes);
         if (!exact.empty()) {
             stay.improve(exact);
             const std::vector<double> load = stay.loads(exact);
             const bool within = *std::max_element(load.begin(), load.end()) <= stay.limit();
-            if (within && stay.moved(exact) < best_moved) return exact;
+            if (within && stay.moved(exact) < best_moved) {  // with nodes, weighted
+                best = std::move(exact);
+                best_moved = stay.moved(best);
+            }
         }
-        std::vector<int64_t> items = fewest_moved_by_items(w, src, n, num_ranks, stay.limit(),
-                                                           best_moved, kItemSearchNodes);
-        if (!items.empty()) {
-            stay.improve(items);
-            if (stay.moved(items) < best_moved) return items;  // with nodes, weighted
-        }
+        stay.resplit_pairs(best);
     }
     return best;
 }
@@ -425,6 +501,7 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
 
 void register_movement(py::module_& m) {
     using orch::F64, orch::I64;
+    m.attr("RESPLIT_MAX_ITEMS") = orch::kResplitMaxItems;
     m.def(
         "movement_aware",
         [](F64 weights, I64 src, int64_t num_ranks, double tolerance, int64_t ranks_per_node,

@@ -533,6 +533,29 @@ def test_greedy_stay_reaches_the_proven_minimum_where_keep_sets_run_out(per_rank
     assert a.stats["tokens_moved"] == pytest.approx(fewest, abs=1e-6)
 
 
+@pytest.mark.parametrize("dist, per_rank", [("llava_image", 4), ("pareto", 6), ("pareto", 8)])
+def test_no_pair_of_ranks_can_resplit_greedy_stays_plan_to_move_less(dist, per_rank):
+    """On 8 ranks where both exact searches spend their budgets, no two ranks holding at most
+    RESPLIT_MAX_ITEMS items together can split them otherwise, within greedy_stay's makespan,
+    and move fewer tokens (all 2^k splits of every pair, by brute force here)."""
+    d = 8
+    lengths = sample_lengths(dist, d * per_rank, rng=11 * d + per_rank)
+    src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
+    a = orchmllm.balance(lengths, d, "greedy_stay", src=src)
+    makespan = a.loads.max()
+    for r, q in itertools.combinations(range(d), 2):
+        items = np.flatnonzero((a.dst == r) | (a.dst == q))
+        if items.size > _core.RESPLIT_MAX_ITEMS:
+            continue
+        w, home = lengths[items], src[items]
+        on_r = (np.arange(2**items.size)[:, None] >> np.arange(items.size)) & 1 == 1
+        load_r = on_r @ w
+        moved = np.where(on_r, home != r, home != q) @ w
+        fits = (load_r <= makespan) & (w.sum() - load_r <= makespan)
+        now = int(lengths[items][a.dst[items] != home].sum())
+        assert moved[fits].min() >= now, (r, q)
+
+
 def test_movement_lower_bound_is_a_bound():
     """Exhaustively: no assignment within the makespan moves fewer tokens than the bound."""
     rng = np.random.default_rng(3)
