@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from orchmllm import step_plan
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch
@@ -56,6 +57,24 @@ def test_plan_is_pure_and_conserves_everything(mode):
         assert plan.stats()[name]["imbalance_after"] <= plan.stats()[name]["imbalance_before"]
     if mode == "none":
         assert np.array_equal(plan.llm.dst_rank, plan.llm.src_rank)
+
+
+@pytest.mark.parametrize("placement", ["none", "auto"])
+def test_phases_planned_in_threads_give_the_same_plan(monkeypatch, placement):
+    """Large steps plan their phases side by side in threads; the plan is the one the
+    sequential path computes (here forced both ways on one step)."""
+    world = 8
+    rows, src = gathered(payload_batches(world))
+    options = StepOptions(PHASES, placement=placement, ranks_per_node=2)
+    monkeypatch.setattr(step_plan, "PARALLEL_MIN_SEGMENTS", 0)
+    threaded = plan_step(rows, src, options, num_ranks=world)
+    monkeypatch.setattr(step_plan, "PARALLEL_MIN_SEGMENTS", rows.shape[0] + 1)
+    sequential = plan_step(rows, src, options, num_ranks=world)
+    assert threaded.same_as(sequential)
+    for name, stats in threaded.stats().items():
+        timings = {k for k in stats if k.endswith("_ms")}
+        same = {k: v for k, v in stats.items() if k not in timings}
+        assert same == {k: v for k, v in sequential.stats()[name].items() if k not in timings}
 
 
 def test_full_mode_balances_synthetic_phases():
