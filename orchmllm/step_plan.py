@@ -275,10 +275,12 @@ def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndar
     Returns:
         ``int64 (segments,)``, in row order.
     """
-    divisor = np.ones(rows.shape[0], dtype=np.int64)
+    lengths = rows[:, RAW].copy()
     for p in phases:
-        divisor[rows[:, KIND] == p.kind] = p.divisor
-    return rows[:, RAW] // divisor
+        if p.divisor > 1:  # integer division only where it changes something
+            of_phase = rows[:, KIND] == p.kind
+            lengths[of_phase] //= p.divisor
+    return lengths
 
 
 # -- planning ----------------------------------------------------------------------------
@@ -467,8 +469,8 @@ def _side_by_side(jobs: dict[str, Callable[[], Any]], *, parallel: bool) -> dict
 def _encoder_phase(
     phase: EncoderPhase, rows: np.ndarray, src: np.ndarray, options: StepOptions, *,
     num_ranks: int,
-) -> tuple[np.ndarray, np.ndarray, dict]:  # fmt: skip
-    """One encoder phase's segments, their encoder-layout ranks and its statistics."""
+) -> tuple[np.ndarray, Rearrangement, dict]:  # fmt: skip
+    """One encoder phase's segments, their move to the encoder layout and its statistics."""
     full = options.mode == "full"
     sel = np.flatnonzero(rows[:, KIND] == phase.kind)
     raw = rows[sel, RAW]
@@ -480,7 +482,24 @@ def _encoder_phase(
         enc_dst, volume_bytes=raw * phase.row_bytes, volume_src=src[sel], volume_dst=enc_dst,
         options=options, num_ranks=num_ranks, balanced=full, stats=stats,
     )  # fmt: skip
-    return sel, enc_dst, stats
+    return sel, Rearrangement.from_assignment(src[sel], enc_dst, num_ranks=num_ranks), stats
+
+
+def _phase_plan(
+    phase: EncoderPhase, sel: np.ndarray, encoder: Rearrangement, stats: dict, *,
+    rows: np.ndarray, seg_example: np.ndarray, llm_dst: np.ndarray,
+) -> PhasePlan:  # fmt: skip
+    """A phase's plan once the LLM layout is known: its outputs go where their examples go."""
+    item_ex, raw = seg_example[sel], rows[sel, RAW]
+    lifted = Rearrangement.from_assignment(
+        encoder.src_rank, llm_dst[item_ex], num_ranks=encoder.num_ranks
+    )
+    t0 = time.perf_counter()
+    to_llm = lifted.compose(encoder.inverse())
+    stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
+    return PhasePlan(
+        phase.name, phase.kind, item_ex, raw, raw // phase.divisor, encoder, to_llm, stats
+    )
 
 
 def plan_step(
@@ -519,7 +538,9 @@ def plan_step(
     if src.size != rows.shape[0]:
         raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
     phases = options.phases
-    known = np.isin(rows[:, KIND], [TEXT, *(p.kind for p in phases)])
+    known = rows[:, KIND] == TEXT
+    for p in phases:
+        known |= rows[:, KIND] == p.kind
     if not known.all():
         unknown = sorted(set(rows[~known, KIND].tolist()))
         raise ValueError(f"rows has segment kinds {unknown} with no phase")
@@ -575,10 +596,10 @@ def plan_step(
     parallel = n_seg >= PARALLEL_MIN_SEGMENTS and options.placement not in CLOCKED_PLACEMENTS
     done = _side_by_side(jobs, parallel=parallel)
     llm_dst, llm_stats = done.pop("llm")
-    items = done
+    items = done  # phase name -> (segment indices, encoder move, stats)
     enc_bytes = options.encoded_token_bytes or options.text_token_bytes
     piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
-    piece_src = [example_src] + [d for _, d, _ in items.values()]
+    piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
     piece_bytes = [text_len * options.text_token_bytes] + [
         seg_len[sel] * enc_bytes for sel, _, _ in items.values()
     ]
@@ -588,22 +609,25 @@ def plan_step(
         volume_dst=llm_dst[piece_ex], options=options, num_ranks=num_ranks,
         balanced=options.mode != "none", stats=llm_stats,
     )  # fmt: skip
-    llm = Rearrangement.from_assignment(example_src, llm_dst, num_ranks=num_ranks)
 
+    # The LLM move and each phase's move to the LLM layout, side by side again.
+    jobs = {
+        p.name: partial(
+            _phase_plan,
+            p,
+            *items[p.name],
+            rows=rows,
+            seg_example=seg_example,
+            llm_dst=llm_dst,
+        )  # fmt: skip
+        for p in phases
+    }
+    jobs["llm"] = partial(Rearrangement.from_assignment, example_src, llm_dst, num_ranks=num_ranks)
+    phase_plans = _side_by_side(jobs, parallel=parallel)
+    llm = phase_plans.pop("llm")
     seg_item = np.full(n_seg, -1, dtype=np.int64)
-    phase_plans = {}
-    for p in phases:
-        sel, enc_dst, stats = items[p.name]
+    for sel, _, _ in items.values():
         seg_item[sel] = np.arange(sel.size)
-        item_src, item_ex, raw = src[sel], seg_example[sel], rows[sel, RAW]
-        encoder = Rearrangement.from_assignment(item_src, enc_dst, num_ranks=num_ranks)
-        lifted = Rearrangement.from_assignment(item_src, llm_dst[item_ex], num_ranks=num_ranks)
-        t0 = time.perf_counter()
-        to_llm = lifted.compose(encoder.inverse())
-        stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
-        phase_plans[p.name] = PhasePlan(
-            p.name, p.kind, item_ex, raw, raw // p.divisor, encoder, to_llm, stats
-        )
     return StepPlan(
         num_ranks=num_ranks,
         mode=options.mode,
