@@ -90,11 +90,12 @@ def test_capacitated_assignment_matches_dense_hungarian(rng):
                 assert got == optimum == bound
 
 
-def test_grouped_sums_matches_a_dense_table(rng):
+@pytest.mark.parametrize("scale", [1, 2**55])  # sums that fit a packed sort key, and not
+def test_grouped_sums_matches_a_dense_table(rng, scale):
     for _ in range(50):
         rows, cols, n = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(0, 60))
         row, col = rng.integers(0, rows, n), rng.integers(0, cols, n)
-        weight = rng.integers(0, 4, n)
+        weight = rng.integers(0, 4, n) * scale
         dense = np.zeros((rows, cols), dtype=np.int64)
         np.add.at(dense, (row, col), weight)
         indptr, got_cols, sums = _core.grouped_sums(row, col, weight, rows, cols)
