@@ -611,17 +611,8 @@ def plan_step(
     )  # fmt: skip
 
     # The LLM move and each phase's move to the LLM layout, side by side again.
-    jobs = {
-        p.name: partial(
-            _phase_plan,
-            p,
-            *items[p.name],
-            rows=rows,
-            seg_example=seg_example,
-            llm_dst=llm_dst,
-        )  # fmt: skip
-        for p in phases
-    }
+    to_llm = partial(_phase_plan, rows=rows, seg_example=seg_example, llm_dst=llm_dst)
+    jobs = {p.name: partial(to_llm, p, *items[p.name]) for p in phases}
     jobs["llm"] = partial(Rearrangement.from_assignment, example_src, llm_dst, num_ranks=num_ranks)
     phase_plans = _side_by_side(jobs, parallel=parallel)
     llm = phase_plans.pop("llm")
