@@ -377,7 +377,10 @@ class Stay {
         }
         double on_r = 0.0, best_moved = current_moved;
         uint32_t split = 0, best = current;
-        if (total <= limit_ && moved < best_moved) best_moved = moved, best = 0;
+        if (total <= limit_ && moved < best_moved) {
+            best_moved = moved;
+            best = 0;
+        }
         for (uint32_t g = 1; g < (1u << k); ++g) {
             const int j = __builtin_ctz(g);
             split ^= 1u << j;
