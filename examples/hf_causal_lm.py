@@ -45,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import orchmllm  # orchmllm
+from orchmllm.compat import leave_process
 from orchmllm.progress import PROGRESS, StepProgress
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
@@ -206,3 +207,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    # Not part of balancing: a process that used gloo can abort at exit after finishing.
+    leave_process(0)

@@ -27,8 +27,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,7 @@ __all__ = [
     "broadcast",
     "fully_shard",
     "is_fsdp_module",
+    "leave_process",
     "scaled_dot_product_attention",
     "set_gradient_sum",
     "set_reduce_scatter_unused_params",
@@ -285,3 +288,22 @@ def available(feature: str) -> bool:
     if feature not in _PROBES:
         raise ValueError(f"feature must be one of {sorted(_PROBES)}, got {feature!r}")
     return _PROBES[feature]()
+
+
+def leave_process(status: int) -> NoReturn:
+    """End this process now with ``status``, its output flushed, skipping interpreter
+    finalisation.
+
+    A process that used gloo can abort while the interpreter shuts down: gloo's worker threads
+    still hold tensors, and releasing them takes the GIL of a dying interpreter ("terminate
+    called without an active exception", SIGABRT; torch PR 179291 tried an atexit fix and was
+    abandoned). It happens after ``destroy_process_group`` too, about one run in six here, and
+    turns a finished run into a failed job. Call it last: ``atexit`` handlers do not run, so
+    close files and process groups first.
+
+    Args:
+        status: the exit status (0 for success).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import sys
 import tempfile
 import time
 import traceback
@@ -42,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from orchmllm.compat import leave_process
 
 
 def _worker(
@@ -85,14 +86,8 @@ def _worker(
         raise
     finally:
         dist.destroy_process_group()
-    # Done and recorded: leave without interpreter finalisation. Gloo's worker threads can
-    # still hold tensors whose release during finalisation takes the GIL of a dying
-    # interpreter and aborts the process ("terminate called without an active exception";
-    # torch PR 179291), which would fail a check that passed. Seen here on torch 2.13 in
-    # tests/test_compat.py and tests/test_examples.py, about one run in six.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Done and recorded: leave before interpreter finalisation can abort a check that passed.
+    leave_process(0)
 
 
 def run_distributed(

@@ -711,10 +711,9 @@ def _exit_failed(exc: BaseException) -> NoReturn:
     if progress is not None and not isinstance(exc, watch.StepFailed):
         with contextlib.suppress(Exception):
             progress.close(f"failed: {type(exc).__name__}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    compat.leave_process(1)
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    compat.leave_process(0)  # a finished run must not abort in gloo's exit (see there)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,3 +299,15 @@ def test_real_fsdp_sums_gradients_over_ranks():
     for rank_result in results:
         for p, g in zip(model.parameters(), rank_result[4], strict=True):
             torch.testing.assert_close(g.double(), p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_leave_process_ends_with_the_status_and_the_output_written():
+    """What a finished torchrun rank does last: its status comes out, and what it wrote to
+    block-buffered pipes is flushed, though nothing of interpreter shutdown runs."""
+    code = (
+        "import sys; from orchmllm.compat import leave_process; "
+        "sys.stdout.write('summary, no newline'); sys.stderr.write('log'); leave_process(3)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3
+    assert (out.stdout, out.stderr) == ("summary, no newline", "log")
