@@ -140,6 +140,7 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
 namespace {
 
 // Depth-first search over items, heaviest first: each stays or moves to a rank it fits on.
+// With nodes, an item moved off its node counts twice, as in greedy_stay (cpp/movement.cpp).
 // The bound adds to the weight moved so far, for every rank, the lightest set of its own
 // undecided items that it must shed to end under the limit given what it holds now (subset
 // sums of each rank's undecided suffix, precomputed). A received item raises the bound at once
@@ -147,9 +148,9 @@ namespace {
 // by failing to pack, combination after combination.
 class ItemSearch {
   public:
-    ItemSearch(const double* w, const int64_t* src, int64_t n, int64_t d, double limit,
-               int64_t max_nodes)
-        : w_(w), src_(src), n_(n), d_(d), limit_(limit), budget_(max_nodes), order_(n),
+    ItemSearch(const double* w, const int64_t* src, int64_t n, int64_t d, int64_t c,
+               double limit, int64_t max_nodes)
+        : w_(w), src_(src), n_(n), d_(d), c_(c), limit_(limit), budget_(max_nodes), order_(n),
           own_(d), sums_(d), next_(d, 0), rest_(d, 0.0), load_(d, 0.0), need_(d, 0.0),
           dst_(n, -1), ranks_(n * d) {
         for (int64_t i = 0; i < n; ++i) order_[i] = i;
@@ -207,13 +208,16 @@ class ItemSearch {
         const double x = w_[i];
         rest_[s] -= x;
         ++next_[s];
-        // Stay first, then the other ranks fullest first (best fit), ties by rank.
+        // Stay first, then the other ranks cheapest first (with nodes: the item's own node),
+        // fullest first among those (best fit), ties by rank.
         int64_t* const to = &ranks_[t * d_];
         int64_t count = 0;
         to[count++] = s;
         for (int64_t q = 0; q < d_; ++q)
             if (q != s && load_[q] + x <= limit_) to[count++] = q;
         std::sort(to + 1, to + count, [&](int64_t a, int64_t b) {
+            const double ca = cost(i, a), cb = cost(i, b);
+            if (ca != cb) return ca < cb;
             return load_[a] != load_[b] ? load_[a] > load_[b] : a < b;
         });
         const double need_s = need_[s];
@@ -227,7 +231,7 @@ class ItemSearch {
             dst_[i] = q;
             const double next_bound = bound - need_s - (q != s ? need_q : 0.0) + need_[s] +
                                       (q != s ? need_[q] : 0.0);
-            dive(t + 1, moved + (q != s ? x : 0.0), next_bound);
+            dive(t + 1, moved + cost(i, q), next_bound);
             load_[q] -= x;
             need_[q] = need_q;
             need_[s] = need_s;
@@ -237,10 +241,16 @@ class ItemSearch {
         --next_[s];
     }
 
+    // What item i on rank q moves: its weight off its rank, twice that off its node (c > 0).
+    double cost(int64_t i, int64_t q) const {
+        if (q == src_[i]) return 0.0;
+        return c_ > 0 && q / c_ != src_[i] / c_ ? 2.0 * w_[i] : w_[i];
+    }
+
     static constexpr double kInfinity = std::numeric_limits<double>::infinity();
     const double* w_;
     const int64_t* src_;
-    int64_t n_, d_;
+    int64_t n_, d_, c_;
     double limit_;
     int64_t budget_;
     std::vector<int64_t> order_;
@@ -256,13 +266,13 @@ class ItemSearch {
 }  // namespace
 
 std::vector<int64_t> fewest_moved_by_items(const double* w, const int64_t* src, int64_t n,
-                                           int64_t d, double limit, double incumbent,
-                                           int64_t max_nodes) {
+                                           int64_t d, int64_t ranks_per_node, double limit,
+                                           double incumbent, int64_t max_nodes) {
     if (d > kKeepSearchMaxRanks) return {};
     std::vector<int64_t> count(d, 0);
     for (int64_t i = 0; i < n; ++i)
         if (++count[src[i]] > kKeepSearchMaxItemsPerRank) return {};
-    return ItemSearch(w, src, n, d, limit, max_nodes).run(incumbent);
+    return ItemSearch(w, src, n, d, ranks_per_node, limit, max_nodes).run(incumbent);
 }
 
 }  // namespace orch

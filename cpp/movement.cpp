@@ -478,23 +478,25 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
     }
     // On small instances the exact searches, within their budgets: the heuristics above can
     // move twice the minimum there, where few indivisible items fill the limit tightly. The
-    // keep-set search's plan is the minimum; where it runs out, the item search's beats the
-    // best so far or is empty. Whatever wins, every pair of ranks then re-splits its items.
+    // keep-set search's plan is the minimum of the weight moved; where it runs out, or with
+    // nodes (which it does not weigh), the item search's beats the best so far or is empty.
+    // Whatever wins, every pair of ranks then re-splits its items.
     if (best_moved > 0.0 && num_ranks <= kKeepSearchMaxRanks) {
-        std::vector<int64_t> exact =
-            fewest_moved(w, src, n, num_ranks, stay.limit(), kKeepSearchWork);
-        if (exact.empty())
-            exact = fewest_moved_by_items(w, src, n, num_ranks, stay.limit(), best_moved,
-                                          kItemSearchNodes);
-        if (!exact.empty()) {
-            stay.improve(exact);
-            const std::vector<double> load = stay.loads(exact);
-            const bool within = *std::max_element(load.begin(), load.end()) <= stay.limit();
-            if (within && stay.moved(exact) < best_moved) {  // with nodes, weighted
-                best = std::move(exact);
-                best_moved = stay.moved(best);
-            }
-        }
+        const auto consider = [&](std::vector<int64_t> plan) {
+            if (plan.empty()) return false;
+            stay.improve(plan);
+            const std::vector<double> load = stay.loads(plan);
+            if (*std::max_element(load.begin(), load.end()) > stay.limit()) return false;
+            if (stay.moved(plan) >= best_moved) return false;  // with nodes, weighted
+            best_moved = stay.moved(plan);
+            best = std::move(plan);
+            return true;
+        };
+        const bool found =
+            consider(fewest_moved(w, src, n, num_ranks, stay.limit(), kKeepSearchWork));
+        if (!found || ranks_per_node > 0)
+            consider(fewest_moved_by_items(w, src, n, num_ranks, ranks_per_node, stay.limit(),
+                                           best_moved, kItemSearchNodes));
         stay.resplit_pairs(best);
     }
     return best;

@@ -268,9 +268,10 @@ def movement_aware_dst(
     most 8 items each, a fourth is exact: which items each rank keeps, tried in increasing
     moved weight, the first whose other items pack into the room left under the limit
     (cpp/keep_search.cpp, within a fixed work budget); where that budget runs out (a tight
-    limit that ranks meet only by trading a short item for a long one), a fifth searches item
-    by item, stay or move, bounded below by what each rank must still shed (same file, a
-    fixed node budget; ``balance_bench.py`` prints the planning time). The plan moving the
+    limit that ranks meet only by trading a short item for a long one), or with
+    ``ranks_per_node`` (the keep-set search does not weigh nodes), a fifth searches item by
+    item, stay or move, bounded below by what each rank must still shed (same file, a fixed
+    node budget; ``balance_bench.py`` prints the planning time). The plan moving the
     least weight wins, so the tolerance always holds; up to 16 ranks, every pair of ranks then
     re-splits the items the two hold (all ways, up to ``_core.RESPLIT_MAX_ITEMS`` items) where
     that moves less. Items are chosen by weight alone, so

@@ -11,7 +11,7 @@ FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_
 def test_balance_bench_quick(run_benchmark):
     records = run_benchmark("balance_bench.py", timeout=120).records
     summary = [r for r in records if r["policy"] == "summary"]
-    extra = ("summary", "peers", "movement", "scale", "wrapper")
+    extra = ("summary", "peers", "movement", "movement_node", "scale", "wrapper")
     cases = [r for r in records if r["policy"] not in extra and r["cost"] != "h100_audio_10b"]
     assert len(summary) == 1
     assert {r["policy"] for r in cases} == set(POLICIES) | {"greedy_alg1"}
@@ -39,9 +39,10 @@ def test_balance_bench_quick(run_benchmark):
     for r in peers:
         for ref in ("lpt", "kk", "multifit"):
             assert r["greedy_max_load"] <= r[f"{ref}_max_load"]
-    moves = [r for r in records if r["policy"] == "movement"]
-    assert moves and all(r["moved_over_exact"] >= 1.0 - 1e-9 for r in moves)
-    assert summary[0]["greedy_stay_over_exact_max"] == max(r["moved_over_exact"] for r in moves)
+    for policy, key in (("movement", "greedy_stay"), ("movement_node", "greedy_stay_node")):
+        moves = [r for r in records if r["policy"] == policy]
+        assert moves and all(r["moved_over_exact"] >= 1.0 - 1e-9 for r in moves)
+        assert summary[0][f"{key}_over_exact_max"] == max(r["moved_over_exact"] for r in moves)
     (wrapper,) = [r for r in records if r["policy"] == "wrapper"]
     assert wrapper["core_us"] > 0 and wrapper["wrapper_us"] > 0
     assert summary[0]["wrapper_overhead_us"] == wrapper["overhead_us"]
