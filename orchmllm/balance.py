@@ -216,9 +216,10 @@ def balance(
     cost = _cost(cost, record)
     longest = int(l.max(initial=0))
     _check_finite(longest, n, d, cost)
+    check_caps(max_items_per_rank, max_load_per_rank)
     cap = n
     if max_items_per_rank is not None:
-        cap = _count("max_items_per_rank", max_items_per_rank)
+        cap = int(max_items_per_rank)
         if cap * d < n:
             least = -(-n // d)
             raise InfeasibleCapError(
@@ -227,10 +228,6 @@ def balance(
                 argument="max_items_per_rank", value=cap, smallest=float(least),
                 proven=True, lower_bound=float(least),
             )  # fmt: skip
-    if max_load_per_rank is not None and not (
-        isinstance(max_load_per_rank, numbers.Real) and max_load_per_rank > 0
-    ):
-        raise ValueError(f"max_load_per_rank must be a number > 0, got {max_load_per_rank!r}")
     if tolerance is not None and not (isinstance(tolerance, numbers.Real) and tolerance >= 0):
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
     if not isinstance(refine, bool | np.bool_):
@@ -274,6 +271,26 @@ def balance(
 
 # ---------------------------------------------------------------------------------------------
 # validation
+
+
+def check_caps(max_items_per_rank: Any, max_load_per_rank: Any) -> None:
+    """Refuse a per-rank cap that is no valid value, whatever the batch (whether a plan can meet
+    it is :func:`balance`'s question), so that a dispatcher can refuse it when it is built.
+
+    Args:
+        max_items_per_rank: None, or an integer >= 1.
+        max_load_per_rank: None, or a number > 0 (``inf`` caps nothing).
+
+    Raises:
+        ValueError: naming the cap and the value.
+    """
+    if max_items_per_rank is not None:
+        _count("max_items_per_rank", max_items_per_rank)
+    load = max_load_per_rank
+    if load is not None and not (
+        isinstance(load, numbers.Real) and not isinstance(load, bool | np.bool_) and load > 0
+    ):
+        raise ValueError(f"max_load_per_rank must be a number > 0, got {load!r}")
 
 
 def _count(name: str, value: Any) -> int:
@@ -1048,5 +1065,6 @@ __all__ = [
     "InfeasibleCapError",
     "Policy",
     "balance",
+    "check_caps",
     "plan_is_deterministic",
 ]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.agreement import agreed_plan
-from orchmllm.balance import POLICIES, balance, plan_is_deterministic
+from orchmllm.balance import POLICIES, balance, check_caps, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
 from orchmllm.topology import DEFAULT_TIMEOUT_S, Topology
@@ -139,8 +139,9 @@ class BatchDispatcher:
 
     Raises:
         ValueError: an unknown ``layout`` or ``policy``, a ``cost`` that is not a
-            :class:`~orchmllm.cost.CostModel`, a ``placement`` without ``ranks_per_node``,
-            a bad ``timeout`` or ``ranks_per_node``, or a ``meta_group`` that is not gloo.
+            :class:`~orchmllm.cost.CostModel`, a cap that is not an integer >= 1 (items) or
+            a number > 0 (load), a ``placement`` without ``ranks_per_node``, a bad
+            ``timeout`` or ``ranks_per_node``, or a ``meta_group`` that is not gloo.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
 
@@ -169,6 +170,7 @@ class BatchDispatcher:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if cost is not None and not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
+        check_caps(max_items_per_rank, max_load_per_rank)
         if not dist.is_initialized():
             raise RuntimeError("BatchDispatcher needs an initialised torch.distributed group")
         if topology is None:

@@ -424,3 +424,19 @@ def test_debug_mode_flag(monkeypatch):
     assert not debug_enabled()
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     assert debug_enabled()
+
+
+@pytest.mark.parametrize(
+    "caps, match",
+    [
+        ({"max_items_per_rank": 0}, "max_items_per_rank must be an integer >= 1, got 0"),
+        ({"max_items_per_rank": 2.5}, "max_items_per_rank must be an integer >= 1, got 2.5"),
+        ({"max_load_per_rank": -1}, "max_load_per_rank must be a number > 0, got -1"),
+        ({"max_load_per_rank": True}, "max_load_per_rank must be a number > 0, got True"),
+    ],
+)
+def test_a_bad_cap_is_refused_when_the_dispatcher_is_built(caps, match):
+    """Before any process group or collective: not at the first dispatch, on every rank."""
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=match):
+        BatchDispatcher(timeout=TIMEOUT, **caps)
