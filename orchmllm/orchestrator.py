@@ -110,11 +110,12 @@ class LocalBatch:
             flat = np.concatenate(arrays) if arrays else np.zeros((0, p.feature_dim), np.float32)
             raw[p.name] = torch.from_numpy(flat)
 
+        text = metadata[metadata[:, KIND] == TEXT]
+        text_tokens = np.bincount(text[:, EX], weights=text[:, RAW], minlength=len(examples))
+
         def tokens(key: str) -> torch.Tensor:
             parts = [np.asarray(ex[key], dtype=np.int64).reshape(-1) for ex in examples]
-            text = metadata[metadata[:, KIND] == TEXT]
-            expected = np.bincount(text[:, EX], weights=text[:, RAW], minlength=len(parts))
-            for i, (part, n) in enumerate(zip(parts, expected, strict=True)):
+            for i, (part, n) in enumerate(zip(parts, text_tokens, strict=True)):
                 if part.size != n:
                     raise ValueError(
                         f"examples[{i}] {key} has {part.size} tokens, segments say {int(n)}"

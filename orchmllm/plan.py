@@ -102,6 +102,12 @@ class RankSchedule:
         return int(self.recv_splits.sum())
 
 
+def _in_slot_order(ranks: np.ndarray, slots: np.ndarray, rank: int) -> np.ndarray:
+    """Ids of the items on ``rank`` (one side of a plan), in slot order."""
+    ids = np.flatnonzero(ranks == rank)
+    return ids[np.argsort(slots[ids], kind="stable")]
+
+
 def _identity_or(index: np.ndarray) -> np.ndarray | None:
     return None if np.array_equal(index, np.arange(index.size)) else index
 
@@ -323,9 +329,7 @@ class Rearrangement:
         Raises:
             ValueError: ``rank`` is not an integer in ``[0, num_ranks)``.
         """
-        rank = self._check_rank(rank)
-        ids = np.flatnonzero(self.dst_rank == rank)
-        return ids[np.argsort(self.dst_slot[ids], kind="stable")]
+        return _in_slot_order(self.dst_rank, self.dst_slot, self._check_rank(rank))
 
     def source_items_at(self, rank: int) -> np.ndarray:
         """Global ids of the items ``rank`` holds before the move, in source-slot order.
@@ -339,9 +343,7 @@ class Rearrangement:
         Raises:
             ValueError: ``rank`` is not an integer in ``[0, num_ranks)``.
         """
-        rank = self._check_rank(rank)
-        ids = np.flatnonzero(self.src_rank == rank)
-        return ids[np.argsort(self.src_slot[ids], kind="stable")]
+        return _in_slot_order(self.src_rank, self.src_slot, self._check_rank(rank))
 
     def count_matrix(self, *, sizes: object | None = None) -> np.ndarray:
         """``M[s, t]`` = items (or sum of ``sizes``) moving from rank s to rank t.

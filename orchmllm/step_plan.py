@@ -243,8 +243,9 @@ def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
         if not segs:
             raise ValueError(f"examples[{i}] has no segments")
         mask = np.asarray(ex["loss_mask"]).reshape(-1)
-        if mask.size and not np.isin(mask, (0, 1)).all():
-            bad = mask[~np.isin(mask, (0, 1))][0].item()
+        not_binary = ~np.isin(mask, (0, 1))
+        if not_binary.any():
+            bad = mask[not_binary][0].item()
             raise ValueError(f"examples[{i}] loss_mask must hold 0 or 1, got {bad!r}")
         mask = mask.astype(np.int64)
         n_text = sum(c for k, c in segs if k == TEXT)
