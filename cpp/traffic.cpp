@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -28,8 +29,15 @@ py::tuple grouped_sums(I64 row, I64 col, I64 weight, int64_t num_rows, int64_t n
     const int64_t n = weight.size();
     check_range(row, n, num_rows, "grouped_sums: row");
     check_range(col, n, num_cols, "grouped_sums: col");
-    for (int64_t i = 0; i < n; ++i)
-        if (weight.data()[i] < 0) throw std::invalid_argument("grouped_sums: weight < 0");
+    // Every sum is at most the weights' total (all >= 0), saturated rather than overflowed:
+    // it decides below whether a sum and a column pack into one sort key.
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t x = weight.data()[i];
+        if (x < 0) throw std::invalid_argument("grouped_sums: weight < 0");
+        total = x > kMax - total ? kMax : total + x;
+    }
     std::vector<int64_t> indptr(num_rows + 1, 0), cols, sums;
     {
         py::gil_scoped_release release;
@@ -47,8 +55,6 @@ py::tuple grouped_sums(I64 row, I64 col, I64 weight, int64_t num_rows, int64_t n
         // costs a fraction of a comparator that reads the sums through the column.
         int col_bits = 1;
         while ((int64_t{1} << col_bits) < num_cols) ++col_bits;
-        int64_t total = 0;
-        for (int64_t i = 0; i < n; ++i) total += w[i];  // bounds every sum (weights >= 0)
         const bool packed = col_bits < 63 && total < (int64_t{1} << (63 - col_bits));
         const uint64_t col_mask = (uint64_t{1} << col_bits) - 1;
         std::vector<int64_t> acc(num_cols, 0), seen;
