@@ -50,14 +50,19 @@ int64_t unsortable<int64_t>(uint64_t key) {
     return static_cast<int64_t>(key ^ kSign);
 }
 
-// Stable LSD radix sort of `a` on bits [low, low + width) of key(record), in as few passes of at
-// most 11 bits as cover them. `b` is scratch.
+// Stable LSD radix sort of `a` on bits [low, low + width) of key(record), in as few passes as
+// cover them with digits of at most log2(size) bits (8 to 17): one counting pass over a
+// histogram no longer than the input beats two over short ones (983,040 lengths of 17 bits:
+// 5.9 ms against 8.0 ms). `b` is scratch.
 template <typename Record, typename Key>
 void radix_sort(std::vector<Record>& a, std::vector<Record>& b, int low, int width, Key key) {
     if (width <= 0) return;
-    const int passes = (width + 10) / 11, bits = (width + passes - 1) / passes;
+    int max_bits = 8;
+    while (max_bits < 17 && (size_t{2} << max_bits) <= a.size()) ++max_bits;
+    const int passes = (width + max_bits - 1) / max_bits, bits = (width + passes - 1) / passes;
     const uint64_t mask = (uint64_t{1} << bits) - 1;
-    std::vector<size_t> start(mask + 1);
+    thread_local std::vector<size_t> start;  // reused: see SortScratch
+    start.resize(mask + 1);
     b.resize(a.size());
     for (int shift = low; shift < low + width; shift += bits) {
         std::fill(start.begin(), start.end(), 0);
@@ -144,17 +149,39 @@ const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
     return s.out;
 }
 
-// Least-loaded open rank, ties to the lowest rank: a loser tree over 128-bit keys
-// (sortable load, rank), one integer compare each. After the winner's load changes, one walk up
-// its leaf's path replays its matches; the path's nodes do not depend on the outcomes, so their
-// loads overlap and each step is a branch-free compare and select. Full ranks hold an all-ones
-// load and never win while a rank is open.
+// The keys of the least-loaded tree: (load, rank) as one unsigned integer ordered by load, then
+// rank, with the load field all ones for a full rank (so it never wins while a rank is open).
+// WideKeys take any load; PackedKeys take integer loads below 2^(64 - rank bits) - 1 and are half
+// the size, which halves the tree walk at 16,384 ranks (about 30 -> 15 ns per item).
+struct WideKey {
+    using Key = unsigned __int128;
+    Key make(double load, bool full, uint64_t rank) const {
+        return (Key{full ? ~uint64_t{0} : sortable(load)} << 64) | rank;
+    }
+    uint64_t rank(Key k) const { return static_cast<uint64_t>(k); }
+};
+struct PackedKey {
+    using Key = uint64_t;
+    int rank_bits;
+    Key make(double load, bool full, uint64_t rank) const {
+        return ((full ? ~uint64_t{0} : static_cast<uint64_t>(load)) << rank_bits) | rank;
+    }
+    uint64_t rank(Key k) const { return k & ((uint64_t{1} << rank_bits) - 1); }
+};
+
+// Least-loaded open rank, ties to the lowest rank: a loser tree over (load, rank) keys, one
+// integer compare each. After the winner's load changes, one walk up its leaf's path replays
+// its matches; the path's nodes do not depend on the outcomes, so their loads overlap and each
+// step is a branch-free compare and select.
+template <typename Codec>
 class LeastLoaded {
   public:
-    LeastLoaded(const std::vector<double>& load, const std::vector<int64_t>& count, int64_t cap)
-        : d_(load.size()), loser_(d_) {
+    using Key = typename Codec::Key;
+    LeastLoaded(Codec codec, const std::vector<double>& load, const std::vector<int64_t>& count,
+                int64_t cap)
+        : codec_(codec), d_(load.size()), loser_(d_) {
         std::vector<Key> win(2 * d_);
-        for (size_t r = 0; r < d_; ++r) win[d_ + r] = key(load[r], count[r] >= cap, r);
+        for (size_t r = 0; r < d_; ++r) win[d_ + r] = codec_.make(load[r], count[r] >= cap, r);
         for (size_t node = d_ - 1; node >= 1; --node) {
             const Key x = win[2 * node], y = win[2 * node + 1];
             win[node] = std::min(x, y);
@@ -162,11 +189,11 @@ class LeastLoaded {
         }
         top_ = win[1];
     }
-    int64_t top() const { return static_cast<int64_t>(static_cast<uint64_t>(top_)); }
+    int64_t top() const { return static_cast<int64_t>(codec_.rank(top_)); }
     // The top rank's load became `load`; `full`: it takes no more items.
     void update_top(double load, bool full) {
-        const uint64_t rank = static_cast<uint64_t>(top_);
-        Key k = key(load, full, rank);
+        const uint64_t rank = codec_.rank(top_);
+        Key k = codec_.make(load, full, rank);
         for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) {
             const Key t = loser_[node];
             loser_[node] = std::max(k, t);
@@ -176,28 +203,58 @@ class LeastLoaded {
     }
 
   private:
-    using Key = unsigned __int128;
-    static Key key(double load, bool full, uint64_t rank) {
-        return (Key{full ? ~uint64_t{0} : sortable(load)} << 64) | rank;
-    }
+    Codec codec_;
     size_t d_;
     std::vector<Key> loser_;  // loser_[node] for internal nodes 1..d-1; leaf r is node d + r
     Key top_ = 0;
 };
 
-// Assigns items `index[k]` of weight `key[k]`, k in [from, size), in that order, each to the
-// least-loaded rank that still has room; rank_at[k] (when given) records the rank in that order.
-void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
-                       std::vector<int64_t>& count, int64_t cap, int64_t* dst,
-                       int64_t* rank_at = nullptr) {
-    LeastLoaded tree(load, count, cap);
-    for (size_t k = from; k < items.index.size(); ++k) {
+// Records each item's rank in sorted order first and writes dst in a second pass: the scatter
+// into dst misses the cache on every item, and kept out of the walk's loop it no longer stalls it.
+template <typename Codec>
+void fill_with(Codec codec, const Sorted<double>& items, size_t from, std::vector<double>& load,
+               std::vector<int64_t>& count, int64_t cap, int64_t* dst, int64_t* rank_at) {
+    LeastLoaded<Codec> tree(codec, load, count, cap);
+    const size_t n = items.index.size();
+    for (size_t k = from; k < n; ++k) {
         const int64_t r = tree.top();
-        dst[items.index[k]] = r;
-        if (rank_at != nullptr) rank_at[k] = r;
+        rank_at[k] = r;
         load[r] += items.key[k];
         tree.update_top(load[r], ++count[r] >= cap);
     }
+    for (size_t k = from; k < n; ++k) dst[items.index[k]] = rank_at[k];
+}
+
+// Assigns items `index[k]` of weight `key[k]`, k in [from, size), in that order, each to the
+// least-loaded rank that still has room; rank_at[k] (when given) records the rank in that order.
+// Packed keys when every load stays a non-negative integer that fits beside the rank bits.
+void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
+                       std::vector<int64_t>& count, int64_t cap, int64_t* dst,
+                       int64_t* rank_at = nullptr) {
+    thread_local std::vector<int64_t> scratch;  // reused: see SortScratch
+    if (rank_at == nullptr) {
+        scratch.resize(items.index.size());
+        rank_at = scratch.data();
+    }
+    int rank_bits = 1;
+    while ((size_t{1} << rank_bits) < load.size()) ++rank_bits;
+    // Below 2^53 every integer sum is exact in a double; below the packed field's all-ones.
+    const double limit = std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
+    double total = 0.0;
+    bool packed = true;
+    const auto whole = [](double x) { return x >= 0.0 && x == std::floor(x); };
+    for (const double x : load) {
+        packed &= whole(x);
+        total += x;
+    }
+    for (size_t k = from; k < items.key.size(); ++k) {
+        packed &= whole(items.key[k]);
+        total += items.key[k];
+    }
+    if (packed && total < limit)
+        fill_with(PackedKey{rank_bits}, items, from, load, count, cap, dst, rank_at);
+    else
+        fill_with(WideKey{}, items, from, load, count, cap, dst, rank_at);
 }
 
 // The heaviest rank (largest load, then lowest rank) and the lightest (smallest load, then

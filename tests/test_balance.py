@@ -501,6 +501,24 @@ def test_lengths_near_int64_max_match_the_reference(lengths, d, policy, seed):
     assert a.stats["tokens_moved"] >= 0 and a.stats["tokens_kept"] >= 0
 
 
+@pytest.mark.parametrize("d", [3, 4097])
+@pytest.mark.parametrize("above", [False, True])
+def test_least_loaded_tree_keys_agree_at_their_limit(d, above):
+    """The LPT tree packs (load, rank) into 64 bits while the total stays below
+    min(2**53, 2**(64 - rank bits) - 1), and takes 128-bit keys above: plans on both sides of
+    that limit equal the Python reference, ties among equal loads included (above it, every rank
+    ends past the limit, where a packed load would wrap)."""
+    limit = min(2**53, 2 ** (64 - (d - 1).bit_length()) - 1)
+    n = 3 * d
+    if above:
+        lengths = [limit // 2 + 1 + i % 5 for i in range(n)]
+    else:
+        lengths = [(limit - 1) // n - i % 5 for i in range(n)]
+    assert (sum(lengths) < limit) != above
+    a = balance(lengths, d, refine=False)
+    np.testing.assert_array_equal(a.dst, balance(lengths, d, refine=False, backend="python").dst)
+
+
 def test_binary_search_on_huge_lengths():
     """128-bit count x length: the old int64 product wrapped around, putting every item on
     rank 0, or opening a fourth batch on three ranks (IndexError)."""
