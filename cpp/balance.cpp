@@ -667,10 +667,11 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     // The portfolio: KK and MULTIFIT, each refined, replace LPT's plan only when strictly
     // lighter (ties keep the earlier candidate: LPT, KK, MULTIFIT), and only while LPT is
     // above the lower bound max(total/d, heaviest) and the instance is small enough.
+    const bool try_kk = n * num_ranks <= kPortfolioKkWork;
+    if (n < 2 || num_ranks < 2 || !(try_kk || n <= kPortfolioMultifitItems)) return;
     double best = *std::max_element(load.begin(), load.end());
     double total = 0.0;
     for (const double x : items.key) total += x;
-    if (n < 2 || num_ranks < 2) return;
     // No plan is lighter than the mean, the heaviest item, or the (d+1)-th heaviest with the
     // d-th (two of the d+1 heaviest share a rank); integer weights give integer loads.
     double bound = std::max(total / static_cast<double>(num_ranks), items.key[0]);
@@ -690,7 +691,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
             std::copy(plan.begin(), plan.end(), dst);
         }
     };
-    if (n * num_ranks <= kPortfolioKkWork) {
+    if (try_kk) {
         karmarkar_karp(w, n, num_ranks, false, plan.data());
         consider();
     }

@@ -70,7 +70,10 @@ void register_balance(py::module_& m) {
             double* load = loads.mutable_data();
             {
                 py::gil_scoped_release release;
-                std::vector<double> w(x, x + n);
+                // Reused across calls on this thread: a fresh 8 MB vector is page-faulted in on
+                // every call (5 ms of a 45 ms plan at 983,040 lengths).
+                thread_local std::vector<double> w;
+                w.assign(x, x + n);
                 orch::lpt(w.data(), n, d, n, out, max_steps);
                 std::fill(load, load + d, 0.0);
                 for (int64_t i = 0; i < n; ++i) load[out[i]] += w[i];  // bincount's order
