@@ -21,10 +21,10 @@ Methods of :func:`place_batches`:
   time-limited, starts from the ``assign`` solution (as an upper bound on the objective, and it
   never returns anything worse), and falls back to ``assign`` when the solver is missing or
   fails, with a warning the first time each failure occurs in the process.
-- ``auto``: ``assign`` with each batch's search bounded to ``AUTO_SEARCH_COLUMNS`` node
-  columns (exact below that many nodes; beyond, a batch whose search would go further takes a
-  free slot, and ``on_node_tokens_bound`` says how much that can cost; the share of the bound
-  reached at each size is printed by ``benchmarks/placement_bench.py``),
+- ``auto``: ``assign``, exact up to ``AUTO_EXACT_NODES`` nodes; on larger clusters each
+  batch's search is bounded to ``AUTO_SEARCH_COLUMNS`` node columns (a batch whose search would
+  go further takes a free slot, and ``on_node_tokens_bound`` says how much that can cost; the
+  share of the bound reached at each size is printed by ``benchmarks/placement_bench.py``),
   then the ILP refinement only where it is certain to finish within the
   budget: models of at most ``AUTO_ILP_MAX_BINARIES`` binaries (16 ranks of 8) when
   ``time_limit_s >= AUTO_ILP_MIN_BUDGET_S``, solved to proven optimality (so with the default
@@ -88,12 +88,15 @@ _SOLVER_SHARE = 0.8
 # busy 2-core x86), and keeps the result only when proven optimal.
 AUTO_ILP_MAX_BINARIES = 32
 AUTO_ILP_MIN_BUDGET_S = 0.15
-# ``auto``'s node assignment settles at most this many node columns per batch: exact up to
-# AUTO_SEARCH_COLUMNS - 1 nodes (a search never needs more), and beyond that bounded, with
-# the shortfall reported (``on_node_tokens_bound``). At 16,384 ranks of greedy batches the
-# exact search spends most of its time on the few batches whose search crosses hundreds of
-# nodes (benchmarks/placement_bench.py prints the time of both and the share of the bound).
-AUTO_SEARCH_COLUMNS = 64
+# ``auto``'s node assignment is exact up to AUTO_EXACT_NODES nodes; on larger clusters each
+# batch's search settles at most AUTO_SEARCH_COLUMNS node columns, and a batch whose search
+# would go further takes a free slot. At 16,384 ranks (2048 nodes) of greedy batches the exact
+# search spends most of its time on the few batches whose search crosses hundreds of nodes;
+# 16 columns keep 99.5-100% of the on-node tokens 64 columns keep, in 28-61% of the time
+# (mllm-10b step at 16,384 x 15, each phase; benchmarks/placement_bench.py prints the share
+# of the bound reached at each size).
+AUTO_EXACT_NODES = 64
+AUTO_SEARCH_COLUMNS = 16
 _AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 # solver -> seconds its one-time setup took in this process (see prepare_ilp)
 _PREPARED: dict[str, float] = {}
@@ -211,9 +214,8 @@ def place_batches(
         perm = np.arange(d, dtype=np.int64)
     else:
         volumes = _Volumes(l, s, t, d, c)
-        node_of, on_node_bound = _assign_nodes(
-            volumes, AUTO_SEARCH_COLUMNS if method == "auto" else 0
-        )
+        bounded = method == "auto" and d // c > AUTO_EXACT_NODES
+        node_of, on_node_bound = _assign_nodes(volumes, AUTO_SEARCH_COLUMNS if bounded else 0)
         if use_ilp:
             node_of, optimal, ilp_improved = _refine_ilp(
                 volumes, node_of, solver, clock=clock if method == "ilp" else None

@@ -17,7 +17,7 @@ import orchmllm
 from orchmllm import _core
 from orchmllm.cost import CostModel
 from orchmllm.placement import (
-    AUTO_SEARCH_COLUMNS,
+    AUTO_EXACT_NODES,
     MAX_RANKS,
     METHODS,
     movement_aware_dst,
@@ -193,7 +193,7 @@ def _on_node(placed):
 
 @pytest.mark.parametrize("d", [32, 1024])
 def test_auto_search_is_exact_on_small_clusters_and_bounded_beyond(d):
-    """Up to AUTO_SEARCH_COLUMNS - 1 nodes auto's node assignment is assign's (exact); beyond,
+    """Up to AUTO_EXACT_NODES nodes auto's node assignment is assign's (exact); beyond,
     it keeps at most what assign keeps and reports a true upper bound on it."""
     rng = np.random.default_rng(d)
     c = 4
@@ -204,7 +204,7 @@ def test_auto_search_is_exact_on_small_clusters_and_bounded_beyond(d):
     auto = place_batches(lengths, src, dst, method="auto", **kw)
     assert _on_node(exact) == exact.stats["on_node_tokens_bound"]
     assert auto.stats["on_node_tokens_bound"] >= _on_node(exact)
-    if d // c < AUTO_SEARCH_COLUMNS:
+    if d // c <= AUTO_EXACT_NODES:
         np.testing.assert_array_equal(auto.perm, exact.perm)
     else:
         assert _on_node(auto) <= _on_node(exact)
