@@ -7,6 +7,7 @@
 #include "keep_search.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <queue>
@@ -19,6 +20,9 @@ namespace orch {
 namespace {
 
 constexpr int64_t kPackNodes = 4096;  // search nodes per packing attempt, at most
+// The item search's waste bound runs while its table, (items + 1) x (limit + 1) entries of 4
+// bytes, stays within this many entries (16 MB).
+constexpr double kFillMaxEntries = double{1 << 22};
 
 struct KeepSet {
     double shed;    // weight the rank gives up
@@ -175,6 +179,7 @@ class ItemSearch {
             }
             for (const int64_t i : list) rest_[r] += w[i];
         }
+        build_fill();
     }
 
     // A plan moving less than `incumbent`, or empty.
@@ -204,6 +209,7 @@ class ItemSearch {
             return;
         }
         if (--budget_ < 0) return;
+        if (wastes_too_much(t)) return;
         const int64_t i = order_[t], s = src_[i];
         const double x = w_[i];
         rest_[s] -= x;
@@ -241,6 +247,52 @@ class ItemSearch {
         --next_[s];
     }
 
+    // Integer weights and limit: the room every rank leaves unused in a full plan adds up to
+    // slack = d * limit - total, and a rank cannot fill more of its room than the largest
+    // subset sum of the undecided items that fits (fill_[t][room]: that sum over items
+    // order_[t:]). A partial plan whose ranks must leave more unused than the slack has no
+    // completion: on tight instances (few items filling the limit to a few tokens) this cuts
+    // what the moved-weight bound cannot (Pareto lengths, 8 ranks x 6 items: the minimum in
+    // 2^19 nodes, where 2^25 found nothing better than the heuristics without it).
+    void build_fill() {
+        double total = 0.0;
+        bool integral = std::isfinite(limit_) && limit_ >= 0.0;
+        for (int64_t i = 0; i < n_; ++i) {
+            total += w_[i];
+            integral &= w_[i] == std::floor(w_[i]);
+        }
+        if (!integral || (n_ + 1) * (std::floor(limit_) + 1) > kFillMaxEntries) return;
+        cap_ = static_cast<int64_t>(limit_);
+        slack_ = static_cast<double>(d_) * static_cast<double>(cap_) - total;
+        const size_t width = static_cast<size_t>(cap_) + 1;
+        fill_.resize((n_ + 1) * width);
+        std::vector<char> reach(width, 0), next(width);
+        reach[0] = 1;  // the empty set
+        for (int64_t t = n_;; --t) {
+            int32_t* f = &fill_[t * width];
+            for (size_t room = 0; room < width; ++room)
+                f[room] = reach[room] ? static_cast<int32_t>(room) : f[room - 1];
+            if (t == 0) break;
+            const double x = w_[order_[t - 1]];
+            next = reach;
+            if (x <= static_cast<double>(cap_))
+                for (size_t sum = static_cast<size_t>(x); sum < width; ++sum)
+                    next[sum] |= reach[sum - static_cast<size_t>(x)];
+            reach.swap(next);
+        }
+    }
+
+    bool wastes_too_much(int64_t t) const {
+        if (fill_.empty()) return false;
+        const int32_t* f = &fill_[t * (cap_ + 1)];
+        double waste = 0.0;
+        for (int64_t q = 0; q < d_; ++q) {
+            const int64_t room = cap_ - static_cast<int64_t>(load_[q]);
+            waste += static_cast<double>(room - f[room]);
+        }
+        return waste > slack_;
+    }
+
     // What item i on rank q moves: its weight off its rank, twice that off its node (c > 0).
     double cost(int64_t i, int64_t q) const {
         if (q == src_[i]) return 0.0;
@@ -261,6 +313,9 @@ class ItemSearch {
     std::vector<int64_t> dst_, found_;
     std::vector<int64_t> ranks_;  // the ranks tried for the item at each depth
     double best_ = 0.0;
+    std::vector<int32_t> fill_;  // [t][room], empty: the waste bound is off (see build_fill)
+    int64_t cap_ = 0;
+    double slack_ = 0.0;
 };
 
 }  // namespace

@@ -20,7 +20,8 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
                                   double limit, int64_t max_nodes);
 
 // The same optimum by a depth-first search over items, heaviest first (stay, or move to a rank
-// with room), bounded by what each rank must still shed; with ranks_per_node > 0 an item
+// with room), bounded by what each rank must still shed and, with integer weights, by the room
+// the ranks must leave unused (at most d x limit - total); with ranks_per_node > 0 an item
 // moved off its node counts twice (greedy_stay's node-aware movement). A plan moving less
 // than `incumbent`, or empty when none is found within max_nodes search nodes (or above the
 // sizes above).
