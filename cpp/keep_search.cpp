@@ -202,7 +202,7 @@ class ItemSearch {
     }
 
     void dive(int64_t t, double moved, double bound) {
-        if (moved + bound >= best_) return;
+        if (moved + bound + off_node_excess() >= best_) return;
         if (t == n_) {
             best_ = moved;
             found_ = dst_;
@@ -245,6 +245,21 @@ class ItemSearch {
         }
         rest_[s] += x;
         --next_[s];
+    }
+
+    // With nodes: what a node holds and its ranks' undecided own items, beyond what its ranks
+    // can hold under the limit, must leave the node, each token once more on top of leaving
+    // its rank (which `bound` counts).
+    double off_node_excess() const {
+        if (c_ <= 0) return 0.0;
+        double extra = 0.0;
+        for (int64_t first = 0; first < d_; first += c_) {
+            const int64_t last = std::min(first + c_, d_);
+            double held = 0.0;
+            for (int64_t r = first; r < last; ++r) held += load_[r] + rest_[r];
+            extra += std::max(0.0, held - static_cast<double>(last - first) * limit_);
+        }
+        return extra;
     }
 
     // Integer weights and limit: the room every rank leaves unused in a full plan adds up to

@@ -543,13 +543,15 @@ def test_node_aware_greedy_stay_moves_the_least_on_small_instances(lengths, seed
     assert moved == cost.sum(axis=1).min()
 
 
-def test_node_aware_greedy_stay_reaches_the_proven_minimum():
-    """8 ranks on 2 nodes, 8 LibriSpeech clips each: node-aware greedy_stay moves the least
-    HiGHS proves possible within its makespan, counting tokens that leave their node twice
-    (what it minimises). The keep-set search does not weigh nodes; the item search does
-    (before it ran here, greedy_stay moved 1.32x that)."""
+@pytest.mark.parametrize("per_rank", [4, 8])
+def test_node_aware_greedy_stay_reaches_the_proven_minimum(per_rank):
+    """8 ranks on 2 nodes, 4 or 8 LibriSpeech clips each: node-aware greedy_stay moves the
+    least HiGHS proves possible within its makespan, counting tokens that leave their node
+    twice (what it minimises). The keep-set search does not weigh nodes; the item search does
+    (before it ran here, greedy_stay moved 1.32x that at 8 clips), and at 4 clips it needs
+    its bound on what must leave each node (1.21x without it)."""
     bench = load_script(ROOT / "benchmarks" / "balance_bench.py")
-    d, rpn, per_rank = 8, 4, 8
+    d, rpn = 8, 4
     lengths = sample_lengths("librispeech", d * per_rank, rng=11 * d + per_rank)
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src, ranks_per_node=rpn)
