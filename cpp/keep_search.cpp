@@ -274,7 +274,7 @@ class ItemSearch {
         bool integral = std::isfinite(limit_) && limit_ >= 0.0;
         for (int64_t i = 0; i < n_; ++i) {
             total += w_[i];
-            integral &= w_[i] == std::floor(w_[i]);
+            integral &= w_[i] >= 0.0 && w_[i] == std::floor(w_[i]);
         }
         if (!integral || (n_ + 1) * (std::floor(limit_) + 1) > kFillMaxEntries) return;
         cap_ = static_cast<int64_t>(limit_);
@@ -297,6 +297,7 @@ class ItemSearch {
         }
     }
 
+    // Whether the ranks must leave more room unused than the slack, items order_[t:] undecided.
     bool wastes_too_much(int64_t t) const {
         if (fill_.empty()) return false;
         const int32_t* f = &fill_[t * (cap_ + 1)];
