@@ -92,8 +92,7 @@ def test_capacitated_assignment_matches_dense_hungarian(rng):
 
 @pytest.mark.parametrize("scale", [1, 2**55])  # sums that fit a packed sort key, and not
 def test_grouped_sums_matches_a_dense_table(rng, scale):
-    """Rows of up to 80 distinct columns: short rows are ordered by counting, long ones
-    (over 32 entries) by a sort; both against numpy."""
+    """Rows of up to 80 distinct columns, many tied sums (ties by column), against numpy."""
     for _ in range(50):
         rows, cols = int(rng.integers(1, 9)), int(rng.choice([8, 80]))
         n = int(rng.integers(0, 60 * cols // 8))
