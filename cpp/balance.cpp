@@ -240,18 +240,10 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
     while ((size_t{1} << rank_bits) < load.size()) ++rank_bits;
     // Below 2^53 every integer sum is exact in a double; below the packed field's all-ones.
     const double limit = std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
-    double total = 0.0;
-    bool packed = true;
-    const auto whole = [](double x) { return x >= 0.0 && x == std::floor(x); };
-    for (const double x : load) {
-        packed &= whole(x);
-        total += x;
-    }
-    for (size_t k = from; k < items.key.size(); ++k) {
-        packed &= whole(items.key[k]);
-        total += items.key[k];
-    }
-    if (packed && total < limit)
+    const double held = whole_total(load.data(), static_cast<int64_t>(load.size()));
+    const double coming = whole_total(items.key.data() + from,
+                                      static_cast<int64_t>(items.key.size() - from));
+    if (held >= 0.0 && coming >= 0.0 && held + coming < limit)
         fill_with(PackedKey{rank_bits}, items, from, load, count, cap, dst, rank_at);
     else
         fill_with(WideKey{}, items, from, load, count, cap, dst, rank_at);

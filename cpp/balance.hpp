@@ -6,9 +6,22 @@
 // number of items per rank (pass n for "no cap"); callers guarantee cap * num_ranks >= n.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace orch {
+
+// The sum of w[0..n) when every entry is a non-negative whole number, else -1: integer loads
+// are what lpt's packed tree keys and the item search's waste bound (keep_search.cpp) need.
+inline double whole_total(const double* w, int64_t n) {
+    double total = 0.0;
+    bool whole = true;
+    for (int64_t i = 0; i < n; ++i) {
+        whole &= w[i] >= 0.0 && w[i] == std::floor(w[i]);
+        total += w[i];
+    }
+    return whole ? total : -1.0;
+}
 
 // Item indices by weight descending, ties by index ascending (the radix sort every policy uses).
 void order_desc(const double* w, int64_t n, int64_t* order);

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "balance.hpp"
+
 namespace orch {
 
 namespace {
@@ -270,12 +272,8 @@ class ItemSearch {
     // what the moved-weight bound cannot (Pareto lengths, 8 ranks x 6 items: the minimum in
     // 2^19 nodes, where 2^25 found nothing better than the heuristics without it).
     void build_fill() {
-        double total = 0.0;
-        bool integral = std::isfinite(limit_) && limit_ >= 0.0;
-        for (int64_t i = 0; i < n_; ++i) {
-            total += w_[i];
-            integral &= w_[i] >= 0.0 && w_[i] == std::floor(w_[i]);
-        }
+        const double total = whole_total(w_, n_);
+        const bool integral = total >= 0.0 && std::isfinite(limit_) && limit_ >= 0.0;
         if (!integral || (n_ + 1) * (std::floor(limit_) + 1) > kFillMaxEntries) return;
         cap_ = static_cast<int64_t>(limit_);
         slack_ = static_cast<double>(d_) * static_cast<double>(cap_) - total;

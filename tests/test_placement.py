@@ -520,12 +520,18 @@ def test_greedy_stay_moves_the_fewest_tokens_on_small_instances(d, lengths, seed
     assert a.stats["tokens_moved"] == fewest
 
 
+@pytest.fixture(scope="module")
+def balance_bench():
+    """benchmarks/balance_bench.py: its movement cost and its HiGHS minimum, loaded once."""
+    return load_script(ROOT / "benchmarks" / "balance_bench.py")
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 60), min_size=2, max_size=7),
     seed=st.integers(0, 99),
 )
-def test_node_aware_greedy_stay_moves_the_least_on_small_instances(lengths, seed):
+def test_node_aware_greedy_stay_moves_the_least_on_small_instances(balance_bench, lengths, seed):
     """4 ranks on 2 nodes, against every plan: none within greedy_stay's makespan moves less,
     tokens leaving their node counted twice (the item search runs with nodes; a bound that
     cuts too much is caught by the proven-minimum tests below, where the heuristics alone
@@ -537,45 +543,44 @@ def test_node_aware_greedy_stay_moves_the_least_on_small_instances(lengths, seed
     plans = every_plan(l.size, d)
     loads = np.stack([np.bincount(p, weights=l, minlength=d) for p in plans])
     fits = plans[loads.max(axis=1) <= a.loads.max()]
-    cost = l * ((fits != src).astype(np.int64) + (fits // rpn != src // rpn))
-    moved = l @ ((a.dst != src).astype(np.int64) + (a.dst // rpn != src // rpn))
-    assert moved == cost.sum(axis=1).min()
+    fewest = balance_bench.movement_cost(l, src, fits, rpn).sum(axis=1).min()
+    assert balance_bench.movement_cost(l, src, a.dst, rpn).sum() == fewest
 
 
 @pytest.mark.parametrize("per_rank", [4, 8])
-def test_node_aware_greedy_stay_reaches_the_proven_minimum(per_rank):
+def test_node_aware_greedy_stay_reaches_the_proven_minimum(balance_bench, per_rank):
     """8 ranks on 2 nodes, 4 or 8 LibriSpeech clips each: node-aware greedy_stay moves the
     least HiGHS proves possible within its makespan, counting tokens that leave their node
     twice (what it minimises). The keep-set search does not weigh nodes; the item search does
     (before it ran here, greedy_stay moved 1.32x that at 8 clips), and at 4 clips it needs
     its bound on what must leave each node (1.21x without it)."""
-    bench = load_script(ROOT / "benchmarks" / "balance_bench.py")
     d, rpn = 8, 4
     lengths = sample_lengths("librispeech", d * per_rank, rng=11 * d + per_rank)
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src, ranks_per_node=rpn)
-    fewest, proven = bench.min_moved_exact(
+    fewest, proven = balance_bench.min_moved_exact(
         lengths, src, d, float(a.loads.max()), ranks_per_node=rpn
     )
     assert proven
-    moved = bench.movement_cost(lengths, src, a.dst, rpn).sum()
+    moved = balance_bench.movement_cost(lengths, src, a.dst, rpn).sum()
     assert moved == pytest.approx(fewest, abs=1e-6)
 
 
 @pytest.mark.parametrize("dist, per_rank", [("librispeech", 4), ("librispeech", 8), ("pareto", 6)])
-def test_greedy_stay_reaches_the_proven_minimum_where_keep_sets_run_out(dist, per_rank):
+def test_greedy_stay_reaches_the_proven_minimum_where_keep_sets_run_out(
+    balance_bench, dist, per_rank
+):
     """8 ranks of few long items under a tight limit: ranks below it must trade a short item
     for a long one to make room, so the cheapest keep-sets do not pack and the keep-set search
     spends its budget; the item search still reaches the minimum HiGHS proves (before it,
     greedy_stay moved 1.6-1.7x that on the audio clips). The Pareto lengths fill the limit to
     4 tokens a rank: only the item search's waste bound finds the minimum there (1.45x
     without it)."""
-    bench = load_script(ROOT / "benchmarks" / "balance_bench.py")
     d = 8
     lengths = sample_lengths(dist, d * per_rank, rng=11 * d + per_rank)
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src)
-    fewest, proven = bench.min_moved_exact(lengths, src, d, float(a.loads.max()))
+    fewest, proven = balance_bench.min_moved_exact(lengths, src, d, float(a.loads.max()))
     assert proven
     assert a.stats["tokens_moved"] == pytest.approx(fewest, abs=1e-6)
 
