@@ -62,14 +62,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from orchmllm.data import TEXT, generate_example
+from orchmllm.config import RunConfig, load_config
+from orchmllm.data import TEXT, SyntheticConfig, generate_example
 from orchmllm.models import MLLM, build_model
+from orchmllm.schema import IGNORE_INDEX, LLM, MODALITIES
 from orchmllm.step_plan import MODES, StepOptions, default_phases, local_metadata, plan_step
-from orchmllm.train import RunConfig, load_config, synthetic_config
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("vision", "audio", "llm")
-IGNORE_INDEX = -100
 
 
 # -- model set-up --------------------------------------------------------------------------
@@ -84,7 +83,8 @@ def scale_layers(cfg: RunConfig, divisor: int) -> RunConfig:
     def fewer(sub):
         return dataclasses.replace(sub, layers=max(1, round(sub.layers / divisor)))
 
-    model = dataclasses.replace(m, vision=fewer(m.vision), audio=fewer(m.audio), llm=fewer(m.llm))
+    encoders = {name: fewer(enc) for name, enc in m.encoders.items()}
+    model = dataclasses.replace(m, encoders=encoders, llm=fewer(m.llm))
     return dataclasses.replace(cfg, model=model)
 
 
@@ -154,7 +154,7 @@ def chunked_head_loss(
 
 def sample_ranks(cfg: RunConfig, *, step: int, ranks: int, per_rank: int, seed: int) -> list:
     """``ranks`` mini-batches of ``per_rank`` synthetic examples; disjoint ids across steps."""
-    syn = synthetic_config(cfg, num_examples=0, seed=seed)
+    syn = SyntheticConfig.for_run(cfg, num_examples=0, seed=seed)
     base = step * ranks * per_rank
     return [
         [generate_example(base + r * per_rank + j, syn, cfg.rates) for j in range(per_rank)]
@@ -174,7 +174,7 @@ def make_phases(cfg: RunConfig):
     return default_phases(
         cfg.rates,
         feature_dims=cfg.model.feature_dims,
-        policies={"vision": cfg.balance.vision_policy, "audio": cfg.balance.audio_policy},
+        policies={name: cfg.balance.policy(name) for name in cfg.model.encoders},
     )
 
 
@@ -199,7 +199,7 @@ def plan_mode(
         options = StepOptions(
             make_phases(cfg),
             mode=mode,
-            llm_policy=cfg.balance.llm_policy,
+            llm_policy=cfg.balance.policy(LLM),
             placement=cfg.balance.placement,
             ranks_per_node=ranks_per_node(cfg, ranks),
         )
@@ -215,10 +215,7 @@ def a2a_estimate_s(plan, cfg: RunConfig, *, elem_bytes: int, link_bytes_per_s: f
     their gradients back (backward); text ids and loss mask (2 x int64) to the LLM layout.
     Each move waits for its busiest rank.
     """
-    row_bytes = {
-        "vision": cfg.model.vision.patch_dim * elem_bytes,
-        "audio": cfg.model.audio.n_mels * elem_bytes,
-    }
+    row_bytes = {name: enc.feature_dim * elem_bytes for name, enc in cfg.model.encoders.items()}
     out_bytes = cfg.model.llm.hidden * elem_bytes
 
     def busiest(move, sizes, width) -> float:
@@ -237,17 +234,23 @@ def a2a_estimate_s(plan, cfg: RunConfig, *, elem_bytes: int, link_bytes_per_s: f
 
 @dataclass
 class RankWork:
-    """One rank's inputs in its planned layouts (CPU tensors)."""
+    """One rank's inputs in its planned layouts (CPU tensors).
 
-    patches: Tensor
-    image_lengths: Tensor
-    mels: Tensor
-    audio_lengths: Tensor
+    Attributes:
+        raw: encoder name -> its items' raw rows in the encoder layout, concatenated.
+        raw_lengths: encoder name -> raw rows per item.
+        input_ids, targets, seq_lengths: the LLM's text, targets per position and sequences.
+        order: LLM input = cat([text embeds, stand-in encoder tokens])[order].
+        encoder_tokens: rows of the stand-in encoder outputs.
+    """
+
+    raw: dict[str, Tensor]
+    raw_lengths: dict[str, Tensor]
     input_ids: Tensor
-    targets: Tensor  # per LLM position
+    targets: Tensor
     seq_lengths: Tensor
-    order: Tensor  # LLM input = cat([text embeds, stand-in encoder tokens])[order]
-    encoder_tokens: int  # rows of the stand-in encoder outputs
+    order: Tensor
+    encoder_tokens: int
 
     @property
     def llm_tokens(self) -> int:
@@ -270,10 +273,13 @@ def _ints(parts: list) -> Tensor:
 
 def rank_work(plan, rank: int, examples: list[dict], cfg: RunConfig, dtype) -> RankWork:
     """``rank``'s encoder items and LLM sequences under ``plan``; ``examples`` in gather order."""
-    images = [a for ex in examples for a in ex["image_patches"]]
-    audios = [a for ex in examples for a in ex["audio_mels"]]
-    vis, aud = plan.phases["vision"], plan.phases["audio"]
-    v_items, a_items = vis.encoder.items_at(rank), aud.encoder.items_at(rank)
+    raw, raw_lengths = {}, {}
+    for name, enc in cfg.model.encoders.items():
+        items = [a for ex in examples for a in ex[MODALITIES[name].key]]
+        phase = plan.phases[name]
+        mine = phase.encoder.items_at(rank)
+        raw[name] = _cat([items[i] for i in mine], enc.feature_dim, dtype)
+        raw_lengths[name] = torch.as_tensor(phase.raw[mine], dtype=torch.int64)
     ids, labels, text_rows, standin_rows, seq_lengths = [], [], [], [], []
     pos = 0
     for e in plan.llm.items_at(rank):
@@ -301,10 +307,8 @@ def rank_work(plan, rank: int, examples: list[dict], cfg: RunConfig, dtype) -> R
     ends = torch.cumsum(torch.as_tensor(seq_lengths, dtype=torch.int64), 0) - 1
     targets[ends] = IGNORE_INDEX
     return RankWork(
-        patches=_cat([images[i] for i in v_items], cfg.model.vision.patch_dim, dtype),
-        image_lengths=torch.as_tensor(vis.raw[v_items], dtype=torch.int64),
-        mels=_cat([audios[i] for i in a_items], cfg.model.audio.n_mels, dtype),
-        audio_lengths=torch.as_tensor(aud.raw[a_items], dtype=torch.int64),
+        raw=raw,
+        raw_lengths=raw_lengths,
         input_ids=_ints(ids),
         targets=targets,
         seq_lengths=torch.as_tensor(seq_lengths, dtype=torch.int64),
@@ -318,8 +322,7 @@ class RankResult:
     times: dict[str, float]  # phase -> forward + backward seconds
     peak_bytes: int  # CUDA: allocator peak; CPU: parameters + gradients + saved tensors
     llm_tokens: int
-    images: int
-    audio_clips: int
+    items: dict[str, int]  # encoder name -> items this rank encoded
 
 
 class _Clock:
@@ -385,17 +388,22 @@ class Emulator:
         return [*self.model.parameters(), *self.head.parameters()]
 
     def run(self, work: RankWork, *, denom: float) -> RankResult:
-        """One rank's step in training order; times each phase's forward and backward."""
+        """One rank's step in training order (each encoder's forward, the LLM's forward and
+        backward, each encoder's backward in reverse); times each phase's forward and
+        backward."""
         dev, dt, hidden = self.device, self.dtype, self.cfg.model.llm.hidden
+        encoders = self.cfg.model.encoders
         params = self.params()
         for p in params:
             p.grad = None
-        x = {f.name: getattr(work, f.name) for f in dataclasses.fields(work)}
-        x = {k: v.to(dev, non_blocking=True) if isinstance(v, Tensor) else v for k, v in x.items()}
-        n_img = int(work.image_lengths.sum()) // self.cfg.model.vision.downsample
-        n_aud = int(work.audio_lengths.sum()) // self.cfg.model.audio.frames_per_token
-        grad_v = torch.randn(n_img, hidden, device=dev, dtype=dt)
-        grad_a = torch.randn(n_aud, hidden, device=dev, dtype=dt)
+        raw = {n: t.to(dev, non_blocking=True) for n, t in work.raw.items()}
+        lengths = {n: t.to(dev, non_blocking=True) for n, t in work.raw_lengths.items()}
+        ids, order = work.input_ids.to(dev), work.order.to(dev)
+        seq_lengths, targets = work.seq_lengths.to(dev), work.targets.to(dev)
+        upstream = {
+            n: torch.randn(int(lengths[n].sum()) // e.rate.divisor, hidden, device=dev, dtype=dt)
+            for n, e in encoders.items()
+        }
         standin = torch.randn(work.encoder_tokens, hidden, device=dev, dtype=dt)
         standin.requires_grad_(True)
         clock = _Clock(dev)
@@ -403,40 +411,37 @@ class Emulator:
         if clock.cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+        forward, backward, out = {}, {}, {}
         with contextlib.nullcontext() if clock.cuda else saved.hooks():
-            m0 = clock.mark()
-            out_v = self.model.encoders["vision"](x["patches"], x["image_lengths"])
-            m1 = clock.mark()
-            out_a = self.model.encoders["audio"](x["mels"], x["audio_lengths"])
-            m2 = clock.mark()
-            embeds = torch.cat([self.model.llm.embed(x["input_ids"]), standin])[x["order"]]
-            hidden_states = self.model.llm(embeds, x["seq_lengths"])
-            loss = chunked_head_loss(hidden_states, self.head.weight, x["targets"], denom=denom)
+            for name in encoders:
+                start = clock.mark()
+                out[name] = self.model.encoders[name](raw[name], lengths[name])
+                forward[name] = (start, clock.mark())
+            start = clock.mark()
+            embeds = torch.cat([self.model.llm.embed(ids), standin])[order]
+            hidden_states = self.model.llm(embeds, seq_lengths)
+            loss = chunked_head_loss(hidden_states, self.head.weight, targets, denom=denom)
         loss.backward()
-        m3 = clock.mark()
-        if out_a.requires_grad:
-            out_a.backward(grad_a)
-        m4 = clock.mark()
-        if out_v.requires_grad:
-            out_v.backward(grad_v)
-        m5 = clock.mark()
+        forward[LLM] = (start, clock.mark())
+        for name in reversed(encoders):
+            start = clock.mark()
+            if out[name].requires_grad:
+                out[name].backward(upstream[name])
+            backward[name] = (start, clock.mark())
         if clock.cuda:
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev)
         else:
             grads = sum(p.grad.nbytes for p in params if p.grad is not None)
             peak = sum(p.nbytes for p in params) + grads + saved.total
-        times = {
-            "vision": clock.seconds(m0, m1) + clock.seconds(m4, m5),
-            "audio": clock.seconds(m1, m2) + clock.seconds(m3, m4),
-            "llm": clock.seconds(m2, m3),
-        }
+        times = {n: clock.seconds(*forward[n]) for n in forward}
+        for name, span in backward.items():
+            times[name] += clock.seconds(*span)
         return RankResult(
             times,
             int(peak),
             work.llm_tokens,
-            work.image_lengths.numel(),
-            work.audio_lengths.numel(),
+            {n: t.numel() for n, t in work.raw_lengths.items()},
         )
 
 
@@ -447,14 +452,14 @@ class Emulator:
 class StepResult:
     """One emulated step of one mode."""
 
-    phase_times: np.ndarray  # (3, ranks) seconds, PHASES order
+    phases: tuple[str, ...]  # each encoder's, then the LLM's
+    phase_times: np.ndarray  # (phases, ranks) seconds
     plan_s: float
     a2a_s: float
     plan_imbalance: dict[str, float]
     peak_bytes: int
     llm_tokens: int
-    images: int
-    audio_clips: int
+    items: dict[str, int]  # encoder name -> items encoded over all ranks
 
     @property
     def dispatch_s(self) -> float:
@@ -489,23 +494,24 @@ def emulate_step(
     examples = [ex for b in batches for ex in b]
     elem = torch.empty((), dtype=emu.dtype).element_size()
     a2a_s = a2a_estimate_s(plan, emu.cfg, elem_bytes=elem, link_bytes_per_s=link_bytes_per_s)
-    times = np.zeros((len(PHASES), ranks))
+    phases = emu.cfg.phases
+    times = np.zeros((len(phases), ranks))
     results = []
     for r in range(ranks) if only_ranks is None else only_ranks:
         work = rank_work(plan, r, examples, emu.cfg, emu.dtype)
         runs = [emu.run(work, denom=plan.num_targets) for _ in range(repeats)]
-        times[:, r] = [min(run.times[p] for run in runs) for p in PHASES]
+        times[:, r] = [min(run.times[p] for run in runs) for p in phases]
         results.append(runs[0])
     stats = plan.stats()
     return StepResult(
+        phases=phases,
         phase_times=times,
         plan_s=0.0 if mode == "none" else plan_s,  # training without balancing plans nothing
         a2a_s=a2a_s,
-        plan_imbalance={p: float(stats[p]["imbalance_after"]) for p in PHASES},
+        plan_imbalance={p: float(stats[p]["imbalance_after"]) for p in phases},
         peak_bytes=max(r.peak_bytes for r in results),
         llm_tokens=sum(r.llm_tokens for r in results),
-        images=sum(r.images for r in results),
-        audio_clips=sum(r.audio_clips for r in results),
+        items={n: sum(r.items[n] for r in results) for n in emu.cfg.model.encoders},
     )
 
 
@@ -526,11 +532,11 @@ def summarize_mode(steps: Sequence[StepResult], *, ranks: int) -> dict:
         "a2a_est_s": float(np.mean([s.a2a_s for s in steps])),
         "peak_mem_bytes": max(s.peak_bytes for s in steps),
         "llm_tokens_per_step": float(np.mean([s.llm_tokens for s in steps])),
-        "images_per_step": float(np.mean([s.images for s in steps])),
-        "audio_clips_per_step": float(np.mean([s.audio_clips for s in steps])),
     }
+    for name in steps[0].items:
+        rec[f"{name}_items_per_step"] = float(np.mean([s.items[name] for s in steps]))
     rec["tokens_per_s"] = rec["llm_tokens_per_step"] / ranks / step_s
-    for i, p in enumerate(PHASES):
+    for i, p in enumerate(steps[0].phases):
         rec[f"{p}_max_s"] = float(np.mean([s.phase_times[i].max() for s in steps]))
         rec[f"{p}_mean_s"] = float(np.mean([s.phase_times[i].mean() for s in steps]))
         rec[f"{p}_imbalance"] = float(np.mean([_imbalance(s.phase_times[i]) for s in steps]))
@@ -576,8 +582,7 @@ def run_benchmark(
                 "repeats": repeats,
                 "dtype": str(emu.dtype).removeprefix("torch."),
                 "llm_layers": cfg.model.llm.layers,
-                "vision_layers": cfg.model.vision.layers,
-                "audio_layers": cfg.model.audio.layers,
+                **{f"{n}_layers": e.layers for n, e in cfg.model.encoders.items()},
                 "peak_mem_source": "cuda_max_memory_allocated"
                 if device.type == "cuda"
                 else "cpu_proxy_params_grads_saved_tensors",
@@ -592,19 +597,18 @@ def run_benchmark(
 # -- command line ------------------------------------------------------------------------------
 
 
-def print_table(records: Sequence[dict]) -> None:
-    head = (
+def print_table(records: Sequence[dict], phases: Sequence[str]) -> None:
+    imbalances = "".join(f" {'imb ' + p[:4]:>9}" for p in phases)
+    print(
         f"{'B/rank':>6} {'mode':>5} {'step s':>9} {'x none':>7} {'x llm':>6} {'/ideal':>7}"
-        f" {'imb vis':>8} {'imb aud':>8} {'imb llm':>8} {'plan ms':>8} {'a2a ms':>7}"
-        f" {'peak GiB':>9} {'tok/s/GPU':>10}"
+        f"{imbalances} {'plan ms':>8} {'a2a ms':>7} {'peak GiB':>9} {'tok/s/GPU':>10}"
     )
-    print(head)
     for r in records:
+        imbalances = "".join(f" {r[p + '_imbalance']:>9.3f}" for p in phases)
         print(
             f"{r['examples_per_rank']:>6} {r['mode']:>5} {r['step_time_s']:>9.4f}"
             f" {r['speedup_vs_none']:>7.3f} {r['speedup_vs_llm']:>6.3f}"
-            f" {r['step_over_ideal']:>7.3f} {r['vision_imbalance']:>8.3f}"
-            f" {r['audio_imbalance']:>8.3f} {r['llm_imbalance']:>8.3f}"
+            f" {r['step_over_ideal']:>7.3f}{imbalances}"
             f" {r['plan_s'] * 1e3:>8.2f} {r['a2a_est_s'] * 1e3:>7.3f}"
             f" {r['peak_mem_bytes'] / 2**30:>9.3f} {r['tokens_per_s']:>10.1f}"
         )
@@ -694,9 +698,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     repeats = args.repeats or (1 if cuda else 3)
     print(
         f"device={device} config={args.config or default_config} layers/{divisor}: "
-        f"llm {cfg.model.llm.layers}, vision {cfg.model.vision.layers}, "
-        f"audio {cfg.model.audio.layers}; ranks={ranks} examples/rank={sizes} steps={steps} "
-        f"repeats={repeats}",
+        f"llm {cfg.model.llm.layers}, "
+        + ", ".join(f"{n} {e.layers}" for n, e in cfg.model.encoders.items())
+        + f"; ranks={ranks} examples/rank={sizes} steps={steps} repeats={repeats}",
         flush=True,
     )
     records = run_benchmark(
@@ -717,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             seed=args.seed,
             link_gbs=args.link_gbs,
         )
-    print_table(records)
+    print_table(records, cfg.phases)
     print_targets(records)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")

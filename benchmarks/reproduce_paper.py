@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from orchmllm.config import load_config
 from orchmllm.data.synthetic import BLOCK, block_seed
+from orchmllm.recipe import ItemLengths
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.comm import Network
 from orchmllm.sim.compute import load_block_records, measured_fits, submodules
@@ -650,13 +651,14 @@ def gpu_model(rec: dict[str, Any]) -> tuple[SimModel, int]:
     cfg = base.config
     config = dataclasses.replace(
         cfg,
-        vision=dataclasses.replace(cfg.vision, layers=rec["vision_layers"]),
-        audio=dataclasses.replace(cfg.audio, layers=rec["audio_layers"]),
+        encoders={
+            n: dataclasses.replace(e, layers=rec[f"{n}_layers"]) for n, e in cfg.encoders.items()
+        },
         llm=dataclasses.replace(cfg.llm, layers=rec["llm_layers"]),
     )
     modules = submodules(config, checkpointing=rec["device"] != "cpu")
-    balance = yaml.safe_load(path.read_text()).get("balance") or {}
-    rpn = min(balance.get("ranks_per_node") or 8, rec["ranks"])  # as gpu_step.ranks_per_node
+    configured = load_config(path).balance.ranks_per_node
+    rpn = min(configured or 8, rec["ranks"])  # as gpu_step.ranks_per_node
     return SimModel(base.name, config, base.data, modules), rpn
 
 
@@ -666,22 +668,30 @@ def gpu_batch(model: SimModel, ranks: int, per_rank: int, step: int, seed: int) 
     ``i % BLOCK`` of the recipe draw seeded ``block_seed(seed, i // BLOCK)``
     (``orchmllm.data.synthetic``)."""
     ids = np.arange(step * ranks * per_rank, (step + 1) * ranks * per_rank)
-    parts: list[list[np.ndarray]] = [[], [], [], [], []]
+    text: list[np.ndarray] = []
+    items: dict[str, list[ItemLengths]] = {n: [] for n in model.config.encoders}
     start = 0
     for block in np.unique(ids // BLOCK):
         drawn = sample_pool(model, 1, BLOCK, block_seed(seed, int(block)))
         local = ids[ids // BLOCK == block] % BLOCK
         new_id = np.full(BLOCK, -1)
         new_id[local] = start + np.arange(local.size)
-        parts[0].append(drawn.text[local])
-        for i, (owner, size) in enumerate(
-            ((drawn.image_example, drawn.image_patches), (drawn.audio_example, drawn.audio_frames))
-        ):
-            keep = new_id[owner] >= 0
-            parts[1 + 2 * i].append(new_id[owner[keep]])
-            parts[2 + 2 * i].append(size[keep])
+        text.append(drawn.text[local])
+        for name, parts in items.items():
+            it = drawn.of(name)
+            keep = new_id[it.example] >= 0
+            parts.append(ItemLengths(new_id[it.example[keep]], it.raw[keep]))
         start += local.size
-    return Batch(ranks, *(np.concatenate(p) for p in parts))
+    return Batch(
+        ranks,
+        np.concatenate(text),
+        {
+            n: ItemLengths(
+                np.concatenate([p.example for p in ps]), np.concatenate([p.raw for p in ps])
+            )
+            for n, ps in items.items()
+        },
+    )
 
 
 def validation(sw: Sweep, results_dir: Path) -> None:
@@ -735,7 +745,7 @@ def validation(sw: Sweep, results_dir: Path) -> None:
                     "source": path.name,
                     "device": rec["device"],
                     "model": model.name,
-                    "layers": [rec["vision_layers"], rec["audio_layers"], rec["llm_layers"]],
+                    "layers": [rec[f"{p}_layers"] for p in (*model.config.encoders, "llm")],
                     "ranks": rec["ranks"],
                     "examples_per_rank": per_rank,
                     "steps": rec["steps"],

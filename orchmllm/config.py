@@ -1,127 +1,472 @@
-"""Model configuration: the ``model:`` section of a run config (schema in configs/tiny.yaml).
+"""Run configs: the model's shapes, the data recipe, the balancing and the training settings.
 
-Plain frozen dataclasses so the simulator can read shapes without building a model.
+Plain frozen dataclasses, torch-free, so the simulator and the planner can read shapes without
+building a model. A config is checked when it is built, policy and placement names included
+(so this module sits on the planner's floor, beside the policy registry it checks them in).
+
+Every key has a default (the tiny CPU model of ``configs/tiny.yaml``), so a YAML file states
+only what differs, and ``base: other.yaml`` inherits another file first:
+
+    base: mllm-10b.yaml          # relative to this file
+    model:
+      llm: {hidden: 5120, layers: 48}
+      encoders:
+        audio: null              # drop a modality (its encoder, its phase)
+
+Mappings merge key by key; anything else replaces. ``model.encoders`` has one section per row
+of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes, each built by its
+``arch`` (:data:`ARCHS`; default: the row's). An unknown key, modality or architecture is an
+error that names it and the closest valid one, never a silent default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import yaml
+
+from orchmllm.balance import PLACEMENTS, POLICIES
+from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
+
+__all__ = [
+    "ARCHS",
+    "BalanceConfig",
+    "DataConfig",
+    "EncoderConfig",
+    "LLMConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "VitConfig",
+    "WhisperConfig",
+    "load_config",
+    "run_config",
+]
 
 
-def _require_positive(section: str, name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{section}.{name} must be a positive integer, got {value!r}")
+def _fail(path: str, message: str) -> ValueError:
+    return ValueError(f"{path} {message}")
 
 
-def _from_dict(cls: type, section: str, raw: dict[str, Any]) -> Any:
-    if not isinstance(raw, dict):
-        raise ValueError(f"{section} must be a mapping, got {raw!r}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ValueError(f"{section} has unknown keys {unknown}; expected {sorted(names)}")
-    missing = sorted(names - set(raw))
-    if missing:
-        raise ValueError(f"{section} is missing keys {missing}")
-    obj = cls(**raw)
-    for f in fields(cls):
+def _positive_int(path: str, value: Any) -> None:
+    if not is_integer(value) or value < 1:
+        raise _fail(path, f"must be a positive integer, got {value!r}")
+
+
+def _positive_number(path: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _fail(path, f"must be a positive number, got {value!r}")
+
+
+def _check_fields(obj: Any, path: str) -> None:
+    """Type checks every dataclass field by its annotation: ``int`` (positive), ``float``
+    (positive), ``bool``, ``str``; other annotations, and the fields a class lists in
+    ``OWN_CHECKS``, are checked by the class itself."""
+    for f in dataclasses.fields(obj):
+        if f.name in getattr(obj, "OWN_CHECKS", ()):
+            continue
         value = getattr(obj, f.name)
+        where = f"{path}.{f.name}"
         if f.type == "int":
-            _require_positive(section, f.name, value)
+            _positive_int(where, value)
+        elif f.type == "float":
+            _positive_number(where, value)
         elif f.type == "bool" and not isinstance(value, bool):
-            raise ValueError(f"{section}.{f.name} must be true or false, got {value!r}")
-        elif f.type == "float" and (not isinstance(value, (int, float)) or value <= 0):
-            raise ValueError(f"{section}.{f.name} must be a positive number, got {value!r}")
-    if obj.hidden % obj.heads:
-        raise ValueError(f"{section}.hidden={obj.hidden} is not divisible by heads={obj.heads}")
-    if obj.heads % obj.kv_heads:
-        raise ValueError(f"{section}.heads={obj.heads} is not divisible by kv_heads={obj.kv_heads}")
+            raise _fail(where, f"must be true or false, got {value!r}")
+        elif f.type == "str" and not isinstance(value, str):
+            raise _fail(where, f"must be a string, got {value!r}")
+
+
+def _closest(value: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(value, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}(valid: {sorted(valid)})"
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> ValueError:
+    return _fail(path, f"has no key {key!r}; {_closest(key, valid)}")
+
+
+def _build(cls: type, path: str, raw: Any, *, also: tuple[str, ...] = ()) -> Any:
+    """``cls(**raw)`` for a config section, naming an unknown key and the closest valid one
+    (``also``: keys the caller consumed before)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise _fail(path, f"must be a mapping, got {raw!r}")
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in raw:
+        if key not in names:
+            raise _unknown_key(path, str(key), [*names, *also])
+    obj = cls(**raw)
+    _check_fields(obj, path)
     return obj
 
 
+# -- model -------------------------------------------------------------------------------
+
+
+def _check_heads(section: Any, path: str) -> None:
+    """Attention heads split the width, and query heads group evenly over key/value heads."""
+    if section.hidden % section.heads:
+        raise _fail(path, f"hidden={section.hidden} is not divisible by heads={section.heads}")
+    if section.heads % section.kv_heads:
+        raise _fail(path, f"heads={section.heads} is not divisible by kv_heads={section.kv_heads}")
+
+
 @dataclass(frozen=True)
-class VisionConfig:
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    patch: int
-    downsample: int
-    frozen: bool
+class EncoderConfig:
+    """The shape shared by every encoder architecture (a transformer over raw rows).
+
+    Attributes:
+        hidden, ffn, layers, heads, kv_heads: the transformer's width, MLP width, depth and
+            (grouped-query) attention heads.
+        downsample: encoder positions merged into one LLM token by the connector.
+        frozen: run forward only (no gradients, no optimizer state).
+    """
+
+    arch: ClassVar[str]
+    padded: ClassVar[bool]  # attention over padded batches (else packed sequences)
+
+    hidden: int = 64
+    ffn: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    downsample: int = 1
+    frozen: bool = False
 
     @property
-    def patch_dim(self) -> int:
-        """Values per flattened RGB patch."""
+    def stride(self) -> int:
+        """Raw rows per encoder position (1 unless a front end strides)."""
+        return 1
+
+    @property
+    def feature_dim(self) -> int:
+        """Values per raw row: what an encoder phase moves per row."""
+        raise NotImplementedError
+
+    @property
+    def rate(self) -> Rate:
+        """How its raw rows become LLM tokens."""
+        return Rate(stride=self.stride, downsample=self.downsample)
+
+    def check(self, path: str) -> None:
+        """Shape rules beyond the field types."""
+        _check_heads(self, path)
+
+
+@dataclass(frozen=True)
+class VitConfig(EncoderConfig):
+    """A ViT over ``patch x patch`` RGB patches, packed bidirectional attention, then
+    ``downsample`` consecutive tokens merged and an MLP connector to the LLM width."""
+
+    arch: ClassVar[str] = "vit"
+    padded: ClassVar[bool] = False
+
+    patch: int = 14
+    downsample: int = 4
+
+    @property
+    def feature_dim(self) -> int:
         return 3 * self.patch * self.patch
 
-    def encoded_length(self, n_patches: int) -> int:
-        """Tokens an image of ``n_patches`` raw patches contributes to the LLM sequence."""
-        return n_patches // self.downsample
-
 
 @dataclass(frozen=True)
-class AudioConfig:
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    n_mels: int
-    conv_stride: int
-    downsample: int
-    frozen: bool
+class WhisperConfig(EncoderConfig):
+    """A Whisper-style encoder: a convolution front end of total stride ``conv_stride`` over
+    ``n_mels``-bin log-mel frames (100 per second), padded attention, merge ``downsample``,
+    MLP connector."""
+
+    arch: ClassVar[str] = "whisper"
+    padded: ClassVar[bool] = True
+
+    n_mels: int = 16
+    conv_stride: int = 2
+    downsample: int = 2
 
     @property
-    def frames_per_token(self) -> int:
-        """Raw mel frames per encoded LLM token (conv stride times downsample rate)."""
-        return self.conv_stride * self.downsample
+    def stride(self) -> int:
+        return self.conv_stride
 
-    def encoded_length(self, n_frames: int) -> int:
-        """Tokens a clip of ``n_frames`` mel frames contributes to the LLM sequence."""
-        return n_frames // self.frames_per_token
+    @property
+    def feature_dim(self) -> int:
+        return self.n_mels
+
+
+ARCHS: dict[str, type[EncoderConfig]] = {c.arch: c for c in (VitConfig, WhisperConfig)}
+"""Encoder architecture name -> its config class (``orchmllm.models`` maps the same names to
+modules)."""
 
 
 @dataclass(frozen=True)
 class LLMConfig:
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    rope_theta: float
+    """A Qwen2-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, packed causal."""
+
+    hidden: int = 64
+    ffn: int = 160
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    rope_theta: float = 10000.0
+
+    def check(self, path: str) -> None:
+        """Shape rules beyond the field types."""
+        _check_heads(self, path)
+
+
+def _default_encoders() -> dict[str, EncoderConfig]:
+    """Every row of the modality table, with its architecture's defaults."""
+    return {name: ARCHS[m.arch]() for name, m in MODALITIES.items()}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab: int
-    vision: VisionConfig
-    audio: AudioConfig
-    llm: LLMConfig
+    """The model: one encoder per modality it encodes, and the LLM.
+
+    Attributes:
+        vocab: LLM vocabulary size (text token ids are < vocab).
+        encoders: modality name (a row of the modality table) -> its encoder's config, in
+            table order; default: every row with its architecture's defaults.
+        llm: the decoder.
+    """
+
+    vocab: int = 512
+    encoders: Mapping[str, EncoderConfig] = field(default_factory=_default_encoders)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+
+    def __post_init__(self) -> None:
+        for name, enc in self.encoders.items():
+            modality_named(name)
+            if not isinstance(enc, EncoderConfig):
+                raise _fail(f"model.encoders.{name}", f"must be an encoder config, got {enc!r}")
+        order = [n for n in MODALITIES if n in self.encoders]  # table order, the phase order
+        object.__setattr__(self, "encoders", {n: self.encoders[n] for n in order})
 
     @property
-    def encoders(self) -> dict[str, VisionConfig | AudioConfig]:
-        """Encoder config per modality name (a row of ``orchmllm.schema.MODALITIES``)."""
-        return {"vision": self.vision, "audio": self.audio}
+    def rates(self) -> EncodingRates:
+        """Raw rows per LLM token of every encoder."""
+        return EncodingRates({name: enc.rate for name, enc in self.encoders.items()})
 
     @property
     def feature_dims(self) -> dict[str, int]:
         """Raw row width per modality: what an encoder phase moves per raw row."""
-        return {"vision": self.vision.patch_dim, "audio": self.audio.n_mels}
+        return {name: enc.feature_dim for name, enc in self.encoders.items()}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Validate and build from the ``model:`` mapping of a run config."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"model must be a mapping, got {raw!r}")
-        expected = {"vocab", "vision", "audio", "llm"}
-        if set(raw) != expected:
-            raise ValueError(f"model keys must be {sorted(expected)}, got {sorted(raw)}")
-        _require_positive("model", "vocab", raw["vocab"])
-        return cls(
-            vocab=raw["vocab"],
-            vision=_from_dict(VisionConfig, "model.vision", raw["vision"]),
-            audio=_from_dict(AudioConfig, "model.audio", raw["audio"]),
-            llm=_from_dict(LLMConfig, "model.llm", raw["llm"]),
-        )
+    def from_dict(cls, raw: Any, path: str = "model") -> ModelConfig:
+        """Validate and build from the ``model:`` mapping of a run config.
+
+        Raises:
+            ValueError: an unknown key, modality or architecture (naming the closest valid
+                one), or a value of the wrong type or shape.
+        """
+        raw = dict(raw or {})
+        for key in raw:
+            if key not in ("vocab", "encoders", "llm"):
+                raise _unknown_key(path, str(key), ["vocab", "encoders", "llm"])
+        encoders = {}
+        sections = raw.pop("encoders", None) or {}
+        if not isinstance(sections, Mapping):
+            raise _fail(f"{path}.encoders", f"must be a mapping, got {sections!r}")
+        # Laid on every row's defaults: a section changes its row, null drops it.
+        for name, section in merge(dict.fromkeys(MODALITIES, {}), sections).items():
+            where = f"{path}.encoders.{name}"
+            if name not in MODALITIES:
+                raise _unknown_key(f"{path}.encoders", str(name), list(MODALITIES))
+            if section is None:  # dropped by a derived config
+                continue
+            section = dict(section)
+            arch = section.pop("arch", MODALITIES[name].arch)
+            if arch not in ARCHS:
+                raise _fail(
+                    f"{where}.arch", f"{arch!r} is unknown; {_closest(str(arch), list(ARCHS))}"
+                )
+            encoders[name] = _build(ARCHS[arch], where, section, also=("arch",))
+            encoders[name].check(where)
+        llm = _build(LLMConfig, f"{path}.llm", raw.pop("llm", None))
+        llm.check(f"{path}.llm")
+        config = cls(encoders=encoders, llm=llm, **raw)
+        _positive_int(f"{path}.vocab", config.vocab)
+        return config
+
+
+# -- data, balance, train ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The synthetic data recipe (``orchmllm.recipe``) and the mini-batch size.
+
+    Attributes:
+        mix: task -> sampling weight (normalised); None: the recipe's default mix.
+        examples_per_rank: mini-batch size of every data-parallel rank per step.
+        max_image_side: dynamic-resolution bound in pixels (a multiple of the patch).
+        max_audio_s: audio duration bound in seconds.
+        scale: multiplies every length (patches, frames, tokens); the tiny config keeps the
+            paper's composition at 1/10 size.
+        max_text_tokens: bound on the text tokens of one example.
+        p_multi_image: probability that a ``vqa`` example holds a second image.
+        p_spoken_question: probability that a ``vqa`` example's first question is spoken (an
+            audio item; 0 for a model without audio).
+    """
+
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("p_multi_image", "p_spoken_question")
+
+    mix: Mapping[str, float] | None = None
+    examples_per_rank: int = 8
+    max_image_side: int = 448
+    max_audio_s: float = 30.0
+    scale: float = 1.0
+    max_text_tokens: int = 2048
+    p_multi_image: float = 0.1
+    p_spoken_question: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.mix is not None and not isinstance(self.mix, Mapping):
+            raise _fail("data.mix", f"must be a mapping of task -> weight, got {self.mix!r}")
+        for name in self.OWN_CHECKS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise _fail(f"data.{name}", f"must be a probability in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    """How each phase is balanced (the trainer's ``--balance``/``--placement`` override it).
+
+    Attributes:
+        policies: phase name (a modality or ``llm``) -> a policy name in
+            ``orchmllm.POLICIES``; a phase left out gets its tailored policy (the modality
+            row's; ``greedy`` for the LLM).
+        placement: ``none``, ``assign``, ``ilp`` or ``auto`` (node-wise placement).
+        ranks_per_node: None: ``LOCAL_WORLD_SIZE`` from the launcher.
+    """
+
+    policies: Mapping[str, str] = field(default_factory=dict)
+    placement: str = "auto"
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policies, Mapping):
+            raise _fail("balance.policies", f"must be a mapping, got {self.policies!r}")
+        for name, policy in self.policies.items():
+            if name != LLM and name not in MODALITIES:
+                raise _unknown_key("balance.policies", str(name), [*MODALITIES, LLM])
+            if policy not in POLICIES:
+                raise _fail(
+                    f"balance.policies.{name}",
+                    f"{policy!r} is no policy; {_closest(str(policy), list(POLICIES))}",
+                )
+        if self.placement not in PLACEMENTS:
+            hint = _closest(str(self.placement), list(PLACEMENTS))
+            raise _fail("balance.placement", f"{self.placement!r} is no placement; {hint}")
+        if self.ranks_per_node is not None:
+            _positive_int("balance.ranks_per_node", self.ranks_per_node)
+
+    def policy(self, phase: str) -> str:
+        """The policy of ``phase``: configured, else tailored."""
+        default = "greedy" if phase == LLM else modality_named(phase).policy
+        return self.policies.get(phase, default)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Attributes: steps, lr (AdamW), seed (model and data; >= 0)."""
+
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed",)
+
+    steps: int = 10
+    lr: float = 1.0e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not is_integer(self.seed) or self.seed < 0:
+            raise _fail("train.seed", f"must be an integer >= 0, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: ``model``, ``data``, ``balance`` and ``train`` sections (all defaulted)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def rates(self) -> EncodingRates:
+        return self.model.rates
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """Every phase of a step, in execution order: each encoder's, then the LLM's."""
+        return (*self.model.encoders, LLM)
+
+
+_SECTIONS = {"data": DataConfig, "balance": BalanceConfig, "train": TrainConfig}
+
+
+def run_config(raw: Mapping[str, Any] | None) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a (merged) mapping of sections.
+
+    Raises:
+        ValueError: an unknown section or key (naming the closest valid one), or a bad value.
+    """
+    raw = dict(raw or {})
+    valid = ["model", *_SECTIONS]
+    for key in raw:
+        if key not in valid:
+            raise _unknown_key("config", str(key), valid)
+    sections = {name: _build(cls, name, raw.get(name)) for name, cls in _SECTIONS.items()}
+    # A policy of a modality the model does not encode (one a derived config dropped) is unused.
+    return RunConfig(model=ModelConfig.from_dict(raw.get("model")), **sections)
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base``: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config(path: str | os.PathLike, *, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config file's mapping with its ``base:`` chain merged in (paths relative to the file).
+
+    Raises:
+        ValueError: a file that is not a mapping, or a ``base:`` cycle.
+    """
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise ValueError(f"config base cycle: {' -> '.join((*_seen, path))}")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config {path!r} must be a mapping, got {raw!r}")
+    raw = dict(raw)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    parent = read_config(os.path.join(os.path.dirname(path), base), _seen=(*_seen, path))
+    return merge(parent, raw)
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Read, merge (``base:``) and validate a run config file.
+
+    Raises:
+        ValueError: as :func:`run_config` and :func:`read_config`, naming the file.
+    """
+    try:
+        return run_config(read_config(path))
+    except ValueError as exc:
+        raise ValueError(f"config {os.fspath(path)!r}: {exc}") from None

@@ -50,48 +50,155 @@ rule in each case, so the simulator's figures did not move):
 - ``p_multi_image`` and ``p_spoken_question`` are fields of :class:`RecipeConfig`, defaulting
   to the simulator's former constants (0.1 each).
 
+Tasks are rows of :data:`TASKS`. The five above are the paper's mix, drawn together by one
+function; :func:`register_task` adds a task with its own draw (e.g. one that holds a modality
+added to :data:`orchmllm.schema.MODALITIES`), drawn after them.
+
 Random stream: one :class:`numpy.random.Generator` per draw, consumed in a fixed order (task,
-images, audio, then text per task); the chat turn split is drawn last, so the lengths of ``n``
-examples for a seed never depend on it.
+images, audio, then text per task of the paper's mix, the chat turn split last, then each
+registered task in table order), so the lengths of ``n`` examples for a seed never depend on
+the chat split, and a registered task with weight 0 changes nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from orchmllm import workloads
-from orchmllm.schema import AUDIO, IMAGE, TASKS, TEXT, EncodingRates
+from orchmllm.config import DataConfig, ModelConfig
+from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named
 
-DEFAULT_MIX = {"caption": 0.25, "vqa": 0.30, "asr": 0.25, "spoken_qa": 0.10, "chat": 0.10}
 MIN_TEXT = 2  # a prompt token at position 0 (never a target) and one target token
 MAX_VQA_TURNS = 10
 MAX_CHAT_TURNS = 8
 
-_PROMPT, _TARGET = (TEXT, False), (TEXT, True)
-# The runs of an example of each task, in order: (kind, is_target). An example fills a subset
-# of its task's columns; Examples.weights holds, per column, a text run's raw length or 1 for an
-# image/audio item, and 0 where the example lacks the run.
-TEMPLATES: dict[str, tuple[tuple[int, bool], ...]] = {
-    "caption": (_PROMPT, (IMAGE, False), _PROMPT, _TARGET),
-    "vqa": (_PROMPT, (IMAGE, False), _PROMPT, (IMAGE, False), (AUDIO, False))
-    + (_PROMPT, _TARGET) * MAX_VQA_TURNS,
-    "asr": (_PROMPT, (AUDIO, False), _TARGET),
-    "spoken_qa": (_PROMPT, (AUDIO, False), _PROMPT, _TARGET),
-    "chat": (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS,
+Run = tuple[str, bool]  # ("text" or a modality name, is_target)
+_PROMPT: Run = ("text", False)
+_TARGET: Run = ("text", True)
+
+
+@dataclass(frozen=True)
+class ItemLengths:
+    """One modality's items in a draw: the owning example of each (ascending) and its raw
+    rows."""
+
+    example: np.ndarray  # int64[items]
+    raw: np.ndarray  # int64[items]
+
+
+@dataclass(frozen=True)
+class TaskDraw:
+    """What a registered task's ``draw`` returns for its ``n`` examples.
+
+    Attributes:
+        lengths: float64 ``[n, len(task.runs)]``: per text run its raw length before
+            ``scale`` (the example's text is their sum), per item run its raw rows before
+            ``scale``; 0 where the example lacks the run.
+    """
+
+    lengths: np.ndarray
+
+
+Draw = Callable[[np.random.Generator, int, "RecipeConfig"], TaskDraw]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the recipe.
+
+    Attributes:
+        name: the ``task`` string of its examples.
+        runs: its examples' runs in order: ``("text", is_target)`` or ``(modality name,
+            False)``; an example fills a subset of them.
+        weight: its weight in the default mix.
+        draw: how a registered task draws its examples' lengths (None: the paper's mix,
+            drawn together by this module).
+        optional: modality -> the :class:`RecipeConfig` probability that an example holds
+            it; a modality whose probability is 0 is never held.
+    """
+
+    name: str
+    runs: tuple[Run, ...]
+    weight: float = 0.0
+    draw: Draw | None = None
+    optional: Mapping[str, str] = field(default_factory=dict)
+
+    def kinds(self) -> np.ndarray:
+        """The segment kind of each run."""
+        return np.array([TEXT if k == "text" else modality_named(k).kind for k, _ in self.runs])
+
+    def is_target(self) -> np.ndarray:
+        return np.array([t for _, t in self.runs], dtype=bool)
+
+    def modalities(self, cfg: RecipeConfig) -> set[str]:
+        """The modalities its examples can hold under ``cfg``."""
+        held = {k for k, _ in self.runs if k != "text"}
+        return {m for m in held if getattr(cfg, self.optional.get(m, ""), 1) > 0}
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("caption", (_PROMPT, ("vision", False), _PROMPT, _TARGET), 0.25),
+        Task(
+            "vqa",
+            (_PROMPT, ("vision", False), _PROMPT, ("vision", False), ("audio", False))
+            + (_PROMPT, _TARGET) * MAX_VQA_TURNS,
+            0.30,
+            optional={"audio": "p_spoken_question"},  # a spoken first question
+        ),
+        Task("asr", (_PROMPT, ("audio", False), _TARGET), 0.25),
+        Task("spoken_qa", (_PROMPT, ("audio", False), _PROMPT, _TARGET), 0.10),
+        Task("chat", (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS, 0.10),
+    )
 }
-_KINDS = {t: np.array([k for k, _ in runs]) for t, runs in TEMPLATES.items()}
-_IS_TARGET = {t: np.array([g for _, g in runs]) for t, runs in TEMPLATES.items()}
+"""The task table, name -> row, in draw order. Extend it with :func:`register_task`."""
+PAPER_MIX = tuple(TASKS)  # the tasks drawn by _draw_paper_mix
+
+
+def register_task(task: Task) -> Task:
+    """Add a task with its own ``draw`` to :data:`TASKS` (in every process that draws it).
+
+    Raises:
+        ValueError: the name is taken, ``draw`` is missing, or a run names no modality.
+    """
+    if task.name in TASKS:
+        raise ValueError(f"task {task.name!r} is already in the table {list(TASKS)}")
+    if task.draw is None:
+        raise ValueError(f"task {task.name!r} needs a draw function")
+    task.kinds()  # every run names text or a modality of the table
+    TASKS[task.name] = task
+    return task
+
+
+def unregister_task(name: str) -> None:
+    """Remove a task added with :func:`register_task`.
+
+    Raises:
+        ValueError: ``name`` is not a registered task (the paper's mix stays).
+    """
+    if name not in TASKS or name in PAPER_MIX:
+        raise ValueError(
+            f"no registered task {name!r}; registered: {[t for t in TASKS if t not in PAPER_MIX]}"
+        )
+    del TASKS[name]
+
+
+def default_mix() -> dict[str, float]:
+    """Every task's default weight."""
+    return {t.name: t.weight for t in TASKS.values()}
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
     """Everything that shapes an example's lengths, except the model's encoding rates."""
 
-    task_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
+    task_weights: Mapping[str, float] = field(default_factory=default_mix)
     patch: int = workloads.PATCH
     max_image_side: int = workloads.MAX_IMAGE_SIDE
     max_audio_s: float = 30.0  # Whisper's window
@@ -120,7 +227,9 @@ class RecipeConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         unknown = set(self.task_weights) - set(TASKS)
         if unknown:
-            raise ValueError(f"task_weights has unknown tasks {sorted(unknown)}; known: {TASKS}")
+            raise ValueError(
+                f"task_weights has unknown tasks {sorted(unknown)}; known: {list(TASKS)}"
+            )
         weights = list(self.task_weights.values())
         if any(not w >= 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(
@@ -132,6 +241,22 @@ class RecipeConfig:
         """Sampling probability of each task in :data:`TASKS` order."""
         weights = np.array([float(self.task_weights.get(t, 0.0)) for t in TASKS])
         return weights / weights.sum()
+
+
+def run_fields(data: DataConfig, model: ModelConfig) -> dict[str, Any]:
+    """The :class:`RecipeConfig` fields a run config sets: its ``data:`` section, and the patch
+    side of the vision encoder that sees the paper mix's images."""
+    vision = model.encoders.get("vision")
+    return {
+        **({} if data.mix is None else {"task_weights": dict(data.mix)}),
+        **({} if vision is None else {"patch": vision.patch}),
+        "max_image_side": data.max_image_side,
+        "max_audio_s": float(data.max_audio_s),
+        "max_text_tokens": data.max_text_tokens,
+        "scale": float(data.scale),
+        "p_multi_image": float(data.p_multi_image),
+        "p_spoken_question": float(data.p_spoken_question),
+    }
 
 
 def split_text(total: int, weights: np.ndarray, is_target: np.ndarray) -> np.ndarray:
@@ -151,32 +276,37 @@ def split_text(total: int, weights: np.ndarray, is_target: np.ndarray) -> np.nda
 
 @dataclass(frozen=True)
 class Examples:
-    """The lengths of ``n`` examples, in the simulator's units (raw patches and mel frames)."""
+    """The lengths of ``n`` examples, in the simulator's units (raw patches, mel frames...).
 
-    task: np.ndarray  # int64[n]: index into TASKS
-    text: np.ndarray  # int64[n]: text tokens
-    image_example: np.ndarray  # int64[n_img]: owning example, ascending
-    image_patches: np.ndarray  # int64[n_img]: raw patches
-    audio_example: np.ndarray  # int64[n_aud]: owning example, ascending
-    audio_frames: np.ndarray  # int64[n_aud]: raw mel frames
-    # task -> float64[examples of the task, len(TEMPLATES[task])], see TEMPLATES
+    Attributes:
+        tasks: the task table the examples were drawn from (:data:`TASKS` then).
+        task: int64 ``[n]``, index into ``tasks``.
+        text: int64 ``[n]``, text tokens.
+        items: modality name -> its items (every row of the modality table, empty where no
+            example holds one).
+        weights: task name -> float64 ``[examples of the task, len(task.runs)]``: per column a
+            text run's raw length or 1 for an item, 0 where the example lacks the run.
+    """
+
+    tasks: tuple[Task, ...]
+    task: np.ndarray
+    text: np.ndarray
+    items: Mapping[str, ItemLengths]
     weights: Mapping[str, np.ndarray] = field(repr=False)
 
     def runs(self, i: int) -> list[tuple[int, int, bool]]:
         """Example ``i`` in order as ``(kind, count, is_target)``: text counts sum to
-        ``text[i]`` (:func:`split_text`), images and clips are its items in order."""
-        name = TASKS[int(self.task[i])]
-        row = self.weights[name][np.count_nonzero(self.task[:i] == self.task[i])]
-        kinds, is_target = _KINDS[name], _IS_TARGET[name]
+        ``text[i]`` (:func:`split_text`), items are its items in order."""
+        task = self.tasks[int(self.task[i])]
+        row = self.weights[task.name][np.count_nonzero(self.task[:i] == self.task[i])]
+        kinds, is_target = task.kinds(), task.is_target()
         counts = np.zeros(row.size, dtype=np.int64)
         text = np.flatnonzero((row > 0) & (kinds == TEXT))
         counts[text] = split_text(int(self.text[i]), row[text], is_target[text])
-        for kind, example, size in (
-            (IMAGE, self.image_example, self.image_patches),
-            (AUDIO, self.audio_example, self.audio_frames),
-        ):
-            lo, hi = np.searchsorted(example, [i, i + 1])
-            counts[(row > 0) & (kinds == kind)] = size[lo:hi]
+        for m in MODALITIES.values():
+            items = self.items[m.name]
+            lo, hi = np.searchsorted(items.example, [i, i + 1])
+            counts[(row > 0) & (kinds == m.kind)] = items.raw[lo:hi]
         return [(int(kinds[c]), int(counts[c]), bool(is_target[c])) for c in np.flatnonzero(counts)]
 
 
@@ -196,8 +326,9 @@ def sample_examples(
     *,
     rates: EncodingRates,
 ) -> Examples:
-    """``n`` i.i.d. examples of ``cfg``'s mix; image patches and audio frames are multiples of
-    ``rates``' divisors. ``rng`` is a generator or a seed for ``numpy.random.default_rng``."""
+    """``n`` i.i.d. examples of ``cfg``'s mix; every item's raw rows are a multiple of its
+    modality's divisor in ``rates``. ``rng`` is a generator or a seed for
+    ``numpy.random.default_rng``."""
     if not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
@@ -205,7 +336,69 @@ def sample_examples(
     own = {name: np.flatnonzero(task == k) for k, name in enumerate(TASKS)}
     text = np.zeros(n)
     weights: dict[str, np.ndarray] = {}
+    pieces: dict[str, list[ItemLengths]] = {m: [] for m in MODALITIES}
+    _draw_paper_mix(gen, own, cfg, rates, text=text, weights=weights, pieces=pieces)
+    for t in TASKS.values():
+        if t.draw is not None:
+            _draw_task(t, gen, own[t.name], cfg, rates, text=text, weights=weights, pieces=pieces)
+    text = np.clip(np.round(text * cfg.scale), MIN_TEXT, cfg.max_text_tokens).astype(np.int64)
+    return Examples(
+        tasks=tuple(TASKS.values()),
+        task=task.astype(np.int64),
+        text=text,
+        items={m: _by_example(p) for m, p in pieces.items()},
+        weights=weights,
+    )
 
+
+def _by_example(pieces: list[ItemLengths]) -> ItemLengths:
+    """One modality's items from several draws, ordered by owning example (stable)."""
+    example = np.concatenate([p.example for p in pieces] or [np.zeros(0, np.int64)])
+    raw = np.concatenate([p.raw for p in pieces] or [np.zeros(0, np.int64)])
+    order = np.argsort(example, kind="stable")
+    return ItemLengths(example[order].astype(np.int64), raw[order].astype(np.int64))
+
+
+def _draw_task(
+    task: Task,
+    gen: np.random.Generator,
+    examples: np.ndarray,
+    cfg: RecipeConfig,
+    rates: EncodingRates,
+    *,
+    text: np.ndarray,
+    weights: dict[str, np.ndarray],
+    pieces: dict[str, list[ItemLengths]],
+) -> None:
+    """A registered task's draw, read into the shared arrays: text is the sum of its text
+    runs, items are scaled like the paper mix's (down to a multiple of the divisor)."""
+    lengths = np.asarray(task.draw(gen, examples.size, cfg).lengths, dtype=np.float64)
+    if lengths.shape != (examples.size, len(task.runs)) or np.any(lengths < 0):
+        raise ValueError(
+            f"task {task.name!r}: draw must return lengths >= 0 of shape "
+            f"{(examples.size, len(task.runs))}, got {lengths.shape}"
+        )
+    kinds = task.kinds()
+    is_text = kinds == TEXT
+    text[examples] = lengths[:, is_text].sum(axis=1)
+    weights[task.name] = np.where(is_text[None, :], lengths, lengths > 0)
+    for m in MODALITIES.values():
+        rows, cols = np.nonzero(lengths * (kinds == m.kind)[None, :])  # row-major: in order
+        raw = _scaled(lengths[rows, cols], cfg.scale, rates.divisor(m.kind))
+        pieces[m.name].append(ItemLengths(examples[rows], raw))
+
+
+def _draw_paper_mix(
+    gen: np.random.Generator,
+    own: Mapping[str, np.ndarray],
+    cfg: RecipeConfig,
+    rates: EncodingRates,
+    *,
+    text: np.ndarray,
+    weights: dict[str, np.ndarray],
+    pieces: dict[str, list[ItemLengths]],
+) -> None:
+    """The five tasks of the paper's mix (module docstring), in their historical draw order."""
     # images: one per caption/vqa example, a second for some vqa examples
     vqa = own["vqa"]
     second = vqa[gen.random(vqa.size) < cfg.p_multi_image]
@@ -213,7 +406,7 @@ def sample_examples(
     patches = workloads.sample_lengths(
         "llava_image", image_example.size, gen, max_image_side=cfg.max_image_side, patch=cfg.patch
     )
-    image_patches = _scaled(patches, cfg.scale, rates.divisor(IMAGE))
+    image_patches = _scaled(patches, cfg.scale, rates.divisor(MODALITIES["vision"].kind))
 
     # audio: LibriSpeech for asr, AIR-Bench for spoken_qa, a short spoken question for some vqa
     spoken = vqa[gen.random(vqa.size) < cfg.p_spoken_question]
@@ -226,10 +419,11 @@ def sample_examples(
     )
     frames = np.minimum(frames, int(cfg.max_audio_s * workloads.FRAMES_PER_S))
     order = np.argsort(audio_example, kind="stable")
-    audio_example = audio_example[order]
-    audio_frames = _scaled(frames[order], cfg.scale, rates.divisor(AUDIO))
+    audio_frames = _scaled(frames[order], cfg.scale, rates.divisor(MODALITIES["audio"].kind))
+    pieces["vision"].append(ItemLengths(image_example, image_patches))
+    pieces["audio"].append(ItemLengths(audio_example[order], audio_frames))
 
-    # text, and each task's runs (TEMPLATES)
+    # text, and each task's runs (its row of TASKS)
     k = own["caption"]
     one = np.ones(k.size)
     brief = gen.random(k.size) < 0.6
@@ -285,14 +479,3 @@ def sample_examples(
     shares *= np.arange(2 * MAX_CHAT_TURNS)[None, :] < 2 * pairs[:, None]
     shares *= body[:, None] / shares.sum(axis=1, keepdims=True)
     weights["chat"] = np.column_stack([prefix, shares])
-
-    text = np.clip(np.round(text * cfg.scale), MIN_TEXT, cfg.max_text_tokens).astype(np.int64)
-    return Examples(
-        task=task.astype(np.int64),
-        text=text,
-        image_example=image_example,
-        image_patches=image_patches,
-        audio_example=audio_example,
-        audio_frames=audio_frames,
-        weights=weights,
-    )

@@ -2,13 +2,19 @@
 
 One example is one HF ``datasets`` row (and the dict a loader yields per example):
 
-- ``id`` int64; ``task`` str in :data:`TASKS`
+- ``id`` int64; ``task`` str (optional; the synthetic recipe's task name)
 - ``segments``: ``[kind, count]`` pairs in interleaving order; kind :data:`TEXT` (count = text
-  tokens), :data:`IMAGE` (count = raw patches), :data:`AUDIO` (count = raw mel frames)
+  tokens) or a modality's kind (count = its raw rows: image patches, mel frames, ...)
 - ``input_ids``: every text segment's tokens concatenated in order; ``loss_mask``: 1 per text
   token that is a prediction target
-- ``image_patches``: float32 ``[n_patches, patch_dim]`` per image, in order
-- ``audio_mels``: float32 ``[n_frames, n_mels]`` per audio clip, in order
+- one field per modality that the example holds (the row's ``key``: ``image_patches``,
+  ``audio_mels``, ...): one float32 ``[raw rows, feature_dim]`` array per item, in order. A
+  dataset without a modality needs no field for it.
+
+Every modality is one row of :data:`MODALITIES`. The row is the single place that names it:
+its phase, encoder, config section, example field, default encoder architecture, balancing
+policy and what its raw rows are all come from the row, so a new modality is a new row (plus
+a task that produces it, :mod:`orchmllm.recipe`), not an edit of every module.
 
 Only ``segments`` is needed to plan (lengths before and after the encoders, LLM sequence
 length), so the metadata functions here take segments, never tensors: a loader can compute them
@@ -18,13 +24,16 @@ for a whole dataset cheaply, and the orchestrator gathers nothing larger.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-TEXT, IMAGE, AUDIO = 0, 1, 2
-TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
+TEXT = 0
+LLM = "llm"  # the LLM phase's name; no modality may take it
+IGNORE_INDEX = -100  # a label nothing predicts (the convention of torch's cross-entropy and HF)
+# What a modality's raw rows are; decides how synthetic data fills them (orchmllm.data.synthetic).
+UNITS = ("patch", "frame")
 
 
 def is_integer(value: object) -> bool:
@@ -36,23 +45,37 @@ def is_integer(value: object) -> bool:
 class Modality:
     """One non-text modality: one row of the table that everything multimodal reads.
 
-    ``name``: its encoder phase, its encoder in the model (``MLLM.encoders[name]``) and its
-    section of the model config; ``kind``: its segment kind in ``segments``; ``key``: the
-    example field holding one float32 ``[raw rows, feature_dim]`` array per item;
-    ``policy``: the balancing policy tailored to how its encoder batches (packed: ``greedy``;
-    padded, like a Whisper-style encoder: ``binary_search``, paper section 8.3).
+    Attributes:
+        name: its encoder phase, its encoder in the model (``MLLM.encoders[name]``), its
+            section of the model config (``model.encoders.<name>``) and its statistics.
+        kind: its segment kind in ``segments`` (an integer > :data:`TEXT`).
+        key: the example field holding one float32 ``[raw rows, feature_dim]`` array per item.
+        policy: the balancing policy tailored to how its encoder batches (packed: ``greedy``;
+            padded, like a Whisper-style encoder: ``binary_search``, paper section 8.3).
+        arch: the encoder architecture a config gets when its section names none (a name in
+            ``orchmllm.config.ARCHS``: ``vit`` packed, ``whisper`` padded).
+        unit: what one raw row is, one of :data:`UNITS`: ``patch`` (a flattened RGB pixel
+            patch) or ``frame`` (a log-mel frame, 100 per second).
+
+    Raises:
+        ValueError: a kind that is not an integer > 0, an empty or reserved name, or a unit
+            not in :data:`UNITS`.
     """
 
     name: str
     kind: int
     key: str
     policy: str
+    arch: str
+    unit: str
 
     def __post_init__(self) -> None:
         if not is_integer(self.kind) or self.kind <= TEXT:
             raise ValueError(f"kind must be an integer > {TEXT} (text), got {self.kind!r}")
-        if not self.name or self.name == "llm":
-            raise ValueError(f"name must be non-empty and not 'llm', got {self.name!r}")
+        if not self.name or self.name == LLM:
+            raise ValueError(f"name must be non-empty and not {LLM!r}, got {self.name!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {self.unit!r}")
 
 
 MODALITIES: dict[str, Modality] = {}
@@ -62,7 +85,16 @@ MODALITIES: dict[str, Modality] = {}
 def register_modality(modality: Modality) -> Modality:
     """Add a modality to :data:`MODALITIES` (in every process that plans or loads it).
 
-    Raises ``ValueError`` when its name, kind or example key is taken by another row.
+    Registering the same row again is a no-op.
+
+    Args:
+        modality: the new row.
+
+    Returns:
+        ``modality``.
+
+    Raises:
+        ValueError: its name, kind or example key is taken by another row.
     """
     for row in MODALITIES.values():
         if row == modality:
@@ -76,8 +108,45 @@ def register_modality(modality: Modality) -> Modality:
     return modality
 
 
-register_modality(Modality("vision", IMAGE, "image_patches", "greedy"))
-register_modality(Modality("audio", AUDIO, "audio_mels", "binary_search"))
+def unregister_modality(name: str) -> None:
+    """Remove a row added with :func:`register_modality` (tests, temporary rows).
+
+    Raises:
+        ValueError: no row is named ``name``.
+    """
+    if name not in MODALITIES:
+        raise ValueError(f"no modality named {name!r}; the table has {list(MODALITIES)}")
+    del MODALITIES[name]
+
+
+register_modality(Modality("vision", 1, "image_patches", "greedy", arch="vit", unit="patch"))
+register_modality(Modality("audio", 2, "audio_mels", "binary_search", arch="whisper", unit="frame"))
+IMAGE = MODALITIES["vision"].kind  # the built-in rows' kinds, for segment tables in tests
+AUDIO = MODALITIES["audio"].kind
+
+
+def modality_of(kind: int) -> Modality:
+    """The row whose segments have ``kind``.
+
+    Raises:
+        ValueError: no row has that kind (text has none).
+    """
+    for row in MODALITIES.values():
+        if row.kind == kind:
+            return row
+    known = {m.kind: m.name for m in MODALITIES.values()}
+    raise ValueError(f"no modality has segment kind {kind!r}; the table has {known}")
+
+
+def modality_named(name: str) -> Modality:
+    """The row called ``name``.
+
+    Raises:
+        ValueError: no row is called ``name`` (the error lists the table).
+    """
+    if name not in MODALITIES:
+        raise ValueError(f"no modality named {name!r}; the table has {list(MODALITIES)}")
+    return MODALITIES[name]
 
 
 def kinds() -> tuple[int, ...]:
@@ -86,72 +155,124 @@ def kinds() -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class EncodingRates:
-    """How many raw units (patches, mel frames) become one LLM token, per modality.
-
-    image: ``n_patches // vision_downsample``; audio: ``n_frames // (audio_conv_stride *
-    audio_downsample)`` (Whisper-style stride-2 convolution, then the connector's downsample).
-    Build it from the model config so that planned lengths are the ones the model produces.
+class Rate:
+    """How one modality's raw rows become LLM tokens.
 
     Attributes:
-        vision_downsample: image patches per LLM token.
-        audio_conv_stride: mel frames per position of the audio encoder (its convolution's
-            stride; 2 for Whisper).
-        audio_downsample: audio-encoder positions per LLM token (the connector's downsample).
+        stride: raw rows per position of its encoder (a Whisper-style convolution front end
+            halves mel frames: 2; a ViT: 1).
+        downsample: encoder positions per LLM token (the connector's merge).
 
     Raises:
-        ValueError: a rate that is not a positive integer.
+        ValueError: a value that is not a positive integer.
     """
 
-    vision_downsample: int = 1
-    audio_conv_stride: int = 2
-    audio_downsample: int = 2
+    stride: int = 1
+    downsample: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("vision_downsample", "audio_conv_stride", "audio_downsample"):
+        for name in ("stride", "downsample"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-    def divisor(self, kind: int) -> int:
-        """Raw units per encoded LLM token for one segment kind.
+    @property
+    def divisor(self) -> int:
+        """Raw rows per LLM token: ``stride * downsample``."""
+        return int(self.stride * self.downsample)
+
+
+class EncodingRates(Mapping[str, Rate]):
+    """How many raw rows become one LLM token, per modality name (a read-only mapping).
+
+    A modality of the table without an entry keeps one LLM token per raw row. Build it from
+    the model config (``ModelConfig.rates``) so that planned lengths are the ones the model
+    produces.
+
+    Args:
+        rates: modality name -> :class:`Rate`.
+
+    Raises:
+        ValueError: a name that is no row of :data:`MODALITIES`, or a value that is not a
+            :class:`Rate`.
+    """
+
+    def __init__(self, rates: Mapping[str, Rate] | None = None) -> None:
+        rates = dict(rates or {})
+        for name, rate in rates.items():
+            modality_named(name)
+            if not isinstance(rate, Rate):
+                raise ValueError(f"rates[{name!r}] must be a Rate, got {rate!r}")
+        self._rates = tuple(sorted(rates.items()))
+
+    def __getitem__(self, name: str) -> Rate:
+        return dict(self._rates)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._rates)
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def __hash__(self) -> int:
+        return hash(self._rates)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EncodingRates) and self._rates == other._rates
+
+    def __repr__(self) -> str:
+        return f"EncodingRates({dict(self._rates)!r})"
+
+    def rate(self, kind: int) -> Rate:
+        """The rate of segment ``kind``: text and a modality without an entry are 1:1.
 
         Args:
-            kind: a segment kind: :data:`TEXT`, :data:`IMAGE` or :data:`AUDIO`.
+            kind: a segment kind (:data:`TEXT` or a modality's).
 
         Returns:
-            1 for text, ``vision_downsample`` for images, ``audio_conv_stride *
-            audio_downsample`` for audio.
+            Its :class:`Rate`.
 
         Raises:
-            ValueError: ``kind`` is none of the three.
+            ValueError: ``kind`` is neither text nor a modality's kind.
         """
         if kind == TEXT:
-            return 1
-        if kind == IMAGE:
-            return int(self.vision_downsample)
-        if kind == AUDIO:
-            return int(self.audio_conv_stride * self.audio_downsample)
-        raise ValueError(f"kind must be one of {(TEXT, IMAGE, AUDIO)}, got {kind!r}")
+            return Rate()
+        return dict(self._rates).get(modality_of(kind).name, Rate())
 
-    def stride(self, kind: int) -> int:
-        """Raw units per position of ``kind``'s encoder (its own sequence is ``raw // stride``).
+    def divisor(self, kind: int) -> int:
+        """Raw rows per encoded LLM token for segment ``kind`` (1 for text).
 
         Args:
             kind: a segment kind.
 
         Returns:
-            ``audio_conv_stride`` for :data:`AUDIO` (the audio encoder's convolution, stride 2
-            for Whisper, halves its mel frames); 1 for any other kind.
-        """
-        return int(self.audio_conv_stride) if kind == AUDIO else 1
+            ``stride * downsample`` of its rate.
 
-    def encoded(self, kind: int, raw: int) -> int:
-        """Tokens a segment of ``raw`` units contributes to the LLM sequence.
+        Raises:
+            ValueError: ``kind`` is not a known segment kind.
+        """
+        return self.rate(kind).divisor
+
+    def stride(self, kind: int) -> int:
+        """Raw rows per position of ``kind``'s encoder (its own sequence is ``raw // stride``).
 
         Args:
-            kind: the segment kind (see :meth:`divisor`).
-            raw: the segment's count: text tokens, image patches or mel frames.
+            kind: a segment kind.
+
+        Returns:
+            Its rate's stride.
+
+        Raises:
+            ValueError: ``kind`` is not a known segment kind.
+        """
+        return int(self.rate(kind).stride)
+
+    def encoded(self, kind: int, raw: int) -> int:
+        """Tokens a segment contributes to the LLM sequence.
+
+        Args:
+            kind: the segment kind.
+            raw: its raw rows (text tokens, image patches, mel frames, ...).
 
         Returns:
             ``raw // divisor(kind)`` (rounded down).
@@ -168,31 +289,30 @@ class ExampleMeta:
 
     Attributes:
         text_len: text tokens, all text segments together.
-        image_raw: patches of each image, in segment order.
-        image_encoded: LLM tokens of each image (``EncodingRates.encoded``), in order.
-        audio_raw: mel frames of each audio clip, in segment order.
-        audio_encoded: LLM tokens of each audio clip, in order.
+        raw: modality name -> raw rows of each of its items, in segment order (every row of
+            the table, empty where the example has none).
+        encoded: modality name -> LLM tokens of each of its items
+            (``EncodingRates.encoded``), in order.
         seq_len: length of the whole interleaved sequence the LLM sees: ``text_len`` plus
-            every encoded image and audio length.
+            every encoded item.
     """
 
     text_len: int
-    image_raw: tuple[int, ...]
-    image_encoded: tuple[int, ...]
-    audio_raw: tuple[int, ...]
-    audio_encoded: tuple[int, ...]
+    raw: Mapping[str, tuple[int, ...]]
+    encoded: Mapping[str, tuple[int, ...]]
     seq_len: int
 
 
 def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Return ``segments`` as ``(kind, count)`` tuples, or raise ``ValueError``."""
     out = []
+    known = kinds()
     for seg in segments:
         if len(seg) != 2:
             raise ValueError(f"segments entries must be [kind, count], got {list(seg)!r}")
         kind, count = int(seg[0]), int(seg[1])
-        if kind not in kinds():
-            raise ValueError(f"segments kind must be one of {kinds()}, got {kind}")
+        if kind not in known:
+            raise ValueError(f"segments kind must be one of {known}, got {kind}")
         if count < 1:
             raise ValueError(f"segments count must be >= 1, got {count} (kind {kind})")
         out.append((kind, count))
@@ -214,18 +334,16 @@ def example_metadata(segments: Sequence[Sequence[int]], rates: EncodingRates) ->
             count below 1.
     """
     segs = check_segments(segments)
+    raw = {m.name: tuple(c for k, c in segs if k == m.kind) for m in MODALITIES.values()}
+    encoded = {
+        m.name: tuple(rates.encoded(m.kind, c) for c in raw[m.name]) for m in MODALITIES.values()
+    }
     text = sum(c for k, c in segs if k == TEXT)
-    img = tuple(c for k, c in segs if k == IMAGE)
-    aud = tuple(c for k, c in segs if k == AUDIO)
-    img_enc = tuple(rates.encoded(IMAGE, c) for c in img)
-    aud_enc = tuple(rates.encoded(AUDIO, c) for c in aud)
     return ExampleMeta(
         text_len=text,
-        image_raw=img,
-        image_encoded=img_enc,
-        audio_raw=aud,
-        audio_encoded=aud_enc,
-        seq_len=text + sum(img_enc) + sum(aud_enc),
+        raw=raw,
+        encoded=encoded,
+        seq_len=text + sum(sum(e) for e in encoded.values()),
     )
 
 
@@ -233,48 +351,48 @@ def validate_example(
     example: Mapping,
     *,
     rates: EncodingRates,
-    patch_dim: int | None = None,
-    n_mels: int | None = None,
+    feature_dims: Mapping[str, int] | None = None,
 ) -> None:
     """Check that ``example`` follows the schema: its tensors match its ``segments``.
 
     Args:
         example: one example as the schema dict (module docstring), e.g. from
             :func:`orchmllm.data.synthetic.as_example`.
-        rates: the encoding rates; every image's patch count and audio clip's frame count
-            must be a multiple of its divisor, so its encoded length is exact.
-        patch_dim: the width each image's patch array must have (None: not checked).
-        n_mels: the width each audio clip's mel array must have (None: not checked).
+        rates: the encoding rates; every item's raw count must be a multiple of its divisor,
+            so its encoded length is exact.
+        feature_dims: modality name -> the width each of its arrays must have (a modality
+            left out is not checked).
 
     Raises:
-        ValueError: bad ``segments`` or ``task``; ``input_ids``/``loss_mask`` whose length is
-            not the text segments' total; image or audio arrays whose number, shape or width
-            does not match ``segments``; a count not divisible by its rate.
+        ValueError: bad ``segments``; a ``task`` that is not a string; ``input_ids`` /
+            ``loss_mask`` whose length is not the text segments' total; a modality's arrays
+            whose number, shape or width does not match ``segments`` (or a missing field
+            where segments of its kind exist); a count not divisible by its rate.
     """
     segs = check_segments(example["segments"])
-    if example["task"] not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {example['task']!r}")
+    if "task" in example and not isinstance(example["task"], str):
+        raise ValueError(f"task must be a string, got {example['task']!r}")
     n_text = sum(c for k, c in segs if k == TEXT)
     if len(example["input_ids"]) != n_text or len(example["loss_mask"]) != n_text:
         raise ValueError(
             f"input_ids/loss_mask must have {n_text} tokens (sum of text segments), got "
             f"{len(example['input_ids'])}/{len(example['loss_mask'])}"
         )
-    for kind, key, width in ((IMAGE, "image_patches", patch_dim), (AUDIO, "audio_mels", n_mels)):
-        counts = [c for k, c in segs if k == kind]
-        arrays = list(example[key])
+    widths = dict(feature_dims or {})
+    for m in MODALITIES.values():
+        counts = [c for k, c in segs if k == m.kind]
+        if m.key not in example and not counts:
+            continue
+        arrays = list(example.get(m.key) or [])
         if len(arrays) != len(counts):
-            raise ValueError(f"{key} has {len(arrays)} items, segments say {len(counts)}")
+            raise ValueError(f"{m.key} has {len(arrays)} items, segments say {len(counts)}")
+        width = widths.get(m.name)
         for arr, count in zip(arrays, counts, strict=True):
             arr = np.asarray(arr)
-            if (
-                arr.ndim != 2
-                or arr.shape[0] != count
-                or (width is not None and arr.shape[1] != width)
-            ):
-                raise ValueError(f"{key} item shape {arr.shape} does not match count {count}")
-            if count % rates.divisor(kind):
+            if arr.ndim != 2 or arr.shape[0] != count or width not in (None, arr.shape[1]):
+                raise ValueError(f"{m.key} item shape {arr.shape} does not match count {count}")
+            if count % rates.divisor(m.kind):
                 raise ValueError(
-                    f"{key} count {count} is not divisible by {rates.divisor(kind)} "
+                    f"{m.key} count {count} is not divisible by {rates.divisor(m.kind)} "
                     "(encoded-length rule)"
                 )

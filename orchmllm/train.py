@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import secrets
@@ -29,115 +28,36 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from torch import Tensor
 
-import orchmllm
 from orchmllm import checkpoint, compat, watch
-from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
+from orchmllm.balance import PLACEMENTS
+from orchmllm.config import RunConfig, load_config
+from orchmllm.data import SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
-from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
-from orchmllm.orchestrator import IGNORE_INDEX, LLMBatch, Orchestrator
+from orchmllm.models import MLLM, build_model, shard_model
+from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.progress import PROGRESS, StepProgress
+from orchmllm.schema import IGNORE_INDEX, LLM
 from orchmllm.step_plan import MODES, default_phases
 from orchmllm.topology import Topology
 
-PLACEMENTS = ("none", "assign", "ilp", "auto")
-PHASES = ("vision", "audio", "llm")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 # --------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    mix: dict[str, float]
-    examples_per_rank: int
-    max_image_side: int
-    max_audio_s: float
-    scale: float
-    max_text_tokens: int
-
-
-@dataclass(frozen=True)
-class BalanceConfig:
-    vision_policy: str
-    audio_policy: str
-    llm_policy: str
-    placement: str
-    ranks_per_node: int | None
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int
-    lr: float
-    seed: int
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    model: ModelConfig
-    data: DataConfig
-    balance: BalanceConfig
-    train: TrainConfig
-
-    @property
-    def rates(self) -> EncodingRates:
-        return EncodingRates(
-            vision_downsample=self.model.vision.downsample,
-            audio_conv_stride=self.model.audio.conv_stride,
-            audio_downsample=self.model.audio.downsample,
-        )
-
-
-def _section(cls: type, name: str, raw: Any) -> Any:
-    keys = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(raw, dict) or set(raw) != keys:
-        got = sorted(raw) if isinstance(raw, dict) else raw
-        raise ValueError(f"config section {name!r} must have keys {sorted(keys)}, got {got}")
-    return cls(**raw)
-
-
-def load_config(path: str) -> RunConfig:
-    """Read and validate a run config (schema documented at the top of configs/tiny.yaml)."""
-    with open(path) as f:
-        raw = yaml.safe_load(f)
-    if not isinstance(raw, dict) or set(raw) != {"model", "data", "balance", "train"}:
-        raise ValueError(f"config {path!r} must have sections model, data, balance, train")
-    cfg = RunConfig(
-        model=ModelConfig.from_dict(raw["model"]),
-        data=_section(DataConfig, "data", raw["data"]),
-        balance=_section(BalanceConfig, "balance", raw["balance"]),
-        train=_section(TrainConfig, "train", raw["train"]),
-    )
-    for key in ("vision_policy", "audio_policy", "llm_policy"):
-        policy = getattr(cfg.balance, key)
-        if policy not in orchmllm.POLICIES:
-            raise ValueError(f"balance.{key} must be one of {orchmllm.POLICIES}, got {policy!r}")
-    for section, key in (("data", "examples_per_rank"), ("train", "steps")):
-        value = getattr(getattr(cfg, section), key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{section}.{key} must be a positive integer, got {value!r}")
-    if not (isinstance(cfg.train.lr, (int, float)) and cfg.train.lr > 0):
-        raise ValueError(f"train.lr must be a positive number, got {cfg.train.lr!r}")
-    if cfg.balance.placement not in PLACEMENTS:
-        raise ValueError(
-            f"balance.placement must be one of {PLACEMENTS}, got {cfg.balance.placement!r}"
-        )
-    rpn = cfg.balance.ranks_per_node
-    if rpn is not None and (not isinstance(rpn, int) or rpn < 1):
-        raise ValueError(f"balance.ranks_per_node must be a positive integer or null, got {rpn!r}")
-    return cfg
+# command line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchmllm.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="run config YAML (see configs/tiny.yaml)")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="run config YAML (keys: configs/tiny.yaml, defaults: orchmllm/config.py)",
+    )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--seed", type=int, default=None, help="override train.seed (model and data)")
     p.add_argument("--balance", choices=MODES, default="full")
@@ -236,28 +156,12 @@ def ranks_per_node(cfg: RunConfig, world_size: int) -> int:
     return rpn
 
 
-def synthetic_config(cfg: RunConfig, *, num_examples: int, seed: int) -> SyntheticConfig:
-    d = cfg.data
-    return SyntheticConfig(
-        num_examples=num_examples,
-        seed=seed,
-        task_weights=dict(d.mix),
-        patch=cfg.model.vision.patch,
-        max_image_side=d.max_image_side,
-        n_mels=cfg.model.audio.n_mels,
-        max_audio_s=d.max_audio_s,
-        vocab_size=cfg.model.vocab,
-        max_text_tokens=d.max_text_tokens,
-        scale=d.scale,
-    )
-
-
 def dataset_location(
     cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None
 ) -> tuple[SyntheticConfig, str]:
     """The synthetic dataset's parameters and its directory: cached under a key of the
     parameters and the generator's source, so a changed generator never reads a stale copy."""
-    syn = synthetic_config(cfg, num_examples=num_examples, seed=seed)
+    syn = SyntheticConfig.for_run(cfg, num_examples=num_examples, seed=seed)
     key = synthetic.fingerprint(syn, cfg.rates)
     root = data_dir or os.path.join(tempfile.gettempdir(), "orchmllm-data")
     return syn, os.path.join(root, f"synthetic-{key}")
@@ -330,12 +234,12 @@ def make_orchestrator(
     phases = default_phases(
         cfg.rates,
         feature_dims=cfg.model.feature_dims,
-        policies={"vision": cfg.balance.vision_policy, "audio": cfg.balance.audio_policy},
+        policies={name: cfg.balance.policy(name) for name in cfg.model.encoders},
     )
     return Orchestrator(
         phases,
         mode=mode,
-        llm_policy=cfg.balance.llm_policy,
+        llm_policy=cfg.balance.policy(LLM),
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
         topology=topology,
@@ -496,8 +400,8 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
             "prep_s": planned.info.prep_s,
             "rss_anon_mb": rss_anon_mb(),
             "phases": {
-                name: phase_record(out.stats[name], per_rank=args.metrics_per_rank)
-                for name in PHASES
+                name: phase_record(stats, per_rank=args.metrics_per_rank)
+                for name, stats in out.stats.items()
             },
         }
         summary.add(record)
@@ -506,7 +410,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
         progress.step(
             _progress(record),
             loss=f"{global_loss:.4f}",
-            imbalance=f"{record['phases']['llm']['imbalance_after']:.3f}",
+            imbalance=f"{record['phases'][LLM]['imbalance_after']:.3f}",
         )
         if args.checkpoint_dir and _checkpoint_due(step + 1, run):
             t0 = time.perf_counter()
@@ -574,7 +478,7 @@ class RunningSummary:
 
     def __init__(self) -> None:
         self.steps = 0
-        self.sums = {name: dict.fromkeys(self._KEYS, 0.0) for name in PHASES}
+        self.sums: dict[str, dict[str, float]] = {}  # phase -> key -> sum, from the first step
         self.timed_s = 0.0  # step times after the first step of this process (warm-up)
         self.first: dict[str, Any] | None = None
         self.last_loss = float("nan")
@@ -586,9 +490,10 @@ class RunningSummary:
             self.timed_s += record["step_time_s"]
         self.steps += 1
         self.last_loss = record["loss"]
-        for name in PHASES:
+        for name, phase in record["phases"].items():
+            sums = self.sums.setdefault(name, dict.fromkeys(self._KEYS, 0.0))
             for key in self._KEYS:
-                self.sums[name][key] += record["phases"][name][key]
+                sums[key] += phase[key]
 
     def table(self) -> str:
         """Per-phase means over the steps: imbalance before/after (max/mean load), bytes
@@ -599,8 +504,8 @@ class RunningSummary:
             f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
             f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
         ]
-        for name in PHASES:
-            m = {k: v / self.steps for k, v in self.sums[name].items()}
+        for name, sums in self.sums.items():
+            m = {k: v / self.steps for k, v in sums.items()}
             lines.append(
                 f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
                 f"{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchmllm.train import load_config
+from orchmllm.config import load_config
 from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 gpu_step = load_script(ROOT / "benchmarks" / "gpu_step.py")
 
 FIELDS = ("mode", "device", "step_time_s", "speedup_vs_none", "peak_mem_bytes", "tokens_per_s")
-PHASES = ("vision", "audio", "llm")
+PHASES = load_config(ROOT / "configs" / "tiny.yaml").phases
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_quick_cpu_records(run_benchmark):
     none, llm, full = by_mode["none"], by_mode["llm"], by_mode["full"]
     assert none["speedup_vs_none"] == 1.0 and none["plan_s"] == 0.0 and none["a2a_est_s"] == 0.0
     # Same sampled batches in every mode: nothing lost or duplicated by a layout.
-    for key in ("llm_tokens_per_step", "images_per_step", "audio_clips_per_step"):
+    for key in ("llm_tokens_per_step", "vision_items_per_step", "audio_items_per_step"):
         assert none[key] == llm[key] == full[key] > 0, key
     # The planner's cost-model imbalance: full balances every phase, llm only the LLM.
     for p in PHASES:
@@ -88,13 +88,13 @@ def test_rank_work_conserves_items_and_targets():
     for mode in ("none", "full"):
         plan, _ = gpu_step.plan_mode(rows, src, cfg, ranks=4, mode=mode, repeats=1)
         works = [gpu_step.rank_work(plan, r, examples, cfg, torch.float32) for r in range(4)]
-        patches = torch.cat([w.patches for w in works])
+        patches = torch.cat([w.raw["vision"] for w in works])
         expected = np.concatenate([a for ex in examples for a in ex["image_patches"]])
         # Every image exactly once (order differs by layout): compare sorted row sums.
         assert torch.equal(
             patches.sum(1).sort().values, torch.from_numpy(expected).sum(1).sort().values
         )
-        assert sum(int(w.audio_lengths.sum()) for w in works) == sum(
+        assert sum(int(w.raw_lengths["audio"].sum()) for w in works) == sum(
             len(a) for ex in examples for a in ex["audio_mels"]
         )
         assert sum(w.llm_tokens for w in works) == int(plan.seq_len.sum())
@@ -115,7 +115,7 @@ def test_emulator_runs_a_rank_with_no_image_or_audio(one_thread):
     text_only = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=chat))
     batches = gpu_step.sample_ranks(text_only, step=0, ranks=2, per_rank=2, seed=0)
     res = gpu_step.emulate_step(emu, batches, mode="full", link_bytes_per_s=1e11)
-    assert res.images == 0 and res.audio_clips == 0 and res.llm_tokens > 0
+    assert res.items == {"vision": 0, "audio": 0} and res.llm_tokens > 0
     assert np.all(res.phase_times >= 0) and res.phase_times[2].min() > 0
 
 

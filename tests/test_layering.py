@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "orchmllm"
 # Module (or package prefix) -> floor. A new module must be placed here.
 FLOORS = {
     "orchmllm.schema": 1,
-    "orchmllm.config": 1,
+    "orchmllm.config": 2,  # checks policy and placement names in the planner's registry
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest
     "orchmllm._core": 2,
     "orchmllm.cost": 2,

@@ -309,7 +309,7 @@ def _synthetic_worker(rank, world):
     # The orchestrator's per-phase plans, prefetched, equal the plans computed in the step
     # (which gathers on the training group while the loader thread uses its own group).
     orch = Orchestrator(
-        default_phases(_RATES, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels}),
+        default_phases(_RATES, feature_dims=cfg.widths),
         timeout=T,
     )
     same, steps, stats = [], 0, []
@@ -416,7 +416,7 @@ def _agreement_worker(rank, world):
     res["ilp_move"] = _planned_epoch(BalancedDataLoader(shard, length_fn=_len_ids, **kw), ilp)
     syn = SyntheticConfig(num_examples=12, seed=5, scale=0.05)
     orch = Orchestrator(
-        default_phases(_RATES, feature_dims={"vision": syn.patch_dim, "audio": syn.n_mels}),
+        default_phases(_RATES, feature_dims=syn.widths),
         placement="ilp",
         ranks_per_node=1,
         timeout=T,

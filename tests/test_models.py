@@ -1,22 +1,22 @@
-"""Reference MLLM: attention kernels, encoders, LLM, configs."""
+"""Reference MLLM: attention kernels, encoders, LLM, one encoder per config section."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-import yaml
 
-from orchmllm.models import MLLM, ModelConfig, build_model, packed_attention, padded_attention
+from orchmllm.config import ARCHS, ModelConfig, load_config
+from orchmllm.models import ENCODERS, MLLM, build_model, packed_attention, padded_attention
 from orchmllm.models.layers import rotate
 
 TINY = "configs/tiny.yaml"
 
 
 def _model_cfg(path: str) -> ModelConfig:
-    with open(path) as f:
-        return ModelConfig.from_dict(yaml.safe_load(f)["model"])
+    return load_config(path).model
 
 
 def _reference_attention(q, k, v, *, causal):
@@ -92,8 +92,8 @@ def test_builds_from_tiny_yaml_with_gqa_shapes(tiny_model):
     head_dim = cfg.llm.hidden // cfg.llm.heads
     assert attn.qkv.out_features == (cfg.llm.heads + 2 * cfg.llm.kv_heads) * head_dim
     assert len(tiny_model.llm.blocks) == cfg.llm.layers
-    assert len(tiny_model.encoders["vision"].blocks) == cfg.vision.layers
-    assert len(tiny_model.encoders["audio"].blocks) == cfg.audio.layers
+    for name, enc in cfg.encoders.items():
+        assert len(tiny_model.encoders[name].blocks) == enc.layers
     again = build_model(cfg, seed=0, dtype=torch.float64)
     for a, b in zip(tiny_model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)  # weights depend only on the seed: identical on every rank
@@ -111,19 +111,19 @@ def _batch_equals_each_alone(run, inputs: torch.Tensor, lengths: torch.Tensor, s
 
 def test_vision_packed_equals_each_image_alone(tiny_model):
     torch.manual_seed(1)
-    cfg = tiny_model.cfg.vision
+    cfg = tiny_model.cfg.encoders["vision"]
     lengths = torch.tensor([8, 20, 4]) * cfg.downsample
-    patches = torch.randn(int(lengths.sum()), cfg.patch_dim, dtype=torch.float64)
+    patches = torch.randn(int(lengths.sum()), cfg.feature_dim, dtype=torch.float64)
     shape = (int(lengths.sum()) // cfg.downsample, tiny_model.cfg.llm.hidden)
     _batch_equals_each_alone(tiny_model.encoders["vision"], patches, lengths, shape)
 
 
 def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
     torch.manual_seed(2)
-    cfg = tiny_model.cfg.audio
-    lengths = torch.tensor([30, 4, 12]) * cfg.frames_per_token
+    cfg = tiny_model.cfg.encoders["audio"]
+    lengths = torch.tensor([30, 4, 12]) * cfg.rate.divisor
     mels = torch.randn(int(lengths.sum()), cfg.n_mels, dtype=torch.float64)
-    shape = (int(lengths.sum()) // cfg.frames_per_token, tiny_model.cfg.llm.hidden)
+    shape = (int(lengths.sum()) // cfg.rate.divisor, tiny_model.cfg.llm.hidden)
     _batch_equals_each_alone(tiny_model.encoders["audio"], mels, lengths, shape)
 
 
@@ -146,26 +146,24 @@ def test_empty_inputs_run_every_submodule_with_zero_grads():
     model = build_model(_model_cfg(TINY), seed=0, dtype=torch.float64)
     cfg = model.cfg
     empty = torch.zeros(0, dtype=torch.int64)
-    img = model.encoders["vision"](torch.zeros(0, cfg.vision.patch_dim, dtype=torch.float64), empty)
-    aud = model.encoders["audio"](torch.zeros(0, cfg.audio.n_mels, dtype=torch.float64), empty)
-    assert img.shape == (0, cfg.llm.hidden) and aud.shape == (0, cfg.llm.hidden)
-    (img.sum() + aud.sum()).backward()
+    outs = [
+        model.encoders[name](torch.zeros(0, enc.feature_dim, dtype=torch.float64), empty)
+        for name, enc in cfg.encoders.items()
+    ]
+    assert all(out.shape == (0, cfg.llm.hidden) for out in outs)
+    sum(out.sum() for out in outs).backward()
     for name, p in [p for enc in model.encoders.values() for p in enc.named_parameters()]:
         assert p.grad is not None, name  # FSDP2 needs every rank to reduce every gradient
         assert torch.count_nonzero(p.grad) == 0, name
 
 
 def test_encoders_reject_lengths_off_the_downsample_grid(tiny_model):
-    cfg = tiny_model.cfg
-    bad = cfg.vision.downsample + 1
-    with pytest.raises(ValueError, match="lengths"):
-        tiny_model.encoders["vision"](
-            torch.zeros(bad, cfg.vision.patch_dim, dtype=torch.float64), torch.tensor([bad])
-        )
-    with pytest.raises(ValueError, match="lengths"):
-        tiny_model.encoders["audio"](
-            torch.zeros(3, cfg.audio.n_mels, dtype=torch.float64), torch.tensor([3])
-        )
+    for name, enc in tiny_model.cfg.encoders.items():
+        bad = enc.rate.divisor + 1
+        with pytest.raises(ValueError, match="lengths"):
+            tiny_model.encoders[name](
+                torch.zeros(bad, enc.feature_dim, dtype=torch.float64), torch.tensor([bad])
+            )
 
 
 @pytest.mark.parametrize(
@@ -186,27 +184,26 @@ def test_paper_configs_match_table1_parameter_counts(name, total_b, vision_b, au
     assert billions(model.llm) == pytest.approx(llm_b, rel=0.1)
 
 
-def test_config_validation_names_the_bad_key():
-    with open(TINY) as f:
-        raw = yaml.safe_load(f)["model"]
-    raw["llm"] = {**raw["llm"], "kv_heads": 3}
-    with pytest.raises(ValueError, match="kv_heads"):
-        ModelConfig.from_dict(raw)
-    raw["llm"] = {**raw["llm"], "kv_heads": 2, "layers": 0}
-    with pytest.raises(ValueError, match="model.llm.layers"):
-        ModelConfig.from_dict(raw)
-    raw["llm"] = {**raw["llm"], "layers": 2, "extra": 1}
-    with pytest.raises(ValueError, match="extra"):
-        ModelConfig.from_dict(raw)
+def test_every_config_architecture_has_an_encoder_module():
+    assert set(ENCODERS) == set(ARCHS)
 
 
 def test_frozen_encoders_train_only_their_connectors():
-    with open(TINY) as f:
-        raw = yaml.safe_load(f)["model"]
-    for name in ("vision", "audio"):
-        raw[name] = {**raw[name], "frozen": True}
-    model = build_model(ModelConfig.from_dict(raw), seed=0)
+    base = load_config(TINY).model
+    frozen = {n: dataclasses.replace(e, frozen=True) for n, e in base.encoders.items()}
+    model = build_model(dataclasses.replace(base, encoders=frozen), seed=0)
     for encoder in model.encoders.values():
         trainable = {n for n, p in encoder.named_parameters() if p.requires_grad}
         assert trainable and all(n.startswith("connector.") for n in trainable)
     assert all(p.requires_grad for p in model.llm.parameters())
+
+
+def test_an_encoder_per_section_of_the_config_built_by_its_architecture():
+    """A vision-only model has one encoder; a second ViT section (any modality of the table)
+    is built as a ViT without an entry of its own."""
+    only = ModelConfig.from_dict({"encoders": {"audio": None}})
+    assert list(MLLM(only).encoders) == ["vision"]
+    vit_audio = ModelConfig.from_dict({"encoders": {"audio": {"arch": "vit", "patch": 2}}})
+    model = MLLM(vit_audio)
+    assert type(model.encoders["audio"]) is type(model.encoders["vision"])
+    assert model.encoders["audio"].patch_embed.in_features == 12

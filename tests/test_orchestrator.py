@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchmllm.data import EncodingRates, SyntheticConfig
+from orchmllm.data import EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.schema import Modality, register_modality
@@ -174,7 +174,7 @@ def _agreement_worker(rank, world):
 
 
 # A made-up third modality: one table row and one phase are all it takes.
-DEPTH = Modality("depth", 3, "depth_maps", "greedy")
+DEPTH = Modality("depth", 3, "depth_maps", "greedy", arch="vit", unit="patch")
 PHASES3 = (*PHASES, EncoderPhase("depth", DEPTH.kind, DEPTH.key, 3, WIDTH, DEPTH.policy))
 
 
@@ -290,13 +290,13 @@ def _plan_into(orch: Orchestrator, batch: LocalBatch, box: dict) -> None:
 
 
 def _grad_worker(rank, world):
-    rates = EncodingRates(2, 2, 2)
+    rates = EncodingRates({"vision": Rate(downsample=2), "audio": Rate(stride=2, downsample=2)})
     cfg = SyntheticConfig(
-        num_examples=60, seed=5, scale=0.02, patch=2, n_mels=8, vocab_size=64,
-        max_image_side=224,
+        num_examples=60, seed=5, scale=0.02, patch=2, feature_dims={"vision": 12, "audio": 8},
+        vocab_size=64, max_image_side=224,
     )  # fmt: skip
     exs = list(iter_examples(cfg, rates))
-    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
+    phases = default_phases(rates, feature_dims=cfg.widths)
     mine = exs[rank * 6 : (rank + 1) * 6]
     if rank == 1:  # a rank that sampled no image and no audio
         mine = [ex for ex in exs if not ex["image_patches"] and not ex["audio_mels"]][:3]
@@ -308,16 +308,16 @@ def _grad_worker(rank, world):
         torch.manual_seed(0)
         hidden = 6
         w = {
-            "vision": torch.randn(cfg.patch_dim * 2, hidden, dtype=torch.float64),
-            "audio": torch.randn(cfg.n_mels * 4, hidden, dtype=torch.float64),
+            "vision": torch.randn(cfg.widths["vision"] * 2, hidden, dtype=torch.float64),
+            "audio": torch.randn(cfg.widths["audio"] * 4, hidden, dtype=torch.float64),
         }
         emb = torch.randn(cfg.vocab_size, hidden, dtype=torch.float64)
         head = torch.randn(hidden, cfg.vocab_size, dtype=torch.float64)
         for p in (*w.values(), emb, head):
             p.requires_grad_(True)
         encoders = {
-            "vision": _linear_encoder(w["vision"], cfg.patch_dim * 2),
-            "audio": _linear_encoder(w["audio"], cfg.n_mels * 4),
+            "vision": _linear_encoder(w["vision"], cfg.widths["vision"] * 2),
+            "audio": _linear_encoder(w["audio"], cfg.widths["audio"] * 4),
         }
         orch = Orchestrator(phases, mode=mode, meta_group=meta, timeout=30)
         # Prefetched plan (gathered and planned in a thread) equals the synchronous one.

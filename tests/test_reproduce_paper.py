@@ -220,9 +220,7 @@ def test_gpu_batch_holds_the_examples_gpu_step_runs() -> None:
     )
     examples = [ex for rank in ranks_examples for ex in rank]
     assert batch.text.tolist() == [len(ex["input_ids"]) for ex in examples]
-    for owner, size, key in (
-        (batch.image_example, batch.image_patches, "image_patches"),
-        (batch.audio_example, batch.audio_frames, "audio_mels"),
-    ):
-        got = [size[owner == i].tolist() for i in range(len(examples))]
+    for name, key in (("vision", "image_patches"), ("audio", "audio_mels")):
+        items = batch.of(name)
+        got = [items.raw[items.example == i].tolist() for i in range(len(examples))]
         assert got == [[len(item) for item in ex[key]] for ex in examples], key

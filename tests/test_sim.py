@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from orchmllm.config import ModelConfig
+from orchmllm.config import ModelConfig, load_config
+from orchmllm.recipe import ItemLengths
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import (
@@ -27,7 +28,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"])
+    return load_config(CONFIGS / f"{name}.yaml").model
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,12 @@ def _random_batch(rng: np.random.Generator, num_ranks: int, per_rank: int) -> Ba
     return Batch(
         num_ranks,
         text=np.minimum(rng.lognormal(5.0, 1.0, n).astype(np.int64) + 1, 4096),
-        image_example=img_ex,
-        image_patches=rng.integers(64, 1025, img_ex.size),
-        audio_example=aud_ex,
-        audio_frames=(rng.uniform(1.0, 30.0, aud_ex.size) * 100).astype(np.int64) // 8 * 8,
+        items={
+            "vision": ItemLengths(img_ex, rng.integers(64, 1025, img_ex.size)),
+            "audio": ItemLengths(
+                aud_ex, (rng.uniform(1.0, 30.0, aud_ex.size) * 100).astype(np.int64) // 8 * 8
+            ),
+        },
     )
 
 
@@ -99,12 +102,8 @@ def test_module_parameters_match_table1(mllm10b) -> None:
 
 def test_frozen_module_costs_a_third() -> None:
     cfg = _config("mllm-10b")
-    frozen = ModelConfig(
-        cfg.vocab,
-        cfg.vision.__class__(**{**cfg.vision.__dict__, "frozen": True}),
-        cfg.audio,
-        cfg.llm,
-    )
+    vision = dataclasses.replace(cfg.encoders["vision"], frozen=True)
+    frozen = dataclasses.replace(cfg, encoders={**cfg.encoders, "vision": vision})
     a = submodules(cfg, checkpointing=False)["vision"]
     b = submodules(frozen)["vision"]  # nothing to recompute without a backward
     lengths = np.array([256, 1024, 700])
@@ -172,18 +171,18 @@ def test_dispatch_moves_every_llm_byte_once(rng, mllm10b) -> None:
     for mode in ("llm", "full"):
         layout = plan(batch, mode, config=cfg, modules=mods)
         fwd, bwd = dispatch_collectives(batch, layout, mode, cfg, 8)
-        pieces = llm_pieces(batch, cfg, layout.image, layout.audio)
+        pieces = llm_pieces(batch, cfg, layout)
         llm = [v for name, v in fwd if name == "llm"]
         moved = sum(v.sent_intra.sum() + v.sent_inter.sum() + v.kept.sum() for v in llm)
         assert moved == pytest.approx(pieces.bytes.sum())
         # every encoded byte's gradient comes back
         back = sum(v.recv_intra.sum() + v.recv_inter.sum() + v.kept.sum() for _, v in bwd)
-        assert back == pytest.approx(pieces.bytes[pieces.kind > 0].sum())
+        assert back == pytest.approx(pieces.bytes[pieces.phase != "llm"].sum())
         if mode == "full":
             raw = dict(fwd[:2])
             assert raw["vision"].kept.sum() + raw["vision"].sent_inter.sum() + raw[
                 "vision"
-            ].sent_intra.sum() == pytest.approx(batch.image_patches.sum() * 2 * 588)
+            ].sent_intra.sum() == pytest.approx(batch.of("vision").raw.sum() * 2 * 588)
 
 
 # -- layouts and steps ---------------------------------------------------------------------
@@ -195,9 +194,10 @@ def test_layouts_keep_every_item(rng, mllm10b) -> None:
     for mode in MODES:
         layout = plan(batch, mode, config=cfg, modules=mods)
         assert layout.example.shape == batch.text.shape
-        assert layout.image.shape == batch.image_patches.shape
-        assert layout.audio.shape == batch.audio_frames.shape
-        for dst in (layout.example, layout.image, layout.audio):
+        assert set(layout.items) == {"vision", "audio"}
+        for name, dst in layout.items.items():
+            assert dst.shape == batch.of(name).raw.shape
+        for dst in (layout.example, *layout.items.values()):
             assert dst.min(initial=0) >= 0 and dst.max(initial=0) < 16
 
 
@@ -211,7 +211,7 @@ def test_disttrain_reorder_is_literal_ascending_greedy() -> None:
 
 def test_equal_lengths_give_the_same_step_in_every_mode(mllm10b) -> None:
     cfg, mods = mllm10b
-    batch = Batch.uniform(16, 6, text=200, patches=576, frames=1200)
+    batch = Batch.uniform(16, 6, text=200, raw={"vision": 576, "audio": 1200})
     results = {}
     for mode in MODES:
         layout = plan(batch, mode, config=cfg, modules=mods, placement="node")
@@ -252,10 +252,7 @@ def test_step_waits_for_the_slowest_rank(mllm10b) -> None:
     batch = Batch(
         2,
         text=np.array([4000, 100]),
-        image_example=np.zeros(0, np.int64),
-        image_patches=np.zeros(0, np.int64),
-        audio_example=np.zeros(0, np.int64),
-        audio_frames=np.zeros(0, np.int64),
+        items={},
     )
     layout = plan(batch, "none", config=cfg, modules=mods)
     r = simulate_step(batch, layout, "none", config=cfg, modules=mods)
@@ -337,25 +334,14 @@ def test_largest_minibatch_is_the_boundary_whatever_the_start() -> None:
 
 
 def test_batch_rejects_bad_input() -> None:
-    empty = np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="split evenly"):
-        Batch(
-            2,
-            text=np.array([1, 2, 3]),
-            image_example=empty,
-            image_patches=empty,
-            audio_example=empty,
-            audio_frames=empty,
-        )
+        Batch(2, text=np.array([1, 2, 3]), items={})
     with pytest.raises(ValueError, match="text"):
-        Batch(
-            1,
-            text=np.array([-1]),
-            image_example=empty,
-            image_patches=empty,
-            audio_example=empty,
-            audio_frames=empty,
-        )
+        Batch(1, text=np.array([-1]), items={})
+    with pytest.raises(ValueError, match="no modality named 'smell'"):
+        Batch(1, text=np.array([1]), items={"smell": ItemLengths(np.array([0]), np.array([4]))})
+    with pytest.raises(ValueError, match="vision item owners must index examples < 1"):
+        Batch(1, text=np.array([1]), items={"vision": ItemLengths(np.array([1]), np.array([4]))})
 
 
 # -- workload ------------------------------------------------------------------------------
@@ -368,20 +354,22 @@ def test_workload_batches_follow_the_config() -> None:
         model = load_model(name)
         a = sample_pool(model, 8, 50, seed=3)
         b = sample_pool(model, 8, 50, seed=3)
+        images, clips = a.of("vision").raw, a.of("audio").raw
         np.testing.assert_array_equal(a.text, b.text)
-        np.testing.assert_array_equal(a.image_patches, b.image_patches)
+        np.testing.assert_array_equal(images, b.of("vision").raw)
         grid = -(-side // 14)
-        assert 0 < a.image_patches.max() <= grid * grid
-        assert (a.image_patches % model.config.vision.downsample == 0).all()
-        assert (a.audio_frames % model.config.audio.frames_per_token == 0).all()
-        assert a.audio_frames.max() <= model.data["max_audio_s"] * 100
-        assert a.text.min() >= 2 and a.text.max() <= model.data["max_text_tokens"]
+        assert 0 < images.max() <= grid * grid
+        encoders = model.config.encoders
+        assert (images % encoders["vision"].rate.divisor == 0).all()
+        assert (clips % encoders["audio"].rate.divisor == 0).all()
+        assert clips.max() <= model.data.max_audio_s * 100
+        assert a.text.min() >= 2 and a.text.max() <= model.data.max_text_tokens
         # about 0.55 images and 0.35 clips per example with the configs' task mix
-        assert 0.4 < a.image_patches.size / a.text.size < 0.75
-        assert 0.2 < a.audio_frames.size / a.text.size < 0.55
+        assert 0.4 < images.size / a.text.size < 0.75
+        assert 0.2 < clips.size / a.text.size < 0.55
     nested = a.take(20)
     assert nested.examples_per_rank == 20
-    assert nested.image_patches.size <= a.image_patches.size
+    assert nested.of("vision").raw.size <= a.of("vision").raw.size
 
 
 def test_calibration_predicts_an_independent_measurement() -> None:

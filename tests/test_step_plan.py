@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchmllm import step_plan
-from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, SyntheticConfig
+from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch
 from orchmllm.step_plan import (
@@ -78,10 +78,10 @@ def test_phases_planned_in_threads_give_the_same_plan(monkeypatch, placement):
 
 
 def test_full_mode_balances_synthetic_phases():
-    rates = EncodingRates(4, 2, 2)
+    rates = EncodingRates({"vision": Rate(downsample=4), "audio": Rate(stride=2, downsample=2)})
     cfg = SyntheticConfig(num_examples=64, seed=2, scale=0.1)
     exs = list(iter_examples(cfg, rates))
-    phases = default_phases(rates, feature_dims={"vision": cfg.patch_dim, "audio": cfg.n_mels})
+    phases = default_phases(rates, feature_dims=cfg.widths)
     rows, src = gathered([exs[i : i + 8] for i in range(0, 64, 8)])
     stats = plan_step(rows, src, StepOptions(phases, mode="full"), num_ranks=8).stats()
     for name in ("vision", "audio", "llm"):

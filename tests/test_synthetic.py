@@ -6,12 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchmllm.config import load_config
 from orchmllm.data import (
     AUDIO,
     IMAGE,
     TASKS,
     TEXT,
     EncodingRates,
+    Rate,
     SyntheticConfig,
     as_example,
     build_dataset,
@@ -20,16 +22,28 @@ from orchmllm.data import (
     validate_example,
 )
 from orchmllm.data.synthetic import BLOCK, block_seed, iter_examples, load_dataset
-from orchmllm.recipe import sample_examples
+from orchmllm.recipe import RecipeConfig, run_fields, sample_examples
 from orchmllm.sim.sweep import load_model
-from orchmllm.sim.workload import encoding_rates, recipe_config, sample_batch
-from orchmllm.train import load_config, synthetic_config
+from orchmllm.sim.workload import sample_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RATES = EncodingRates(vision_downsample=4, audio_conv_stride=2, audio_downsample=2)
+
+def rates(vision: int, stride: int, audio: int) -> EncodingRates:
+    """Vision downsample; audio convolution stride and downsample."""
+    return EncodingRates({"vision": Rate(downsample=vision), "audio": Rate(stride, audio)})
+
+
+RATES = rates(4, 2, 2)
+WIDTHS = {"vision": 3 * 4 * 4, "audio": 16}
 TINY = SyntheticConfig(
-    num_examples=48, seed=3, scale=0.03, patch=4, n_mels=16, vocab_size=256, max_image_side=224
+    num_examples=48,
+    seed=3,
+    scale=0.03,
+    patch=4,
+    feature_dims=WIDTHS,
+    vocab_size=256,
+    max_image_side=224,
 )
 
 
@@ -61,14 +75,12 @@ def test_reproducible_with_seed():
     assert sum(_same(x, y) for x, y in zip(a, c, strict=True)) == 0
 
 
-@pytest.mark.parametrize(
-    "rates", [RATES, EncodingRates(1, 2, 2), EncodingRates(3, 2, 3), EncodingRates(4, 1, 1)]
-)
+@pytest.mark.parametrize("rates", [RATES, rates(1, 2, 2), rates(3, 2, 3), rates(4, 1, 1)])
 def test_schema_and_divisibility(rates):
     cfg = SyntheticConfig(**{**TINY.__dict__, "num_examples": 120})
     tasks = set()
     for ex in iter_examples(cfg, rates):
-        validate_example(ex, rates=rates, patch_dim=cfg.patch_dim, n_mels=cfg.n_mels)
+        validate_example(ex, rates=rates, feature_dims=WIDTHS)
         tasks.add(ex["task"])
         kinds = [k for k, _ in ex["segments"]]
         assert kinds[0] == TEXT and ex["loss_mask"][0] == 0  # position 0 is never a target
@@ -76,14 +88,13 @@ def test_schema_and_divisibility(rates):
         assert ex["input_ids"].min() >= 4 and ex["input_ids"].max() < cfg.vocab_size
         assert all(a.dtype == np.float32 for a in ex["image_patches"] + ex["audio_mels"])
         meta = example_metadata(ex["segments"], rates)
-        for raw, enc in zip(meta.image_raw, meta.image_encoded, strict=True):
-            assert raw % rates.vision_downsample == 0 and enc * rates.vision_downsample == raw
-        div = rates.audio_conv_stride * rates.audio_downsample
-        for raw, enc in zip(meta.audio_raw, meta.audio_encoded, strict=True):
-            assert raw % div == 0 and enc * div == raw
+        for name in ("vision", "audio"):
+            div = rates[name].divisor
+            for raw, enc in zip(meta.raw[name], meta.encoded[name], strict=True):
+                assert raw % div == 0 and enc * div == raw
         has = {"caption": (1, 0), "asr": (0, 1), "spoken_qa": (0, 1), "chat": (0, 0)}
         if ex["task"] in has:
-            assert (len(meta.image_raw) > 0, len(meta.audio_raw) > 0) == tuple(
+            assert (len(meta.raw["vision"]) > 0, len(meta.raw["audio"]) > 0) == tuple(
                 map(bool, has[ex["task"]])
             )
     assert tasks == {"caption", "vqa", "asr", "spoken_qa", "chat"}
@@ -93,15 +104,19 @@ def test_example_metadata_pure_function():
     segs = [[TEXT, 5], [IMAGE, 64], [AUDIO, 40], [TEXT, 3], [IMAGE, 8]]
     meta = example_metadata(segs, RATES)
     assert meta.text_len == 8
-    assert meta.image_raw == (64, 8) and meta.image_encoded == (16, 2)
-    assert meta.audio_raw == (40,) and meta.audio_encoded == (10,)
+    assert meta.raw["vision"] == (64, 8) and meta.encoded["vision"] == (16, 2)
+    assert meta.raw["audio"] == (40,) and meta.encoded["audio"] == (10,)
     assert meta.seq_len == 8 + 16 + 2 + 10
     with pytest.raises(ValueError, match="kind"):
         example_metadata([[7, 3]], RATES)
     with pytest.raises(ValueError, match="count"):
         example_metadata([[TEXT, 0]], RATES)
-    with pytest.raises(ValueError, match="vision_downsample"):
-        EncodingRates(vision_downsample=0)
+    with pytest.raises(ValueError, match="downsample"):
+        Rate(downsample=0)
+    with pytest.raises(ValueError, match="no modality named 'depht'"):
+        EncodingRates({"depht": Rate()})
+    with pytest.raises(ValueError, match="kind 9"):
+        RATES.divisor(9)
 
 
 def test_resolution_bound_and_scale():
@@ -110,14 +125,16 @@ def test_resolution_bound_and_scale():
     )
     max_grid = math.ceil(448 / 14) ** 2
     patches = [
-        sum(example_metadata(e["segments"], RATES).image_raw) for e in iter_examples(full, RATES)
+        sum(example_metadata(e["segments"], RATES).raw["vision"])
+        for e in iter_examples(full, RATES)
     ]
     assert max(patches) <= max_grid and min(patches) >= 4
     assert np.mean(patches) > 0.5 * max_grid  # most LLaVA sources exceed the bound
     # scale multiplies every length: the tiny config keeps ~the same composition, smaller.
     small = SyntheticConfig(**{**full.__dict__, "scale": 0.1})
     small_patches = [
-        sum(example_metadata(e["segments"], RATES).image_raw) for e in iter_examples(small, RATES)
+        sum(example_metadata(e["segments"], RATES).raw["vision"])
+        for e in iter_examples(small, RATES)
     ]
     assert 0.06 < np.mean(small_patches) / np.mean(patches) < 0.14
 
@@ -132,8 +149,8 @@ def _metas(n: int):
 
 def test_modality_composition_incoherence():
     exs, metas = _metas(1200)
-    img = np.array([sum(m.image_encoded) for m in metas], dtype=float)
-    aud = np.array([sum(m.audio_encoded) for m in metas], dtype=float)
+    img = np.array([sum(m.encoded["vision"]) for m in metas], dtype=float)
+    aud = np.array([sum(m.encoded["audio"]) for m in metas], dtype=float)
     seq = np.array([m.seq_len for m in metas], dtype=float)
     # Image and audio tokens do not move together per example (paper section 3.1).
     assert np.corrcoef(img, aud)[0, 1] < 0.1
@@ -160,11 +177,11 @@ def test_modality_composition_incoherence():
 
 
 def test_lengths_match_the_simulator():
-    """One recipe: for one seed and run config, the training data (train.synthetic_config ->
+    """One recipe: for one seed and run config, the training data (SyntheticConfig.for_run ->
     this generator) and the simulator (sim.sweep.load_model -> sample_batch) hold the same
     examples: task, image patch counts, audio frame counts and text tokens, in order."""
     run = load_config(str(ROOT / "configs" / "tiny.yaml"))
-    syn = synthetic_config(run, num_examples=2 * BLOCK, seed=7)
+    syn = SyntheticConfig.for_run(run, num_examples=2 * BLOCK, seed=7)
     exs = list(iter_examples(syn, run.rates))
     model = load_model("tiny")
     for block in (0, 1):
@@ -172,15 +189,15 @@ def test_lengths_match_the_simulator():
         batch = sample_batch(
             model.data, model.config, num_ranks=4, examples_per_rank=BLOCK // 4, seed=seed
         )
-        tasks = sample_examples(
-            recipe_config(model.data, model.config), BLOCK, seed, rates=encoding_rates(model.config)
-        ).task
+        recipe = RecipeConfig(**run_fields(model.data, model.config))
+        tasks = sample_examples(recipe, BLOCK, seed, rates=model.config.rates).task
         for j in range(BLOCK):
             ex = exs[block * BLOCK + j]
             meta = example_metadata(ex["segments"], run.rates)
-            assert ex["task"] == TASKS[tasks[j]]
-            assert list(meta.image_raw) == batch.image_patches[batch.image_example == j].tolist()
-            assert list(meta.audio_raw) == batch.audio_frames[batch.audio_example == j].tolist()
+            assert ex["task"] == list(TASKS)[tasks[j]]
+            for name in ("vision", "audio"):
+                items = batch.of(name)
+                assert list(meta.raw[name]) == items.raw[items.example == j].tolist()
             assert meta.text_len == len(ex["input_ids"]) == batch.text[j]
 
 
@@ -192,7 +209,7 @@ def test_text_cap_bounds_a_whole_example():
         task_weights={"chat": 1},
         max_text_tokens=300,
         patch=4,
-        n_mels=8,
+        feature_dims={"vision": 48, "audio": 8},
         vocab_size=64,
         max_image_side=224,
     )
@@ -218,8 +235,44 @@ def test_round_trip_through_datasets(tmp_path):
         ({"p_multi_image": 1.5}, "p_multi_image"),
         ({"vocab_size": 3}, "vocab_size"),
         ({"patch": 0}, "patch"),
+        ({"feature_dims": {"depht": 4}}, "no modality named 'depht'"),
+        ({"feature_dims": {"vision": 0}}, "feature_dims"),
+        # the default mix holds audio tasks, which a vision-only dataset cannot hold
+        ({"feature_dims": {"vision": 12}}, "task 'vqa'.*holds \\['audio'\\]"),
     ],
 )
 def test_bad_config_raises(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SyntheticConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "widths, mix",
+    [
+        ({"vision": 48}, {"caption": 1.0, "vqa": 1.0, "chat": 0.5}),  # no spoken questions
+        ({"audio": 8}, {"asr": 1.0, "spoken_qa": 1.0, "chat": 0.5}),
+        ({}, {"chat": 1.0}),
+    ],
+    ids=["vision-only", "audio-only", "text-only"],
+)
+def test_a_subset_of_modalities_has_only_their_fields(widths, mix, tmp_path):
+    """A dataset holds a field for exactly the modalities it is given; its rows round-trip
+    through HF datasets and ``as_example`` without the others' fields (no KeyError)."""
+    cfg = SyntheticConfig(
+        num_examples=40,
+        seed=2,
+        scale=0.05,
+        patch=4,
+        feature_dims=widths,
+        task_weights=mix,
+        p_spoken_question=0.0,
+    )
+    ds = build_dataset(cfg, RATES, cache_dir=str(tmp_path))
+    keys = {"vision": "image_patches", "audio": "audio_mels"}
+    for row, ref in zip(ds, iter_examples(cfg, RATES), strict=True):
+        ex = as_example(row)
+        assert {k for k in keys.values() if k in ex} == {keys[n] for n in widths}
+        validate_example(ex, rates=RATES, feature_dims=widths)
+        assert [list(s) for s in ex["segments"]] == ref["segments"]
+        for name in widths:
+            assert all(a.shape[1] == widths[name] for a in ex[keys[name]])

@@ -23,14 +23,16 @@ import torch.distributed as dist
 import yaml
 
 from orchmllm import checkpoint
-from orchmllm.data.synthetic import save_dataset
+from orchmllm.config import load_config
+from orchmllm.data.synthetic import SyntheticConfig, save_dataset
+from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
+from orchmllm.schema import Modality, register_modality, unregister_modality
+from orchmllm.step_plan import MODES
 from orchmllm.testing import run_distributed
 from orchmllm.train import (
-    PHASES,
     RunningSummary,
     dataset_location,
     forward_backward,
-    load_config,
     main,
     parse_args,
     phase_record,
@@ -40,7 +42,7 @@ from orchmllm.train import (
 from tests.conftest import ROOT
 
 TINY = "configs/tiny.yaml"
-MODES = ("none", "llm", "full")
+PHASES = load_config(TINY).phases
 RTOL = 1e-5
 SCHEMA = {
     "step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases",
@@ -52,11 +54,11 @@ PHASE_SCHEMA = {
 }  # fmt: skip
 
 
-def _config(tmp_path, name: str, balance: dict | None = None, **data_overrides) -> str:
-    with open(TINY) as f:
-        raw = yaml.safe_load(f)
-    raw["data"].update(data_overrides)
-    raw["balance"].update(balance or {})
+def _config(
+    tmp_path, name: str, balance: dict | None = None, model: dict | None = None, **data
+) -> str:
+    """configs/tiny.yaml with some sections changed: a config of a few lines over a base."""
+    raw = {"base": str(ROOT / TINY), "model": model or {}, "data": data, "balance": balance or {}}
     path = os.path.join(tmp_path, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
@@ -88,7 +90,9 @@ def _load(tmp_path, mode: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return records, torch.load(f"{path}.pt")
 
 
-def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[dict]]:
+def _assert_same_training(
+    tmp_path, world: int, steps: int, phases: tuple[str, ...] = PHASES
+) -> dict[str, list[dict]]:
     results = {mode: _load(tmp_path, mode) for mode in MODES}
     ref_records, ref_params = results["none"]
     for mode in ("llm", "full"):
@@ -105,12 +109,13 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
             assert set(r) >= SCHEMA and r["world_size"] == world and r["balance"] == mode
             assert np.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
             assert r["rss_anon_mb"] > 0
-            for name in PHASES:
+            assert tuple(r["phases"]) == phases  # every phase in the metrics, in order
+            for name in phases:
                 p = r["phases"][name]
                 assert set(p) >= PHASE_SCHEMA
                 assert len(p["loads_before"]) == len(p["loads_after"]) == world
                 assert p["load_max_before"] == max(p["loads_before"])
-            for name in ("vision", "llm"):  # packed costs: moving items conserves the total
+            for name in set(phases) - {"audio"}:  # packed costs: moving conserves the total
                 p = r["phases"][name]
                 assert sum(p["loads_after"]) == pytest.approx(sum(p["loads_before"]))
     full = results["full"][0]
@@ -119,12 +124,12 @@ def _assert_same_training(tmp_path, world: int, steps: int) -> dict[str, list[di
     after = np.mean([r["phases"]["llm"]["imbalance_after"] for r in full])
     assert after < before, (before, after)
     assert sum(r["phases"][p]["bytes_intra"] + r["phases"][p]["bytes_inter"]
-               for r in full for p in PHASES) > 0  # fmt: skip
+               for r in full for p in phases) > 0  # fmt: skip
     for r in results["llm"][0]:  # llm mode leaves the encoder phases as sampled
-        for p in ("vision", "audio"):
+        for p in phases[:-1]:
             assert r["phases"][p]["loads_after"] == r["phases"][p]["loads_before"]
     for r in results["none"][0]:
-        for p in PHASES:
+        for p in phases:
             assert r["phases"][p]["bytes_intra"] == r["phases"][p]["bytes_inter"] == 0
     return {mode: records for mode, (records, _) in results.items()}
 
@@ -168,9 +173,8 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
        (distributed-sampler order), so the loss and the FSDP2-reduced gradients must equal
        the single-process ones: loss normalised by the global target count, gradients summed.
     """
-    sparse = _config(
-        tmp_path, "sparse", examples_per_rank=2, mix={"caption": 0.4, "asr": 0.3, "chat": 0.3}
-    )
+    mix = {"caption": 0.4, "vqa": 0.0, "asr": 0.3, "spoken_qa": 0.0, "chat": 0.3}
+    sparse = _config(tmp_path, "sparse", examples_per_rank=2, mix=mix)
     per_rank = load_config(TINY).data.examples_per_rank
     two = _config(tmp_path, "two", examples_per_rank=per_rank)
     one = _config(tmp_path, "one", examples_per_rank=2 * per_rank)
@@ -196,12 +200,89 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
         torch.testing.assert_close(grads2[name], g, rtol=1e-7, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("name", ["tiny", "mllm-10b", "mllm-18b", "mllm-84b"])
-def test_every_shipped_config_loads(name):
-    cfg = load_config(f"configs/{name}.yaml")
-    assert cfg.rates.divisor(1) == cfg.model.vision.downsample
-    assert cfg.rates.divisor(2) == cfg.model.audio.conv_stride * cfg.model.audio.downsample
-    assert cfg.balance.vision_policy == "greedy" and cfg.balance.audio_policy == "binary_search"
+# A new encoder modality, added as a user would: one row of the modality table, one task of
+# the recipe that holds it, one encoder section of the config (a ViT over depth maps).
+DEPTH = Modality("depth", 3, "depth_patches", "greedy", arch="vit", unit="patch")
+
+
+def _depth_caption(gen: np.random.Generator, n: int, cfg) -> TaskDraw:
+    """A prompt, one depth map of 40-400 patches, a caption."""
+    prompt, caption = gen.integers(4, 12, n), gen.lognormal(np.log(20.0), 0.5, n)
+    return TaskDraw(np.column_stack([prompt, gen.integers(40, 400, n), caption]))
+
+
+DEPTH_CAPTION = Task(
+    "depth_caption", (("text", False), ("depth", False), ("text", True)), draw=_depth_caption
+)
+
+
+def _depth_worker(rank: int, world: int, config: str, tmp_path: str, steps: int):
+    register_modality(DEPTH)  # every process that plans or loads the modality holds the row
+    register_task(DEPTH_CAPTION)
+    try:
+        _modes_worker(rank, world, config, tmp_path, steps, ())
+    finally:
+        unregister_task(DEPTH_CAPTION.name)
+        unregister_modality(DEPTH.name)
+
+
+def test_a_new_modality_in_a_table_row_trains_end_to_end(tmp_path):
+    """A temporary "depth" row: synthetic depth maps, its own encoder (a ViT, from the config
+    section's architecture), its own balanced phase, moves and metrics; every mode trains
+    identically on 2 ranks (float64) and the depth phase is balanced."""
+    register_modality(DEPTH)  # the config names the depth encoder: check it loads here too
+    try:
+        config = _config(
+            tmp_path, "depth", examples_per_rank=4,
+            model={"encoders": {"depth": {"hidden": 32, "heads": 2, "kv_heads": 2, "patch": 4,
+                                          "downsample": 2}}},
+            mix={"depth_caption": 0.35},
+        )  # fmt: skip
+        cfg = load_config(config)
+        with pytest.raises(ValueError, match="unknown tasks \\['depth_caption'\\]"):
+            SyntheticConfig.for_run(cfg, num_examples=1, seed=0)  # not registered here
+        phases = cfg.phases
+    finally:
+        unregister_modality(DEPTH.name)
+    assert phases == ("vision", "audio", "depth", "llm")
+    run_distributed(_depth_worker, 2, config, str(tmp_path), 3, timeout=150)
+    full = _assert_same_training(tmp_path, 2, 3, phases)["full"]
+    depth = [r["phases"]["depth"] for r in full]
+    assert sum(p["items"] for p in depth) > 0
+    assert np.mean([p["imbalance_after"] for p in depth]) < np.mean(
+        [p["imbalance_before"] for p in depth]
+    )
+
+
+SUBSETS = {
+    "text-only": ({"vision": None, "audio": None}, {"chat": 1.0}),
+    "vision-only": ({"audio": None}, {"caption": 1.0, "vqa": 1.0, "chat": 0.5}),
+    "audio-only": ({"vision": None}, {"asr": 1.0, "spoken_qa": 1.0, "chat": 0.5}),
+}
+
+
+def _subsets_worker(rank: int, world: int, tmp_path: str):
+    for name in SUBSETS:
+        config = os.path.join(tmp_path, f"{name}.yaml")
+        sub = os.path.join(tmp_path, name)
+        os.makedirs(sub, exist_ok=True)
+        _modes_worker(rank, world, config, sub, 2, ())
+
+
+def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
+    """A model without some encoders, on a dataset without their fields: the trainer's data
+    (HF datasets), the orchestrated loader's default ``to_example`` and the orchestrator need
+    nothing more; every mode trains identically."""
+    mixes = {task: 0.0 for task in load_config(TINY).data.mix}  # tasks left out get no weight
+    for name, (encoders, mix) in SUBSETS.items():
+        _config(
+            tmp_path, name, examples_per_rank=3, model={"encoders": encoders},
+            mix={**mixes, **mix}, p_spoken_question=0.0,
+        )  # fmt: skip
+    run_distributed(_subsets_worker, 2, str(tmp_path), timeout=240)
+    for name, (encoders, _) in SUBSETS.items():
+        phases = tuple(p for p in PHASES if p not in encoders)
+        _assert_same_training(tmp_path / name, 2, 2, phases)
 
 
 def test_bad_arguments_are_rejected(tmp_path):
@@ -213,20 +294,10 @@ def test_bad_arguments_are_rejected(tmp_path):
                 ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(["--config", TINY, *bad])
-    with open(TINY) as f:
-        raw = yaml.safe_load(f)
-    raw["balance"]["placement"] = "telepathy"
-    bad = os.path.join(tmp_path, "bad.yaml")
-    with open(bad, "w") as f:
-        yaml.safe_dump(raw, f)
-    with pytest.raises(ValueError, match="placement"):
-        load_config(bad)
-    raw["balance"]["placement"] = "auto"
-    raw["balance"]["audio_policy"] = "fastest"
-    with open(bad, "w") as f:
-        yaml.safe_dump(raw, f)
-    with pytest.raises(ValueError, match="audio_policy"):
-        load_config(bad)
+    with pytest.raises(ValueError, match="balance.placement 'telepathy' is no placement"):
+        load_config(_config(tmp_path, "bad", {"placement": "telepathy"}))
+    with pytest.raises(ValueError, match="balance.policies.audio 'fastest' is no policy"):
+        load_config(_config(tmp_path, "bad", {"policies": {"audio": "fastest"}}))
 
 
 def _free_port() -> int:

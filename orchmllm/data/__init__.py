@@ -7,14 +7,18 @@ schema (as the orchestrator does) imports neither HF ``datasets`` nor torch.
 from importlib import import_module
 from typing import Any
 
+from orchmllm.recipe import TASKS
 from orchmllm.schema import (
     AUDIO,
     IMAGE,
-    TASKS,
+    MODALITIES,
     TEXT,
     EncodingRates,
     ExampleMeta,
+    Modality,
+    Rate,
     example_metadata,
+    register_modality,
     validate_example,
 )
 
@@ -39,11 +43,15 @@ _LAZY = {  # name -> the module of orchmllm.data that defines it, imported on fi
 __all__ = [
     "AUDIO",
     "IMAGE",
+    "MODALITIES",
     "TASKS",
     "TEXT",
     "EncodingRates",
     "ExampleMeta",
+    "Modality",
+    "Rate",
     "example_metadata",
+    "register_modality",
     "validate_example",
     *_LAZY,
 ]

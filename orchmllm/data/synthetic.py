@@ -14,10 +14,15 @@ blocks of :data:`BLOCK`: block ``b`` is one ``recipe.sample_examples`` call seed
 simulator batch of ``BLOCK`` examples with that seed. This module then fills tensors from the
 example's own generator, seeded ``[seed, i]``:
 
-- image patches: a colour per patch plus pixel noise, ``[n_patches, 3 * patch * patch]``;
-- audio: Whisper-style log-mel-like frames (100 per second, 16 kHz, hop 160): a per-clip
-  spectral envelope, a slow loudness contour and frame noise, ``[n_frames, n_mels]``;
+- a modality of unit ``patch`` (:data:`orchmllm.schema.UNITS`): a colour per patch
+  and channel plus pixel noise, ``[n_patches, 3 * patch * patch]``;
+- one of unit ``frame``: Whisper-style log-mel-like frames (100 per second, 16 kHz,
+  hop 160): a per-clip spectral envelope, a slow loudness contour and frame noise,
+  ``[n_frames, n_mels]``;
 - token ids uniform in ``[4, vocab_size)``; the loss mask marks the recipe's target runs.
+
+Each modality's field is filled by its row's unit (:data:`FILLERS`), at the width
+:attr:`SyntheticConfig.widths` gives it, so a new row of the modality table needs nothing here.
 
 Example ``i`` depends only on ``(cfg, rates, i)``, not on ``num_examples``, so generation is
 reproducible, shardable, and can run as an endless stream.
@@ -34,8 +39,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from orchmllm import recipe, workloads
-from orchmllm.recipe import Examples, RecipeConfig, sample_examples
-from orchmllm.schema import IMAGE, TASKS, TEXT, EncodingRates
+from orchmllm.config import RunConfig
+from orchmllm.recipe import TASKS, Examples, RecipeConfig, sample_examples
+from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named, modality_of
 
 if TYPE_CHECKING:  # generating examples needs only numpy; HF datasets is for storage
     import datasets
@@ -43,6 +49,7 @@ if TYPE_CHECKING:  # generating examples needs only numpy; HF datasets is for st
 BLOCK = 256  # examples per recipe draw, and per generator shard of build_dataset
 _LENGTH_STREAM = 1  # third seed word: a block's stream never equals an example's [seed, i]
 _N_SPECIAL = 4  # token ids below this are reserved (pad, bos, eos, image/audio markers)
+DEFAULT_N_MELS = 80  # Whisper's mel bins, for frames when no width is given
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,8 @@ class SyntheticConfig(RecipeConfig):
     the fields of this class decide how many examples there are and their tensors' widths.
 
     Attributes:
-        task_weights: relative weight of each task in :data:`~orchmllm.schema.TASKS` (a task
-            left out has weight 0); default ``recipe.DEFAULT_MIX``.
+        task_weights: relative weight of each task in :data:`~orchmllm.recipe.TASKS` (a task
+            left out has weight 0); default: every task's default weight.
         patch: image patch side in pixels (default ``workloads.PATCH``, 14).
         max_image_side: images whose long side exceeds this many pixels are downscaled to it
             (default ``workloads.MAX_IMAGE_SIDE``, 448, as MLLM-10B); at least ``patch``.
@@ -68,32 +75,74 @@ class SyntheticConfig(RecipeConfig):
         num_examples: examples in the dataset (:func:`build_dataset`; example ``i`` does not
             depend on it).
         seed: seeds both the lengths (per block of :data:`BLOCK` examples) and the tensors.
-        n_mels: mel bins per audio frame (the width of each ``audio_mels`` array).
         vocab_size: token ids are drawn uniformly in ``[4, vocab_size)`` (below 4: special).
+        feature_dims: modality name -> the width of its arrays; the dataset has a field for
+            exactly these modalities (None: every row of the table, ``3 * patch * patch`` for
+            patches and :data:`DEFAULT_N_MELS` for frames). Pass the model's
+            (``ModelConfig.feature_dims``).
 
     Raises:
-        ValueError: a field out of range (the recipe's checks, ``n_mels < 1``,
-            ``num_examples < 0``, ``vocab_size <= 4``).
+        ValueError: a field out of range (the recipe's checks, ``num_examples < 0``,
+            ``vocab_size <= 4``, a width < 1), a modality that is no row of the table, or a
+            task of the mix that holds a modality ``feature_dims`` leaves out.
     """
 
     num_examples: int = 1000
     seed: int = 0
-    n_mels: int = 80
     vocab_size: int = 32000
+    feature_dims: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n_mels < 1:
-            raise ValueError(f"n_mels must be >= 1, got {self.n_mels!r}")
         if self.num_examples < 0:
             raise ValueError(f"num_examples must be >= 0, got {self.num_examples!r}")
         if self.vocab_size <= _N_SPECIAL:
             raise ValueError(f"vocab_size must be > {_N_SPECIAL}, got {self.vocab_size!r}")
+        for name, width in (self.feature_dims or {}).items():
+            modality_named(name)
+            if not isinstance(width, int | np.integer) or width < 1:
+                raise ValueError(f"feature_dims[{name!r}] must be an integer >= 1, got {width!r}")
+        widths = self.widths
+        for task, weight in self.task_weights.items():
+            missing = sorted(TASKS[task].modalities(self) - set(widths))
+            if weight > 0 and missing:
+                raise ValueError(
+                    f"task {task!r} (weight {weight}) holds {missing}, which feature_dims "
+                    f"{dict(widths)} leaves out: give it weight 0 or a width"
+                )
+
+    @classmethod
+    def for_run(cls, run: RunConfig, *, num_examples: int, seed: int) -> SyntheticConfig:
+        """The synthetic data of a run config.
+
+        Args:
+            run: the run config: its recipe (:func:`orchmllm.recipe.run_fields`), and one
+                array field per encoder of its model, as wide as the encoder's raw rows.
+            num_examples: examples in the dataset.
+            seed: seeds lengths and tensors.
+
+        Returns:
+            The :class:`SyntheticConfig`.
+
+        Raises:
+            ValueError: as the class (e.g. a task of the mix holds a modality the model does
+                not encode).
+        """
+        return cls(
+            **recipe.run_fields(run.data, run.model),
+            num_examples=num_examples,
+            seed=seed,
+            vocab_size=run.model.vocab,
+            feature_dims=run.model.feature_dims,
+        )
 
     @property
-    def patch_dim(self) -> int:
-        """Width of each image's patch array: ``3 * patch * patch`` (RGB pixels)."""
-        return 3 * self.patch * self.patch
+    def widths(self) -> dict[str, int]:
+        """Modality name -> array width, in table order (see ``feature_dims``)."""
+        if self.feature_dims is not None:
+            return {n: int(self.feature_dims[n]) for n in MODALITIES if n in self.feature_dims}
+        default = {"patch": 3 * self.patch * self.patch, "frame": DEFAULT_N_MELS}
+        return {name: default[m.unit] for name, m in MODALITIES.items()}
 
 
 def block_seed(seed: int, block: int) -> list[int]:
@@ -115,6 +164,10 @@ def features(cfg: SyntheticConfig) -> datasets.Features:
     """HF ``datasets`` features of the schema (fixed widths, variable item counts)."""
     import datasets
 
+    arrays = {
+        MODALITIES[name].key: datasets.List(datasets.Array2D(shape=(None, w), dtype="float32"))
+        for name, w in cfg.widths.items()
+    }
     return datasets.Features(
         {
             "id": datasets.Value("int64"),
@@ -122,21 +175,17 @@ def features(cfg: SyntheticConfig) -> datasets.Features:
             "segments": datasets.List(datasets.List(datasets.Value("int64"))),
             "input_ids": datasets.List(datasets.Value("int64")),
             "loss_mask": datasets.List(datasets.Value("int8")),
-            "image_patches": datasets.List(
-                datasets.Array2D(shape=(None, cfg.patch_dim), dtype="float32")
-            ),
-            "audio_mels": datasets.List(
-                datasets.Array2D(shape=(None, cfg.n_mels), dtype="float32")
-            ),
+            **arrays,
         }
     )
 
 
-def _patches(rng: np.random.Generator, n: int, patch: int) -> np.ndarray:
-    """Pixels: one colour per patch plus pixel noise, flattened RGB patches."""
-    colour = rng.standard_normal((n, 3, 1, 1)).astype(np.float32)
-    noise = rng.standard_normal((n, 3, patch, patch), dtype=np.float32)
-    return (colour + 0.25 * noise).reshape(n, 3 * patch * patch)
+def _patches(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    """Pixels: one colour per patch and channel plus pixel noise, flattened RGB patches
+    (``width`` = 3 channels x pixels)."""
+    colour = rng.standard_normal((n, 3, 1)).astype(np.float32)
+    noise = rng.standard_normal((n, 3, width // 3), dtype=np.float32)
+    return (colour + 0.25 * noise).reshape(n, width)
 
 
 def _mels(rng: np.random.Generator, frames: int, n_mels: int) -> np.ndarray:
@@ -150,20 +199,23 @@ def _mels(rng: np.random.Generator, frames: int, n_mels: int) -> np.ndarray:
     return mel.astype(np.float32)
 
 
+# A modality's unit (orchmllm.schema.UNITS) -> fill(rng, rows, width): its item's array.
+FILLERS = {"patch": _patches, "frame": _mels}
+
+
 def _example(idx: int, lengths: Examples, j: int, cfg: SyntheticConfig) -> dict:
     """Example ``idx`` with the lengths of row ``j`` of its block, tensors from its own stream."""
     rng = np.random.default_rng([cfg.seed, idx])
     segments: list[list[int]] = []
     text: list[tuple[int, bool]] = []
-    images: list[np.ndarray] = []
-    audios: list[np.ndarray] = []
+    widths = cfg.widths
+    items: dict[str, list[np.ndarray]] = {MODALITIES[name].key: [] for name in widths}
     for kind, count, target in lengths.runs(j):
         if kind == TEXT:
             text.append((count, target))
-        elif kind == IMAGE:
-            images.append(_patches(rng, count, cfg.patch))
         else:
-            audios.append(_mels(rng, count, cfg.n_mels))
+            m = modality_of(kind)
+            items[m.key].append(FILLERS[m.unit](rng, count, widths[m.name]))
         if kind == TEXT and segments and segments[-1][0] == TEXT:
             segments[-1][1] += count
         else:
@@ -173,12 +225,11 @@ def _example(idx: int, lengths: Examples, j: int, cfg: SyntheticConfig) -> dict:
     ids = rng.integers(_N_SPECIAL, cfg.vocab_size, sum(counts), dtype=np.int64)
     return {
         "id": idx,
-        "task": TASKS[int(lengths.task[j])],
+        "task": lengths.tasks[int(lengths.task[j])].name,
         "segments": segments,
         "input_ids": ids,
         "loss_mask": mask,
-        "image_patches": images,
-        "audio_mels": audios,
+        **items,
     }
 
 
@@ -200,13 +251,12 @@ def generate_example(idx: int, cfg: SyntheticConfig, rates: EncodingRates) -> di
     Args:
         idx: the example's index (>= 0; may be ``>= cfg.num_examples``, as in a stream).
         cfg: the dataset's config.
-        rates: the encoding rates; image and audio counts are multiples of their divisors.
+        rates: the encoding rates; every item's raw count is a multiple of its divisor.
 
     Returns:
         The example as the schema dict (:mod:`orchmllm.schema`): ``id``, ``task``,
-        ``segments``, ``input_ids`` (int64), ``loss_mask`` (int8), ``image_patches``
-        (float32 ``[n_patches, cfg.patch_dim]`` each) and ``audio_mels`` (float32
-        ``[n_frames, cfg.n_mels]`` each).
+        ``segments``, ``input_ids`` (int64), ``loss_mask`` (int8) and one field per modality
+        of ``cfg.widths`` (its row's ``key``: float32 ``[raw rows, width]`` per item).
     """
     return next(iter_examples(cfg, rates, range(idx, idx + 1)))
 
@@ -280,19 +330,24 @@ def as_example(row: Mapping) -> dict:
     2-D array; this undoes that so every consumer sees the same types.
 
     Args:
-        row: one row of a dataset in the schema (e.g. from :func:`build_dataset`).
+        row: one row of a dataset in the schema (e.g. from :func:`build_dataset`); it holds
+            the fields of the modalities it has (a vision-only dataset has no ``audio_mels``).
 
     Returns:
-        A new dict: ``id`` int, ``task`` str, ``segments`` a list of ``[kind, count]`` int
-        lists, ``input_ids`` and ``loss_mask`` int64 arrays, ``image_patches`` and
-        ``audio_mels`` lists of float32 2-D arrays.
+        A new dict: ``id`` int and ``task`` str when the row has them, ``segments`` a list of
+        ``[kind, count]`` int lists, ``input_ids`` and ``loss_mask`` int64 arrays, and each
+        modality field of the row as a list of float32 2-D arrays.
     """
-    return {
-        "id": int(row["id"]),
-        "task": str(row["task"]),
+    out = {
         "segments": [[int(k), int(c)] for k, c in row["segments"]],
         "input_ids": np.asarray(row["input_ids"], dtype=np.int64),
         "loss_mask": np.asarray(row["loss_mask"], dtype=np.int64),
-        "image_patches": [np.asarray(a, dtype=np.float32) for a in row["image_patches"]],
-        "audio_mels": [np.asarray(a, dtype=np.float32) for a in row["audio_mels"]],
     }
+    if "id" in row:
+        out["id"] = int(row["id"])
+    if "task" in row:
+        out["task"] = str(row["task"])
+    for m in MODALITIES.values():
+        if m.key in row:
+            out[m.key] = [np.asarray(a, dtype=np.float32) for a in row[m.key]]
+    return out

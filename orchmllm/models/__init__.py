@@ -1,22 +1,23 @@
 """Small reference multimodal LLM (ViT + Whisper-style audio encoder + Qwen2-style LLM)."""
 
-from orchmllm.config import AudioConfig, LLMConfig, ModelConfig, VisionConfig
+from orchmllm.config import LLMConfig, ModelConfig, VitConfig, WhisperConfig
 
 from .attention import packed_attention, padded_attention
 from .audio import AudioEncoder
 from .llm import LLM
-from .mllm import MLLM, build_model, shard_model
+from .mllm import ENCODERS, MLLM, build_model, shard_model
 from .vision import VisionEncoder
 
 __all__ = [
+    "ENCODERS",
     "LLM",
     "MLLM",
-    "AudioConfig",
     "AudioEncoder",
     "LLMConfig",
     "ModelConfig",
-    "VisionConfig",
     "VisionEncoder",
+    "VitConfig",
+    "WhisperConfig",
     "build_model",
     "packed_attention",
     "padded_attention",

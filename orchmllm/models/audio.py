@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from orchmllm.config import AudioConfig
+from orchmllm.config import WhisperConfig
 
 from .attention import padded_attention
 from .layers import Block, Connector, check_lengths, sinusoids
@@ -22,7 +22,7 @@ from .layers import Block, Connector, check_lengths, sinusoids
 class AudioEncoder(nn.Module):
     """mels [F, n_mels] of n clips (lengths, sum F) -> [F // (stride*downsample), llm_hidden]."""
 
-    def __init__(self, cfg: AudioConfig, llm_hidden: int):
+    def __init__(self, cfg: WhisperConfig, llm_hidden: int):
         super().__init__()
         self.cfg = cfg
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden, kernel_size=3, padding=1)
@@ -41,12 +41,12 @@ class AudioEncoder(nn.Module):
 
     def forward(self, mels: Tensor, lengths: Tensor) -> Tensor:
         cfg = self.cfg
-        check_lengths(lengths, cfg.frames_per_token, "lengths")
+        check_lengths(lengths, cfg.rate.divisor, "lengths")
         if mels.dim() != 2 or mels.shape[1] != cfg.n_mels:
             raise ValueError(f"mels must be [F, {cfg.n_mels}], got {tuple(mels.shape)}")
         n = lengths.numel()
         # An empty batch still needs a conv-able width; its rows are all padding.
-        t_max = int(lengths.max()) if n else cfg.frames_per_token
+        t_max = int(lengths.max()) if n else cfg.rate.divisor
         frame = torch.arange(t_max, device=mels.device)
         valid = frame[None, :] < lengths[:, None]  # [B, T]
         padded = mels.new_zeros(n, t_max, cfg.n_mels)

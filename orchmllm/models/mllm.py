@@ -1,5 +1,5 @@
-"""The reference MLLM: one encoder per modality (vision, audio) and a decoder LLM, plus FSDP2
-sharding.
+"""The reference MLLM: one encoder per modality of the model config and a decoder LLM, plus
+FSDP2 sharding.
 
 The submodules are independent; the orchestrator decides which items each one sees on
 which rank. :meth:`MLLM.forward` only runs a caller-supplied step function inside the root
@@ -25,19 +25,21 @@ from .vision import VisionEncoder
 T = TypeVar("T")
 
 
-# Encoder class per modality name (a row of orchmllm.schema.MODALITIES, a model config section).
-ENCODERS: dict[str, type[nn.Module]] = {"vision": VisionEncoder, "audio": AudioEncoder}
+# Encoder module per architecture (the names of orchmllm.config.ARCHS): a modality's encoder
+# is built from its config section's architecture, so a new modality needs no entry here.
+ENCODERS: dict[str, type[nn.Module]] = {"vit": VisionEncoder, "whisper": AudioEncoder}
 
 
 class MLLM(nn.Module):
-    """``encoders``: one encoder per modality, keyed by its name; ``llm``: the decoder."""
+    """``encoders``: one encoder per modality of ``cfg.encoders``, keyed by its name, built by
+    its architecture; ``llm``: the decoder."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.encoders = nn.ModuleDict(
             {
-                name: ENCODERS[name](section, cfg.llm.hidden)
+                name: ENCODERS[section.arch](section, cfg.llm.hidden)
                 for name, section in cfg.encoders.items()
             }
         )

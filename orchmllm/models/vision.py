@@ -6,7 +6,7 @@ import functools
 
 from torch import Tensor, nn
 
-from orchmllm.config import VisionConfig
+from orchmllm.config import VitConfig
 
 from .attention import packed_attention, positions_from_lengths
 from .layers import Block, Connector, check_lengths
@@ -19,10 +19,10 @@ class VisionEncoder(nn.Module):
     within the image. Zero images (P = 0) run every submodule on empty tensors.
     """
 
-    def __init__(self, cfg: VisionConfig, llm_hidden: int):
+    def __init__(self, cfg: VitConfig, llm_hidden: int):
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden)
+        self.patch_embed = nn.Linear(cfg.feature_dim, cfg.hidden)
         self.blocks = nn.ModuleList(
             Block(cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, style="encoder", rope_theta=1e4)
             for _ in range(cfg.layers)
@@ -35,9 +35,9 @@ class VisionEncoder(nn.Module):
 
     def forward(self, patches: Tensor, lengths: Tensor) -> Tensor:
         check_lengths(lengths, self.cfg.downsample, "lengths")
-        if patches.dim() != 2 or patches.shape[1] != self.cfg.patch_dim:
+        if patches.dim() != 2 or patches.shape[1] != self.cfg.feature_dim:
             raise ValueError(
-                f"patches must be [P, {self.cfg.patch_dim}], got {tuple(patches.shape)}"
+                f"patches must be [P, {self.cfg.feature_dim}], got {tuple(patches.shape)}"
             )
         attend = functools.partial(packed_attention, lengths=lengths, causal=False)
         positions = positions_from_lengths(lengths)

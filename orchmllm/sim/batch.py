@@ -1,16 +1,20 @@
 """The lengths of one global batch: everything the planner and the step model need.
 
 Rank ``r`` samples examples ``r*b .. r*b+b-1`` (gather order). An example holds text tokens and
-any number of images (raw patches) and audio clips (raw mel frames), each owned by one example.
+any number of items of each modality (raw rows: image patches, mel frames, ...), each owned by
+one example.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from orchmllm.config import ModelConfig
+from orchmllm.recipe import ItemLengths
+from orchmllm.schema import modality_named
 
 
 def _ints(name: str, values: object) -> np.ndarray:
@@ -25,33 +29,38 @@ def _ints(name: str, values: object) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Batch:
-    """One step's global batch as lengths, ``examples_per_rank`` examples on every rank."""
+    """One step's global batch as lengths, ``examples_per_rank`` examples on every rank.
+
+    Attributes:
+        num_ranks: data-parallel ranks.
+        text: int64 ``[n]``, text tokens per example.
+        items: modality name -> its items (owning example, raw rows), for the modalities the
+            batch holds (a modality the model does not encode must hold no item).
+    """
 
     num_ranks: int
-    text: np.ndarray  # int64[n]: text tokens per example
-    image_example: np.ndarray  # int64[n_img]: owning example of each image
-    image_patches: np.ndarray  # int64[n_img]: raw patches (vision encoder tokens)
-    audio_example: np.ndarray  # int64[n_aud]
-    audio_frames: np.ndarray  # int64[n_aud]: raw mel frames
+    text: np.ndarray
+    items: Mapping[str, ItemLengths]
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks!r}")
-        for name in ("text", "image_example", "image_patches", "audio_example", "audio_frames"):
-            object.__setattr__(self, name, _ints(name, getattr(self, name)))
+        object.__setattr__(self, "text", _ints("text", self.text))
         n = self.text.size
         if n % self.num_ranks:
             raise ValueError(f"text: {n} examples do not split evenly over {self.num_ranks} ranks")
-        for owner, size in (
-            (self.image_example, self.image_patches),
-            (self.audio_example, self.audio_frames),
-        ):
-            if owner.shape != size.shape:
+        items = {}
+        for name, it in self.items.items():
+            modality_named(name)
+            owner, raw = _ints(f"{name} example", it.example), _ints(f"{name} raw", it.raw)
+            if owner.shape != raw.shape:
                 raise ValueError(
-                    f"an item list and its owners differ: {owner.shape} vs {size.shape}"
+                    f"{name}: an item list and its owners differ: {owner.shape} vs {raw.shape}"
                 )
             if owner.size and owner.max() >= n:
-                raise ValueError(f"item owners must index examples < {n}, got {owner.max()}")
+                raise ValueError(f"{name} item owners must index examples < {n}, got {owner.max()}")
+            items[name] = ItemLengths(owner, raw)
+        object.__setattr__(self, "items", items)
 
     @property
     def examples_per_rank(self) -> int:
@@ -62,28 +71,34 @@ class Batch:
         """Rank each example was sampled on."""
         return np.arange(self.text.size, dtype=np.int64) // self.examples_per_rank
 
-    def vision_lengths(self) -> np.ndarray:
-        """Vision encoder sequence length per image (one token per patch)."""
-        return self.image_patches
+    def of(self, name: str) -> ItemLengths:
+        """The items of modality ``name`` (none when the batch holds none)."""
+        empty = np.zeros(0, np.int64)
+        return self.items.get(name, ItemLengths(empty, empty))
 
-    def audio_lengths(self, config: ModelConfig) -> np.ndarray:
-        """Audio encoder sequence length per clip (after the stride-``conv_stride`` convs)."""
-        return self.audio_frames // config.audio.conv_stride
+    def encoder_lengths(self, name: str, config: ModelConfig) -> np.ndarray:
+        """Encoder sequence length per item of ``name`` (raw rows over its encoder's stride)."""
+        return self.of(name).raw // config.encoders[name].stride
 
     def llm_lengths(self, config: ModelConfig) -> np.ndarray:
-        """Whole interleaved sequence per example: text plus encoded image and audio tokens."""
+        """Whole interleaved sequence per example: text plus every encoded item."""
         n = self.text.size
-        img = np.bincount(
-            self.image_example,
-            weights=self.image_patches // config.vision.downsample,
-            minlength=n,
-        )
-        aud = np.bincount(
-            self.audio_example,
-            weights=self.audio_frames // config.audio.frames_per_token,
-            minlength=n,
-        )
-        return self.text + img.astype(np.int64) + aud.astype(np.int64)
+        total = self.text.copy()
+        for name, enc in config.encoders.items():
+            it = self.of(name)
+            total += np.bincount(
+                it.example, weights=it.raw // enc.rate.divisor, minlength=n
+            ).astype(np.int64)
+        return total
+
+    def check_encoded_by(self, config: ModelConfig) -> None:
+        """Raise ``ValueError`` when an item belongs to a modality ``config`` has no encoder for."""
+        for name, it in self.items.items():
+            if it.raw.size and name not in config.encoders:
+                raise ValueError(
+                    f"the batch holds {it.raw.size} {name} items, but the model has no "
+                    f"{name} encoder (encoders: {list(config.encoders)})"
+                )
 
     def take(self, examples_per_rank: int) -> Batch:
         """The first ``examples_per_rank`` examples of every rank (nested mini-batches).
@@ -97,27 +112,22 @@ class Batch:
         idx = np.arange(self.text.size, dtype=np.int64)
         keep = idx % b < examples_per_rank
         new_id = np.cumsum(keep) - 1
-
-        def items(owner: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            k = keep[owner]
-            return new_id[owner[k]], size[k]
-
-        img_ex, img = items(self.image_example, self.image_patches)
-        aud_ex, aud = items(self.audio_example, self.audio_frames)
-        return Batch(self.num_ranks, self.text[keep], img_ex, img, aud_ex, aud)
+        items = {}
+        for name, it in self.items.items():
+            k = keep[it.example]
+            items[name] = ItemLengths(new_id[it.example[k]], it.raw[k])
+        return Batch(self.num_ranks, self.text[keep], items)
 
     @classmethod
     def uniform(
-        cls, num_ranks: int, examples_per_rank: int, *, text: int, patches: int, frames: int
+        cls, num_ranks: int, examples_per_rank: int, *, text: int, raw: Mapping[str, int]
     ) -> Batch:
-        """Every example identical: one image and one clip each (a no-imbalance control)."""
+        """Every example identical: one item of each modality in ``raw`` (name -> raw rows, 0
+        for none) each (a no-imbalance control)."""
         n = num_ranks * examples_per_rank
         idx = np.arange(n, dtype=np.int64)
-        return cls(
-            num_ranks,
-            text=np.full(n, text),
-            image_example=idx if patches else idx[:0],
-            image_patches=np.full(n, patches) if patches else idx[:0],
-            audio_example=idx if frames else idx[:0],
-            audio_frames=np.full(n, frames) if frames else idx[:0],
-        )
+        items = {
+            name: ItemLengths(idx if rows else idx[:0], np.full(n, rows) if rows else idx[:0])
+            for name, rows in raw.items()
+        }
+        return cls(num_ranks, text=np.full(n, text), items=items)

@@ -42,9 +42,9 @@ import numpy as np
 
 from orchmllm.config import ModelConfig
 from orchmllm.cost import FORWARD_FRACTION, CostModel, fit_packed, fit_padded
+from orchmllm.schema import LLM
 
 ATTENTION_KINDS = ("causal", "bidir", "padded")
-PHASES = ("vision", "audio", "llm")
 # Dense bf16 peak of an H100 SXM (NVIDIA H100 Tensor Core GPU datasheet: 1,979 TFLOPS with
 # sparsity, half that dense), the denominator of MFU; the paper's GPUs (section 8).
 H100_PEAK_FLOPS = 989.4e12
@@ -225,28 +225,27 @@ class Submodule:
 
 
 def submodules(config: ModelConfig, *, checkpointing: bool = True) -> dict[str, Submodule]:
-    """The three phases of a paper-shaped MLLM, calibrated on the H100 block data."""
-    v, a, m = config.vision, config.audio, config.llm
-    return {
-        "vision": Submodule(
-            "vision",
-            block_fit(BlockShape(v.hidden, v.ffn, v.heads, v.kv_heads, "bidir")),
-            v.layers,
-            frozen=v.frozen,
+    """Every phase of a paper-shaped MLLM, calibrated on the H100 block data: each encoder
+    (bidirectional packed attention, or padded where its architecture pads), then the LLM
+    (causal)."""
+    out = {
+        name: Submodule(
+            name,
+            block_fit(
+                BlockShape(e.hidden, e.ffn, e.heads, e.kv_heads, "padded" if e.padded else "bidir")
+            ),
+            e.layers,
+            frozen=e.frozen,
             checkpointing=checkpointing,
-        ),
-        "audio": Submodule(
-            "audio",
-            block_fit(BlockShape(a.hidden, a.ffn, a.heads, a.kv_heads, "padded")),
-            a.layers,
-            frozen=a.frozen,
-            checkpointing=checkpointing,
-        ),
-        "llm": Submodule(
-            "llm",
-            block_fit(BlockShape(m.hidden, m.ffn, m.heads, m.kv_heads, "causal")),
-            m.layers,
-            vocab=config.vocab,
-            checkpointing=checkpointing,
-        ),
+        )
+        for name, e in config.encoders.items()
     }
+    m = config.llm
+    out[LLM] = Submodule(
+        LLM,
+        block_fit(BlockShape(m.hidden, m.ffn, m.heads, m.kv_heads, "causal")),
+        m.layers,
+        vocab=config.vocab,
+        checkpointing=checkpointing,
+    )
+    return out

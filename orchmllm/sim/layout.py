@@ -18,8 +18,8 @@ Modes:
   frames): DistTrain packs the LLM sequence to a fixed length and balances only the encoder
   input. One layout serves every phase, and it is computed in DistTrain's CPU preprocessing
   before loading, so it moves no data at run time.
-- ``full``: OrchMLLM: a separate balanced layout per phase (vision, audio, LLM), each with the
-  policy tailored to how its module is batched (``policies``).
+- ``full``: OrchMLLM: a separate balanced layout per phase (each encoder's, the LLM's), each
+  with the policy tailored to how its module is batched (``policies``).
 
 ``placement="node"`` is the step planner's ``auto`` node-wise rearrangement of every runtime
 move, over the bytes the move carries (see :mod:`orchmllm.step_plan`).
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.schema import AUDIO, IMAGE, MODALITIES, TEXT
+from orchmllm.schema import LLM, MODALITIES, TEXT
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule
 from orchmllm.step_plan import MODES as STEP_MODES
@@ -44,20 +44,26 @@ from orchmllm.step_plan import EncoderPhase, StepOptions, plan_step
 MODES = (*STEP_MODES, "disttrain")
 # The simulator's placement names -> the step planner's placement method.
 PLACEMENTS = {"none": "none", "node": "auto"}
-# OrchMLLM's tailored policies (paper 8.3): greedy for packed phases, Alg. 2 for padded audio.
-TAILORED = {**{m.name: m.policy for m in MODALITIES.values()}, "llm": "greedy"}
+# OrchMLLM's tailored policies (paper 8.3): each modality row's (greedy for packed phases,
+# Alg. 2 for padded audio) and greedy for the LLM.
+TAILORED = {**{m.name: m.policy for m in MODALITIES.values()}, LLM: "greedy"}
 TEXT_TOKEN_BYTES = 8  # int64 token ids
-ACT_BYTES = 2  # bf16 patches, mel frames, encoder outputs
+ACT_BYTES = 2  # bf16 raw rows (patches, mel frames) and encoder outputs
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Destination rank of every item in every phase, and what computing it cost."""
+    """Destination rank of every item in every phase, and what computing it cost.
 
-    example: np.ndarray  # int64[n]: LLM-phase rank of each example
-    image: np.ndarray  # int64[n_img]: vision-phase rank of each image
-    audio: np.ndarray  # int64[n_aud]: audio-phase rank of each clip
-    plan_ms: float = 0.0  # wall time of the step planner
+    Attributes:
+        example: int64 ``[n]``, the LLM-phase rank of each example.
+        items: encoder name -> int64 ``[items]``, its phase's rank of each of its items.
+        plan_ms: wall time of the step planner.
+    """
+
+    example: np.ndarray
+    items: dict[str, np.ndarray]
+    plan_ms: float = 0.0
 
 
 def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -79,18 +85,18 @@ def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
 
 def segment_rows(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     """The batch as the segment table every rank gathers in training (rank order; each
-    example's text, then its images, then its audio clips), and the rank of each row."""
+    example's text, then its items of each modality in table order), and the rank of each
+    row."""
     n = batch.text.size
     has_text = np.flatnonzero(batch.text > 0)
-    example = np.concatenate([has_text, batch.image_example, batch.audio_example])
+    items = [(MODALITIES[name].kind, it) for name, it in batch.items.items()]
+    items.sort(key=lambda pair: pair[0])
+    example = np.concatenate([has_text, *(it.example for _, it in items)])
     kind = np.concatenate(
-        [
-            np.full(has_text.size, TEXT, np.int64),
-            np.full(batch.image_example.size, IMAGE, np.int64),
-            np.full(batch.audio_example.size, AUDIO, np.int64),
-        ]
+        [np.full(has_text.size, TEXT, np.int64)]
+        + [np.full(it.example.size, k, np.int64) for k, it in items]
     )
-    raw = np.concatenate([batch.text[has_text], batch.image_patches, batch.audio_frames])
+    raw = np.concatenate([batch.text[has_text], *(it.raw for _, it in items)])
     order = np.lexsort((kind, example))  # stable within a kind: items keep their order
     example, kind, raw = example[order], kind[order], raw[order]
     if example.size and (example[0] != 0 or np.any(np.diff(example) > 1) or example[-1] != n - 1):
@@ -112,22 +118,19 @@ def step_options(
     """Training's step planner options for this model: each phase with its calibrated cost,
     bf16 volumes, and the paper's tailored policies unless ``policies`` overrides them."""
     pol = {**TAILORED, **(policies or {})}
-    phases = (
+    phases = tuple(
         EncoderPhase(
-            "vision", IMAGE, "image_patches", config.vision.downsample, config.vision.patch_dim,
-            pol["vision"], modules["vision"].cost, value_bytes=ACT_BYTES,
-        ),
-        EncoderPhase(
-            "audio", AUDIO, "audio_mels", config.audio.frames_per_token, config.audio.n_mels,
-            pol["audio"], modules["audio"].cost, stride=config.audio.conv_stride,
+            name, MODALITIES[name].kind, MODALITIES[name].key, enc.rate.divisor,
+            enc.feature_dim, pol[name], modules[name].cost, stride=enc.stride,
             value_bytes=ACT_BYTES,
-        ),
+        )
+        for name, enc in config.encoders.items()
     )  # fmt: skip
     return StepOptions(
         phases,
         mode=mode,
-        llm_policy=pol["llm"],
-        llm_cost=modules["llm"].cost,
+        llm_policy=pol[LLM],
+        llm_cost=modules[LLM].cost,
         placement=PLACEMENTS[placement],
         ranks_per_node=ranks_per_node,
         text_token_bytes=TEXT_TOKEN_BYTES,
@@ -156,7 +159,7 @@ def plan(
         d = batch.num_ranks
         ex = src if mode == "none" else disttrain_reorder(modality_tokens(batch, config), d)
         plan_ms = (time.perf_counter() - start) * 1e3
-        return Layout(ex, ex[batch.image_example], ex[batch.audio_example], plan_ms)
+        return Layout(ex, {n: ex[batch.of(n).example] for n in config.encoders}, plan_ms)
     options = step_options(
         mode, config=config, modules=modules, placement=placement,
         ranks_per_node=ranks_per_node, policies=policies,
@@ -166,26 +169,25 @@ def plan(
     plan_ms = (time.perf_counter() - start) * 1e3
     return Layout(
         step.llm.dst_rank,
-        step.phases["vision"].encoder.dst_rank,
-        step.phases["audio"].encoder.dst_rank,
+        {name: p.encoder.dst_rank for name, p in step.phases.items()},
         plan_ms,
     )
 
 
 def modality_tokens(batch: Batch, config: ModelConfig) -> np.ndarray:
-    """Encoder input tokens per example (image patches plus audio encoder frames)."""
+    """Encoder input tokens per example (every encoder's sequence lengths summed)."""
     n = batch.text.size
-    size = np.bincount(batch.image_example, weights=batch.vision_lengths(), minlength=n)
-    size += np.bincount(batch.audio_example, weights=batch.audio_lengths(config), minlength=n)
+    size = np.zeros(n)
+    for name in config.encoders:
+        size += np.bincount(
+            batch.of(name).example, weights=batch.encoder_lengths(name, config), minlength=n
+        )
     return size.astype(np.int64)
 
 
-def patch_bytes(config: ModelConfig) -> int:
-    return config.vision.patch_dim * ACT_BYTES
-
-
-def frame_bytes(config: ModelConfig) -> int:
-    return config.audio.n_mels * ACT_BYTES
+def raw_row_bytes(config: ModelConfig, name: str) -> int:
+    """Bytes of one raw row of encoder ``name``'s input (bf16)."""
+    return config.encoders[name].feature_dim * ACT_BYTES
 
 
 def encoded_token_bytes(config: ModelConfig) -> int:
@@ -194,34 +196,38 @@ def encoded_token_bytes(config: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class Pieces:
-    """What the LLM dispatcher moves: each example's text and encoded items, from where they are."""
+    """What the LLM dispatcher moves: each example's text and encoded items, from where they are.
 
-    example: np.ndarray  # owning example of each piece
-    src: np.ndarray  # rank holding the piece before the LLM phase
+    Attributes:
+        example: owning example of each piece.
+        src: rank holding the piece before the LLM phase.
+        bytes: its bytes.
+        phase: the phase that made it: :data:`orchmllm.schema.LLM` for text, else the encoder.
+    """
+
+    example: np.ndarray
+    src: np.ndarray
     bytes: np.ndarray
-    kind: np.ndarray  # 0 text, 1 encoded image, 2 encoded audio
+    phase: np.ndarray
 
 
-def llm_pieces(
-    batch: Batch, config: ModelConfig, image_dst: np.ndarray, audio_dst: np.ndarray
-) -> Pieces:
+def llm_pieces(batch: Batch, config: ModelConfig, layout: Layout) -> Pieces:
     enc = float(encoded_token_bytes(config))
     n = batch.text.size
+    names = list(config.encoders)
+    of = [batch.of(name) for name in names]
     return Pieces(
-        example=np.concatenate([np.arange(n), batch.image_example, batch.audio_example]),
-        src=np.concatenate([batch.example_src, image_dst, audio_dst]),
+        example=np.concatenate([np.arange(n), *(it.example for it in of)]),
+        src=np.concatenate([batch.example_src, *(layout.items[name] for name in names)]),
         bytes=np.concatenate(
-            [
-                batch.text * float(TEXT_TOKEN_BYTES),
-                (batch.image_patches // config.vision.downsample) * enc,
-                (batch.audio_frames // config.audio.frames_per_token) * enc,
+            [batch.text * float(TEXT_TOKEN_BYTES)]
+            + [
+                (it.raw // config.encoders[name].rate.divisor) * enc
+                for name, it in zip(names, of, strict=True)
             ]
         ),
-        kind=np.concatenate(
-            [
-                np.zeros(n, np.int64),
-                np.ones(batch.image_example.size, np.int64),
-                np.full(batch.audio_example.size, 2, np.int64),
-            ]
+        phase=np.concatenate(
+            [np.full(n, LLM)]
+            + [np.full(it.example.size, name) for name, it in zip(names, of, strict=True)]
         ),
     )

@@ -28,10 +28,11 @@ import numpy as np
 
 from orchmllm.config import ModelConfig
 from orchmllm.cost import FORWARD_FRACTION
+from orchmllm.schema import LLM
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
-from orchmllm.sim.compute import H100_PEAK_FLOPS, PHASES, Submodule
-from orchmllm.sim.layout import Layout, frame_bytes, llm_pieces, patch_bytes
+from orchmllm.sim.compute import H100_PEAK_FLOPS, Submodule
+from orchmllm.sim.layout import Layout, llm_pieces, raw_row_bytes
 from orchmllm.sim.memory import MemoryModel, phase_tokens
 
 
@@ -121,20 +122,17 @@ def dispatch_collectives(
 
     fwd, bwd = [], []
     if mode == "full":
-        img_src, aud_src = src[batch.image_example], src[batch.audio_example]
-        fwd.append(
-            ("vision", vol(img_src, layout.image, batch.image_patches * float(patch_bytes(config))))
-        )
-        fwd.append(
-            ("audio", vol(aud_src, layout.audio, batch.audio_frames * float(frame_bytes(config))))
-        )
-    pieces = llm_pieces(batch, config, layout.image, layout.audio)
+        for name in config.encoders:
+            it = batch.of(name)
+            rows = it.raw * float(raw_row_bytes(config, name))
+            fwd.append((name, vol(src[it.example], layout.items[name], rows)))
+    pieces = llm_pieces(batch, config, layout)
     to = layout.example[pieces.example]
-    for kind in (1, 2, 0):  # encoded images, encoded clips, text
-        k = pieces.kind == kind
-        fwd.append(("llm", vol(pieces.src[k], to[k], pieces.bytes[k])))
-        if kind:
-            bwd.append(("llm", vol(to[k], pieces.src[k], pieces.bytes[k])))
+    for phase in (*config.encoders, LLM):  # each encoder's outputs, then text
+        k = pieces.phase == phase
+        fwd.append((LLM, vol(pieces.src[k], to[k], pieces.bytes[k])))
+        if phase != LLM:
+            bwd.append((LLM, vol(to[k], pieces.src[k], pieces.bytes[k])))
     return fwd, bwd
 
 
@@ -158,15 +156,13 @@ def simulate_step(
     """Model one step of ``batch`` laid out as ``layout`` (see the module docstring)."""
     cluster = cluster or Cluster()
     d = batch.num_ranks
-    lengths = {
-        "vision": batch.vision_lengths(),
-        "audio": batch.audio_lengths(config),
-        "llm": batch.llm_lengths(config),
-    }
-    dst = {"vision": layout.image, "audio": layout.audio, "llm": layout.example}
+    phases = (*config.encoders, LLM)
+    lengths = {name: batch.encoder_lengths(name, config) for name in config.encoders}
+    lengths[LLM] = batch.llm_lengths(config)
+    dst = {**layout.items, LLM: layout.example}
     compute, mean_compute, fsdp, tokens = {}, {}, {}, {}
     useful = 0.0
-    for phase in PHASES:
+    for phase in phases:
         m = modules[phase]
         t = m.times_ms(lengths[phase], dst[phase], d) * 1e-3
         compute[phase] = float(t.max())
@@ -178,16 +174,16 @@ def simulate_step(
     # a move where every item stays is skipped by all ranks together (the plan is global)
     dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd if v.moves)
     dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd if v.moves)
-    step = sum(max(compute[p], fsdp[p]) for p in PHASES) + dispatch_fwd + dispatch_bwd
+    step = sum(max(compute[p], fsdp[p]) for p in phases) + dispatch_fwd + dispatch_bwd
     # forward share of a phase: all of a frozen module, a third of a trained one, a quarter of
     # a recomputing one (forward, recomputed forward, backward at 1:1:2; the head counted alike)
     fwd_share = {
         p: 1.0
         if modules[p].frozen
         else FORWARD_FRACTION / (1.0 + FORWARD_FRACTION * modules[p].recomputes)
-        for p in PHASES
+        for p in phases
     }
-    forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in PHASES) + dispatch_fwd
+    forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in phases) + dispatch_fwd
     memory = cluster.memory.peak_bytes(modules, tokens, d)
     return StepResult(
         step_time_s=step,
@@ -198,7 +194,7 @@ def simulate_step(
         dispatch_fwd_s=dispatch_fwd,
         dispatch_bwd_s=dispatch_bwd,
         useful_flops=useful,
-        llm_tokens=int(lengths["llm"].sum()),
+        llm_tokens=int(lengths[LLM].sum()),
         mfu=useful / (d * step * cluster.peak_flops) if step > 0 else 0.0,
         peak_memory_bytes=float(memory.max()),
         balanced_memory_bytes=float(

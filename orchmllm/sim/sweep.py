@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from orchmllm.config import ModelConfig
+from orchmllm.config import DataConfig, ModelConfig, load_config
 from orchmllm.sim.batch import Batch
-from orchmllm.sim.compute import PHASES, Submodule, submodules
+from orchmllm.sim.compute import Submodule, submodules
 from orchmllm.sim.layout import TAILORED, plan
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
 from orchmllm.sim.workload import sample_batch
@@ -33,7 +32,7 @@ class SimModel:
 
     name: str
     config: ModelConfig
-    data: Mapping[str, Any]
+    data: DataConfig
     modules: Mapping[str, Submodule] = field(repr=False)
 
 
@@ -44,9 +43,8 @@ def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
         path = configs_dir / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"name: no run config at {path}")
-    raw = yaml.safe_load(path.read_text())
-    config = ModelConfig.from_dict(raw["model"])
-    return SimModel(path.stem, config, raw["data"], submodules(config))
+    run = load_config(path)
+    return SimModel(path.stem, run.model, run.data, submodules(run.model))
 
 
 def sample_pool(
@@ -141,7 +139,7 @@ def summarize(
         "memory_budget_gb": results[0].budget_bytes / 1e9,
         "oom": any(r.oom for r in results),
     }
-    for phase in PHASES:
+    for phase in model.modules:
         record[f"compute_{phase}_s"] = float(np.mean([r.compute_s[phase] for r in results]))
         record[f"imbalance_{phase}"] = float(np.mean([r.imbalance(phase) for r in results]))
         record[f"fsdp_{phase}_s"] = results[0].fsdp_s[phase]

@@ -7,38 +7,15 @@ maps a run config's ``data:`` and ``model:`` sections onto it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from orchmllm.config import ModelConfig
-from orchmllm.recipe import RecipeConfig, sample_examples
-from orchmllm.schema import EncodingRates
+from orchmllm.config import DataConfig, ModelConfig
+from orchmllm.recipe import RecipeConfig, run_fields, sample_examples
 from orchmllm.sim.batch import Batch
 
 
-def recipe_config(data: Mapping[str, Any], config: ModelConfig) -> RecipeConfig:
-    """The recipe of a run config's ``data:`` section for ``config``'s patch size."""
-    return RecipeConfig(
-        task_weights=data["mix"],
-        patch=config.vision.patch,
-        max_image_side=int(data["max_image_side"]),
-        max_audio_s=float(data["max_audio_s"]),
-        max_text_tokens=int(data["max_text_tokens"]),
-        scale=float(data.get("scale", 1.0)),
-    )
-
-
-def encoding_rates(config: ModelConfig) -> EncodingRates:
-    """Raw units per LLM token of ``config``'s encoders."""
-    return EncodingRates(
-        vision_downsample=config.vision.downsample,
-        audio_conv_stride=config.audio.conv_stride,
-        audio_downsample=config.audio.downsample,
-    )
-
-
 def sample_batch(
-    data: Mapping[str, Any],
+    data: DataConfig,
     config: ModelConfig,
     *,
     num_ranks: int,
@@ -46,17 +23,18 @@ def sample_batch(
     seed: int | Sequence[int],
 ) -> Batch:
     """One step's global batch: ``examples_per_rank`` i.i.d. examples on each of ``num_ranks``
-    (rank ``r`` holds examples ``r*b .. r*b+b-1``); ``seed`` seeds ``numpy.random.default_rng``."""
+    (rank ``r`` holds examples ``r*b .. r*b+b-1``); ``seed`` seeds ``numpy.random.default_rng``.
+
+    Raises:
+        ValueError: a size below 1, or a mix whose tasks hold a modality the model does not
+            encode.
+    """
     if num_ranks < 1 or examples_per_rank < 1:
         raise ValueError(
             f"num_ranks and examples_per_rank must be >= 1, got {num_ranks}, {examples_per_rank}"
         )
-    ex = sample_examples(
-        recipe_config(data, config),
-        num_ranks * examples_per_rank,
-        seed,
-        rates=encoding_rates(config),
-    )
-    return Batch(
-        num_ranks, ex.text, ex.image_example, ex.image_patches, ex.audio_example, ex.audio_frames
-    )
+    recipe = RecipeConfig(**run_fields(data, config))
+    ex = sample_examples(recipe, num_ranks * examples_per_rank, seed, rates=config.rates)
+    batch = Batch(num_ranks, ex.text, {n: it for n, it in ex.items.items() if it.raw.size})
+    batch.check_encoded_by(config)
+    return batch
