@@ -152,7 +152,8 @@ def balance(
             added with ``orchmllm.register_policy``.
         src: current rank of every item (needed by ``identity``, ``greedy_stay`` and a
             placement; adds movement statistics).
-        cost: the cost model balanced (``None``: the policy's default, :func:`default_cost`).
+        cost: the cost model balanced (``None``: the policy's default,
+            ``orchmllm.policies.default_cost``).
         ranks_per_node: ranks per node, for ``greedy_stay`` and ``placement``.
         placement: ``none``, or how batches are permuted over ranks to keep traffic inside
             nodes (``orchmllm.placement``).
