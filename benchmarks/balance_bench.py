@@ -45,17 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from orchmllm import _core
-from orchmllm.balance import (
-    PADDED_POLICIES,
-    POLICIES,
-    balance,
-    plan_dst,
-    ref_karmarkar_karp,
-    ref_lpt,
-    ref_multifit,
-)
+from orchmllm.balance import balance
 from orchmllm.cost import CostModel, fit_packed, fit_padded, load_calibration
 from orchmllm.placement import REFINE_STEPS_PER_RANK
+from orchmllm.policies import PADDED_POLICIES, POLICIES, plan_dst
+from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
 # H100 block at hidden 1280, fitted on the packaged measurement: the quadratic objective.

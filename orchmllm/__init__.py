@@ -9,9 +9,10 @@ The planner (``balance``, the cost models, ``Rearrangement`` and the step planne
 from importlib import import_module
 from typing import Any
 
-from orchmllm.balance import POLICIES, Assignment, InfeasibleCapError, balance
+from orchmllm.balance import Assignment, InfeasibleCapError, balance
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement
+from orchmllm.policies import POLICIES, PolicyInput, register_policy, unregister_policy
 from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, local_metadata, plan_step
 
 _LAZY = {
@@ -32,6 +33,7 @@ __all__ = [
     "Assignment",
     "CostModel",
     "InfeasibleCapError",
+    "PolicyInput",
     "Rearrangement",
     "EncoderPhase",
     "StepOptions",
@@ -39,6 +41,8 @@ __all__ = [
     "balance",
     "local_metadata",
     "plan_step",
+    "register_policy",
+    "unregister_policy",
     *_LAZY,
 ]
 

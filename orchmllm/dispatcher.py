@@ -23,10 +23,12 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.agreement import agreed_plan
-from orchmllm.balance import POLICIES, balance, check_caps, plan_is_deterministic
+from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
+from orchmllm.policies import POLICIES
 from orchmllm.topology import DEFAULT_TIMEOUT_S, Topology
+from orchmllm.validate import check_caps
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
 

@@ -36,17 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import (
-    CLOCKED_PLACEMENTS,
-    PADDED_POLICIES,
-    POLICIES,
-    balance,
-    default_cost,
-    plan_is_deterministic,
-)
+from orchmllm.balance import CLOCKED_PLACEMENTS, balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.placement import METHODS, place_batches
 from orchmllm.plan import Rearrangement, expand_rows
+from orchmllm.policies import PADDED_POLICIES, POLICIES, default_cost
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments, is_integer
 
 __all__ = [

@@ -10,20 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchmllm
-from orchmllm.balance import (
-    MAX_RANKS,
-    PADDED_POLICIES,
-    POLICIES,
-    REGISTRY,
-    InfeasibleCapError,
-    balance,
-    default_cost,
-    plan_is_deterministic,
-    ref_karmarkar_karp,
-    ref_lpt,
-    ref_multifit,
-)
+from orchmllm.balance import InfeasibleCapError, balance
 from orchmllm.cost import CostModel
+from orchmllm.placement import MAX_RANKS
+from orchmllm.policies import PADDED_POLICIES, POLICIES, REGISTRY, default_cost
+from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 from tests.conftest import brute_force_min_load
 
@@ -431,39 +422,21 @@ def test_greedy_stay_passes_ranks_per_node_and_reports_the_movement_bound():
 
 
 # ---------------------------------------------------------------------------------------------
-# the registry, and the planner floor's imports
-
-
-def test_registry_is_the_one_source_of_policy_facts():
-    assert tuple(REGISTRY) == POLICIES and orchmllm.POLICIES is POLICIES
-    assert {p.name for p in REGISTRY.values() if p.padded} == PADDED_POLICIES
-    assert {p.name for p in REGISTRY.values() if p.capped} == set(CAPPED)
-    assert {p.name for p in REGISTRY.values() if p.needs_src} == {"identity", "greedy_stay"}
-    assert {p.name for p in REGISTRY.values() if p.refined} == {"greedy", "greedy_cost"}
-    for p in REGISTRY.values():
-        assert p.name == "identity" or callable(p.cpp), p
-        assert p.reference is None or callable(p.reference), p
-    assert plan_is_deterministic(policies=POLICIES)
-    assert not plan_is_deterministic(placement="ilp")
-    with pytest.raises(ValueError, match="policy"):
-        plan_is_deterministic(policies=["magic"])
-    # No other module keeps its own list of policy names or padded policies.
-    root = Path(orchmllm.__file__).parent
-    for path in root.rglob("*.py"):
-        if path.name == "balance.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign | ast.AnnAssign):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names = {t.id for t in targets if isinstance(t, ast.Name)}
-                assert not names & {"POLICIES", "PADDED_POLICIES"}, path
+# the planner floor's imports
 
 
 def test_planner_floor_imports_at_module_top_and_placement_sits_below_balance():
     """No ``orchmllm`` import inside a function (the old balance <-> placement circle hid
-    there), and placement.py never imports balance.py."""
+    there), and placement.py never imports balance.py or the policies."""
     root = Path(orchmllm.__file__).parent
-    for name in ("balance.py", "placement.py"):
+    for name in (
+        "balance.py",
+        "policies.py",
+        "reference.py",
+        "stats.py",
+        "validate.py",
+        "placement.py",
+    ):
         tree = ast.parse((root / name).read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -475,7 +448,7 @@ def test_planner_floor_imports_at_module_top_and_placement_sits_below_balance():
                     assert not any(m and m.startswith("orchmllm") for m in mods), (name, fn.name)
     placement = ast.parse((root / "placement.py").read_text())
     imported = {n.module for n in ast.walk(placement) if isinstance(n, ast.ImportFrom)}
-    assert "orchmllm.balance" not in imported
+    assert not imported & {"orchmllm.balance", "orchmllm.policies"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import math
 
-from orchmllm.balance import POLICIES
+from orchmllm.policies import POLICIES
 from orchmllm.workloads import DISTRIBUTIONS
 
 FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_after", "plan_ms"}

@@ -27,6 +27,9 @@ FLOORS = {
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest
     "orchmllm._core": 2,
     "orchmllm.cost": 2,
+    "orchmllm.validate": 2,
+    "orchmllm.stats": 2,
+    "orchmllm.reference": 2,
     "orchmllm.policies": 2,
     "orchmllm.exact": 2,
     "orchmllm.balance": 2,

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import PADDED_POLICIES, balance, plan_is_deterministic
+from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.plan import Rearrangement
+from orchmllm.policies import PADDED_POLICIES
 
 LAYOUTS = ("padded", "packed")
 # Collate classes whose batch layout is known, by (module, class); matched by name so that

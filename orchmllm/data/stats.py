@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import POLICIES, default_cost
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
+from orchmllm.policies import POLICIES, default_cost
 
 METRICS = (
     "imbalance_before",

@@ -1,0 +1,329 @@
+"""The balancing policies written plainly in Python: the same algorithms as ``cpp/`` (same
+tie-breaking, same floating-point operation order), so tests can check that the C++ core
+gives the same ``dst`` and ``benchmarks/balance_bench.py`` can measure its speed-up.
+
+Each ``ref_*`` function is a built-in policy's ``reference`` in
+:data:`orchmllm.policies.REGISTRY` (``balance(..., backend="python")`` runs it); the
+algorithms and their edges are described in :mod:`orchmllm.policies`. Inputs are what
+:func:`orchmllm.policies.plan_dst` hands them: validated, non-empty, not all zero.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from orchmllm import _core
+
+__all__ = [
+    "ref_binary_search",
+    "ref_conv",
+    "ref_greedy_tolerance",
+    "ref_karmarkar_karp",
+    "ref_lpt",
+    "ref_multifit",
+    "ref_padded_cost",
+]
+
+
+def _desc(key: list) -> list[int]:
+    return sorted(range(len(key)), key=lambda i: (-key[i], i))
+
+
+def _fill_least_loaded(w, order, load, count, cap, dst) -> None:
+    heap = [(load[r], r) for r in range(len(load)) if count[r] < cap]
+    heapq.heapify(heap)
+    for i in order:
+        _, r = heapq.heappop(heap)
+        dst[i] = r
+        load[r] += w[i]
+        count[r] += 1
+        if count[r] < cap:
+            heapq.heappush(heap, (load[r], r))
+
+
+def _around(neg: list[float], target: float) -> list[int]:
+    # Positions nearest to target in weights sorted descending (given negated): the first of
+    # the run just above target, and the first at or below it.
+    below = bisect.bisect_left(neg, -target)
+    above = [bisect.bisect_left(neg, neg[below - 1])] if below > 0 else []
+    return above + ([below] if below < len(neg) else [])
+
+
+def _refine(w, order, dst, load, count, cap, max_steps) -> None:
+    d = len(load)
+    lists = [[] for _ in range(d)]  # per rank, weight descending then index ascending
+    for i in order:
+        lists[dst[i]].append(i)
+    for _ in range(max_steps):
+        h = max(range(d), key=lambda r: (load[r], -r))
+        l = min(range(d), key=lambda r: (load[r], r))
+        if h == l or count[h] <= 1:
+            break
+        lh, ll = load[h], load[l]
+        half = (lh - ll) * 0.5
+        hs, ls = lists[h], lists[l]
+        neg_h, neg_l = [-w[i] for i in hs], [-w[j] for j in ls]
+        steps = []  # (new max of the pair, item leaving h, item leaving l or -1)
+        if count[l] < cap:
+            moves = [hs[a] for a in _around(neg_h, half)]
+            steps += [(max(lh - w[i], ll + w[i]), i, -1) for i in moves if w[i] > 0]
+        for i in hs:
+            partners = [ls[b] for b in _around(neg_l, w[i] - half)]
+            steps += [
+                (max((lh - w[i]) + w[j], (ll - w[j]) + w[i]), i, j) for j in partners if w[j] < w[i]
+            ]
+        steps = [s for s in steps if s[0] < lh]
+        if not steps:
+            break
+        _, i, j = min(steps)
+        hs.remove(i)
+        dst[i] = l
+        if j < 0:
+            load[h], load[l] = lh - w[i], ll + w[i]
+            count[h] -= 1
+            count[l] += 1
+        else:
+            ls.remove(j)
+            bisect.insort(hs, j, key=lambda k: (-w[k], k))
+            dst[j] = h
+            load[h], load[l] = (lh - w[i]) + w[j], (ll - w[j]) + w[i]
+        bisect.insort(ls, i, key=lambda k: (-w[k], k))
+
+
+def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
+    """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
+    refined LPT, then on small instances refined KK and MULTIFIT, the lightest maximum load
+    winning, ties to the earlier candidate; candidates stop once one reaches the lower bound
+    (mean, heaviest item, d-th plus (d+1)-th heaviest; rounded up for integer weights)."""
+    w = [float(x) for x in weights]
+    n, d = len(w), num_ranks
+    dst = [0] * n
+    load, count, order = [0.0] * d, [0] * d, _desc(w)
+    _fill_least_loaded(w, order, load, count, cap, dst)
+    if max_steps <= 0:
+        return np.array(dst, dtype=np.int64)
+    _refine(w, order, dst, load, count, cap, max_steps)
+    best = max(load)
+    total = 0.0
+    for i in order:
+        total += w[i]
+    if n < 2 or d < 2:
+        return np.array(dst, dtype=np.int64)
+    bound = max(total / d, w[order[0]])
+    if n > d:
+        bound = max(bound, w[order[d - 1]] + w[order[d]])
+    integral = all(x == math.floor(x) for x in w)
+    if integral:
+        bound = math.ceil(bound)
+    if not best > bound:
+        return np.array(dst, dtype=np.int64)
+    candidates = []
+    if n * d <= _core.PORTFOLIO_KK_WORK:
+        candidates.append(lambda: [int(r) for r in ref_karmarkar_karp(weights, d, False)])
+    if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
+        candidates.append(lambda: ref_multifit(w, order, d, cap))
+    for make in candidates:
+        if not best > bound:
+            break
+        plan = make()
+        if plan is None:
+            continue
+        load, count = [0.0] * d, [0] * d
+        for i in order:
+            load[plan[i]] += w[i]
+            count[plan[i]] += 1
+        if max(count) > cap:
+            continue
+        _refine(w, order, plan, load, count, cap, max_steps)
+        if max(load) < best:
+            best, dst = max(load), plan
+    return np.array(dst, dtype=np.int64)
+
+
+def _first_fit(w, order, d, cap, bound) -> list[int] | None:
+    load, count, dst = [0.0] * d, [0] * d, [0] * len(w)
+    for i in order:
+        fits = [r for r in range(d) if count[r] < cap and load[r] + w[i] <= bound]
+        if not fits:
+            return None
+        dst[i] = fits[0]
+        load[fits[0]] += w[i]
+        count[fits[0]] += 1
+    return dst
+
+
+def ref_multifit(w: list[float], order: list[int], d: int, cap: int) -> list[int] | None:
+    """MULTIFIT (Coffman, Garey and Johnson): bisection on the capacity of first-fit
+    decreasing, from the lower bound max(total/d, heaviest) to max(2 total/d, heaviest),
+    at most ``MULTIFIT_ROUNDS`` rounds; ``None`` when no capacity fits (a tight count cap)."""
+    total = 0.0
+    for i in order:
+        total += w[i]
+    lo = max(total / d, w[order[0]])
+    hi = max(2.0 * total / d, w[order[0]])
+    found = _first_fit(w, order, d, cap, lo)
+    if found is not None:
+        return found
+    integral = all(x == math.floor(x) for x in w)  # then capacities < 1 apart plan alike
+    for rounds in range(_core.MULTIFIT_ROUNDS):
+        mid = hi if rounds == 0 else lo + (hi - lo) / 2
+        if rounds > 0 and (not lo < mid < hi or (integral and hi - lo < 1.0)):
+            break
+        plan = _first_fit(w, order, d, cap, mid)
+        if plan is not None:
+            hi, found = mid, plan
+        elif rounds == 0:
+            return None
+        else:
+            lo = mid
+    return found
+
+
+def ref_greedy_tolerance(
+    lengths: np.ndarray, num_ranks: int, tolerance: float, cap: int
+) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    total, square, count = [0.0] * num_ranks, [0.0] * num_ranks, [0] * num_ranks
+    dst = [0] * len(l)
+    for i in _desc(l):
+        open_ranks = [r for r in range(num_ranks) if count[r] < cap]
+        lowest = min(total[r] for r in open_ranks)
+        window = [r for r in open_ranks if total[r] - lowest <= tolerance]
+        best = min(window, key=lambda r: (square[r], total[r], r))
+        x = float(l[i])
+        dst[i] = best
+        total[best] += x
+        square[best] += x * x
+        count[best] += 1
+    return np.array(dst, dtype=np.int64)
+
+
+def _least_batches(lengths, ascending, cap, bound, cost: Callable, dst=None) -> int:
+    batches = count = 0
+    for i in ascending:
+        if batches == 0 or count >= cap or cost(count + 1, lengths[i]) > bound:
+            batches += 1
+            count = 0
+        count += 1
+        if dst is not None:
+            dst[i] = batches - 1
+    return batches
+
+
+def ref_binary_search(lengths: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    asc = sorted(range(len(l)), key=lambda i: (l[i], i))
+    longest = l[asc[-1]]
+    left, right = longest, longest * -(-len(l) // num_ranks)
+    while left < right:
+        mid = left + (right - left) // 2
+        if _least_batches(l, asc, cap, mid, lambda b, x: b * x) <= num_ranks:
+            right = mid
+        else:
+            left = mid + 1
+    dst = [0] * len(l)
+    _least_batches(l, asc, cap, left, lambda b, x: b * x, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_padded_cost(
+    lengths: np.ndarray,
+    num_ranks: int,
+    alpha: float,
+    beta: float,
+    const: float,
+    multiplier: float,
+    cap: int,
+) -> np.ndarray:
+    l = [int(x) for x in lengths]
+    asc = sorted(range(len(l)), key=lambda i: (l[i], i))
+
+    def cost(b: int, x: int) -> float:
+        b, x = float(b), float(x)
+        return multiplier * (alpha * b * x + beta * b * x * x + const)
+
+    longest = l[asc[-1]]
+    lo, hi = cost(1, longest), cost(-(-len(l) // num_ranks), longest)
+    if _least_batches(l, asc, cap, lo, cost) <= num_ranks:
+        hi = lo
+    while True:
+        mid = lo + (hi - lo) / 2
+        if not lo < mid < hi:
+            break
+        if _least_batches(l, asc, cap, mid, cost) <= num_ranks:
+            hi = mid
+        else:
+            lo = mid
+    dst = [0] * len(l)
+    _least_batches(l, asc, cap, hi, cost, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_conv(lengths: np.ndarray, num_ranks: int, cap: int) -> np.ndarray:
+    w = [float(x) for x in lengths]
+    greedy = ref_lpt(lengths.astype(np.float64), num_ranks, cap)
+    sums = [0.0] * num_ranks
+    for i, r in enumerate(greedy):
+        sums[r] += w[i]
+    bound = max(sums)
+    load, count = [0.0] * num_ranks, [0] * num_ranks
+    dst = [0] * len(w)
+    order = _desc(w)
+    cur = k = 0
+    first = 0.0
+    while k < len(order):
+        i = order[k]
+        if count[cur] > 0 and (count[cur] >= cap or (count[cur] + 1) * first > bound):
+            if cur + 1 >= num_ranks:
+                break
+            cur += 1
+        if count[cur] == 0:
+            first = w[i]
+        dst[i] = cur
+        load[cur] += w[i]
+        count[cur] += 1
+        k += 1
+    _fill_least_loaded(w, order[k:], load, count, cap, dst)
+    return np.array(dst, dtype=np.int64)
+
+
+def ref_karmarkar_karp(weights: np.ndarray, num_ranks: int, equal_counts: bool) -> np.ndarray:
+    # A subset is (sum, smallest item index, items); the empty subset is (0.0, -1, []).
+    w = [float(x) for x in weights]
+    n, d = len(w), num_ranks
+    empty = (0.0, -1, [])
+    if equal_counts:
+        total = -(-n // d) * d
+        w += [0.0] * (total - n)
+        order = _desc(w)
+        states = [
+            sorted([(w[i], i, [i]) for i in order[c * d : (c + 1) * d]], key=lambda s: s[:2])
+            for c in range(total // d)
+        ]
+    else:
+        states = [[empty] * (d - 1) + [(w[i], i, [i])] for i in range(n)]
+    heap = [(-(s[-1][0] - s[0][0]), k) for k, s in enumerate(states)]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        a = states[heapq.heappop(heap)[1]]
+        b = states[heapq.heappop(heap)[1]]
+        merged = []
+        for x, y in zip(reversed(a), b, strict=True):
+            if x[1] < 0 or y[1] < 0:
+                merged.append(y if x[1] < 0 else x)
+            else:
+                merged.append((x[0] + y[0], min(x[1], y[1]), x[2] + y[2]))
+        merged.sort(key=lambda s: s[:2])
+        states.append(merged)
+        heapq.heappush(heap, (-(merged[-1][0] - merged[0][0]), len(states) - 1))
+    dst = np.zeros(n, dtype=np.int64)
+    for rank, (_, _, items) in enumerate(states[heap[0][1]]):
+        for i in items:
+            if i < n:
+                dst[i] = rank
+    return dst
