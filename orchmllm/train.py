@@ -36,12 +36,13 @@ import orchmllm
 from orchmllm import checkpoint, compat, watch
 from orchmllm.data import EncodingRates, SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, ModelConfig, build_model, shard_model
 from orchmllm.orchestrator import IGNORE_INDEX, LLMBatch, Orchestrator
 from orchmllm.progress import PROGRESS, StepProgress
-from orchmllm.step_plan import MODES, default_phases
+from orchmllm.step_plan import MODES, StepOptions, default_phases
 from orchmllm.topology import Topology
 
 PLACEMENTS = ("none", "assign", "ilp", "auto")
@@ -326,20 +327,20 @@ def make_orchestrator(
     cfg: RunConfig, *, mode: str, placement: str, topology: Topology, dtype: torch.dtype
 ) -> Orchestrator:
     """The orchestrator with this run's phases and policies (it plans in the loader's
-    prefetch thread, which gathers metadata on a gloo group of its own)."""
+    prefetch thread, which gathers metadata on the topology's gloo group)."""
     phases = default_phases(
         cfg.rates,
         feature_dims=cfg.model.feature_dims,
         policies={"vision": cfg.balance.vision_policy, "audio": cfg.balance.audio_policy},
     )
-    return Orchestrator(
+    options = StepOptions(
         phases,
         mode=mode,
         llm_policy=cfg.balance.llm_policy,
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
-        topology=topology,
     )
+    return Orchestrator(options, topology=topology)
 
 
 def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtype, device):
@@ -421,9 +422,8 @@ def setup(args: argparse.Namespace) -> Run:
         dataset,
         orch,
         batch_size=per_rank,
-        prefetch=args.prefetch,
-        seed=seed,
-        timeout=args.timeout,
+        sampling=SamplingOptions(seed=seed),
+        options=LoaderOptions(prefetch=args.prefetch),
         topology=topology,
     )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
