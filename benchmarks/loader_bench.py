@@ -74,8 +74,9 @@ class _Work:
                 self.a @ self.a
 
 
-def _case(ds, cfg: dict) -> dict:
+def _case(ds, cfg: dict, topology) -> dict:
     from orchmllm.data.loader import BalancedDataLoader
+    from orchmllm.data.options import LoaderOptions, PlanningOptions
 
     loader = BalancedDataLoader(
         ds,
@@ -83,9 +84,9 @@ def _case(ds, cfg: dict) -> dict:
         length_column="n_tokens",
         collate_fn=_pack,
         mode=cfg["mode"],
-        policy=cfg["policy"],
-        prefetch=cfg["prefetch"],
-        timeout=120.0,
+        planning=PlanningOptions(policy=cfg["policy"]),
+        options=LoaderOptions(prefetch=cfg["prefetch"]),
+        topology=topology,
     )
     work = _Work(cfg["work"], cfg["step_s"])
     grad = torch.zeros(1024)
@@ -117,10 +118,14 @@ def _case(ds, cfg: dict) -> dict:
 
 
 def _cases(rank: int, world: int, data: dict, cfgs: list[dict]) -> list[dict]:
-    """All cases in one set of processes (start-up is not what is measured)."""
+    """All cases in one set of processes (start-up is not what is measured), one after
+    another on one topology (one gloo group for all the loaders)."""
+    from orchmllm.topology import Topology
+
     torch.set_num_threads(1)
     ds = _dataset(data["items_per_rank"] * world * data["steps"], data["seed"], data["median"])
-    return [_case(ds, cfg) for cfg in cfgs]
+    with Topology.build(timeout=120.0) as topology:
+        return [_case(ds, cfg, topology) for cfg in cfgs]
 
 
 def summarize(cfg: dict, per_rank: list[dict], world: int) -> dict:

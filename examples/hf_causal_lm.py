@@ -16,8 +16,9 @@ balanced one, three statements change (marked ``# orchmllm`` below)::
     + import orchmllm
     - sampler = DistributedSampler(dataset, seed=seed)
     - loader = DataLoader(dataset, batch_size=8, sampler=sampler, collate_fn=pack)
-    + loader = orchmllm.BalancedDataLoader(dataset, batch_size=8, collate_fn=pack, seed=seed,
-    +                                      lengths=[len(e["input_ids"]) for e in dataset])
+    + loader = orchmllm.BalancedDataLoader(dataset, batch_size=8, collate_fn=pack,
+    +                                      lengths=[len(e["input_ids"]) for e in dataset],
+    +                                      sampling=orchmllm.SamplingOptions(seed=seed))
     - sampler.set_epoch(epoch)
     + loader.set_epoch(epoch)
 
@@ -101,9 +102,11 @@ def make_loader(dataset: list[dict], args: argparse.Namespace):
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=pack)
         return loader, sampler
     loader = orchmllm.BalancedDataLoader(  # orchmllm
-        dataset, batch_size=args.batch_size, collate_fn=pack, seed=args.seed,
+        dataset, batch_size=args.batch_size, collate_fn=pack,
         lengths=[len(e["input_ids"]) for e in dataset],  # index mode: no example is moved
-        policy=args.balance, timeout=args.timeout,
+        sampling=orchmllm.SamplingOptions(seed=args.seed),
+        planning=orchmllm.PlanningOptions(policy=args.balance),
+        topology=orchmllm.Topology.build(timeout=args.timeout),
     )  # fmt: skip
     return loader, loader  # orchmllm: loader.set_epoch(epoch) replaces sampler.set_epoch(epoch)
 

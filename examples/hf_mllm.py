@@ -391,7 +391,7 @@ def orchestrated_loss(orch, planned, world: int, loads: dict[str, float], device
 
     def step(model: nn.Module) -> torch.Tensor:
         p = parts(model)
-        out = orch.run(batch, encoders(model, loads), plan=planned.plan)
+        out = orch.run(batch, encoders(model, loads), plan=planned.plan, assembly=planned.assembly)
         embeds = p.language_model.embed_tokens(out.input_ids)
         marks = embeds.new_full((embeds.shape[0], ROPE), -1.0)  # text tokens have no offsets
         seq = out.assemble(torch.cat([embeds, marks], 1))
@@ -458,9 +458,16 @@ def train(args: argparse.Namespace) -> list[dict]:
         ]
         if omni:
             phases.append(orchmllm.EncoderPhase("audio", AUDIO, "audio_mels", AUDIO_STRIDE, N_MELS))
-        orch = orchmllm.Orchestrator(phases, mode=args.balance, timeout=args.timeout)
+        topology = orchmllm.Topology.build(timeout=args.timeout)  # the loader shares it
+        orch = orchmllm.Orchestrator(
+            orchmllm.StepOptions(phases, mode=args.balance), topology=topology
+        )
         loader = orchmllm.orchestrated_loader(
-            dataset, orch, batch_size=args.batch_size, seed=args.seed, timeout=args.timeout
+            dataset,
+            orch,
+            batch_size=args.batch_size,
+            sampling=orchmllm.SamplingOptions(seed=args.seed),
+            topology=topology,
         )
         sampler = loader
     records = []

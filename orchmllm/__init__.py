@@ -21,11 +21,14 @@ _LAZY = {
     "LocalBatch": "orchmllm.orchestrator",
     "LLMBatch": "orchmllm.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
-    "LoaderOptions": "orchmllm.data.loader",
+    "LoaderOptions": "orchmllm.data.options",
+    "SamplingOptions": "orchmllm.data.options",
+    "PlanningOptions": "orchmllm.data.options",
     "PlannedBatch": "orchmllm.data.loader",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
     "global_num_items": "orchmllm.loss",
+    "Topology": "orchmllm.topology",
 }
 
 __all__ = [

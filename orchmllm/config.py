@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 
 import yaml
 
-from orchmllm.balance import PLACEMENTS, POLICIES
+from orchmllm.balance import PLACEMENTS
+from orchmllm.policies import POLICIES
 from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
 
 __all__ = [

@@ -27,7 +27,7 @@ from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
 from orchmllm.policies import POLICIES
-from orchmllm.topology import DEFAULT_TIMEOUT_S, Topology
+from orchmllm.topology import Topology
 from orchmllm.validate import check_caps
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
@@ -100,34 +100,31 @@ def _pad(packed: torch.Tensor, lengths: torch.Tensor, pad_to: int, value: float)
 
 
 class BatchDispatcher:
-    """Rebalances variable-length mini-batches across the ranks of ``group``.
+    """Rebalances variable-length mini-batches across the ranks of a topology's group.
 
-    Construct it on every rank together: without a ``topology`` or ``meta_group``, a gloo
-    group for the lengths gather is created here, a collective. What each rank passes to
-    :meth:`dispatch` (tensor names, dtypes, trailing shapes, ``requires_grad``, the policy and
-    its options, a precomputed plan) is always compared, at no extra collective: it rides in
-    the lengths gather.
+    Construct it on every rank together (without a ``topology`` it builds its own, a
+    collective). What each rank passes to :meth:`dispatch` (tensor names, dtypes, trailing
+    shapes, ``requires_grad``, the policy and its options, a precomputed plan) is always
+    compared, at no extra collective: it rides in the lengths gather.
 
     Args:
         policy: a name from ``orchmllm.POLICIES`` (None: ``greedy`` for the packed layout,
             ``padded_cost`` for the padded one).
-        topology: the job's process groups and ranks per node
-            (:class:`orchmllm.topology.Topology`, shared with the loader and orchestrator);
-            when given, ``group``, ``meta_group``, ``ranks_per_node`` and ``timeout`` are
-            ignored; without one, it is built here from them.
-        group: the data-parallel group the batch moves on (None: the default group).
-        ranks_per_node: consecutive ranks per node, for ``greedy_stay``, ``placement`` and the
-            intra-/inter-node byte counts (None: unknown).
+        topology: the job's process groups (:class:`orchmllm.topology.Topology`): the
+            data-parallel group the batch moves on, the gloo group the lengths are gathered
+            on, ranks per node (for ``greedy_stay``, ``placement`` and the intra-/inter-node
+            byte counts) and the timeout of every collective. None builds one over the
+            default group that this dispatcher owns, so it never shares a group with a
+            loader prefetching in a thread (dropping the dispatcher destroys the group);
+            share one topology between objects that do not gather at the same time.
         placement: ``none``, or how balanced batches are permuted over the ranks to keep
-            traffic inside nodes (``orchmllm.placement``; needs ``ranks_per_node``);
-            ``ilp`` is time-limited, so its plan is computed on rank 0 and broadcast.
+            traffic inside nodes (``orchmllm.placement``; needs the topology's
+            ``ranks_per_node``); ``ilp`` is time-limited, so its plan is computed on rank 0
+            and broadcast.
         cost: the cost model the policy balances (None: the policy's default); the load
             statistics use it too (None: the layout's).
-        timeout: seconds any one collective may wait.
         layout: ``packed`` (token tensors are ``[sum(lengths), ...]``) or ``padded``
             (``[B, T, ...]``, re-padded to the new local maximum after the move).
-        meta_group: a gloo group over the same ranks the lengths are gathered on (None: one
-            is created here).
         check_plan: also all-gather a fingerprint of the computed plan and raise
             :class:`PlanMismatchError` when ranks disagree (None: on in debug mode, see
             :func:`debug_enabled`).
@@ -142,8 +139,8 @@ class BatchDispatcher:
     Raises:
         ValueError: an unknown ``layout`` or ``policy``, a ``cost`` that is not a
             :class:`~orchmllm.cost.CostModel`, a cap that is not an integer >= 1 (items) or
-            a number > 0 (load), a ``placement`` without ``ranks_per_node``, a bad
-            ``timeout`` or ``ranks_per_node``, or a ``meta_group`` that is not gloo.
+            a number > 0 (load), or a ``placement`` with a topology without
+            ``ranks_per_node``.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
 
@@ -152,13 +149,9 @@ class BatchDispatcher:
         policy: str | None = None,
         *,
         topology: Topology | None = None,
-        group: dist.ProcessGroup | None = None,
-        ranks_per_node: int | None = None,
         placement: str = "none",
         cost: CostModel | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
         layout: str = "packed",
-        meta_group: dist.ProcessGroup | None = None,
         check_plan: bool | None = None,
         max_items_per_rank: int | None = None,
         max_load_per_rank: float | None = None,
@@ -173,20 +166,15 @@ class BatchDispatcher:
         if cost is not None and not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a CostModel or None, got {cost!r}")
         check_caps(max_items_per_rank, max_load_per_rank)
+        if placement != "none" and (topology is None or topology.ranks_per_node is None):
+            raise ValueError(
+                f"placement={placement!r} needs ranks_per_node: pass "
+                "topology=Topology.build(ranks_per_node=...)"
+            )
         if not dist.is_initialized():
             raise RuntimeError("BatchDispatcher needs an initialised torch.distributed group")
-        if topology is None:
-            topology = Topology.build(
-                group=group, meta_group=meta_group, ranks_per_node=ranks_per_node, timeout=timeout
-            )
-        if placement != "none" and topology.ranks_per_node is None:
-            raise ValueError(f"placement={placement!r} needs ranks_per_node, got None")
-        self.topology = topology
+        self.topology = topology if topology is not None else Topology.build()
         self.policy = policy
-        self.group = topology.group
-        self.meta_group = topology.meta_group
-        self.ranks_per_node = topology.ranks_per_node
-        self.timeout = topology.timeout
         self.placement = placement
         self.layout = layout
         self.max_items_per_rank = max_items_per_rank
@@ -249,13 +237,13 @@ class BatchDispatcher:
         local_lengths = self._check_inputs(tokens, lengths, items)
         if plan is not None and not isinstance(plan, Rearrangement):
             raise ValueError(f"plan must be a Rearrangement or None, got {type(plan).__name__}")
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        rank, world = self.topology.rank, self.topology.size
 
         t0 = time.perf_counter()
         rows, src = comm.all_gather_rows(
             local_lengths[:, None],
-            group=self.meta_group,
-            timeout=self.timeout,
+            group=self.topology.meta_group,
+            timeout=self.topology.timeout,
             agree=self._agreement(tokens, items, plan),
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
@@ -268,14 +256,14 @@ class BatchDispatcher:
                     self.policy,
                     src=src,
                     cost=self.cost,
-                    ranks_per_node=self.ranks_per_node,
+                    ranks_per_node=self.topology.ranks_per_node,
                     placement=self.placement,
                     max_items_per_rank=self.max_items_per_rank,
                     max_load_per_rank=self.max_load_per_rank,
                 ),
                 deterministic=self.deterministic,
-                group=self.meta_group,
-                timeout=self.timeout,
+                group=self.topology.meta_group,
+                timeout=self.topology.timeout,
             )
             plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
             policy_stats = assignment.stats
@@ -294,8 +282,8 @@ class BatchDispatcher:
             plan,
             flat + [items[k] for k in item_names],
             [glob] * len(flat) + [np.ones_like(glob)] * len(item_names),
-            group=self.group,
-            timeout=self.timeout,
+            group=self.topology.group,
+            timeout=self.topology.timeout,
         )
         t3 = time.perf_counter()
         new_max = int(glob[new_ids].max()) if new_ids.size else 0
@@ -350,10 +338,16 @@ class BatchDispatcher:
         back = plan.inverse()
         if items:
             return comm.move(
-                back, tensor, sizes=np.ones_like(glob), group=self.group, timeout=self.timeout
+                back,
+                tensor,
+                sizes=np.ones_like(glob),
+                group=self.topology.group,
+                timeout=self.topology.timeout,
             )
         flat = self._to_packed(tensor, dispatched.lengths, layout=dispatched.layout)
-        out = comm.move(back, flat, sizes=glob, group=self.group, timeout=self.timeout)
+        out = comm.move(
+            back, flat, sizes=glob, group=self.topology.group, timeout=self.topology.timeout
+        )
         if dispatched.layout == "packed":
             return out
         orig_ids = plan.source_items_at(dispatched.rank)
@@ -422,7 +416,7 @@ class BatchDispatcher:
             "trailing shapes": tuple((name, tuple(t.shape[skip:])) for name, t, skip in tensors),
             "requires_grad": tuple((name, t.requires_grad) for name, t, _ in tensors),
             "policy": (
-                self.policy, self.layout, self.placement, self.ranks_per_node, self.cost,
+                self.policy, self.layout, self.placement, self.topology.ranks_per_node, self.cost,
                 self.max_items_per_rank, self.max_load_per_rank,
             ),
             "plan": None if plan is None else plan.fingerprint(),
@@ -431,11 +425,13 @@ class BatchDispatcher:
     def _check_plan(self, plan: Rearrangement, glob: np.ndarray) -> None:
         """Debug mode: every rank computed the same plan from the same gathered lengths."""
         mine = plan.fingerprint()
-        table = comm.all_gather_fixed(np.array([mine]), group=self.meta_group, timeout=self.timeout)
+        table = comm.all_gather_fixed(
+            np.array([mine]), group=self.topology.meta_group, timeout=self.topology.timeout
+        )
         comm.check_agreement(
             table,
             {"computed plan (fingerprint)": mine},
-            rank=dist.get_rank(self.group),
+            rank=self.topology.rank,
             what=f"plans computed from the same {glob.size} gathered lengths (every rank must "
             "use the same policy, cost, placement and orchmllm version)",
         )
@@ -452,8 +448,8 @@ class BatchDispatcher:
         token_bytes = sum(_row_bytes(t, lead) for t in tokens.values())
         item_bytes = sum(_row_bytes(t, 1) for t in items.values())
         per_item = glob * token_bytes + item_bytes
-        traffic = plan.traffic(sizes=per_item, ranks_per_node=self.ranks_per_node)
-        rank = dist.get_rank(self.group)
+        traffic = plan.traffic(sizes=per_item, ranks_per_node=self.topology.ranks_per_node)
+        rank = self.topology.rank
         before = self.stats_cost.loads(glob, plan.src_rank, plan.num_ranks)
         after = self.stats_cost.loads(glob, plan.dst_rank, plan.num_ranks)
         stay = plan.src_rank == plan.dst_rank

@@ -21,8 +21,7 @@ policy), not a model: encoders and the token embedding are callables of the call
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,10 +29,9 @@ import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.agreement import agreed_plan
-from orchmllm.cost import CostModel
 from orchmllm.placement import prepare_ilp
 from orchmllm.plan import Rearrangement
-from orchmllm.schema import TEXT
+from orchmllm.schema import IGNORE_INDEX, TEXT
 from orchmllm.step_plan import (
     EX,
     KIND,
@@ -42,16 +40,14 @@ from orchmllm.step_plan import (
     EncoderPhase,
     StepOptions,
     StepPlan,
-    assembly,
     local_metadata,
     plan_step,
     segment_lengths,
 )
+from orchmllm.step_plan import assembly as rank_assembly
 from orchmllm.topology import Topology
 
-__all__ = ["IGNORE_INDEX", "LLMBatch", "LocalBatch", "Orchestrator"]
-
-IGNORE_INDEX = -100
+__all__ = ["LLMBatch", "LocalBatch", "Orchestrator"]
 
 
 @dataclass
@@ -204,78 +200,39 @@ class Orchestrator:
     """Gathers, plans and executes the per-phase rearrangements of an MLLM step.
 
     A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
-    stopped by a clock) is computed on rank 0 of ``meta_group`` and broadcast there
-    (:func:`orchmllm.agreement.agreed_plan`), which needs a CPU (gloo) group: when
-    ``meta_group`` is None and ``group`` is not gloo, a gloo group over the same ranks is
-    created here, a collective, so construct the orchestrator on every rank together. Such an
-    orchestrator also pays the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp`
-    on the rank that solves), not in the first step.
+    stopped by a clock) is computed on rank 0 of the topology's gloo metadata group and
+    broadcast there (:func:`orchmllm.agreement.agreed_plan`); such an orchestrator also pays
+    the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp` on the rank that
+    solves), not in the first step.
 
     Args:
-        phases: the encoder phases (:attr:`orchmllm.step_plan.StepOptions.phases`).
-        mode: ``none``, ``llm`` or ``full`` (:attr:`~orchmllm.step_plan.StepOptions.mode`).
-        llm_policy: the LLM phase's balancing policy.
-        llm_cost: the LLM phase's cost model (None: the policy's default).
-        placement: ``none`` or a placement method (:class:`~orchmllm.step_plan.StepOptions`).
-        ranks_per_node: consecutive ranks per node, for placement; also splits the reported
-            bytes into intra- and inter-node (None: the topology's, else unknown).
-        text_token_bytes: bytes the LLM move carries per text token (placement volumes).
-        encoded_token_bytes: bytes per encoder output row (placement volumes; None: as a
-            text token).
+        options: how every step is planned (:class:`~orchmllm.step_plan.StepOptions`: the
+            encoder phases, mode, policies, placement, ranks per node, byte counts).
         topology: the job's process groups (:class:`orchmllm.topology.Topology`: the
             data-parallel group the moves use, the gloo group metadata is gathered on, ranks
-            per node, the timeout), shared with the loader; when given, its groups and
-            timeout replace ``group``, ``meta_group`` and ``timeout``.
-        group: without ``topology``, the data-parallel group the moves use (None: the
-            default group).
-        meta_group: without ``topology``, the group metadata is gathered and plans are
-            broadcast on (default ``group``).
-        timeout: without ``topology``, seconds any one collective may wait (None: the
-            group's own timeout; torch's default process-group timeout for the plan's
-            broadcast).
+            per node, the timeout), e.g. shared with the loader. None builds one over the
+            default group that this orchestrator owns (a collective: construct it on every
+            rank together; dropping the orchestrator destroys its group). ``ranks_per_node``
+            is one fact: the options take the topology's when they have none.
 
     Attributes:
         options: the :class:`~orchmllm.step_plan.StepOptions` every step is planned with.
+        topology: the :class:`~orchmllm.topology.Topology` it gathers and moves on.
 
     Raises:
-        ValueError: a bad option (:class:`~orchmllm.step_plan.StepOptions`), or a plan that
-            is broadcast while ``meta_group`` is not a gloo group.
+        TypeError: ``options`` is not a :class:`~orchmllm.step_plan.StepOptions`.
+        ValueError: the options and the topology name different ``ranks_per_node``.
     """
 
-    def __init__(
-        self,
-        phases: Sequence[EncoderPhase],
-        *,
-        mode: str = "full",
-        llm_policy: str = "greedy",
-        llm_cost: CostModel | None = None,
-        placement: str = "none",
-        ranks_per_node: int | None = None,
-        text_token_bytes: int = 16,
-        encoded_token_bytes: int | None = None,
-        topology: Topology | None = None,
-        group: dist.ProcessGroup | None = None,
-        meta_group: dist.ProcessGroup | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        if topology is not None:
-            group, meta_group, timeout = topology.group, topology.meta_group, topology.timeout
-            ranks_per_node = topology.ranks_per_node if ranks_per_node is None else ranks_per_node
-        self.options = StepOptions(
-            tuple(phases), mode=mode, llm_policy=llm_policy, llm_cost=llm_cost,
-            placement=placement, ranks_per_node=ranks_per_node,
-            text_token_bytes=text_token_bytes, encoded_token_bytes=encoded_token_bytes,
-        )  # fmt: skip
-        self.group = group
-        self.meta_group = meta_group if meta_group is not None else group
-        self.timeout = timeout
-        if self.options.deterministic or not (dist.is_available() and dist.is_initialized()):
-            return
-        if meta_group is None and dist.get_backend(group) != "gloo":
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            self.meta_group = dist.new_group(ranks, backend="gloo", timeout=self._agree_timeout())
-        self._check_meta_group()
-        if dist.get_rank(self.meta_group) == 0:
+    def __init__(self, options: StepOptions, *, topology: Topology | None = None) -> None:
+        if not isinstance(options, StepOptions):
+            raise TypeError(f"options must be a StepOptions, got {type(options).__name__}")
+        if topology is None:
+            topology = Topology.build(ranks_per_node=options.ranks_per_node)
+        self.options = _with_ranks_per_node(options, topology.ranks_per_node)
+        self.topology = topology
+        deterministic = self.options.deterministic
+        if not deterministic and topology.distributed and dist.get_rank(topology.meta_group) == 0:
             prepare_ilp()
 
     @property
@@ -288,21 +245,10 @@ class Orchestrator:
         """Consecutive ranks per node (None: unknown; placement off, all bytes intra-node)."""
         return self.options.ranks_per_node
 
-    def _agree_timeout(self) -> timedelta:
-        return dist.default_pg_timeout if self.timeout is None else timedelta(seconds=self.timeout)
-
-    def _check_meta_group(self) -> None:
-        backend = dist.get_backend(self.meta_group)
-        if backend != "gloo":
-            raise ValueError(
-                f"placement={self.options.placement!r} plans on rank 0 and broadcasts the plan "
-                f"on meta_group, which must be a gloo group, got backend {backend!r}"
-            )
-
     def gather(self, metadata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """All-gather every rank's :func:`local_metadata` rows (the step's only metadata).
 
-        A collective on ``meta_group``: every rank calls this together.
+        A collective on the topology's metadata group: every rank calls this together.
 
         Args:
             metadata: this rank's :func:`local_metadata` rows, int64 ``(segments, 4)``.
@@ -314,16 +260,18 @@ class Orchestrator:
         Raises:
             ValueError: ``metadata`` is not a 2-D integer array with the same number of
                 columns on every rank.
-            RuntimeError: a rank did not join the gather within ``timeout``.
+            RuntimeError: a rank did not join the gather within the topology's timeout.
         """
-        return comm.all_gather_rows(metadata, group=self.meta_group, timeout=self.timeout)
+        t = self.topology
+        return comm.all_gather_rows(metadata, group=t.meta_group, timeout=t.timeout)
 
     def plan(self, rows: np.ndarray, src: np.ndarray) -> StepPlan:
         """:func:`plan_step` with this orchestrator's options, the same plan on every rank.
 
         Pure and computed on each rank when the options make it a function of ``rows`` and
-        ``src`` alone; otherwise (``placement="ilp"``) computed on rank 0 of ``meta_group`` and
-        broadcast, a collective: every rank calls this together. Safe in a thread either way.
+        ``src`` alone; otherwise (``placement="ilp"``) computed on rank 0 of the topology's
+        metadata group and broadcast, a collective: every rank calls this together. Safe in a
+        thread either way.
 
         Args:
             rows: every rank's :func:`local_metadata` rows in rank order (from :meth:`gather`).
@@ -333,21 +281,17 @@ class Orchestrator:
             The :class:`~orchmllm.step_plan.StepPlan`, the same on every rank.
 
         Raises:
-            ValueError: rows the planner rejects (:func:`plan_step`), or a plan to broadcast
-                while ``meta_group`` is not a gloo group.
+            ValueError: rows the planner rejects (:func:`plan_step`).
             PeerFailed: on the other ranks, when rank 0 failed to compute a broadcast plan
                 (its own error is raised there).
-            RuntimeError: a broadcast that did not complete within ``timeout``.
+            RuntimeError: a broadcast that did not complete within the topology's timeout.
         """
-        deterministic = self.options.deterministic
-        if not deterministic and dist.is_available() and dist.is_initialized():
-            self._check_meta_group()
-        num_ranks = dist.get_world_size(self.group)
+        t = self.topology
         return agreed_plan(
-            lambda: plan_step(rows, src, self.options, num_ranks=num_ranks),
-            deterministic=deterministic,
-            group=self.meta_group,
-            timeout=self._agree_timeout().total_seconds(),
+            lambda: plan_step(rows, src, self.options, num_ranks=t.size),
+            deterministic=self.options.deterministic,
+            group=t.meta_group,
+            timeout=t.timeout,
         )
 
     def plan_batch(self, batch: LocalBatch) -> StepPlan:
@@ -376,8 +320,9 @@ class Orchestrator:
             plan.src_slot, plan.dst_slot
         ):
             return tensors
+        t = self.topology
         return comm.move_many(
-            plan, tensors, [sizes] * len(tensors), group=self.group, timeout=self.timeout
+            plan, tensors, [sizes] * len(tensors), group=t.group, timeout=t.timeout
         )
 
     def _bytes(self, plan: Rearrangement, sizes: np.ndarray, row_bytes: int) -> tuple[int, int]:
@@ -390,6 +335,7 @@ class Orchestrator:
         encoders: Mapping[str, Encoder],
         *,
         plan: StepPlan | None = None,
+        assembly: Assembly | None = None,
     ) -> LLMBatch:
         """Move, encode and assemble one step; ``plan`` from a prefetcher, or computed now.
 
@@ -399,9 +345,10 @@ class Orchestrator:
         are the forward bytes that leave their rank, summed over all ranks (raw inputs plus
         encoder outputs for an encoder phase, token ids and loss mask for ``llm``).
 
-        A collective on ``group`` (and, without ``plan``, on ``meta_group``): every rank calls
-        this together. The moves are autograd-aware: the encoder outputs' backward is an
-        all-to-all too, so every rank must backpropagate if any does.
+        A collective on the topology's data-parallel group (and, without ``plan``, on its
+        metadata group): every rank calls this together. The moves are autograd-aware: the
+        encoder outputs' backward is an all-to-all too, so every rank must backpropagate if
+        any does.
 
         Args:
             batch: this rank's :class:`LocalBatch`, on the device the moves use.
@@ -411,6 +358,9 @@ class Orchestrator:
             plan: the step's plan made ahead for exactly this batch (e.g.
                 ``PlannedBatch.plan`` from :func:`~orchmllm.data.orchestrated.orchestrated_loader`);
                 None plans now (:meth:`plan_batch`).
+            assembly: this rank's :func:`~orchmllm.step_plan.assembly` of ``plan``, computed
+                ahead with it (``PlannedBatch.assembly``), so that nothing but the moves and
+                the encoders runs here; None computes it now.
 
         Returns:
             This rank's :class:`LLMBatch`.
@@ -418,22 +368,28 @@ class Orchestrator:
         Raises:
             ValueError: ``encoders`` lacks a phase, ``plan`` is not this step's (another
                 group size, other phases, or other segments on this rank than ``batch``
-                holds), an encoder returned another shape, or a tensor does not match the
-                plan (or, without ``plan``, as :meth:`plan_batch`).
+                holds), an ``assembly`` without its ``plan`` or of another rank or step, an
+                encoder returned another shape, or a tensor does not match the plan (or,
+                without ``plan``, as :meth:`plan_batch`).
             PeerFailed: without ``plan``, as :meth:`plan`.
-            RuntimeError: a move or gather did not complete within ``timeout``.
+            RuntimeError: a move or gather did not complete within the topology's timeout.
         """
-        rank = dist.get_rank(self.group)
+        rank = self.topology.rank
         missing = [p.name for p in self.phases if p.name not in encoders]
         if missing:
             raise ValueError(f"encoders has no callable for phases {missing}")
+        if assembly is not None and plan is None:
+            raise ValueError("assembly was given without plan: pass the plan it was made from")
         if plan is None:
             plan = self.plan_batch(batch)
-        if plan.num_ranks != dist.get_world_size(self.group):
+        if plan.num_ranks != self.topology.size:
             raise ValueError(f"plan.num_ranks = {plan.num_ranks}, group has another size")
         _check_plan_fits(plan, batch, self.phases, rank)
+        if assembly is None:
+            assembly = rank_assembly(plan, rank)
+        else:
+            _check_assembly_fits(assembly, plan, rank)
         stats = plan.stats()
-        layout = assembly(plan, rank)
         encoded = []
         for p in self.phases:
             pp = plan.phases[p.name]
@@ -458,7 +414,7 @@ class Orchestrator:
             plan.llm, plan.text_len, ids.element_size() + mask.element_size()
         )
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter
-        return self._llm_batch(plan, layout, ids, mask, encoded, stats)
+        return self._llm_batch(plan, assembly, ids, mask, encoded, stats)
 
     @staticmethod
     def _llm_batch(
@@ -490,6 +446,19 @@ class Orchestrator:
         )
 
 
+def _with_ranks_per_node(options: StepOptions, ranks_per_node: int | None) -> StepOptions:
+    """``options`` with the topology's ``ranks_per_node`` where they have none; two different
+    values are an error (placement and the byte counts would disagree)."""
+    if ranks_per_node is None or ranks_per_node == options.ranks_per_node:
+        return options
+    if options.ranks_per_node is None:
+        return replace(options, ranks_per_node=ranks_per_node)
+    raise ValueError(
+        f"options.ranks_per_node={options.ranks_per_node} but the topology's "
+        f"ranks_per_node={ranks_per_node}: set it in one place"
+    )
+
+
 def _check_plan_fits(
     plan: StepPlan, batch: LocalBatch, phases: Sequence[EncoderPhase], rank: int
 ) -> None:
@@ -509,4 +478,20 @@ def _check_plan_fits(
         raise ValueError(
             f"plan does not match rank {rank}'s batch: its segments (kinds and lengths) differ; "
             "pass the plan computed for this batch"
+        )
+
+
+def _check_assembly_fits(layout: Assembly, plan: StepPlan, rank: int) -> None:
+    """An assembly given to :meth:`Orchestrator.run` must be ``rank``'s of ``plan``: the same
+    examples and, for the text and every phase, the rows the moves deliver (an assembly of
+    another rank or step would index the wrong rows)."""
+    examples = plan.llm.items_at(rank)
+    rows = {"text": int(plan.text_len[examples].sum())}
+    for name, pp in plan.phases.items():
+        rows[name] = int(pp.encoded[pp.to_llm.items_at(rank)].sum())
+    if not np.array_equal(layout.examples, examples) or layout.rows != rows:
+        raise ValueError(
+            f"assembly is not rank {rank}'s of this plan (examples {layout.examples.tolist()}, "
+            f"rows {layout.rows}; the plan gives {examples.tolist()}, {rows}): pass the "
+            "assembly computed with the plan"
         )

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import CLOCKED_PLACEMENTS, balance, plan_is_deterministic
+from orchmllm.balance import CLOCKED_PLACEMENTS, PLACEMENTS, balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
-from orchmllm.placement import METHODS, place_batches
+from orchmllm.placement import place_batches
 from orchmllm.plan import Rearrangement, expand_rows
 from orchmllm.policies import PADDED_POLICIES, POLICIES, default_cost
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments, is_integer
@@ -57,8 +57,6 @@ __all__ = [
 ]
 
 MODES = ("none", "llm", "full")
-# How a step's balanced batches are placed over the ranks: off, or a placement method.
-STEP_PLACEMENTS = ("none", *METHODS)
 # Columns of the gathered metadata: one row per segment.
 EX, KIND, RAW, TARGETS = range(4)
 # Steps with at least this many segments plan their phases in threads side by side. Below it
@@ -156,8 +154,8 @@ class StepOptions:
     Raises:
         ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
             ``llm_policy`` is not in ``orchmllm.POLICIES``; ``placement`` is not in
-            :data:`STEP_PLACEMENTS`; ``ranks_per_node`` is not an integer >= 1 or None; a
-            byte count is < 1.
+            :data:`orchmllm.balance.PLACEMENTS`; ``ranks_per_node`` is not an integer >= 1 or
+            None; a byte count is < 1.
     """
 
     phases: tuple[EncoderPhase, ...]
@@ -179,8 +177,8 @@ class StepOptions:
             raise ValueError(f"phases must have distinct kinds and names, got {self.phases}")
         if self.llm_policy not in POLICIES:
             raise ValueError(f"llm_policy must be one of {POLICIES}, got {self.llm_policy!r}")
-        if self.placement not in STEP_PLACEMENTS:
-            raise ValueError(f"placement must be one of {STEP_PLACEMENTS}, got {self.placement!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         rpn = self.ranks_per_node
         if rpn is not None and (not is_integer(rpn) or rpn < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {rpn!r}")

@@ -1,13 +1,31 @@
-"""The process groups of one data-parallel job, built once and passed down.
+"""The process groups of one data-parallel job: the only place the package opens one.
 
 Post-balancing talks on two groups over the same ranks: the training group, where examples
 and encoder outputs move (NCCL in production), and a CPU (gloo) group, where metadata is
 gathered and non-deterministic plans are broadcast, so a loader can plan in a background
-thread beside GPU traffic. Opening a gloo group per loader or dispatcher leaks threads and
-sockets (every group holds its own), so one :class:`Topology` owns them and every user of the
-library's distributed parts (``BatchDispatcher``, ``Orchestrator``, ``BalancedDataLoader``)
-takes it. ``ranks_per_node`` lives here too: node-wise placement and the intra/inter-node
-byte counts need it.
+thread beside GPU traffic. A :class:`Topology` holds both, the ranks per node (node-wise
+placement and the intra/inter-node byte counts need it) and the timeout of every collective;
+``BatchDispatcher``, ``Orchestrator``, ``BalancedDataLoader`` and ``BalancedCollator`` take
+one (``topology=``).
+
+Sharing. Collectives on one group must be issued in the same order on every rank, and a
+loader issues its own from a background thread. So each object given no topology builds its
+own over the default group (a collective: build objects on every rank in the same order) and
+is then independent of every other: two loaders may be iterated together, a dispatcher may
+run while a loader prefetches. Its gloo group (a few threads and sockets) lives as long as the
+object: dropping the object destroys it. Pass one topology to several objects to share one
+gloo group (and the user's own data-parallel group, ``Topology.build(group=...)``): then no
+two of them may use the metadata group at the same time (iterate one of its loaders at a
+time; do not dispatch or plan on the topology while one of its loaders prefetches).
+A training loop shares one: the loader gathers and plans in its thread, and
+``Orchestrator.run`` with the prefetched plan only moves data on the data-parallel group.
+
+Forked children. A DataLoader worker is a fork of its rank, holding copies of every object
+the rank held, process groups among them, but none of their threads. Destroying such a copy
+there (the child's garbage collector finding a group the rank no longer referenced but had not
+collected yet) makes gloo join threads that do not exist: the worker hangs or dies. So, once
+this module is imported, a forked child freezes everything it inherited (``gc.freeze``): it
+collects only the objects it creates, as CPython's documentation recommends for forks.
 
 Data parallelism is the one axis today. A sequence- or tensor-parallel axis would be another
 group here (built from a device mesh), with ``group`` the data-parallel one the balancer
@@ -16,6 +34,8 @@ moves examples across.
 
 from __future__ import annotations
 
+import gc
+import os
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,14 +46,27 @@ __all__ = ["Topology"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
+# A forked child never collects what its parent left (module docstring: "Forked children").
+os.register_at_fork(after_in_child=gc.freeze)
+
 
 @dataclass
 class Topology:
-    """``group``: the data-parallel group (None: the default group); ``meta_group``: a gloo
-    group over the same ranks, separate from ``group`` even when that is gloo, so metadata
-    can be gathered in a background thread while training collectives run; ``ranks_per_node``:
-    consecutive ranks per node (None: unknown, node-wise placement off); ``timeout``: seconds
-    any one collective may wait. Build it with :meth:`build`."""
+    """The process groups of one data-parallel job, its ranks per node and its timeout.
+
+    Build it with :meth:`build` (every rank together); use it as a context manager, call
+    :meth:`close`, or drop it to destroy the groups it created.
+
+    Attributes:
+        group: the data-parallel group examples and encoder outputs move on (None: the
+            default group).
+        meta_group: a gloo group over the same ranks, separate from ``group`` even when that
+            is gloo, so that metadata can be gathered in a background thread while training
+            collectives run (None: not distributed).
+        ranks_per_node: consecutive ranks per node (None: unknown, node-wise placement off).
+        timeout: seconds any one collective may wait.
+        _owned: the groups :meth:`build` created, which :meth:`close` destroys.
+    """
 
     group: dist.ProcessGroup | None
     meta_group: dist.ProcessGroup | None
@@ -50,9 +83,27 @@ class Topology:
         ranks_per_node: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> Topology:
-        """The topology over ``group``'s ranks. Creates the gloo metadata group when
-        ``meta_group`` is None: a collective, so every rank builds its topologies together and
-        in the same order (:meth:`close`, or dropping the topology, destroys it)."""
+        """The topology over ``group``'s ranks (not distributed: one without groups).
+
+        Creates the gloo metadata group when ``meta_group`` is None, the one place the
+        package opens a process group: a collective, so every rank builds its topologies
+        together and in the same order (:meth:`close`, or dropping the topology, destroys
+        it).
+
+        Args:
+            group: the data-parallel group, e.g. a user's own (None: the default group).
+            meta_group: a gloo group over the same ranks to gather metadata on (None: one is
+                created, owned by the topology).
+            ranks_per_node: consecutive ranks per node (None: unknown).
+            timeout: seconds any one collective may wait.
+
+        Returns:
+            The :class:`Topology`.
+
+        Raises:
+            ValueError: a ``timeout`` that is not a number > 0, a ``ranks_per_node`` that is
+                not a positive integer, or a ``meta_group`` that is not gloo.
+        """
         if not (isinstance(timeout, int | float) and not isinstance(timeout, bool)) or not (
             timeout > 0
         ):
@@ -83,19 +134,28 @@ class Topology:
 
     @property
     def distributed(self) -> bool:
+        """Whether ``torch.distributed`` is initialised (else one process, no groups)."""
         return dist.is_available() and dist.is_initialized()
 
     @property
     def rank(self) -> int:
+        """This process's rank in ``group`` (0 when not distributed)."""
         return dist.get_rank(self.group) if self.distributed else 0
 
     @property
     def size(self) -> int:
+        """The number of ranks in ``group`` (1 when not distributed)."""
         return dist.get_world_size(self.group) if self.distributed else 1
 
     def close(self) -> None:
         """Destroy the groups this topology created (idempotent; every rank calls it)."""
         _destroy(self._owned)
+
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _destroy(groups: list[dist.ProcessGroup]) -> None:

@@ -35,13 +35,14 @@ from orchmllm.balance import PLACEMENTS
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, build_model, shard_model
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import IGNORE_INDEX, LLM
-from orchmllm.step_plan import MODES, default_phases
+from orchmllm.step_plan import MODES, StepOptions, default_phases
 from orchmllm.topology import Topology
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -230,20 +231,20 @@ def make_orchestrator(
     cfg: RunConfig, *, mode: str, placement: str, topology: Topology, dtype: torch.dtype
 ) -> Orchestrator:
     """The orchestrator with this run's phases and policies (it plans in the loader's
-    prefetch thread, which gathers metadata on a gloo group of its own)."""
+    prefetch thread, which gathers metadata on the topology's gloo group)."""
     phases = default_phases(
         cfg.rates,
         feature_dims=cfg.model.feature_dims,
         policies={name: cfg.balance.policy(name) for name in cfg.model.encoders},
     )
-    return Orchestrator(
+    options = StepOptions(
         phases,
         mode=mode,
         llm_policy=cfg.balance.policy(LLM),
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
-        topology=topology,
     )
+    return Orchestrator(options, topology=topology)
 
 
 def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtype, device):
@@ -259,7 +260,7 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtyp
             name: (lambda x, lengths, enc=enc: enc(x.to(dtype), lengths))
             for name, enc in model.encoders.items()
         }
-        out = orch.run(batch, encoders, plan=planned.plan)
+        out = orch.run(batch, encoders, plan=planned.plan, assembly=planned.assembly)
         logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
         loss = F.cross_entropy(logits, out.targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -325,9 +326,8 @@ def setup(args: argparse.Namespace) -> Run:
         dataset,
         orch,
         batch_size=per_rank,
-        prefetch=args.prefetch,
-        seed=seed,
-        timeout=args.timeout,
+        sampling=SamplingOptions(seed=seed),
+        options=LoaderOptions(prefetch=args.prefetch),
         topology=topology,
     )
     model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))

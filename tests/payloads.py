@@ -4,8 +4,7 @@ which example, modality, item and row it is, so an assembled sequence can be che
 import numpy as np
 import torch
 
-from orchmllm.orchestrator import IGNORE_INDEX
-from orchmllm.schema import AUDIO, IMAGE, TEXT
+from orchmllm.schema import AUDIO, IGNORE_INDEX, IMAGE, TEXT
 from orchmllm.step_plan import EncoderPhase, local_metadata
 
 WIDTH = 4  # raw feature width = hidden, so an identity encoder keeps payloads intact

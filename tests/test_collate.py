@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from orchmllm.data.collate import BalancedCollator
+from orchmllm.data.options import PlanningOptions
 from orchmllm.data.stats import METRICS
 
 ROWS = [{"id": i, "n": 1 + i % 5} for i in range(8)]
@@ -46,3 +47,19 @@ def test_collator_keeps_pin_memory_and_reports_each_step():
     assert stats["step"] == 1 and {f"batch/{m}" for m in METRICS} <= set(stats)
     assert stats["batch/imbalance_before"] == stats["batch/imbalance_after"] == 1.0  # one rank
     assert stats["batch/tokens_moved"] == stats["batch/bytes_intra"] == 0
+
+
+def test_collator_takes_the_planning_options_and_refuses_what_it_cannot_use():
+    rows = PlanningOptions(meta_fn=lambda e: [e["n"], e["id"]])  # a row per example, not a length
+    collator = BalancedCollator(_ids, planning=rows)
+    batches = list(DataLoader(ROWS, batch_size=4, collate_fn=collator))
+    assert sorted(torch.cat(batches).tolist()) == list(range(8))
+    assert collator.last_step.meta.shape == (4, 2)
+    with pytest.raises(ValueError, match=r"exactly one of .*; got \['length_column', 'meta_fn'\]"):
+        BalancedCollator(_ids, length_column="n", planning=rows)
+    with pytest.raises(ValueError, match=r"exactly one of .*; got \[\]"):
+        BalancedCollator(_ids)
+    with pytest.raises(ValueError, match=r"batch_meta_fn needs BalancedDataLoader\(mode='local'\)"):
+        BalancedCollator(_ids, planning=PlanningOptions(batch_meta_fn=len))
+    with pytest.raises(TypeError, match="planning must be a PlanningOptions, got dict"):
+        BalancedCollator(_ids, length_column="n", planning={"policy": "kk"})

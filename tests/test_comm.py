@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from orchmllm import comm
 from orchmllm.plan import Rearrangement
 from orchmllm.testing import assert_check_passed, run_checks
+from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
 
@@ -118,7 +118,8 @@ def _w_grad(rank: int, world: int):
 
 def _w_background_meta(rank: int, world: int):
     """Metadata on a separate gloo group in a thread while the default group moves data."""
-    meta = dist.new_group(backend="gloo")
+    topology = Topology.build(timeout=TIMEOUT)  # held: dropping it destroys the group
+    meta = topology.meta_group
     result = {}
 
     def gather():

@@ -17,8 +17,14 @@ from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
 from orchmllm.plan import Rearrangement
 from orchmllm.testing import assert_check_passed, run_checks
+from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
+
+
+def _topo(**kwargs) -> Topology:
+    """A topology of one dispatcher's own (as it builds without one), with the timeout."""
+    return Topology.build(timeout=TIMEOUT, **kwargs)
 
 
 def _cases(world: int) -> list[list[list[int]]]:
@@ -47,7 +53,7 @@ def _token_keys(ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
 
 
 def _w_packed(rank: int, world: int):
-    disp = BatchDispatcher("greedy", ranks_per_node=2, timeout=TIMEOUT, check_plan=True)
+    disp = BatchDispatcher("greedy", topology=_topo(ranks_per_node=2), check_plan=True)
     for per_rank in _cases(world):
         glob = np.array([x for r in per_rank for x in r], dtype=np.int64)
         src = np.repeat(np.arange(world), [len(x) for x in per_rank])
@@ -97,7 +103,7 @@ def _w_packed(rank: int, world: int):
 
 
 def _w_padded(rank: int, world: int):
-    disp = BatchDispatcher(layout="padded", timeout=TIMEOUT, check_plan=True)
+    disp = BatchDispatcher(layout="padded", topology=_topo(), check_plan=True)
     assert disp.policy == "padded_cost"
     for per_rank in _cases(world):
         glob = np.array([x for r in per_rank for x in r], dtype=np.int64)
@@ -169,7 +175,7 @@ def _w_ilp_agrees(rank: int, world: int):
     """``placement="ilp"`` stops CBC at a load-dependent point, so ranks solving it on their
     own could reach different placements: rank 0 solves, every rank uses its plan."""
     rng = np.random.default_rng(11)  # the same lengths on every rank
-    disp = BatchDispatcher("greedy", ranks_per_node=1, placement="ilp", timeout=TIMEOUT)
+    disp = BatchDispatcher("greedy", placement="ilp", topology=_topo(ranks_per_node=1))
     assert not disp.deterministic
     for _ in range(3):
         per_rank = [rng.integers(1, 900, size=rng.integers(40, 160)).tolist() for _ in range(world)]
@@ -187,7 +193,7 @@ def _w_ilp_agrees(rank: int, world: int):
 def _w_deterministic_no_broadcast(rank: int, world: int):
     per_rank = _cases(world)[0]
     for policy, placement in (("greedy", "none"), ("greedy_stay", "assign"), ("kk", "auto")):
-        disp = BatchDispatcher(policy, ranks_per_node=2, placement=placement, timeout=TIMEOUT)
+        disp = BatchDispatcher(policy, placement=placement, topology=_topo(ranks_per_node=2))
         assert disp.deterministic
         with _Broadcasts() as b:
             d, glob = _dispatch_keys(disp, per_rank, rank)
@@ -203,16 +209,16 @@ def _w_caps(rank: int, world: int):
     per_rank = [[30, 25, 20, 15, 10, 5]] + [[1] for _ in range(world - 1)]  # 108 tokens
     for policy, budget in (("greedy", 30), ("greedy_stay", 30), ("kk", 31)):
         disp = BatchDispatcher(
-            policy, ranks_per_node=2, max_load_per_rank=budget, max_items_per_rank=3,
-            timeout=TIMEOUT,
+            policy, max_load_per_rank=budget, max_items_per_rank=3,
+            topology=_topo(ranks_per_node=2),
         )  # fmt: skip
         d, glob = _dispatch_keys(disp, per_rank, rank)
         assert int(d.lengths.sum()) <= budget and d.lengths.numel() <= 3
         _check_moved(d, rank, glob)
-    disp = BatchDispatcher("greedy", max_load_per_rank=29, timeout=TIMEOUT)
+    disp = BatchDispatcher("greedy", max_load_per_rank=29, topology=_topo())
     with pytest.raises(orchmllm.InfeasibleCapError, match="smallest value that works is 30"):
         _dispatch_keys(disp, per_rank, rank)
-    d, glob = _dispatch_keys(BatchDispatcher(timeout=TIMEOUT), per_rank, rank)
+    d, glob = _dispatch_keys(BatchDispatcher(topology=_topo()), per_rank, rank)
     _check_moved(d, rank, glob)
 
 
@@ -243,9 +249,9 @@ def _w_precomputed_plan(rank: int, world: int):
     rng = np.random.default_rng(5)
     data = [{"id": i, "n": int(n)} for i, n in enumerate(rng.integers(1, 200, size=12 * world))]
     loader = BalancedDataLoader(
-        data, batch_size=3, mode="local", length_fn=_n, collate_fn=_collate_keys, timeout=TIMEOUT
+        data, batch_size=3, mode="local", length_fn=_n, collate_fn=_collate_keys, topology=_topo()
     )
-    disp = BatchDispatcher("greedy", timeout=TIMEOUT)
+    disp = BatchDispatcher("greedy", topology=_topo())
     steps = 0
     for planned in loader:
         b = planned.batch
@@ -306,11 +312,11 @@ def _w_grad(rank: int, world: int):
         if mode == "plain":
             loss = _losses(x, w, lin, int(glob.sum()))
         elif mode == "packed":
-            disp = BatchDispatcher(timeout=TIMEOUT)
+            disp = BatchDispatcher(topology=_topo())
             d = disp.dispatch({"x": x, "w": w}, lengths)
             loss = _losses(d.tokens["x"], d.tokens["w"], lin, int(d.global_lengths.sum()))
         else:  # padded: [B, T, 4]; padding positions carry weight 0
-            disp = BatchDispatcher(layout="padded", timeout=TIMEOUT)
+            disp = BatchDispatcher(layout="padded", topology=_topo())
             top = int(lengths.max()) if lengths.numel() else 0
             mask = torch.arange(top)[None, :] < lengths[:, None]
             xp = x.new_zeros(len(lengths), top, 4)
@@ -337,12 +343,12 @@ def _w_mismatch(rank: int, world: int):
 
 
 def _mismatch(rank: int):
-    assert debug_enabled() and BatchDispatcher(timeout=TIMEOUT).check_plan  # debug: on
+    assert debug_enabled() and BatchDispatcher(topology=_topo()).check_plan  # debug: on
     lengths = torch.tensor([10, 10, 10] if rank == 0 else [1])
     x = torch.zeros(int(lengths.sum()), 2)
     # Same policy everywhere, but rank 1's balancing drifts (a bug, a nondeterministic
     # solver): only the full plan comparison of debug mode can see it.
-    disp = BatchDispatcher("greedy", timeout=TIMEOUT)
+    disp = BatchDispatcher("greedy", topology=_topo())
 
     def drifted(lengths, num_ranks, policy, **kw):
         return orchmllm.balance(lengths, num_ranks, "identity", **kw)
@@ -387,11 +393,11 @@ def _w_disagreement(rank: int, world: int):
         "requires_grad": ("greedy", {"x": x.clone().requires_grad_(odd), "ids": ids}),
     }
     for field, (policy, tokens) in cases.items():
-        disp = BatchDispatcher(policy, timeout=TIMEOUT)
+        disp = BatchDispatcher(policy, topology=_topo())
         with pytest.raises(PlanMismatchError, match=rf"'{field}' differs: ranks \[1\] pass"):
             disp.dispatch(tokens, lengths)
     # Nothing was left half-done: the group still works once the inputs agree.
-    d = BatchDispatcher(timeout=TIMEOUT).dispatch({"x": x, "ids": ids}, lengths)
+    d = BatchDispatcher(topology=_topo()).dispatch({"x": x, "ids": ids}, lengths)
     assert d.stats["num_items"] == sum(2 if r % 2 else 1 for r in range(world))
 
 
@@ -439,4 +445,10 @@ def test_a_bad_cap_is_refused_when_the_dispatcher_is_built(caps, match):
     """Before any process group or collective: not at the first dispatch, on every rank."""
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=match):
-        BatchDispatcher(timeout=TIMEOUT, **caps)
+        BatchDispatcher(**caps)
+
+
+def test_placement_without_ranks_per_node_is_refused_before_any_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"placement='ilp' needs ranks_per_node: pass topology="):
+        BatchDispatcher(placement="ilp")

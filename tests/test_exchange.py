@@ -11,8 +11,9 @@ from orchmllm.data.planners import BalancePlanner
 from orchmllm.orchestrator import Orchestrator
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates
-from orchmllm.step_plan import default_phases
+from orchmllm.step_plan import StepOptions, default_phases
 from orchmllm.testing import assert_check_passed, run_checks
+from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
 
@@ -62,7 +63,10 @@ def test_planner_signature_is_stable_and_tells_options_apart():
     def fp(planner):
         return comm.fingerprint(ex.planner_signature(planner))
 
-    orch = [OrchestratorPlanner(Orchestrator(phases, mode=m)) for m in ("full", "full", "llm")]
+    orch = [
+        OrchestratorPlanner(Orchestrator(StepOptions(phases, mode=m)))
+        for m in ("full", "full", "llm")
+    ]
     assert fp(orch[0]) == fp(orch[1]) != fp(orch[2])  # options, not object identity
     assert fp(BalancePlanner("greedy")) == fp(BalancePlanner("greedy"))
     assert fp(BalancePlanner("greedy")) != fp(BalancePlanner("kk"))
@@ -78,7 +82,7 @@ def _examples(rank: int) -> list[dict]:
 
 
 def _w_planner_mismatch(rank: int, world: int):
-    g = ex.Group(None, timeout=TIMEOUT)
+    g = ex.Group.metadata(Topology.build(timeout=TIMEOUT))  # as the loader talks
 
     def prepare():
         examples = _examples(rank)

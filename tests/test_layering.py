@@ -140,6 +140,20 @@ def test_the_import_graph_has_no_cycle():
             visit(m)
 
 
+def test_one_place_opens_a_process_group():
+    """``Topology`` owns the process groups: ``new_group`` is called once in the package, in
+    orchmllm/topology.py, so no module opens (and leaks) a group of its own."""
+    calls = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if name == "new_group":
+                    calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert len(calls) == 1 and calls[0].startswith("orchmllm/topology.py:"), calls
+
+
 def test_floor_table_rejects_an_unknown_module():
     with pytest.raises(AssertionError, match="no floor"):
         floor_of("json")

@@ -25,20 +25,28 @@ from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import EpochMismatch, PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
-from orchmllm.data.loader import BalancedDataLoader, LoaderOptions, PlannedBatch
+from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner, LayoutMismatchWarning
 from orchmllm.data.sampling import local_batches, token_budget_batches
 from orchmllm.data.stats import METRICS
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
+from orchmllm.dispatcher import BatchDispatcher
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
 from orchmllm.schema import EncodingRates, example_metadata
-from orchmllm.step_plan import default_phases
+from orchmllm.step_plan import StepOptions, assembly, default_phases
 from orchmllm.testing import run_distributed
 from orchmllm.topology import Topology
+from tests.payloads import PHASES, payload_batches
 
 T = 30.0  # collective timeout inside the workers
+
+
+def _own() -> Topology:
+    """A topology for one loader alone (as it builds without one), with the tests' timeout."""
+    return Topology.build(timeout=T)
 
 
 def _dataset(n: int, seed: int = 0) -> datasets.Dataset:
@@ -85,9 +93,11 @@ def _loads(info, ranks):
 def _index_mode_worker(rank, world, n, batch):
     ds = _dataset(n)
     res = {}
-    kw = dict(batch_size=batch, length_column="n_tokens", collate_fn=_ids, seed=3, timeout=T)
-    sync = BalancedDataLoader(ds, prefetch=0, **kw)
-    fetch = BalancedDataLoader(ds, prefetch=2, **kw)
+    kw = dict(batch_size=batch, collate_fn=_ids, sampling=SamplingOptions(seed=3))
+    sync = BalancedDataLoader(
+        ds, length_column="n_tokens", options=LoaderOptions(prefetch=0), topology=_own(), **kw
+    )
+    fetch = BalancedDataLoader(ds, length_column="n_tokens", topology=_own(), **kw)
     assert fetch.mode == "index"
     for epoch in (0, 1):
         sync.set_epoch(epoch)
@@ -105,7 +115,7 @@ def _index_mode_worker(rank, world, n, batch):
     head, _ = _epoch(fetch, steps=2)
     state = fetch.state_dict()
     fetch.close()
-    again = BalancedDataLoader(ds, prefetch=2, **kw)
+    again = BalancedDataLoader(ds, length_column="n_tokens", topology=_own(), **kw)
     again.load_state_dict(state)
     tail, _ = _epoch(again)
     res["resumed"] = head + tail
@@ -119,9 +129,10 @@ def _index_mode_worker(rank, world, n, batch):
     local = BalancedDataLoader(
         ds,
         mode="local",
-        prefetch=1,
         length_fn=_len_ids,
-        **{k: v for k, v in kw.items() if k != "length_column"},
+        options=LoaderOptions(prefetch=1),
+        topology=_own(),
+        **kw,
     )
     local_out = list(local)
     assert all(isinstance(b, PlannedBatch) for b in local_out)
@@ -224,10 +235,10 @@ class _Shard(IterableDataset):
 
 def _move_mode_worker(rank, world, n, batch):
     res = {}
-    kw = dict(batch_size=batch, length_fn=_len_ids, collate_fn=_ids, timeout=T)
+    kw = dict(batch_size=batch, length_fn=_len_ids, collate_fn=_ids)
     shard = _Shard(n, rank, world)
-    sync = BalancedDataLoader(shard, prefetch=0, **kw)
-    fetch = BalancedDataLoader(shard, prefetch=3, **kw)
+    sync = BalancedDataLoader(shard, options=LoaderOptions(prefetch=0), topology=_own(), **kw)
+    fetch = BalancedDataLoader(shard, options=LoaderOptions(prefetch=3), topology=_own(), **kw)
     assert fetch.mode == "move"
     res["sync"], s_infos = _epoch(sync)
     res["fetch"], f_infos = _epoch(fetch)
@@ -242,7 +253,7 @@ def _move_mode_worker(rank, world, n, batch):
     head, _ = _epoch(fetch, steps=2)
     state = fetch.state_dict()
     fetch.close()
-    again = BalancedDataLoader(shard, prefetch=2, **kw)
+    again = BalancedDataLoader(shard, topology=_own(), **kw)
     again.load_state_dict(state)
     res["resumed"] = head + _epoch(again)[0]
 
@@ -250,10 +261,10 @@ def _move_mode_worker(rank, world, n, batch):
     ds = _dataset(n)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=5)
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, collate_fn=_ids, num_workers=1)
-    wrapped = BalancedDataLoader(dl, length_column="n_tokens", prefetch=2, timeout=T)
+    wrapped = BalancedDataLoader(dl, length_column="n_tokens", topology=_own())
     res["dl"], _ = _epoch(wrapped)
     # A user keeping their own DataLoader: only the collate function changes.
-    col = BalancedCollator(_ids, length_column="n_tokens", timeout=T)
+    col = BalancedCollator(_ids, length_column="n_tokens", topology=_own())
     res["collator"] = list(DataLoader(ds, batch_size=batch, sampler=sampler, collate_fn=col))
     res["collator_bytes"] = col.last_step.bytes_payload if col.last_step else -1
     return res
@@ -296,9 +307,9 @@ def _synthetic_worker(rank, world):
         ds,
         batch_size=3,
         length_fn=_seq_len,
-        length_columns=["segments"],
-        timeout=T,
         collate_fn=lambda rows: [as_example(r) for r in rows],
+        options=LoaderOptions(length_columns=["segments"]),
+        topology=_own(),
     )
     out = []
     for batch in loader:
@@ -307,18 +318,57 @@ def _synthetic_worker(rank, world):
         assert [e["id"] for e in batch] == mine.tolist()
         out.append([(e["id"], _seq_len(e)) for e in batch])
     # The orchestrator's per-phase plans, prefetched, equal the plans computed in the step
-    # (which gathers on the training group while the loader thread uses its own group).
-    orch = Orchestrator(
-        default_phases(_RATES, feature_dims=cfg.widths),
-        timeout=T,
+    # (which gathers on the orchestrator's group while the loader thread uses its own), and
+    # the assembly the loader carries is the one run() computes without it.
+    phases = default_phases(_RATES, feature_dims=cfg.widths)
+    orch = Orchestrator(StepOptions(phases), topology=_own())
+    same, steps, stats, carried = [], 0, [], []
+    loader = orchestrated_loader(
+        ds, orch, batch_size=3, sampling=SamplingOptions(seed=1), topology=_own()
     )
-    same, steps, stats = [], 0, []
-    for planned in orchestrated_loader(ds, orch, batch_size=3, seed=1, timeout=T):
+    for planned in loader:
         assert isinstance(planned.batch, LocalBatch)
         same.append(orch.plan_batch(planned.batch).same_as(planned.plan))
         stats.append((planned.stats, _expected_orchestrated_stats(planned.plan, orch)))
+        carried.append(_carried_assembly_runs_the_same(planned, orch, rank, world, steps == 0))
         steps += 1
-    return out, same, steps, stats
+    return out, same, steps, stats, carried
+
+
+def _first_rows(orch):
+    """Encoders that keep the first raw row of every LLM token (outputs follow the rows)."""
+    return {
+        p.name: (lambda x, lengths, d=p.divisor: x.reshape(-1, d, x.shape[1])[:, 0])
+        for p in orch.phases
+    }
+
+
+def _same_llm_batch(a, b) -> bool:
+    tensors = ("input_ids", "lengths", "targets", "loss_mask", "index")
+    return (
+        all(torch.equal(getattr(a, f), getattr(b, f)) for f in tensors)
+        and a.num_targets == b.num_targets
+        and np.array_equal(a.example_ids, b.example_ids)
+        and len(a.encoded) == len(b.encoded)
+        and all(torch.equal(x, y) for x, y in zip(a.encoded, b.encoded, strict=True))
+    )
+
+
+def _carried_assembly_runs_the_same(planned, orch, rank, world, check_refusal) -> bool:
+    """The prefetched assembly is this rank's of the plan, and run() with it gives the LLM
+    batch it gives without it; another rank's is refused (on every rank, before a move)."""
+    mine = assembly(planned.plan, rank)
+    fields = ("examples", "lengths", "index", "text_pos", "seq_start")
+    carried = all(np.array_equal(getattr(planned.assembly, f), getattr(mine, f)) for f in fields)
+    carried = carried and planned.assembly.rows == mine.rows
+    enc = _first_rows(orch)
+    with_it = orch.run(planned.batch, enc, plan=planned.plan, assembly=planned.assembly)
+    without = orch.run(planned.batch, enc, plan=planned.plan)
+    if check_refusal:
+        other = assembly(planned.plan, (rank + 1) % world)
+        with pytest.raises(ValueError, match=f"assembly is not rank {rank}'s of this plan"):
+            orch.run(planned.batch, enc, plan=planned.plan, assembly=other)
+    return carried and _same_llm_batch(with_it, without) and with_it.num_targets > 0
 
 
 def _expected_orchestrated_stats(plan, orch):
@@ -342,8 +392,9 @@ def test_synthetic_multimodal_index_mode_and_orchestrator_plans(index_run):
     items = [x for r, *_ in out for b in r for x in b]
     assert sorted(i for i, _ in items) == list(range(30))
     assert all(length > 0 for _, length in items)
-    for _, same, steps, _ in out:
+    for _, same, steps, _, carried in out:
         assert steps == 5 and all(same) and len(same) == steps
+        assert carried == [True] * steps
     # Every PlannedBatch carries its step's metrics per phase, the same on every rank.
     for (stats, expected), (peer, _) in zip(out[0][3], out[1][3], strict=True):
         for phase in ("vision", "audio", "llm"):
@@ -406,7 +457,9 @@ def _agreement_worker(rank, world):
         res["failed"] = f"{type(exc).__name__}: {exc}"
 
     ilp = BalancePlanner(ranks_per_node=1, placement="ilp")
-    kw = dict(batch_size=4, collate_fn=_ids, timeout=T)
+    # One topology for the loaders and the orchestrator, used one after another.
+    topology = Topology.build(ranks_per_node=1, timeout=T)
+    kw = dict(batch_size=4, collate_fn=_ids, topology=topology)
     ds = _dataset(AGREE_N)
     res["ilp_index"] = _planned_epoch(BalancedDataLoader(ds, length_column="n_tokens", **kw), ilp)
     res["greedy_index"] = _planned_epoch(
@@ -415,14 +468,11 @@ def _agreement_worker(rank, world):
     shard = _Shard(AGREE_N, rank, world)
     res["ilp_move"] = _planned_epoch(BalancedDataLoader(shard, length_fn=_len_ids, **kw), ilp)
     syn = SyntheticConfig(num_examples=12, seed=5, scale=0.05)
-    orch = Orchestrator(
-        default_phases(_RATES, feature_dims=syn.widths),
-        placement="ilp",
-        ranks_per_node=1,
-        timeout=T,
-    )
+    phases = default_phases(_RATES, feature_dims=syn.widths)
+    orch = Orchestrator(StepOptions(phases, placement="ilp"), topology=topology)
+    assert orch.options.ranks_per_node == 1  # the topology's
     loader = orchestrated_loader(
-        build_dataset(syn, _RATES, keep_in_memory=True), orch, batch_size=3, timeout=T
+        build_dataset(syn, _RATES, keep_in_memory=True), orch, batch_size=3, topology=topology
     )
     res["ilp_orchestrated"] = _planned_epoch(loader, loader.planner)
     res["ilp_orchestrated"]["batches"] = []
@@ -466,7 +516,7 @@ def _errors_worker(rank, world):
     shard = _Shard(16, rank, world)
     # A bad length on one rank's example: that rank raises it, the peer is told (no hang).
     loader = BalancedDataLoader(
-        shard, batch_size=4, length_fn=_bad_length, collate_fn=_ids, timeout=T
+        shard, batch_size=4, length_fn=_bad_length, collate_fn=_ids, topology=_own()
     )
     try:
         _epoch(loader)
@@ -474,8 +524,9 @@ def _errors_worker(rank, world):
         res["bad_length"] = f"{type(exc).__name__}: {exc}"
     # A failure after the gather (collate) on rank 1 only.
     loader = BalancedDataLoader(
-        ds, batch_size=2, length_column="n_tokens", timeout=T, collate_fn=_FailingCollate(rank)
-    )
+        ds, batch_size=2, length_column="n_tokens", collate_fn=_FailingCollate(rank),
+        topology=_own(),
+    )  # fmt: skip
     try:
         _epoch(loader)
     except (RuntimeError, PeerFailed) as exc:
@@ -483,8 +534,8 @@ def _errors_worker(rank, world):
     # The same with the collation in DataLoader workers, which plan 2 * 2 steps ahead of
     # loading: the peers learn of the failure at the next step still to plan.
     loader = BalancedDataLoader(
-        _dataset(40), batch_size=2, length_column="n_tokens", timeout=T, num_workers=2,
-        collate_fn=_FailingCollate(rank),
+        _dataset(40), batch_size=2, length_column="n_tokens", collate_fn=_FailingCollate(rank),
+        options=LoaderOptions(num_workers=2), topology=_own(),
     )  # fmt: skip
     try:
         _epoch(loader)
@@ -492,8 +543,9 @@ def _errors_worker(rank, world):
         res["collate_workers"] = f"{type(exc).__name__}: {exc}"
     # Ranks that disagree on the world size fail at the start of the epoch.
     loader = BalancedDataLoader(
-        ds, batch_size=2, length_column="n_tokens", timeout=T, num_replicas=world + rank
-    )
+        ds, batch_size=2, length_column="n_tokens",
+        sampling=SamplingOptions(num_replicas=world + rank), topology=_own(),
+    )  # fmt: skip
     try:
         iter(loader)
     except ValueError as exc:
@@ -501,7 +553,7 @@ def _errors_worker(rank, world):
     dist.barrier()
     # Leaving an epoch early without close(): the process still exits (no hang at exit).
     abandoned = BalancedDataLoader(
-        ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, timeout=T
+        ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, topology=_own()
     )
     next(iter(abandoned))
     return res
@@ -542,22 +594,31 @@ def _bad_length_index_worker(rank, world):
     """A bad or missing length in move mode names the example's dataset index (or, for a
     stream, its position in this rank's stream), not its position in the local batch."""
     ds = _dataset(16)
-    kw = dict(collate_fn=_ids, timeout=T)
     res = {"owner": BAD_ID in list(DistributedSampler(ds, num_replicas=world, rank=rank))}
     res["map"] = _first_error(
-        BalancedDataLoader(ds, batch_size=4, mode="move", length_fn=_bad_13, **kw)
+        BalancedDataLoader(
+            ds, batch_size=4, mode="move", length_fn=_bad_13, collate_fn=_ids, topology=_own()
+        )
     )
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
     dl = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=_ids, num_workers=1)
-    res["dataloader"] = _first_error(BalancedDataLoader(dl, length_fn=_bad_13, timeout=T))
+    res["dataloader"] = _first_error(BalancedDataLoader(dl, length_fn=_bad_13, topology=_own()))
     rows = [dict(ds[i]) for i in range(16)]
     del rows[BAD_ID]["n_tokens"]
     res["missing"] = _first_error(
-        BalancedDataLoader(rows, batch_size=4, length_column="n_tokens", **kw)
+        BalancedDataLoader(
+            rows, batch_size=4, length_column="n_tokens", collate_fn=_ids, topology=_own()
+        )
     )
     # Rank 1's shard holds ids 1, 3, ..., 15: id 13 is item 6 of its stream (item 2 of batch 1).
     res["stream"] = _first_error(
-        BalancedDataLoader(_Shard(16, rank, world), batch_size=4, length_fn=_bad_13, **kw)
+        BalancedDataLoader(
+            _Shard(16, rank, world),
+            batch_size=4,
+            length_fn=_bad_13,
+            collate_fn=_ids,
+            topology=_own(),
+        )  # fmt: skip
     )
     return res
 
@@ -601,8 +662,8 @@ def _uneven_exit_worker(rank, world):
     for prefetch, workers in UNEVEN:
         name = f"train-p{prefetch}-w{workers}"
         loader = BalancedDataLoader(
-            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=prefetch,
-            num_workers=workers, timeout=T, name=name,
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, topology=_own(),
+            options=LoaderOptions(prefetch=prefetch, num_workers=workers, name=name),
         )  # fmt: skip
         res[f"error-{name}"] = _leave_after(loader, 1 if rank == 0 else 4)
         loader.set_epoch(1)
@@ -680,25 +741,29 @@ def _parity_worker(rank, world):
     """Workers (persistent too) in every form give the batches of the same loader without
     them; len() and resume are exact."""
     ds = _dataset(PAR_N)
-    kw = dict(length_column="n_tokens", collate_fn=_ids, timeout=T)
+    kw = dict(length_column="n_tokens", collate_fn=_ids)
     res = {}
     for mode in ("index", "move"):
 
-        def make(mode=mode, **extra):
-            return BalancedDataLoader(ds, batch_size=3, mode=mode, **kw, **extra)
+        def make(mode=mode, options=None):
+            return BalancedDataLoader(
+                ds, batch_size=3, mode=mode, options=options, topology=_own(), **kw
+            )
 
-        pooled = make(num_workers=2, persistent_workers=True)
+        pooled = make(options=LoaderOptions(num_workers=2, persistent_workers=True))
         res[mode] = {
             "plain": _two_epochs(make()),
             "workers": _two_epochs(pooled),
             "len": len(pooled),
-            "resumed": _resumed(lambda: make(num_workers=2), epoch=1, head=2),
+            "resumed": _resumed(
+                lambda: make(options=LoaderOptions(num_workers=2)), epoch=1, head=2
+            ),
         }
 
     def stream():
         return BalancedDataLoader(
             _WorkerShard(PAR_N, rank, world), batch_size=3, length_fn=_len_ids, collate_fn=_ids,
-            num_workers=2, timeout=T,
+            options=LoaderOptions(num_workers=2), topology=_own(),
         )  # fmt: skip
 
     loader = stream()
@@ -714,7 +779,7 @@ def _parity_worker(rank, world):
             ds, batch_size=3, sampler=sampler, collate_fn=_ids, num_workers=2,
             persistent_workers=True,
         )  # fmt: skip
-        return BalancedDataLoader(dl, length_column="n_tokens", timeout=T)
+        return BalancedDataLoader(dl, length_column="n_tokens", topology=_own())
 
     loader = wrapped()
     res["dataloader"] = {
@@ -728,11 +793,17 @@ def _parity_worker(rank, world):
 
 def _budget_worker(rank, world):
     ds = _dataset(60)
-    kw = dict(max_tokens_per_rank=BUDGET, collate_fn=_ids, timeout=T, with_stats=True)
+    kw = dict(max_tokens_per_rank=BUDGET, collate_fn=_ids)
     res = {"lengths": ds["n_tokens"]}
-    index = BalancedDataLoader(ds, length_column="n_tokens", seed=2, num_workers=1, **kw)
+    index = BalancedDataLoader(
+        ds, length_column="n_tokens", sampling=SamplingOptions(seed=2),
+        options=LoaderOptions(num_workers=1, with_stats=True), topology=_own(), **kw,
+    )  # fmt: skip
     res["index"] = {"steps": list(index), "len": len(index)}
-    stream = BalancedDataLoader(_Shard(60, rank, world), length_fn=_len_ids, **kw)
+    stream = BalancedDataLoader(
+        _Shard(60, rank, world), length_fn=_len_ids, options=LoaderOptions(with_stats=True),
+        topology=_own(), **kw,
+    )  # fmt: skip
     res["stream"] = {"steps": list(stream)}
     return res
 
@@ -748,14 +819,15 @@ def _stats_worker(rank, world):
     ):
         loader = BalancedDataLoader(
             _Shard(24, rank, world), batch_size=4, length_fn=_len_ids, collate_fn=_ids,
-            planner=planner, with_stats=True, timeout=T,
+            planning=PlanningOptions(planner=planner), options=LoaderOptions(with_stats=True),
+            topology=_own(),
         )  # fmt: skip
         res[key] = [(stats, _moved_tokens(loader.last_step)) for _, stats in loader]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         logged = BalancedDataLoader(
-            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, log_every=2,
-            name="logged", timeout=T,
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_ids, topology=_own(),
+            options=LoaderOptions(log_every=2, name="logged"),
         )  # fmt: skip
         res["log_steps"] = len(list(logged))
     res["log"] = out.getvalue()
@@ -770,25 +842,60 @@ def _threads_and_files() -> tuple[int, int]:
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
+def _python_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate())
+
+
+def _one_of_each(ds, kw, rank, world):
+    """A loader, a dispatcher and an orchestrator built without a topology, used together:
+    two loaders prefetch in their threads while the dispatcher and the orchestrator gather in
+    this one (safe only because each owns its group). Their metadata groups, and the bytes
+    the dispatcher and the orchestrator saw, for the checks."""
+    loaders = [BalancedDataLoader(ds, **kw) for _ in range(2)]
+    disp = BatchDispatcher()
+    orch = Orchestrator(StepOptions(PHASES))
+    batch = LocalBatch.from_examples(payload_batches(world)[rank], PHASES)
+    tokens = 0
+    for step, _ in enumerate(zip(*loaders, strict=True)):
+        lengths = torch.tensor([1 + step, 2 + rank])
+        d = disp.dispatch({"x": torch.arange(int(lengths.sum()))}, lengths)
+        tokens += int(d.lengths.sum())
+        orch.plan_batch(batch)
+        if step == 1:
+            break  # leave the epoch early: dropping the iterators closes their threads
+    groups = [x.topology.meta_group for x in (*loaders, disp, orch)]
+    return groups, tokens
+
+
 def _groups_worker(rank, world):
-    """Loaders created, iterated and dropped one after another (a loader per epoch) hold no
-    threads or sockets once gone; loaders given a topology open no group of their own."""
-    ds = _dataset(8)
-    kw = dict(batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=0, timeout=T)
-    list(BalancedDataLoader(ds, **kw))  # warm-up: lazy imports and allocator pools
+    """Objects built without a topology own one gloo group each, and hold no thread or socket
+    once dropped, even mid-epoch (a loader per epoch); objects given a topology share its
+    group, opening none."""
+    ds = _dataset(16)
+    kw = dict(batch_size=2, length_column="n_tokens", collate_fn=_ids)
+    _one_of_each(ds, kw, rank, world)  # warm-up: lazy imports and allocator pools
     gc.collect()
-    before = _threads_and_files()
-    for _ in range(20):
-        list(BalancedDataLoader(ds, **kw))
+    threads, before = _python_threads(), _threads_and_files()
+    distinct, tokens = [], []
+    for _ in range(10):
+        groups, moved = _one_of_each(ds, kw, rank, world)
+        distinct.append(len({id(g) for g in groups}) == len(groups) and None not in groups)
+        tokens.append(moved)
+        del groups
         gc.collect()
     after = _threads_and_files()
-    topology = Topology.build(timeout=T)
-    shared = [BalancedDataLoader(ds, topology=topology, **kw) for _ in range(3)]
-    return {
-        "own": (before, after),
-        "shared": [loader._group.group is topology.meta_group for loader in shared],
-        "steps": [len(list(loader)) for loader in shared],
-    }
+    res = {"own": (before, after), "threads": (threads, _python_threads())}
+    res["distinct"], res["tokens"] = distinct, tokens
+    with Topology.build(timeout=T) as topology:
+        shared = [BalancedDataLoader(ds, topology=topology, **kw) for _ in range(3)]
+        users = [*shared, BatchDispatcher(topology=topology)]
+        users.append(Orchestrator(StepOptions(PHASES), topology=topology))
+        res["shared"] = [x.topology is topology for x in users]
+        res["gathers_on"] = [x._group.group is topology.meta_group for x in shared]
+        res["steps"] = [len(list(loader)) for loader in shared]  # one after another
+    gc.collect()
+    res["closed"] = _threads_and_files()
+    return res
 
 
 def _features_worker(rank, world):
@@ -826,12 +933,22 @@ def test_workers_in_every_form_keep_batches_len_and_resume_exact(features_run):
     assert all(r["dataloader"]["len"] == r["dataloader"]["dl_len"] for r in out)
 
 
-def test_dropped_loaders_close_their_groups_and_a_topology_shares_one(features_run):
+def test_objects_without_a_topology_own_their_groups_and_leave_nothing_behind(features_run):
     for r in (r["groups"] for r in features_run):
         (threads0, files0), (threads1, files1) = r["own"]
-        # 20 loaders with a gloo group each leaked >= 2 threads and sockets per loader.
+        # 10 x (2 loaders, a dispatcher, an orchestrator) with a gloo group each leaked >= 2
+        # native threads and sockets per group while groups outlived their owners.
         assert threads1 - threads0 < 10 and files1 - files0 < 10, r["own"]
-        assert all(r["shared"]) and r["steps"] == [2, 2, 2]
+        before, after = r["threads"]
+        assert after == before and not [t for t in after if t.startswith("orchmllm-loader")]
+        assert all(r["distinct"])  # four objects, four groups
+        assert r["shared"] == [True] * 5 and all(r["gathers_on"]) and r["steps"] == [4] * 3
+        # The shared topology's group, closed, is gone too.
+        assert r["closed"][0] - threads0 < 10 and r["closed"][1] - files0 < 10, r["closed"]
+    # The dispatcher conserved the tokens: in 2 steps, every rank's inputs arrived once.
+    sent = sum(1 + step + 2 + rank for step in range(2) for rank in range(WORLD))
+    received = np.sum([r["groups"]["tokens"] for r in features_run], axis=0)
+    assert received.tolist() == [sent] * 10
 
 
 def test_token_budget_batches_are_balanced_within_the_budget(features_run):
@@ -909,30 +1026,41 @@ def test_loader_and_collator_warn_when_the_policy_assumes_the_other_layout():
     with warnings.catch_warnings():
         warnings.simplefilter("error", LayoutMismatchWarning)
         loader = BalancedDataLoader(
-            ds, batch_size=3, length_column="n_tokens", collate_fn=padded, policy="padded_cost"
-        )
+            ds, batch_size=3, length_column="n_tokens", collate_fn=padded,
+            planning=PlanningOptions(policy="padded_cost"),
+        )  # fmt: skip
         assert sorted(i for b in loader for i in b) == list(range(6))
 
 
-def test_options_object_and_keywords_build_the_same_loader():
+def test_option_groups_are_checked_when_built_and_shared_between_loaders():
     ds = _dataset(10)
-    opts = LoaderOptions(batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4)
-    by_options = BalancedDataLoader(ds, opts)
-    by_keywords = BalancedDataLoader(
-        ds, batch_size=3, length_column="n_tokens", collate_fn=_ids, seed=4
-    )
-    assert by_options.options is opts and by_keywords.options.seed == 4
-    assert list(by_options) == list(by_keywords)
-    # Keywords beside an options object override it, checked again.
-    assert BalancedDataLoader(ds, opts, seed=5).options.seed == 5 and opts.seed == 4
+    sampling = SamplingOptions(seed=4)
+    kw = dict(batch_size=3, length_column="n_tokens", collate_fn=_ids)
+    first, second = (BalancedDataLoader(ds, sampling=sampling, **kw) for _ in range(2))
+    assert first.sampling is second.sampling is sampling
+    assert list(first) == list(second)
+    assert list(first) != list(BalancedDataLoader(ds, **kw))  # seed 0 shuffles otherwise
+    assert dataclasses.replace(sampling, seed=5).seed == 5 and sampling.seed == 4
+    # Every option has one place: a group's field is no keyword of the loader.
+    groups = (SamplingOptions, PlanningOptions, LoaderOptions)
+    fields = {f.name for g in groups for f in dataclasses.fields(g)}
+    assert not fields & set(inspect.signature(BalancedDataLoader).parameters)
     with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
-        BalancedDataLoader(ds, opts, prefetch=-1)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
-        BalancedDataLoader(ds, batchsize=3, length_column="n_tokens")
-    with pytest.raises(TypeError, match="options must be a LoaderOptions, got dict"):
-        BalancedDataLoader(ds, {"batch_size": 3})
+        LoaderOptions(prefetch=-1)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1 or None, got 0"):
+        SamplingOptions(num_replicas=0)
+    with pytest.raises(ValueError, match="pass meta_fn= or batch_meta_fn=, not both"):
+        PlanningOptions(meta_fn=len, batch_meta_fn=len)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
+        BalancedDataLoader(ds, seed=3, **kw)
+    with pytest.raises(TypeError, match="sampling must be a SamplingOptions, got dict"):
+        BalancedDataLoader(ds, sampling={"seed": 3}, **kw)
+    with pytest.raises(TypeError, match="options must be a LoaderOptions, got SamplingOptions"):
+        BalancedDataLoader(ds, options=sampling, **kw)
     with pytest.raises(ValueError, match="batch_meta_fn needs mode='local'"):
-        LoaderOptions(batch_size=2, batch_meta_fn=len)
+        BalancedDataLoader(ds, batch_size=2, planning=PlanningOptions(batch_meta_fn=len))
+    with pytest.raises(ValueError, match="mode='index' plans on lengths only"):
+        BalancedDataLoader(ds, batch_size=2, mode="index", planning=PlanningOptions(meta_fn=len))
 
 
 def test_dataloader_parity_combinations_that_cannot_work_fail_at_construction():
@@ -940,19 +1068,23 @@ def test_dataloader_parity_combinations_that_cannot_work_fail_at_construction():
     kw = dict(length_column="n_tokens", collate_fn=_ids)
     dl = DataLoader(ds, batch_size=3, collate_fn=_ids)
     with pytest.raises(ValueError, match=r"set them on it \(DataLoader\(\.\.\., num_workers=N\)\)"):
-        BalancedDataLoader(dl, num_workers=2, length_column="n_tokens")
+        BalancedDataLoader(dl, length_column="n_tokens", options=LoaderOptions(num_workers=2))
     with pytest.raises(ValueError, match="batch_size comes from the dataloader's batches"):
         BalancedDataLoader(dl, batch_size=3, length_column="n_tokens")
     with pytest.raises(ValueError, match="wrap it in an IterableDataset, or use num_workers=0"):
-        BalancedDataLoader(iter(list(ds)), batch_size=3, num_workers=2, length_fn=_len_ids)
+        BalancedDataLoader(
+            iter(list(ds)), batch_size=3, length_fn=_len_ids, options=LoaderOptions(num_workers=2)
+        )
     with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
-        BalancedDataLoader(ds, batch_size=3, persistent_workers=True, **kw)
+        LoaderOptions(persistent_workers=True)
     with pytest.raises(ValueError, match="pass batch_size= or max_tokens_per_rank=, not both"):
         BalancedDataLoader(ds, batch_size=3, max_tokens_per_rank=10, **kw)
     with pytest.raises(ValueError, match="max_tokens_per_rank=10 is below the length of example"):
         BalancedDataLoader(ds, max_tokens_per_rank=10, **kw)  # lengths up to 59
     with pytest.raises(ValueError, match="max_tokens_per_rank budgets lengths"):
-        BalancedDataLoader(ds, max_tokens_per_rank=100, mode="local", batch_meta_fn=len)
+        BalancedDataLoader(
+            ds, max_tokens_per_rank=100, mode="local", planning=PlanningOptions(batch_meta_fn=len)
+        )
     # A token budget on a stream: an example over the budget is named when it is read.
     over = BalancedDataLoader(_Shard(12, 0, 1), max_tokens_per_rank=10, length_fn=_len_ids)
     with pytest.raises(ValueError, match="below the length of item 0 of this rank's stream"):
@@ -977,8 +1109,9 @@ def test_pin_memory_without_an_accelerator_warns_and_still_yields():
     ds = _dataset(6)
     with pytest.warns(UserWarning, match="no accelerator is available: batches are not pinned"):
         loader = BalancedDataLoader(
-            ds, batch_size=2, length_column="n_tokens", pin_memory=True, collate_fn=_id_tensor
-        )
+            ds, batch_size=2, length_column="n_tokens", collate_fn=_id_tensor,
+            options=LoaderOptions(pin_memory=True),
+        )  # fmt: skip
     assert sorted(torch.cat(list(loader)).tolist()) == list(range(6))
 
 
@@ -990,18 +1123,22 @@ def test_public_names_document_args_returns_raises_and_the_loss_normalisation():
         "BalancedDataLoader": (BalancedDataLoader, ("Args:", "Raises:", norm)),
         "BalancedCollator": (BalancedCollator, ("Args:", "Returns", "Raises:", norm)),
         "orchestrated_loader": (orchestrated_loader, ("Args:", "Returns:", "Raises:", norm)),
-        "PlannedBatch": (PlannedBatch, ("Attributes:", "stats")),
+        "PlannedBatch": (PlannedBatch, ("Attributes:", "stats", "assembly")),
+        "SamplingOptions": (SamplingOptions, ("Attributes:",)),
+        "PlanningOptions": (PlanningOptions, ("Attributes:",)),
         "LoaderOptions": (LoaderOptions, ("Attributes:",)),
     }
     for name, (obj, sections) in docs.items():
         doc = inspect.getdoc(obj)
         assert all(s in doc for s in sections), (name, [s for s in sections if s not in doc])
     loader_doc = inspect.getdoc(BalancedDataLoader)
-    for option in ("mode", "prefetch", "shuffle", "seed", "drop_last", "policy", "yields"):
-        assert option in loader_doc, option
-    options_doc = inspect.getdoc(LoaderOptions)
-    for f in dataclasses.fields(LoaderOptions):  # every option is documented
-        assert f"    {f.name}: " in options_doc, f.name
+    for name in inspect.signature(BalancedDataLoader).parameters:  # every argument documented
+        assert f"    {name}: " in loader_doc, name
+    assert "yields" in loader_doc
+    for group in (SamplingOptions, PlanningOptions, LoaderOptions):
+        doc = inspect.getdoc(group)
+        for f in dataclasses.fields(group):  # every option is documented
+            assert f"    {f.name}: " in doc, (group.__name__, f.name)
 
 
 def test_abandoned_iteration_stops_its_thread_when_dropped():
@@ -1009,7 +1146,7 @@ def test_abandoned_iteration_stops_its_thread_when_dropped():
     so this is collective-safe); no prefetch thread may outlive it and race a later
     destroy_process_group."""
     loader = BalancedDataLoader(
-        _dataset(40), batch_size=2, length_column="n_tokens", collate_fn=_ids, prefetch=2
+        _dataset(40), batch_size=2, length_column="n_tokens", collate_fn=_ids
     )
     next(iter(loader))
     assert not [t for t in threading.enumerate() if t.name.startswith("orchmllm-loader")]
@@ -1027,6 +1164,8 @@ def test_package_exports_load_lazily():
     exported = (
         (data.BalancedDataLoader, BalancedDataLoader),
         (data.LoaderOptions, LoaderOptions),
+        (data.SamplingOptions, SamplingOptions),
+        (data.PlanningOptions, PlanningOptions),
         (data.PlannedBatch, PlannedBatch),
         (data.BalancedCollator, BalancedCollator),
         (data.StepInfo, ex.StepInfo),

@@ -14,9 +14,12 @@ from orchmllm.schema import Modality, register_modality
 from orchmllm.step_plan import (
     MODES,
     EncoderPhase,
+    StepOptions,
+    assembly,
     default_phases,
 )
 from orchmllm.testing import run_distributed
+from orchmllm.topology import Topology
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
 # -- distributed execution ----------------------------------------------------------------
@@ -60,9 +63,10 @@ def _composition_worker(rank, world):
     counter = _Counter()
     dist.all_to_all_single = counter
     out = {}
+    topology = Topology.build(ranks_per_node=2, timeout=30)  # every mode's orchestrator's
     try:
         for mode in MODES:
-            orch = Orchestrator(PHASES, mode=mode, ranks_per_node=2, timeout=30)
+            orch = Orchestrator(StepOptions(PHASES, mode=mode), topology=topology)
             weights = {n: torch.eye(WIDTH, requires_grad=True) for n in ("vision", "audio")}
             enc_calls = []
             counter.calls.clear()
@@ -149,12 +153,13 @@ def _agreement_worker(rank, world):
     Orchestrator.plan computes it on rank 0 and broadcasts it; deterministic plans do not."""
     batch = LocalBatch.from_examples(payload_batches(world)[rank], PHASES)
     weights = {n: torch.eye(WIDTH) for n in ("vision", "audio")}
+    topology = Topology.build(ranks_per_node=2, timeout=30)
     counter = _Broadcasts()
     dist.broadcast = counter
     out = {}
     try:
         for placement in ("ilp", "assign"):
-            orch = Orchestrator(PHASES, placement=placement, ranks_per_node=2, timeout=30)
+            orch = Orchestrator(StepOptions(PHASES, placement=placement), topology=topology)
             counter.calls = 0
             plan = orch.plan_batch(batch)
             res = orch.run(batch, _identity_encoders(weights, []))  # plans again, inside
@@ -184,7 +189,7 @@ def _third_modality_worker(rank, world):
     batches = payload_batches(world, PHASES3)
     exs = {ex["id"]: ex for b in batches for ex in b}
     batch = LocalBatch.from_examples(batches[rank], PHASES3)
-    orch = Orchestrator(PHASES3, mode="full", timeout=30)
+    orch = Orchestrator(StepOptions(PHASES3, mode="full"), topology=Topology.build(timeout=30))
     weights = {p.name: torch.eye(WIDTH, requires_grad=True) for p in PHASES3}
     calls = []
     res = orch.run(batch, _identity_encoders(weights, calls, PHASES3))
@@ -207,7 +212,7 @@ def _stale_plan_worker(rank, world):
     """A plan given to run() that is not this batch's is refused on every rank, before any move
     (so no rank waits on a collective the others skipped)."""
     batches = payload_batches(world)
-    orch = Orchestrator(PHASES, ranks_per_node=2, timeout=30)
+    orch = Orchestrator(StepOptions(PHASES), topology=Topology.build(ranks_per_node=2, timeout=30))
     plan = orch.plan_batch(LocalBatch.from_examples(batches[rank], PHASES))
     other = LocalBatch.from_examples(batches[(rank + 1) % world], PHASES)
     encoders = _identity_encoders({n: torch.eye(WIDTH) for n in ("vision", "audio")}, [])
@@ -302,7 +307,7 @@ def _grad_worker(rank, world):
         mine = [ex for ex in exs if not ex["image_patches"] and not ex["audio_mels"]][:3]
         assert mine
     batch = LocalBatch.from_examples(mine, phases)
-    meta = dist.new_group(backend="gloo")
+    topology = Topology.build(timeout=30)  # one gloo group for every mode's orchestrator
     out = {}
     for mode in MODES:
         torch.manual_seed(0)
@@ -319,7 +324,7 @@ def _grad_worker(rank, world):
             "vision": _linear_encoder(w["vision"], cfg.widths["vision"] * 2),
             "audio": _linear_encoder(w["audio"], cfg.widths["audio"] * 4),
         }
-        orch = Orchestrator(phases, mode=mode, meta_group=meta, timeout=30)
+        orch = Orchestrator(StepOptions(phases, mode=mode), topology=topology)
         # Prefetched plan (gathered and planned in a thread) equals the synchronous one.
         box = {}
         t = threading.Thread(target=_plan_into, args=(orch, batch, box))
@@ -355,3 +360,20 @@ def test_gradients_equal_across_modes_with_an_empty_rank(distributed):
             loss, grad = r[mode]
             assert np.isclose(loss, ref_loss, rtol=1e-12)
             np.testing.assert_allclose(grad, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_options_and_topology_agree_on_one_ranks_per_node_and_assembly_needs_its_plan():
+    """Single process (no group): what the orchestrator refuses before any collective."""
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match="options must be a StepOptions, got tuple"):
+        Orchestrator(PHASES)
+    filled = Orchestrator(StepOptions(PHASES), topology=Topology.build(ranks_per_node=4))
+    assert filled.ranks_per_node == filled.options.ranks_per_node == 4
+    own = Orchestrator(StepOptions(PHASES, ranks_per_node=2))  # builds its topology from it
+    assert own.topology.ranks_per_node == 2
+    with pytest.raises(ValueError, match="ranks_per_node=4 but the topology's ranks_per_node=2"):
+        Orchestrator(filled.options, topology=own.topology)
+    batch = LocalBatch.from_examples(payload_batches(1)[0], PHASES)
+    layout = assembly(own.plan(batch.metadata, np.zeros(len(batch.metadata), np.int64)), 0)
+    with pytest.raises(ValueError, match="assembly was given without plan"):
+        own.run(batch, _identity_encoders({}, []), assembly=layout)

@@ -17,7 +17,7 @@ from orchmllm.data.planners import (
 )
 from orchmllm.orchestrator import Orchestrator
 from orchmllm.schema import EncodingRates
-from orchmllm.step_plan import default_phases
+from orchmllm.step_plan import StepOptions, default_phases
 
 
 @pytest.mark.parametrize("policy", ["greedy", "kk", "identity"])
@@ -57,7 +57,8 @@ def test_only_time_limited_plans_are_nondeterministic():
 def test_orchestrator_plans_are_nondeterministic_only_when_balanced_with_ilp(mode):
     phases = default_phases(EncodingRates(), feature_dims={"vision": 12, "audio": 8})
     for placement in ("assign", "ilp"):
-        orch = Orchestrator(phases, mode=mode, placement=placement, ranks_per_node=2)
+        options = StepOptions(phases, mode=mode, placement=placement, ranks_per_node=2)
+        orch = Orchestrator(options)
         # mode="none" balances nothing, so it never reaches the placement.
         expected = placement != "ilp" or mode == "none"
         assert OrchestratorPlanner(orch).deterministic == expected

@@ -358,7 +358,9 @@ def _w_dispatcher(rank: int, world: int):
 
 
 def _dispatcher(rank: int, world: int, snake: _Recorder) -> None:
-    disp = orchmllm.BatchDispatcher("snake", timeout=TIMEOUT, check_plan=True)
+    disp = orchmllm.BatchDispatcher(
+        "snake", topology=orchmllm.Topology.build(timeout=TIMEOUT), check_plan=True
+    )
     assert disp.deterministic
     for seed in range(3):
         d, glob = _dispatch(disp, _per_rank(world, seed), rank)
@@ -377,7 +379,7 @@ def _w_shared_plan(rank: int, world: int):
 
 
 def _shared_plan(rank: int, world: int, coin: _Recorder) -> None:
-    disp = orchmllm.BatchDispatcher("coin", timeout=TIMEOUT)
+    disp = orchmllm.BatchDispatcher("coin", topology=orchmllm.Topology.build(timeout=TIMEOUT))
     assert not disp.deterministic
     for seed in range(3):
         d, _ = _dispatch(disp, _per_rank(world, seed), rank)
@@ -399,7 +401,10 @@ def _orchestrator(rank: int, world: int, snake: _Recorder) -> None:
     batches = payload_batches(world, phases)
     exs = {ex["id"]: ex for b in batches for ex in b}
     batch = orchmllm.LocalBatch.from_examples(batches[rank], phases)
-    orch = orchmllm.Orchestrator(phases, mode="full", llm_policy="snake", timeout=TIMEOUT)
+    orch = orchmllm.Orchestrator(
+        StepOptions(phases, mode="full", llm_policy="snake"),
+        topology=orchmllm.Topology.build(timeout=TIMEOUT),
+    )
     plan = orch.plan_batch(batch)
     _check_step(plan, snake)
 

@@ -8,7 +8,8 @@ import pytest
 from orchmllm import step_plan
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import IGNORE_INDEX, LocalBatch
+from orchmllm.orchestrator import LocalBatch
+from orchmllm.schema import IGNORE_INDEX
 from orchmllm.step_plan import (
     MODES,
     StepOptions,

@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch.utils.data import default_collate, get_worker_info
 
 from orchmllm.data import exchange as ex
 from orchmllm.data import stats as st
 from orchmllm.data.lengths import LengthFn, example_length
+from orchmllm.data.options import PlanningOptions, given
 from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
+from orchmllm.topology import Topology
 
 _NOT_IN_WORKERS = (
     "BalancedCollator runs collectives and cannot run in DataLoader workers; use "
@@ -40,21 +41,25 @@ class BalancedCollator:
 
     Args:
         collate_fn: Collates the balanced examples (default: torch's ``default_collate``).
-        length_fn: ``length_fn(example) -> int``, an example's length (cost unit).
-        length_column: Or the key of each example holding its length (pass exactly one).
-        planner: ``planner(meta, src, num_ranks) -> Rearrangement`` replacing the default
-            ``BalancePlanner(policy, cost)``.
-        policy: The balancing policy (``orchmllm.POLICIES``).
-        cost: An ``orchmllm.CostModel`` for the policy (None: its default).
-        group: The CPU (gloo) group for the collectives (default: a new one, all ranks).
-        timeout: Seconds a collective may wait for the other ranks.
+        length_column: The key of each example holding its length (cost unit).
+        length_fn: Or ``length_fn(example) -> int``, an example's length (pass exactly one
+            of the two, or a planning ``meta_fn``).
+        planning: How the plan is made (:class:`~orchmllm.data.options.PlanningOptions`:
+            policy, cost, a planner of your own and its per-example ``meta_fn`` rows; not
+            ``batch_meta_fn``, which needs ``BalancedDataLoader(mode="local")``).
+        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the
+            collator talks on its gloo metadata group only, with its timeout. None builds
+            one over the default group that this collator owns (dropping the collator
+            destroys it), as :class:`~orchmllm.data.loader.BalancedDataLoader` does.
 
     Returns (each call): the collated balanced batch; ``last_step`` and ``last_stats``
     (:mod:`orchmllm.data.stats`) describe the step.
 
     Raises:
-        ValueError: Not exactly one of ``length_fn``/``length_column``; a bad length
-            (naming the item's position in this rank's batch and the step).
+        ValueError: Not exactly one of ``length_fn``, ``length_column`` and a ``meta_fn``;
+            a ``batch_meta_fn``; a bad length (naming the item's position in this rank's
+            batch and the step).
+        TypeError: ``planning`` is not a :class:`~orchmllm.data.options.PlanningOptions`.
         RuntimeError: Sent to DataLoader worker processes (``num_workers > 0``): use
             ``BalancedDataLoader(your_dataloader)``, which keeps the workers. The DataLoader
             cannot be checked when it is built (it is the user's); with the ``spawn`` or
@@ -63,33 +68,45 @@ class BalancedCollator:
             before any batch reaches the training loop.
         PeerFailed: Another rank failed to prepare the step.
 
-    Collective: every rank's DataLoader must produce the same number of batches (e.g.
-    with ``DistributedSampler``), and each call runs on every rank.
+    Collective: construct it on every rank together; every rank's DataLoader must produce
+    the same number of batches (e.g. with ``DistributedSampler``), and each call runs on
+    every rank.
     """
 
     def __init__(
         self,
         collate_fn: Callable[[list], Any] | None = None,
         *,
-        length_fn: LengthFn | None = None,
         length_column: str | None = None,
-        planner: ex.Planner | None = None,
-        policy: str = "greedy",
-        cost: Any = None,
-        group: dist.ProcessGroup | None = None,
-        timeout: float = 600.0,
+        length_fn: LengthFn | None = None,
+        planning: PlanningOptions | None = None,
+        topology: Topology | None = None,
     ) -> None:
-        if (length_fn is None) == (length_column is None):
-            raise ValueError("pass exactly one of length_fn= or length_column=")
+        plan = given(planning, PlanningOptions, "planning")
+        if plan.batch_meta_fn is not None:
+            raise ValueError(
+                "batch_meta_fn needs BalancedDataLoader(mode='local'); the collator moves "
+                "examples, planned on one row each (length_fn=, length_column= or meta_fn=)"
+            )
+        rows_from = {
+            "length_fn": length_fn,
+            "length_column": length_column,
+            "meta_fn": plan.meta_fn,
+        }
+        named = [name for name, value in rows_from.items() if value is not None]
+        if len(named) != 1:
+            raise ValueError(
+                "pass exactly one of length_fn=, length_column= or a planning meta_fn=; "
+                f"got {named}"
+            )
         self.collate_fn = collate_fn or default_collate
         self.length_fn = length_fn
         self.length_column = length_column
-        self.planner = planner or BalancePlanner(policy=policy, cost=cost)
+        self.meta_fn = plan.meta_fn
+        self.planner = plan.planner or BalancePlanner(policy=plan.policy, cost=plan.cost)
         warn_on_layout_mismatch(self.collate_fn, self.planner)
-        self._group = ex.Group(
-            group if group is not None else ex.new_cpu_group(timeout=timeout, owner=self),
-            timeout=timeout,
-        )
+        self.topology = topology if topology is not None else Topology.build()
+        self._group = ex.Group.metadata(self.topology)
         self.step = 0
         self.last_step: ex.StepInfo | None = None
         self.last_stats: dict[str, float] = {}
@@ -105,18 +122,7 @@ class BalancedCollator:
         t0 = time.perf_counter()
 
         def prepare() -> tuple[list, list[list[int]]]:
-            rows = [  # the collate function never sees dataset indices: name the position
-                [
-                    example_length(
-                        e,
-                        index=f"item {i} of this rank's batch {self.step}",
-                        length_column=self.length_column,
-                        length_fn=self.length_fn,
-                    )
-                ]
-                for i, e in enumerate(examples)
-            ]
-            return list(examples), rows
+            return list(examples), [self._row(i, e) for i, e in enumerate(examples)]
 
         done = ex.balance_step(self._group, self.planner, prepare, step=self.step, move=True)
         assert done is not None  # this rank had examples
@@ -134,3 +140,15 @@ class BalancedCollator:
         self.last_step, self.last_stats = info, {"step": self.step, **phase}
         self.step += 1
         return batch
+
+    def _row(self, i: int, example: Any) -> list[int]:
+        """The metadata row of the ``i``-th example of this rank's batch: its length, or the
+        planning ``meta_fn``'s row."""
+        if self.meta_fn is not None:
+            return [int(v) for v in self.meta_fn(example)]
+        # The collate function never sees dataset indices: name the position.
+        where = f"item {i} of this rank's batch {self.step}"
+        length = example_length(
+            example, index=where, length_column=self.length_column, length_fn=self.length_fn
+        )
+        return [length]

@@ -16,10 +16,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,7 @@ import torch.distributed as dist
 from orchmllm import comm, watch
 from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
+from orchmllm.topology import Topology
 
 OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
@@ -66,6 +65,15 @@ class Group:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.size = dist.get_world_size(group) if self.distributed else 1
+        self.topology: Topology | None = None
+
+    @classmethod
+    def metadata(cls, topology: Topology) -> Group:
+        """The topology's gloo metadata group, with its timeout; the group holds the topology
+        (dropping a topology destroys the groups it created)."""
+        g = cls(topology.meta_group, timeout=topology.timeout)
+        g.topology = topology
+        return g
 
     def all_gather_fixed(self, vec: Sequence[int]) -> np.ndarray:
         arr = np.asarray(vec, dtype=np.int64).reshape(1, -1)
@@ -77,25 +85,6 @@ class Group:
         if not self.distributed:
             return rows, np.zeros(rows.shape[0], dtype=np.int64)
         return comm.all_gather_rows(rows, group=self.group, timeout=self.timeout)
-
-
-def new_cpu_group(*, timeout: float, owner: object) -> dist.ProcessGroup | None:
-    """A gloo group over all ranks, separate from the training group, so the loader's
-    collectives can run in a background thread beside NCCL (or gloo) training traffic.
-    Collective call: every rank must create its loaders in the same order. The group is
-    destroyed when ``owner`` is garbage-collected (every gloo group holds threads and sockets:
-    a loader per epoch must not leak them)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    dist.barrier(group=group)  # every rank connected before any can drop its owner
-    weakref.finalize(owner, _destroy, group)
-    return group
-
-
-def _destroy(group: dist.ProcessGroup) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group(group)
 
 
 def planner_signature(planner: object) -> object:

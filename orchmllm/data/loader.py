@@ -2,7 +2,7 @@
 
 A background thread prepares the next ``prefetch`` steps while the current one trains
 (paper section 6, "Computation overhead overlapping"): it samples the local mini-batch,
-all-gathers its metadata on a CPU (gloo) group of its own, computes the plan (the C++
+all-gathers its metadata on its topology's CPU (gloo) group, computes the plan (the C++
 balancing core releases the GIL) and, depending on the mode, builds the balanced batch:
 
 - ``"index"``: map-style dataset with lengths known before loading (a length column, a
@@ -36,12 +36,11 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 
@@ -56,6 +55,7 @@ from orchmllm.data.lengths import (
     example_length,
     is_hf_dataset,
 )
+from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions, given
 from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
 from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import (
@@ -97,175 +97,116 @@ class PlannedBatch:
             :class:`~orchmllm.plan.Rearrangement` (execute it with
             ``BatchDispatcher.dispatch(..., plan=plan)``) or, from
             :func:`~orchmllm.data.orchestrated.orchestrated_loader`, a ``StepPlan`` (pass it
-            to ``Orchestrator.run(batch, encoders, plan=plan)``).
+            to ``Orchestrator.run(batch, encoders, plan=plan, assembly=assembly)``).
         info: The step's record (:class:`~orchmllm.data.exchange.StepInfo`).
         stats: The step's balance metrics (see :mod:`orchmllm.data.stats`).
+        assembly: This rank's share of the plan, computed in the background thread with it
+            when the planner has an ``assembly(plan, rank)`` method (from
+            :func:`~orchmllm.data.orchestrated.orchestrated_loader`: the
+            :class:`~orchmllm.step_plan.Assembly` of this rank's LLM sequences, so that
+            ``Orchestrator.run`` only moves data and runs the encoders); else None.
     """
 
     batch: Any
     plan: Any
     info: StepInfo
     stats: dict[str, float] = field(default_factory=dict)
+    assembly: Any = None
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class LoaderOptions:
-    """Every option of :class:`BalancedDataLoader`, checked when built.
+def _check_lengths_args(lengths_from: list[str], mode: str, planning: PlanningOptions) -> None:
+    """Where the planner's rows come from (``lengths_from``: the names of the length arguments
+    given), checked against the mode and the planning options."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if len(lengths_from) > 1:
+        raise ValueError(
+            f"pass at most one of length_fn, length_column, lengths; got {lengths_from}"
+        )
+    if not lengths_from and not planning.custom_rows:
+        raise ValueError(
+            "pass one of length_fn=, length_column=, lengths= (or a planning meta_fn=)"
+        )
+    if planning.batch_meta_fn is not None and mode != "local":
+        raise ValueError(f"batch_meta_fn needs mode='local', got mode={mode!r}")
+    if mode == "index" and planning.meta_fn is not None:
+        raise ValueError("mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'")
 
-    ``BalancedDataLoader(source, batch_size=8, ...)`` builds one from its keyword
-    arguments; build it yourself to share a set-up between loaders or to keep it in a
-    config (``dataclasses.replace(options, seed=1)`` gives a checked copy).
 
-    Attributes:
-        batch_size: Examples each rank samples per step (as ``DataLoader(batch_size=)``).
-            Pass it or ``max_tokens_per_rank``, except for a ``DataLoader`` source, whose
-            own batches are used.
-        max_tokens_per_rank: Instead of ``batch_size``: each rank's batch holds at most this
-            many length units (tokens) after balancing. With lengths known up front the
-            epoch is packed into steps of one batch per rank under the budget
-            (:func:`~orchmllm.data.sampling.token_budget_batches`); otherwise each rank
-            cuts its stream at the budget. A plan that would put more on a rank is
-            replaced by the sampled layout. Every rank takes the same number of steps.
-        collate_fn: Turns a list of examples into a batch; runs on the balanced examples.
-            Default: the ``DataLoader`` source's own, else torch's ``default_collate``.
-        length_fn: ``length_fn(example) -> int``, the example's length (its cost unit,
-            e.g. tokens). On an HF dataset it is mapped once over the data (cached).
-        length_column: A column (or key) of each example holding its length.
-        lengths: One length per dataset index (map-style datasets only).
-        length_columns: The only columns ``length_fn`` reads on an HF dataset, so that
-            computing lengths never decodes images or audio.
-        num_proc: Processes for the one-off ``Dataset.map`` that computes lengths.
-        meta_fn: ``meta_fn(example) -> ints``, the row gathered per example instead of
-            ``[length]`` (for a custom ``planner``; not in index mode).
-        batch_meta_fn: ``batch_meta_fn(collated_batch) -> rows`` (``mode="local"`` only): any
-            number of rows per batch, e.g. the orchestrator's segment table.
-        planner: ``planner(meta, src, num_ranks) -> plan`` replacing the default
-            ``BalancePlanner(policy, cost)`` (see :data:`orchmllm.data.exchange.Planner`).
-        policy: The balancing policy (a name in ``orchmllm.POLICIES``): ``greedy`` for
-            packed batches, ``padded_cost`` or ``binary_search`` for padded ones. A
-            ``collate_fn`` whose layout is known (Hugging Face's collators, or one with an
-            ``orchmllm_layout`` attribute: :func:`~orchmllm.data.planners.collate_layout`)
-            paired with a policy for the other layout warns once
-            (:class:`~orchmllm.data.planners.LayoutMismatchWarning`).
-        cost: An ``orchmllm.CostModel`` for the policy (None: the policy's default).
-        mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
-            balanced share: needs a map-style dataset with lengths known up front),
-            ``"move"`` (each rank loads what it sampled, examples then move to their
-            destination as bytes: streams, ``DataLoader`` sources), ``"local"`` (the batch
-            as sampled plus the plan: :class:`PlannedBatch`), or ``"auto"`` (index when
-            possible, else move).
-        prefetch: Steps prepared ahead in a background thread (0: synchronous).
-        num_workers: DataLoader worker processes that load (and in index mode collate)
-            examples, as ``DataLoader(num_workers=)``; for a ``DataLoader`` source set it
-            on that DataLoader. An ``IterableDataset`` must split itself between workers.
-        pin_memory: Pin the yielded batches' tensors (for fast copies to the accelerator).
-        persistent_workers: Keep the workers between epochs (needs ``num_workers > 0``).
-        shuffle: Reshuffle the sampling order every epoch (as ``DistributedSampler``).
-        seed: The shuffling seed; the same on every rank.
-        drop_last: Drop the tail that does not divide evenly over the ranks (with a token
-            budget: the last, partial step).
-        num_replicas: Ranks the data is split over (default: the process group's size).
-        group: The CPU (gloo) process group for the loader's collectives (default: the
-            ``topology``'s metadata group, else a new gloo group over all ranks, destroyed
-            with the loader, so the loader never shares the training group).
-        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the loader
-            gathers on its gloo metadata group instead of opening one of its own (iterate
-            only one loader of a topology at a time: their collectives share the group).
-        timeout: Seconds any collective of the loader may wait for the other ranks.
-        name: What errors and log lines call this loader (default ``BalancedDataLoader#k``,
-            the k-th loader this process created: the same loader on every rank).
-        with_stats: Yield ``(batch, stats)`` pairs instead of batches.
-        log_every: Print one line of balance metrics on rank 0 every this many steps (0:
-            never).
-    """
+def _check_batch_args(
+    batch_size: int | None, max_tokens_per_rank: int | None, *, budgets_lengths: bool
+) -> None:
+    """What one step holds: a count or a token budget, never both; a budget needs the
+    lengths (``budgets_lengths``: lengths given, no custom planner rows)."""
+    for name, value in (("batch_size", batch_size), ("max_tokens_per_rank", max_tokens_per_rank)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if max_tokens_per_rank is None:
+        return
+    if batch_size is not None:
+        raise ValueError(
+            f"pass batch_size= or max_tokens_per_rank=, not both; got batch_size={batch_size}, "
+            f"max_tokens_per_rank={max_tokens_per_rank}"
+        )
+    if not budgets_lengths:
+        raise ValueError(
+            "max_tokens_per_rank budgets lengths: pass length_fn=, length_column= or lengths=, "
+            "and no meta_fn= or batch_meta_fn= (a custom planner's rows)"
+        )
 
-    batch_size: int | None = None
-    max_tokens_per_rank: int | None = None
-    collate_fn: Callable[[list], Any] | None = None
-    length_fn: LengthFn | None = None
-    length_column: str | None = None
-    lengths: Sequence[int] | np.ndarray | None = None
-    length_columns: Sequence[str] | None = None
-    num_proc: int | None = None
-    meta_fn: Callable[[Any], Sequence[int]] | None = None
-    batch_meta_fn: Callable[[Any], np.ndarray] | None = None
-    planner: ex.Planner | None = None
-    policy: str = "greedy"
-    cost: Any = None
-    mode: str = "auto"
-    prefetch: int = 2
-    num_workers: int = 0
-    pin_memory: bool = False
-    persistent_workers: bool = False
-    shuffle: bool = True
-    seed: int = 0
-    drop_last: bool = False
-    num_replicas: int | None = None
-    group: dist.ProcessGroup | None = None
-    topology: Topology | None = None
-    timeout: float = 600.0
-    name: str | None = None
-    with_stats: bool = False
-    log_every: int = 0
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("prefetch", "num_workers", "log_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("batch_size", "max_tokens_per_rank"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
-        if self.persistent_workers and not self.num_workers:
-            raise ValueError("persistent_workers=True needs num_workers > 0, got num_workers=0")
-        lengths = [
-            n for n in ("length_fn", "length_column", "lengths") if getattr(self, n) is not None
-        ]
-        if len(lengths) > 1:
-            raise ValueError(
-                f"pass at most one of length_fn, length_column, lengths; got {lengths}"
-            )
-        if not lengths and self.meta_fn is None and self.batch_meta_fn is None:
-            raise ValueError("pass one of length_fn=, length_column=, lengths= (or meta_fn=)")
-        if self.batch_meta_fn is not None and self.mode != "local":
-            raise ValueError(f"batch_meta_fn needs mode='local', got mode={self.mode!r}")
-        if self.mode == "index" and self.meta_fn is not None:
-            raise ValueError(
-                "mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'"
-            )
-        if self.max_tokens_per_rank is not None:
-            if self.batch_size is not None:
+def _check_source(
+    source: Any,
+    *,
+    batch_size: int | None,
+    max_tokens_per_rank: int | None,
+    lengths: Any,
+    options: LoaderOptions,
+) -> None:
+    """Options this kind of source cannot honour fail here, saying what to use instead."""
+    if isinstance(source, DataLoader):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_tokens_per_rank", max_tokens_per_rank),
+        ):
+            if value is not None:
                 raise ValueError(
-                    f"pass batch_size= or max_tokens_per_rank=, not both; got batch_size="
-                    f"{self.batch_size}, max_tokens_per_rank={self.max_tokens_per_rank}"
+                    f"{name} comes from the dataloader's batches; do not pass it too (or pass "
+                    "the dataset instead of the DataLoader)"
                 )
-            if not lengths or self.meta_fn is not None or self.batch_meta_fn is not None:
-                raise ValueError(
-                    "max_tokens_per_rank budgets lengths: pass length_fn=, length_column= or "
-                    "lengths=, and no meta_fn= or batch_meta_fn= (a custom planner's rows)"
-                )
+        if options.num_workers or options.persistent_workers:
+            raise ValueError(
+                "num_workers and persistent_workers come from the dataloader: set them on it "
+                f"(DataLoader(..., num_workers=N)); got num_workers={options.num_workers}, "
+                f"persistent_workers={options.persistent_workers}"
+            )
+        return
+    if batch_size is None and max_tokens_per_rank is None:
+        raise ValueError("pass batch_size= (>= 1) or max_tokens_per_rank=, got neither")
+    workers = options.num_workers
+    if workers and not (sr.is_map_style(source) or isinstance(source, IterableDataset)):
+        raise ValueError(
+            f"num_workers={workers} needs a map-style dataset, a torch IterableDataset "
+            f"or a DataLoader; got {type(source).__name__}: wrap it in an IterableDataset, or "
+            "use num_workers=0"
+        )
+    if lengths is not None and not sr.is_map_style(source):
+        raise ValueError("lengths= needs a map-style dataset (one length per index)")
 
 
-def _options(options: LoaderOptions | None, kwargs: dict[str, Any]) -> LoaderOptions:
-    """``options`` with ``kwargs`` applied (both checked by ``LoaderOptions``)."""
-    if options is None:
-        return LoaderOptions(**kwargs)
-    if not isinstance(options, LoaderOptions):
-        raise TypeError(f"options must be a LoaderOptions, got {type(options).__name__}")
-    return replace(options, **kwargs) if kwargs else options
-
-
-def _resolve_mode(source: Any, opts: LoaderOptions) -> str:
-    """The mode ``"auto"`` stands for with this source, after checking the source fits."""
-    _check_source(source, opts)
+def _resolve_mode(
+    source: Any,
+    mode: str,
+    *,
+    lengths: Any,
+    length_column: str | None,
+    planning: PlanningOptions,
+) -> str:
+    """The mode ``"auto"`` stands for with this source (a source that fits, see
+    :func:`_check_source`)."""
     map_style = sr.is_map_style(source)
-    mode = opts.mode
     if mode == "auto":
-        known = opts.lengths is not None or (is_hf_dataset(source) and opts.meta_fn is None)
+        known = lengths is not None or (is_hf_dataset(source) and planning.meta_fn is None)
         mode = "index" if map_style and known else "move"
     if mode == "index" and not map_style:
         raise ValueError(
@@ -275,74 +216,27 @@ def _resolve_mode(source: Any, opts: LoaderOptions) -> str:
     if (
         mode != "index"
         and is_hf_dataset(source)
-        and opts.length_column is not None
-        and opts.length_column not in source.column_names
+        and length_column is not None
+        and length_column not in source.column_names
     ):
         raise ValueError(
-            f"length_column={opts.length_column!r} is not a column of the dataset; "
+            f"length_column={length_column!r} is not a column of the dataset; "
             f"columns are {source.column_names}"
         )
     return mode
 
 
-def _check_source(source: Any, opts: LoaderOptions) -> None:
-    """Options this kind of source cannot honour fail here, saying what to use instead."""
-    if isinstance(source, DataLoader):
-        for name in ("batch_size", "max_tokens_per_rank"):
-            if getattr(opts, name) is not None:
-                raise ValueError(
-                    f"{name} comes from the dataloader's batches; do not pass it too (or pass "
-                    "the dataset instead of the DataLoader)"
-                )
-        if opts.num_workers or opts.persistent_workers:
-            raise ValueError(
-                "num_workers and persistent_workers come from the dataloader: set them on it "
-                f"(DataLoader(..., num_workers=N)); got num_workers={opts.num_workers}, "
-                f"persistent_workers={opts.persistent_workers}"
-            )
-        return
-    if opts.batch_size is None and opts.max_tokens_per_rank is None:
-        raise ValueError("pass batch_size= (>= 1) or max_tokens_per_rank=, got neither")
-    if opts.num_workers and not (sr.is_map_style(source) or isinstance(source, IterableDataset)):
-        raise ValueError(
-            f"num_workers={opts.num_workers} needs a map-style dataset, a torch IterableDataset "
-            f"or a DataLoader; got {type(source).__name__}: wrap it in an IterableDataset, or "
-            "use num_workers=0"
-        )
-    if opts.lengths is not None and not sr.is_map_style(source):
-        raise ValueError("lengths= needs a map-style dataset (one length per index)")
-
-
-def _known_lengths(source: Any, opts: LoaderOptions, mode: str) -> np.ndarray | None:
-    """Every example's length by dataset index, when known before loading: always in
-    index mode (it plans on these alone), in the other modes only if given."""
-    if opts.lengths is not None:
-        lengths = check_lengths(opts.lengths, source="lengths")
-        if lengths.size != len(source):
-            raise ValueError(f"lengths has {lengths.size} entries, the dataset {len(source)}")
-        return lengths
-    if mode != "index":
-        return None
-    return dataset_lengths(
-        source,
-        length_column=opts.length_column,
-        length_fn=opts.length_fn,
-        columns=opts.length_columns,
-        num_proc=opts.num_proc,
-    )
-
-
-def _num_replicas(source: Any, opts: LoaderOptions, group: ex.Group) -> int:
+def _num_replicas(source: Any, sampling: SamplingOptions, group: ex.Group) -> int:
     """Given, else the wrapped DataLoader's DistributedSampler's, else the group's size."""
-    if opts.num_replicas is not None:
-        return opts.num_replicas
+    if sampling.num_replicas is not None:
+        return sampling.num_replicas
     sampler = getattr(source, "sampler", None) if isinstance(source, DataLoader) else None
     return getattr(sampler, "num_replicas", group.size)
 
 
-def _pinning(source: Any, opts: LoaderOptions) -> bool:
+def _pinning(source: Any, options: LoaderOptions) -> bool:
     """Whether to pin batches: asked (here or on a DataLoader source) and possible."""
-    asked = opts.pin_memory or (isinstance(source, DataLoader) and source.pin_memory)
+    asked = options.pin_memory or (isinstance(source, DataLoader) and source.pin_memory)
     if asked and not torch.accelerator.is_available():
         warnings.warn(
             "pin_memory=True but no accelerator is available: batches are not pinned",
@@ -415,22 +309,54 @@ class BalancedDataLoader:
     loss by the global count of loss-bearing items (``orchmllm.global_num_items``) and the
     gradients equal an unbalanced run's.
 
+    The common case is a few keywords, ``BalancedDataLoader(dataset, batch_size=8,
+    length_column="n_tokens", collate_fn=collate)``; the rest comes in three small option
+    objects, each checked when built and shareable between loaders: ``sampling=``
+    (:class:`SamplingOptions`: shuffle, seed, drop_last, num_replicas), ``planning=``
+    (:class:`PlanningOptions`: policy, cost, a planner of your own and its rows) and
+    ``options=`` (:class:`LoaderOptions`: prefetch, workers, pinning, name, metrics).
+
     Args:
         source: A map-style dataset (HF ``datasets.Dataset`` or anything with
             ``__getitem__``/``__len__``: every rank passes the whole dataset), an iterable
             holding this rank's shard (torch/HF ``IterableDataset`` or any iterable), or a
             ``DataLoader`` (its sampler, workers and, unless ``collate_fn`` is given, its
             collate function are kept; examples are balanced before collation).
-        options: A :class:`LoaderOptions`; or pass its fields as keyword arguments
-            (``batch_size=``, ``length_column=``, ``mode=``, ``prefetch=``, ``shuffle=``,
-            ``seed=``, ``drop_last=``, ``policy=``, ...; keywords beside ``options``
-            override it). ``mode`` picks how balanced batches are built (index, move,
-            local: see the module docstring), ``prefetch`` how many steps are planned ahead
-            in a background thread, ``shuffle``/``seed``/``drop_last`` act as on
-            ``DistributedSampler``, and ``policy`` is the balancing algorithm.
+        batch_size: Examples each rank samples per step (as ``DataLoader(batch_size=)``).
+            Pass it or ``max_tokens_per_rank``, except for a ``DataLoader`` source, whose
+            own batches are used.
+        max_tokens_per_rank: Instead of ``batch_size``: each rank's batch holds at most this
+            many length units (tokens) after balancing. With lengths known up front the
+            epoch is packed into steps of one batch per rank under the budget
+            (:func:`~orchmllm.data.sampling.token_budget_batches`); otherwise each rank
+            cuts its stream at the budget. A plan that would put more on a rank is
+            replaced by the sampled layout. Every rank takes the same number of steps.
+        length_column: A column (or key) of each example holding its length (cost unit,
+            e.g. tokens). Pass one of ``length_column``, ``length_fn``, ``lengths`` (or a
+            planning ``meta_fn``/``batch_meta_fn``).
+        length_fn: ``length_fn(example) -> int``, the example's length. On an HF dataset it
+            is mapped once over the data (cached; see ``LoaderOptions.length_columns``).
+        lengths: One length per dataset index (map-style datasets only).
+        collate_fn: Turns a list of examples into a batch; runs on the balanced examples.
+            Default: the ``DataLoader`` source's own, else torch's ``default_collate``.
+        mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
+            balanced share: needs a map-style dataset with lengths known up front),
+            ``"move"`` (each rank loads what it sampled, examples then move to their
+            destination as bytes: streams, ``DataLoader`` sources), ``"local"`` (the batch
+            as sampled plus the plan: :class:`PlannedBatch`), or ``"auto"`` (index when
+            possible, else move).
+        sampling: A :class:`SamplingOptions` (None: the defaults).
+        planning: A :class:`PlanningOptions` (None: the ``greedy`` policy).
+        options: A :class:`LoaderOptions` (None: the defaults).
+        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the loader
+            talks on its gloo metadata group only, with its timeout. None builds one over the
+            default group that this loader owns, so that loaders never share a group:
+            several may be iterated together (dropping the loader destroys its group). A
+            topology shared between loaders (or with a dispatcher) saves the group, but its
+            users must not gather at the same time: iterate one of its loaders at a time.
 
     Iterating yields, per step: the collated balanced batch (``mode`` index or move), or a
-    :class:`PlannedBatch` (``mode="local"``); with ``with_stats=True`` a pair
+    :class:`PlannedBatch` (``mode="local"``); with ``LoaderOptions(with_stats=True)`` a pair
     ``(that, stats)``, ``stats`` a flat dict of numbers (:mod:`orchmllm.data.stats`),
     also kept in ``last_stats``. ``len()`` is the number of steps per epoch.
 
@@ -438,6 +364,7 @@ class BalancedDataLoader:
         ValueError: A bad option or a combination that cannot work (naming it and what to
             use instead), ranks that disagree on the set-up (at the start of an epoch), a
             bad length (naming the example's dataset index).
+        TypeError: ``sampling``, ``planning`` or ``options`` of another type.
         EpochMismatch: The ranks left an epoch after different numbers of batches (on
             every rank, from the loop or from ``close()``).
         PeerFailed: Another rank failed to prepare a step (its own error is raised there).
@@ -446,31 +373,60 @@ class BalancedDataLoader:
     consume the same number of batches before leaving an epoch.
     """
 
-    def __init__(self, source: Any, options: LoaderOptions | None = None, /, **kwargs: Any) -> None:
-        opts = _options(options, kwargs)
-        self.options = opts
-        self.name = opts.name or f"BalancedDataLoader#{next(_CREATED)}"
+    def __init__(
+        self,
+        source: Any,
+        *,
+        batch_size: int | None = None,
+        max_tokens_per_rank: int | None = None,
+        length_column: str | None = None,
+        length_fn: LengthFn | None = None,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        mode: str = "auto",
+        sampling: SamplingOptions | None = None,
+        planning: PlanningOptions | None = None,
+        options: LoaderOptions | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        self.sampling = given(sampling, SamplingOptions, "sampling")
+        self.planning = given(planning, PlanningOptions, "planning")
+        self.options = given(options, LoaderOptions, "options")
+        length_args = {"length_fn": length_fn, "length_column": length_column, "lengths": lengths}
+        lengths_from = [name for name, value in length_args.items() if value is not None]
+        _check_lengths_args(lengths_from, mode, self.planning)
+        budgets_lengths = bool(lengths_from) and not self.planning.custom_rows
+        _check_batch_args(batch_size, max_tokens_per_rank, budgets_lengths=budgets_lengths)
+        _check_source(
+            source,
+            batch_size=batch_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+            lengths=lengths,
+            options=self.options,
+        )
+        self.batch_size, self.max_tokens_per_rank = batch_size, max_tokens_per_rank
+        self.length_column, self.length_fn = length_column, length_fn
+        self.name = self.options.name or f"BalancedDataLoader#{next(_CREATED)}"
         self.source = source
-        self.mode = _resolve_mode(source, opts)
+        self.mode = _resolve_mode(
+            source, mode, lengths=lengths, length_column=length_column, planning=self.planning
+        )
         is_loader = isinstance(source, DataLoader)
-        self.collate_fn = opts.collate_fn or (source.collate_fn if is_loader else default_collate)
-        planner = opts.planner or BalancePlanner(policy=opts.policy, cost=opts.cost)
+        self.collate_fn = collate_fn or (source.collate_fn if is_loader else default_collate)
+        plan = self.planning
+        planner = plan.planner or BalancePlanner(policy=plan.policy, cost=plan.cost)
         warn_on_layout_mismatch(self.collate_fn, planner)
         self._stats_cost = st.planner_cost(planner)
         self._ranks_per_node = getattr(planner, "ranks_per_node", None)
-        budget = opts.max_tokens_per_rank
+        budget = max_tokens_per_rank
         self.planner = planner if budget is None else _WithinBudget(planner, budget)
-        group = opts.group
-        if group is None and opts.topology is not None:
-            group = opts.topology.meta_group
-        if group is None:
-            group = ex.new_cpu_group(timeout=opts.timeout, owner=self)
-        self._group = ex.Group(group, timeout=opts.timeout)
-        self.num_replicas = _num_replicas(source, opts, self._group)
-        self._lengths = _known_lengths(source, opts, self.mode)
+        self.topology = topology if topology is not None else Topology.build()
+        self._group = ex.Group.metadata(self.topology)
+        self.num_replicas = _num_replicas(source, self.sampling, self._group)
+        self._lengths = self._known_lengths(lengths)
         if budget is not None and self._lengths is not None:
             check_budget(self._lengths, budget)  # an example no step can hold: fail now
-        self._pin = _pinning(source, opts)
+        self._pin = _pinning(source, self.options)
         self._reader = self._make_reader()
         self._steps_known = self._agreed_stream_steps()
         self._packing: tuple[int, list[list[list[int]]]] | None = None  # (epoch, steps)
@@ -485,6 +441,25 @@ class BalancedDataLoader:
         # An EpochMismatch not yet raised in the loop; close() and the next iteration raise it.
         self._failure: ex.EpochMismatch | None = None
 
+    def _known_lengths(self, lengths: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
+        """Every example's length by dataset index, when known before loading: always in
+        index mode (it plans on these alone), in the other modes only if given."""
+        source = self.source
+        if lengths is not None:
+            known = check_lengths(lengths, source="lengths")
+            if known.size != len(source):
+                raise ValueError(f"lengths has {known.size} entries, the dataset {len(source)}")
+            return known
+        if self.mode != "index":
+            return None
+        return dataset_lengths(
+            source,
+            length_column=self.length_column,
+            length_fn=self.length_fn,
+            columns=self.options.length_columns,
+            num_proc=self.options.num_proc,
+        )
+
     def _make_reader(self) -> sr.MapLoader | sr.IterStream | sr.LoaderBatches:
         """What loads this rank's examples (one object for all epochs: persistent workers)."""
         opts = self.options
@@ -492,7 +467,7 @@ class BalancedDataLoader:
         if isinstance(self.source, DataLoader):
             return sr.LoaderBatches(self.source)
         if not sr.is_map_style(self.source):
-            return sr.IterStream(self.source, chunk=opts.batch_size or sr.CHUNK, workers=workers)
+            return sr.IterStream(self.source, chunk=self.batch_size or sr.CHUNK, workers=workers)
         if self.mode == "index":  # workers load and collate the balanced indices
             return sr.MapLoader(self.source, workers, collate_fn=self.collate_fn, indexed=False)
         return sr.MapLoader(self.source, workers, indexed=True)
@@ -503,12 +478,10 @@ class BalancedDataLoader:
         if sr.is_map_style(self.source):
             return None
         local = -1
-        if self.options.max_tokens_per_rank is None:
+        if self.max_tokens_per_rank is None:
             try:
                 n = len(self.source)
-                local = (
-                    n if isinstance(self.source, DataLoader) else -(-n // self.options.batch_size)
-                )
+                local = n if isinstance(self.source, DataLoader) else -(-n // self.batch_size)
             except TypeError:  # no __len__: known only at the end
                 pass
         counts = self._group.all_gather_fixed([local])
@@ -538,7 +511,7 @@ class BalancedDataLoader:
             consumed (0 again once an epoch ran to its end) and the loader's seed. Save it
             with the model's checkpoint and pass it to :meth:`load_state_dict` to resume.
         """
-        return {"epoch": self.epoch, "step": self._step, "seed": self.options.seed}
+        return {"epoch": self.epoch, "step": self._step, "seed": self.sampling.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration yields the batches from ``state['step']`` on.
@@ -556,8 +529,8 @@ class BalancedDataLoader:
         missing = {"epoch", "step", "seed"} - set(state)
         if missing:
             raise ValueError(f"state is missing {sorted(missing)}")
-        if int(state["seed"]) != self.options.seed:
-            raise ValueError(f"state seed {state['seed']} differs from seed={self.options.seed}")
+        if int(state["seed"]) != self.sampling.seed:
+            raise ValueError(f"state seed {state['seed']} differs from seed={self.sampling.seed}")
         if int(state["step"]) < 0:
             raise ValueError(f"state step must be >= 0, got {state['step']}")
         self.close()
@@ -569,13 +542,12 @@ class BalancedDataLoader:
         Raises ``TypeError`` for a stream whose length some rank does not know (an
         iterable without ``__len__``, or token-budget batches cut as the stream is read).
         """
-        opts = self.options
-        if sr.is_map_style(self.source) and opts.max_tokens_per_rank is None:
+        if sr.is_map_style(self.source) and self.max_tokens_per_rank is None:
             return steps_per_epoch(
                 len(self.source),
                 num_replicas=self.num_replicas,
-                batch_size=opts.batch_size,
-                drop_last=opts.drop_last,
+                batch_size=self.batch_size,
+                drop_last=self.sampling.drop_last,
             )
         steps = self._sampled_steps(self.epoch)  # token budget over known lengths
         if steps is not None:
@@ -591,19 +563,19 @@ class BalancedDataLoader:
     def _sampled_steps(self, epoch: int) -> list[list[int]] | None:
         """This rank's sampled dataset indices per step, where sampling needs no loading: a
         map-style dataset cut by count, or by token budget over lengths known up front."""
-        opts = self.options
+        sampling = self.sampling
         if not sr.is_map_style(self.source):
             return None
-        if opts.max_tokens_per_rank is None:
+        if self.max_tokens_per_rank is None:
             return local_batches(
                 len(self.source),
                 rank=self._group.rank,
                 num_replicas=self.num_replicas,
-                batch_size=opts.batch_size,
+                batch_size=self.batch_size,
                 epoch=epoch,
-                seed=opts.seed,
-                shuffle=opts.shuffle,
-                drop_last=opts.drop_last,
+                seed=sampling.seed,
+                shuffle=sampling.shuffle,
+                drop_last=sampling.drop_last,
             )
         if self._lengths is None:
             return None
@@ -611,11 +583,11 @@ class BalancedDataLoader:
             steps = token_budget_batches(
                 self._lengths,
                 num_replicas=self.num_replicas,
-                max_tokens=opts.max_tokens_per_rank,
+                max_tokens=self.max_tokens_per_rank,
                 epoch=epoch,
-                seed=opts.seed,
-                shuffle=opts.shuffle,
-                drop_last=opts.drop_last,
+                seed=sampling.seed,
+                shuffle=sampling.shuffle,
+                drop_last=sampling.drop_last,
             )
             self._packing = (epoch, steps)
         return [per_rank[self._group.rank] for per_rank in self._packing[1]]
@@ -656,21 +628,21 @@ class BalancedDataLoader:
     def _handshake(self) -> None:
         """Every rank checks that all ranks agree on the set-up, so a mismatch fails here
         with a clear message instead of hanging in a later collective."""
-        g, opts = self._group, self.options
+        g, sampling, opts = self._group, self.sampling, self.options
         source = self.source
         workers = source.num_workers if isinstance(source, DataLoader) else opts.num_workers
         mine = [
             g.size,
             self.num_replicas,
-            opts.batch_size or -1,
-            opts.max_tokens_per_rank or -1,
+            self.batch_size or -1,
+            self.max_tokens_per_rank or -1,
             len(source) if sr.is_map_style(source) else -1,
             self.epoch,
             self._step,
             MODES.index(self.mode),
-            opts.seed,
-            int(opts.shuffle),
-            int(opts.drop_last),
+            sampling.seed,
+            int(sampling.shuffle),
+            int(sampling.drop_last),
             opts.prefetch,
             workers,
         ]
@@ -709,9 +681,9 @@ class BalancedDataLoader:
                 rank=self._group.rank,
                 num_replicas=self.num_replicas,
                 epoch=epoch,
-                seed=self.options.seed,
-                shuffle=self.options.shuffle,
-                drop_last=self.options.drop_last,
+                seed=self.sampling.seed,
+                shuffle=self.sampling.shuffle,
+                drop_last=self.sampling.drop_last,
             )
             chunks = (order[i : i + sr.CHUNK] for i in range(0, len(order), sr.CHUNK))
             return itertools.chain.from_iterable(self._reader(chunks))
@@ -720,15 +692,14 @@ class BalancedDataLoader:
 
     def _cut(self, pairs: Iterator[tuple[sr.Key, Any]]) -> Iterator[sr.Local]:
         """Local batches from a stream of pairs: by count or by token budget."""
-        opts = self.options
-        if opts.max_tokens_per_rank is None:
-            return sr.by_count(pairs, opts.batch_size)
-        return sr.by_tokens(pairs, self._length, opts.max_tokens_per_rank)
+        if self.max_tokens_per_rank is None:
+            return sr.by_count(pairs, self.batch_size)
+        return sr.by_tokens(pairs, self._length, self.max_tokens_per_rank)
 
     def _local(self, pairs: list[tuple[int, Any]]) -> sr.Local:
         keys = [k for k, _ in pairs]
         lengths = None
-        if self.options.max_tokens_per_rank is not None:  # packed on lengths known up front
+        if self.max_tokens_per_rank is not None:  # packed on lengths known up front
             lengths = self._lengths[keys].tolist()
         return sr.Local(keys, [e for _, e in pairs], lengths)
 
@@ -740,13 +711,14 @@ class BalancedDataLoader:
         return example_length(
             example,
             index=key,
-            length_column=self.options.length_column,
-            length_fn=self.options.length_fn,
+            length_column=self.length_column,
+            length_fn=self.length_fn,
         )
 
     def _meta_row(self, example: Any, key: sr.Key) -> list[int]:
-        if self.options.meta_fn is not None:
-            return [int(v) for v in self.options.meta_fn(example)]
+        meta_fn = self.planning.meta_fn
+        if meta_fn is not None:
+            return [int(v) for v in meta_fn(example)]
         return [self._length(example, key)]
 
     def _produce(self, ep: _Epoch, step: int) -> _Step:
@@ -835,15 +807,15 @@ class BalancedDataLoader:
         assert ep.batches is not None
         t0 = time.perf_counter()
         local = self.mode == "local"
-        opts = self.options
+        batch_meta_fn = self.planning.batch_meta_fn
 
         def prepare() -> tuple[Any, Sequence[Sequence[int]]]:
             mine = next(ep.batches, None)
             if mine is None:
                 return None, []
-            if local and opts.batch_meta_fn is not None:
+            if local and batch_meta_fn is not None:
                 batch = self._finish(self.collate_fn(mine.examples))
-                return batch, np.asarray(opts.batch_meta_fn(batch), dtype=np.int64)
+                return batch, np.asarray(batch_meta_fn(batch), dtype=np.int64)
             if mine.lengths is not None:
                 rows = [[n] for n in mine.lengths]
             else:
@@ -855,9 +827,10 @@ class BalancedDataLoader:
         done = ex.balance_step(self._group, self.planner, prepare, step=step, move=not local)
         if done is None:
             raise StopIteration
-        if local:  # collated before the gather: nothing can fail after it
+        if local:  # collated before the gather
             batch = done.examples
             stats = self._local_stats(done, batch)
+            assembly = self._after_gather(ep, lambda: self._assembly(done.plan))
         else:
             batch = self._after_gather(ep, lambda: self._finish(self.collate_fn(done.examples)))
             stats = st.phase_stats(
@@ -872,8 +845,13 @@ class BalancedDataLoader:
         info = done.info(epoch=ep.epoch, step=step, prep_s=time.perf_counter() - t0)
         stats = self._step_stats(info, stats)
         if local:
-            return _Step(PlannedBatch(batch, done.plan, info, stats), info, stats)
+            return _Step(PlannedBatch(batch, done.plan, info, stats, assembly), info, stats)
         return _Step(batch, info, stats)
+
+    def _assembly(self, plan: Any) -> Any:
+        """This rank's share of ``plan``, when the planner says how to compute it."""
+        share = getattr(self.planner, "assembly", None)
+        return None if share is None else share(plan, self._group.rank)
 
     def _local_stats(self, done: ex.BalancedStep, batch: Any) -> dict[str, float]:
         """Local mode: the planner's own metrics if it has them (the orchestrator's, per
@@ -916,7 +894,7 @@ class _EpochIterator(Iterator[Any]):
             start=ep.start,
             depth=loader.options.prefetch,
             name=f"orchmllm-loader-{loader.name}-e{ep.epoch}",
-            close_timeout=loader.options.timeout,
+            close_timeout=loader.topology.timeout,
             on_close=leave,
         )
 

@@ -4,9 +4,9 @@ Each step the background thread collates the local mini-batch into a
 :class:`~orchmllm.orchestrator.LocalBatch`, all-gathers its segment table (the only
 metadata the orchestrator needs) and computes every phase's plan with
 :func:`~orchmllm.step_plan.plan_step`, all while the previous step trains. The training
-loop gets ``PlannedBatch(batch, plan, info, stats)`` and calls
-``orchestrator.run(batch.batch, encoders, plan=batch.plan)``: only the all-to-alls remain
-on the critical path.
+loop gets ``PlannedBatch(batch, plan, info, stats, assembly)`` and calls
+``orchestrator.run(batch.batch, encoders, plan=batch.plan, assembly=batch.assembly)``: only
+the all-to-alls (and the encoders) remain on the critical path.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import numpy as np
 
 from orchmllm.data import stats as st
 from orchmllm.data.loader import BalancedDataLoader
+from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
-from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, plan_step
+from orchmllm.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
+from orchmllm.step_plan import assembly as rank_assembly
+from orchmllm.topology import Topology
 
 
 class _Collate:
@@ -76,6 +79,12 @@ class OrchestratorPlanner:
     def __call__(self, rows: np.ndarray, src: np.ndarray, num_ranks: int) -> StepPlan:
         return plan_step(rows, src, self.options, num_ranks=num_ranks)
 
+    @staticmethod
+    def assembly(plan: StepPlan, rank: int) -> Assembly:
+        """This rank's assembly of its LLM sequences (the loader computes it in its
+        background thread, so that ``Orchestrator.run`` need not)."""
+        return rank_assembly(plan, rank)
+
 
 def _phase_stats(
     name: str,
@@ -107,45 +116,54 @@ def orchestrated_loader(
     *,
     batch_size: int | None = None,
     to_example: Callable[[Any], Mapping] = as_example,
-    prefetch: int = 2,
-    **kwargs: Any,
+    sampling: SamplingOptions | None = None,
+    options: LoaderOptions | None = None,
+    topology: Topology | None = None,
 ) -> BalancedDataLoader:
     """A loader that plans every phase of each step ahead of it, for the orchestrator.
 
     A :class:`~orchmllm.data.loader.BalancedDataLoader` in ``mode="local"``: each rank's
-    sampled mini-batch is collated as it is (nothing moves in the loader) and the
-    orchestrator's per-phase plans for the step are computed in the background thread while
-    the previous step trains; ``orchestrator.run(planned.batch, encoders, plan=planned.plan)``
-    then only moves data. Normalise the loss by the global count of prediction targets
-    (``StepPlan.num_targets``, or ``orchmllm.global_num_items``), never per rank.
+    sampled mini-batch is collated as it is (nothing moves in the loader) and, in the
+    background thread while the previous step trains, the orchestrator's per-phase plans
+    for the step and this rank's assembly of its LLM sequences are computed;
+    ``orchestrator.run(planned.batch, encoders, plan=planned.plan,
+    assembly=planned.assembly)`` then only moves data and runs the encoders. Normalise the
+    loss by the global count of prediction targets (``StepPlan.num_targets``, or
+    ``orchmllm.global_num_items``), never per rank.
 
     Args:
         source: The dataset, as for ``BalancedDataLoader`` (a map-style dataset is sampled
             like ``DistributedSampler``; an iterable holds this rank's shard).
-        orchestrator: Its phases, mode, policies and placement decide the plans.
+        orchestrator: Its options (phases, mode, policies, placement) decide the plans.
         batch_size: Examples each rank samples per step.
         to_example: Turns a dataset row into the schema dict (:mod:`orchmllm.schema`).
-        prefetch: Steps planned ahead in the background thread (0: synchronous).
-        **kwargs: Other :class:`~orchmllm.data.loader.LoaderOptions` fields: ``shuffle``,
-            ``seed``, ``drop_last``, ``num_workers``, ``pin_memory``, ``timeout``,
-            ``group``, ``name``, ``with_stats``, ``log_every``.
+        sampling: A :class:`~orchmllm.data.options.SamplingOptions` (shuffle, seed, ...).
+        options: A :class:`~orchmllm.data.options.LoaderOptions` (prefetch, workers,
+            pinning, name, metrics).
+        topology: The process groups the loader gathers on (None: a topology of its own,
+            as every loader builds). Pass the orchestrator's to save a gloo group: its
+            ``run`` with the prefetched plan only moves data on the data-parallel group,
+            but then do not call ``orchestrator.run`` without a plan (or ``plan_batch``)
+            while the loader prefetches: both would gather on the one metadata group.
 
     Returns:
         The loader. Each iteration yields per step a :class:`PlannedBatch` whose ``batch``
         is this rank's ``LocalBatch``, ``plan`` the step's ``StepPlan`` (equal on every
-        rank) and ``stats`` the per-phase metrics (vision, audio, ..., llm).
+        rank), ``assembly`` this rank's :class:`~orchmllm.step_plan.Assembly` of it and
+        ``stats`` the per-phase metrics (vision, audio, ..., llm).
 
     Raises:
-        ValueError: As ``BalancedDataLoader`` (options that conflict with ``mode="local"``
-            and the segment table, such as ``max_tokens_per_rank``, included).
+        ValueError: As ``BalancedDataLoader``.
     """
     return BalancedDataLoader(
         source,
         batch_size=batch_size,
-        mode="local",
         collate_fn=_Collate(orchestrator.phases, to_example),
-        batch_meta_fn=_segment_table,
-        planner=OrchestratorPlanner(orchestrator),
-        prefetch=prefetch,
-        **kwargs,
+        mode="local",
+        sampling=sampling,
+        planning=PlanningOptions(
+            planner=OrchestratorPlanner(orchestrator), batch_meta_fn=_segment_table
+        ),
+        options=options,
+        topology=topology,
     )
