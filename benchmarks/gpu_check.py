@@ -89,61 +89,52 @@ class Part:
     cuda_only: bool = False
 
 
-# Limits: each part's estimated H100 time with margin, so the whole run ends within 8 minutes
-# (the sum is 475 s). FLOPs are counted at 400 TFLOP/s, half the 800 TFLOP/s a large bf16
-# matrix product reaches on the lent H100.
-# - env, ~5 s: one process imports torch and datasets; installing the carried wheels ~5 s.
+# Limits: each part's estimated H100 time with margin, so that the whole run ends within 8
+# minutes (they sum to 475 s). FLOPs are counted at 400 TFLOP/s, half the 800 TFLOP/s a large
+# bf16 matrix product reaches on the lent H100.
+# - env, ~5 s: one process imports torch, datasets and the rest; installing the carried wheels
+#   ~5 s.
 # - build, ~10 s: ten C++17 files at -O3 compile in parallel; the slowest takes 8 s on one core
 #   (35 s serial on the 2-core development machine).
 # - cuda-tests, ~60 s: collecting the suite ~10 s; the attention test is a few GFLOP; the NCCL
 #   test starts two one-process groups (~10 s each); the training smoke test is a tiny torchrun
 #   of 3 steps (~30 s).
-# - gpu-step-8x60, ~85 s: MLLM-10B with layers / 4 (3.3 B parameters). An LLM token costs
+# - gpu-step 8x60, ~85 s: MLLM-10B with layers / 4 (3.3 B parameters). An LLM token costs
 #   6 x 1.63 B (blocks) + 6 x 0.55 B (LM head) + 2 x 1.63 B (recomputed blocks) = 16.3 GFLOP;
 #   480 examples hold about 333k LLM tokens (5.5 PFLOP), their images and clips about 0.9
 #   PFLOP more: 6.4 PFLOP, 16 s, per emulated step of all ranks. A warm-up and three modes of
 #   one measured step: 4 x 16 = 64 s, plus ~20 s start-up (the model is built on the host,
 #   examples are generated).
-# - gpu-step-32x20, ~95 s: 640 examples, about 450k LLM tokens, 8.6 PFLOP: 22 s per emulated
+# - gpu-step 32x20, ~95 s: 640 examples, about 450k LLM tokens, 8.6 PFLOP: 22 s per emulated
 #   step; the warm-up runs 8 of the 32 ranks: 3.25 x 22 = 72 s, plus ~20 s start-up.
 # - train, ~45 s: MLLM-10B widths with 4 layers (2.35 B parameters) and 8 examples (~6k LLM
 #   tokens) a step: 6 x 2.35 B x 6k = 85 TFLOP, well under a second; 5 steps plus torchrun,
 #   the model built in fp32 on the host and a 40-example dataset written: ~45 s.
-LIMITS = {
-    "env": 30,
-    "build": 45,
-    "cuda-tests": 90,
-    "gpu-step-a": 115,
-    "gpu-step-b": 120,
-    "train": 75,
-}
-# (emulated ranks, examples per rank) of the two gpu_step runs: the reported set-ups on CUDA,
-# small ones of the tiny config on CPU. One measured step each on CUDA (see LIMITS).
-GPU_STEP_SETUPS = {"cuda": ((8, 60), (32, 20)), "cpu": ((4, 4), (8, 2))}
+ENV_LIMIT_S = 30
+# The two gpu_step runs: (emulated ranks, examples per rank, limit in seconds); the reported
+# set-ups on CUDA, one measured step each, and small ones of the tiny config on CPU.
+GPU_STEP_RUNS = {"cuda": ((8, 60, 115), (32, 20, 120)), "cpu": ((4, 4, 115), (8, 2, 120))}
 WARMUP_RANKS = 8  # ranks of gpu_step's warm-up step on CUDA (all of them at 8 ranks)
 SKIPPABLE = ("build", "cuda-tests", "gpu-step", "train")
 
 
 def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str) -> list[Part]:
-    """The parts after ``env`` for this device (module docstring)."""
+    """The parts after ``env`` for this device (module docstring; limits above)."""
     py = sys.executable
     steps = [
-        Part("build", LIMITS["build"], ("setuptools", "pybind11"),
-             (py, "setup.py", "build_ext", "--inplace")),
-        Part("cuda-tests", LIMITS["cuda-tests"],
-             (*RUNTIME, "pytest", "pytest_timeout", "hypothesis", "datasets"),
+        Part("build", 45, ("setuptools", "pybind11"), (py, "setup.py", "build_ext", "--inplace")),
+        Part("cuda-tests", 90, (*RUNTIME, "pytest", "pytest_timeout", "hypothesis", "datasets"),
              (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"),
              cuda_only=True),
     ]  # fmt: skip
-    setups = GPU_STEP_SETUPS["cuda" if cuda else "cpu"]
-    for (ranks, per_rank), key in zip(setups, ("gpu-step-a", "gpu-step-b"), strict=True):
+    for ranks, per_rank, limit_s in GPU_STEP_RUNS["cuda" if cuda else "cpu"]:
         command = [py, "-m", "benchmarks.gpu_step", "--ranks", str(ranks)]
         command += ["--examples-per-rank", str(per_rank), "--steps", "1"]
         command += ["--json", str(tmp / f"gpu_step_{ranks}x{per_rank}.json")]
         command += ["--warmup-ranks", str(WARMUP_RANKS)] if cuda else ["--device", "cpu"]
-        steps.append(Part(f"gpu-step-{ranks}x{per_rank}", LIMITS[key], RUNTIME, tuple(command)))
+        steps.append(Part(f"gpu-step-{ranks}x{per_rank}", limit_s, RUNTIME, tuple(command)))
     train = (py, "-m", "benchmarks.train_memory", "--json", str(out / f"gpu_memory_{gpu}.json"))
-    steps.append(Part("train", LIMITS["train"], (*RUNTIME, *CARRIED), train))
+    steps.append(Part("train", 75, (*RUNTIME, *CARRIED), train))
     return steps
 
 
@@ -201,7 +192,7 @@ def install_carried_wheels() -> str | None:
     shutil.rmtree(SITE, ignore_errors=True)
     command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet"]
     command += ["--target", str(SITE), *map(str, wheels)]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=LIMITS["env"])
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=ENV_LIMIT_S)
     stamp.write_text(names)
     return f"installed {len(wheels)} carried wheels into wheels/site"
 
@@ -230,7 +221,7 @@ def probe(env: dict) -> dict:
     its dependencies)."""
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, *DISTRIBUTIONS], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=LIMITS["env"], check=True,
+        text=True, timeout=ENV_LIMIT_S, check=True,
     )  # fmt: skip
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -334,9 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "package index is reachable and copy wheels/ along; or leave parts out with --skip"
         )
     env_status = "failed (missing packages)" if missing else "ok"
-    rows = [_row("env", env_status, time.perf_counter() - started, LIMITS["env"])]
+    rows = [_row("env", env_status, time.perf_counter() - started, ENV_LIMIT_S)]
 
-    with open(out / f"gpu_check_{gpu}.log", "w") as log:
+    log_path = out / f"gpu_check_{gpu}.log"
+    log_path.write_text("")
+    with open(log_path, "a") as log:  # appended to by every part's process too
         log.write(json.dumps({"env": info, "wheels": carried, "missing": missing}) + "\n")
         for part in todo:
             if part.name.startswith(tuple(args.skip)):
