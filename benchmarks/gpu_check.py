@@ -13,9 +13,10 @@ Parts, in order; a part that fails or times out does not stop the later ones:
   need imports, failing in seconds and naming the missing ones;
 - ``build``: ``python setup.py build_ext --inplace`` (skipped when ``orchmllm/_core`` for this
   Python is newer than every file of ``cpp/``);
-- ``cuda-tests``: ``pytest -m cuda tests``: the fused ``varlen_attn`` kernel against
-  per-sequence SDPA in bf16 and fp32, NCCL at world size 1 through the dispatcher and the
-  orchestrator (equal to gloo), the single-process NCCL training smoke test;
+- ``cuda-tests``: ``pytest -m cuda`` over the test modules that hold such tests: the fused
+  ``varlen_attn`` kernel against per-sequence SDPA in bf16 and fp32, NCCL at world size 1
+  through the dispatcher and the orchestrator (equal to gloo), the single-process NCCL
+  training smoke test, the per-phase CUDA memory report;
 - ``gpu-step-8x60`` and ``gpu-step-32x20``: ``benchmarks/gpu_step.py`` at 8 emulated ranks x 60
   examples and 32 x 20, every mode, one measured step each, the simulator's prediction for the
   same set-up beside every figure;
@@ -70,7 +71,6 @@ DISTRIBUTIONS = {
     "pybind11": "pybind11",
     "pytest": "pytest",
     "pytest_timeout": "pytest-timeout",
-    "hypothesis": "hypothesis",
     "datasets": "datasets",
     "dill": "dill",
     "multiprocess": "multiprocess",
@@ -118,13 +118,20 @@ WARMUP_RANKS = 8  # ranks of gpu_step's warm-up step on CUDA (all of them at 8 r
 SKIPPABLE = ("build", "cuda-tests", "gpu-step", "train")
 
 
+def cuda_test_files() -> list[str]:
+    """The test modules that hold ``cuda``-marked tests: collecting only these keeps the part
+    fast and free of what the rest of the suite imports (datasets, hypothesis)."""
+    tests = sorted((ROOT / "tests").glob("test_*.py"))
+    return [str(t.relative_to(ROOT)) for t in tests if "pytest.mark.cuda" in t.read_text()]
+
+
 def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str) -> list[Part]:
     """The parts after ``env`` for this device (module docstring; limits above)."""
     py = sys.executable
     steps = [
         Part("build", 45, ("setuptools", "pybind11"), (py, "setup.py", "build_ext", "--inplace")),
-        Part("cuda-tests", 90, (*RUNTIME, "pytest", "pytest_timeout", "hypothesis", "datasets"),
-             (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"),
+        Part("cuda-tests", 90, (*RUNTIME, "pytest", "pytest_timeout"),
+             (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *cuda_test_files()),
              cuda_only=True),
     ]  # fmt: skip
     for ranks, per_rank, limit_s in GPU_STEP_RUNS["cuda" if cuda else "cpu"]:

@@ -43,12 +43,22 @@ def test_a_missing_package_is_named_with_the_parts_that_need_it():
     todo = gpu_check.parts(cuda=True, tmp=Path("t"), out=Path("o"), gpu="h100")
     error = "ModuleNotFoundError: No module named 'datasets'"
     info = {"cuda": True, "import_errors": {"datasets": error}}
-    assert gpu_check.check_env(todo, info) == [f"datasets ({error}), needed by cuda-tests, train"]
-    # without a GPU the CUDA tests do not run, so they need nothing
-    assert gpu_check.check_env(todo, {**info, "cuda": False}) == [
-        f"datasets ({error}), needed by train"
+    assert gpu_check.check_env(todo, info) == [f"datasets ({error}), needed by train"]
+    info = {"cuda": True, "import_errors": {"pytest": error.replace("datasets", "pytest")}}
+    assert gpu_check.check_env(todo, info) == [
+        f"pytest ({info['import_errors']['pytest']}), needed by cuda-tests"
     ]
+    # without a GPU the CUDA tests do not run, so they need nothing
+    assert gpu_check.check_env(todo, {**info, "cuda": False}) == []
     assert gpu_check.check_env(todo, {"cuda": True, "import_errors": {}}) == []
+
+
+def test_cuda_tests_are_collected_from_the_modules_that_mark_them():
+    files = gpu_check.cuda_test_files()
+    assert {"tests/test_cuda.py", "tests/test_gpu_step.py", "tests/test_phase_memory.py"} <= set(
+        files
+    )
+    assert "tests/test_loader.py" not in files  # imports datasets, holds no CUDA test
 
 
 def _fresh_clone(tmp_path: Path) -> Path:
