@@ -702,7 +702,8 @@ def validation(sw: Sweep, results_dir: Path) -> None:
                 gpu_batch(model, ranks, per_rank, k, int(r0.get("seed", 0)))
                 for k in range(r0["steps"])
             ]
-            sim = {m: p["step_time_s"] for m, p in setup.predict(batches, modes=list(group)).items()}
+            predicted = setup.predict(batches, modes=list(group))
+            sim = {mode: p["step_time_s"] for mode, p in predicted.items()}
             for mode, rec in group.items():
                 sim_speedup = sim["none"] / sim[mode] if "none" in sim else None
                 out = {
