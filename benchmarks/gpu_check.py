@@ -199,7 +199,10 @@ def install_carried_wheels() -> str | None:
     shutil.rmtree(SITE, ignore_errors=True)
     command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet"]
     command += ["--target", str(SITE), *map(str, wheels)]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=ENV_LIMIT_S)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=ENV_LIMIT_S)
+    if proc.returncode:
+        shutil.rmtree(SITE, ignore_errors=True)  # nothing half-installed on the path
+        return f"installing wheels/ failed: {proc.stderr.strip()[-300:]}"
     stamp.write_text(names)
     return f"installed {len(wheels)} carried wheels into wheels/site"
 
@@ -245,14 +248,13 @@ def short_gpu_name(name: str | None) -> str:
 # -- the whole check -----------------------------------------------------------------------
 
 
-def merge_gpu_step(tmp: Path, out: Path, gpu: str) -> int:
-    """gpu_step's records of every set-up run so far, in one file; returns their count."""
+def merge_gpu_step(tmp: Path, out: Path, gpu: str) -> None:
+    """gpu_step's records of every set-up run so far, in one file."""
     records = []
     for path in sorted(tmp.glob("gpu_step_*.json"), key=lambda p: p.stat().st_mtime):
         records += json.loads(path.read_text())
     if records:
         (out / f"gpu_step_{gpu}.json").write_text(json.dumps(records, indent=1) + "\n")
-    return len(records)
 
 
 def print_summary(rows: Sequence[dict]) -> None:
@@ -309,10 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp.mkdir(parents=True)
 
     # env: carried wheels, then one process imports everything and reports the GPU
-    try:
-        carried = install_carried_wheels()
-    except subprocess.CalledProcessError as exc:
-        carried = f"installing wheels/ failed: {exc.stderr.strip()[-300:]}"
+    carried = install_carried_wheels()
     path = [str(ROOT), str(SITE) if SITE.exists() else "", os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     info = probe(env)
