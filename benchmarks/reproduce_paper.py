@@ -28,7 +28,6 @@ model: see orchmllm/sim for what it includes and what it leaves out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -42,11 +41,8 @@ from orchmllm.config import load_config
 from orchmllm.data.synthetic import BLOCK, block_seed
 from orchmllm.recipe import ItemLengths
 from orchmllm.sim.batch import Batch
-from orchmllm.sim.comm import Network
-from orchmllm.sim.compute import load_block_records, measured_fits, submodules
-from orchmllm.sim.layout import plan
-from orchmllm.sim.memory import MemoryModel
-from orchmllm.sim.step import Cluster, simulate_step
+from orchmllm.sim.compute import load_block_records, measured_fits
+from orchmllm.sim.emulated import EmulatedSetup
 from orchmllm.sim.sweep import (
     PAPER_MODELS,
     SimModel,
@@ -639,27 +635,20 @@ def table2(sw: Sweep, ranks: Sequence[int]) -> None:
     )
 
 
-def gpu_model(rec: dict[str, Any]) -> tuple[SimModel, int]:
-    """The model a ``gpu_step`` record ran: its run config (the record's ``config``, else
+def gpu_setup(rec: dict[str, Any]) -> EmulatedSetup:
+    """The set-up a ``gpu_step`` record ran: its run config (the record's ``config``, else
     gpu_step's default for the device) with the record's layer counts, checkpointed as
-    gpu_step does (every block on CUDA, none on CPU); and its ranks per node."""
+    gpu_step does (every block on CUDA, none on CPU), at the record's link speed."""
     default = "configs/tiny.yaml" if rec["device"] == "cpu" else "configs/mllm-10b.yaml"
     path = Path(rec.get("config") or default)
     if not path.is_absolute():
         path = ROOT / path
-    base = load_model(str(path))
-    cfg = base.config
-    config = dataclasses.replace(
-        cfg,
-        encoders={
-            n: dataclasses.replace(e, layers=rec[f"{n}_layers"]) for n, e in cfg.encoders.items()
-        },
-        llm=dataclasses.replace(cfg.llm, layers=rec["llm_layers"]),
+    return EmulatedSetup.load(
+        path,
+        layers={p: rec[f"{p}_layers"] for p in load_config(path).phases},
+        checkpointing=rec["device"] != "cpu",
+        link_gbs=float(rec.get("link_gbs", 450.0)),  # gpu_step's --link-gbs default
     )
-    modules = submodules(config, checkpointing=rec["device"] != "cpu")
-    configured = load_config(path).balance.ranks_per_node
-    rpn = min(configured or 8, rec["ranks"])  # as gpu_step.ranks_per_node
-    return SimModel(base.name, config, base.data, modules), rpn
 
 
 def gpu_batch(model: SimModel, ranks: int, per_rank: int, step: int, seed: int) -> Batch:
@@ -701,43 +690,30 @@ def validation(sw: Sweep, results_dir: Path) -> None:
     if not files:
         print(
             f"no GPU record: nothing matches {results_dir}/gpu_step_*.json, so no simulated "
-            "figure has been checked against a measured step (write one on a GPU with "
-            "`python benchmarks/gpu_step.py --json benchmarks/results/gpu_step_h100.json`)"
+            "figure has been checked against a measured step (write them on a GPU with "
+            "`python -m benchmarks.gpu_check`)"
         )
         sw.records.append({"figure": "gpu_validation", "gpu_records": 0})
         return
     rows, devices = [], set()
     for path in files:
         measured = json.loads(path.read_text())
-        for per_rank in sorted({r["examples_per_rank"] for r in measured}):
-            group = {r["mode"]: r for r in measured if r["examples_per_rank"] == per_rank}
+        for ranks, per_rank in sorted({(r["ranks"], r["examples_per_rank"]) for r in measured}):
+            group = {
+                r["mode"]: r
+                for r in measured
+                if (r["ranks"], r["examples_per_rank"]) == (ranks, per_rank)
+            }
             r0 = next(iter(group.values()))
             devices.add(r0["device"])
-            model, rpn = gpu_model(r0)
-            link = float(r0.get("link_gbs", 450.0)) * 1e9  # gpu_step's --link-gbs default
-            cluster = Cluster(
-                net=Network(ranks_per_node=rpn, bw_intra=link, bw_inter=link, peer_latency_s=0.0),
-                memory=MemoryModel(shard_group=1),  # one device holds the model: no ZeRO-3
-            )
+            setup = gpu_setup(r0)
+            model = setup.model
             batches = [
-                gpu_batch(model, r0["ranks"], per_rank, k, int(r0.get("seed", 0)))
+                gpu_batch(model, ranks, per_rank, k, int(r0.get("seed", 0)))
                 for k in range(r0["steps"])
             ]
-            sim = {}
-            for mode in group:
-                times = []
-                for batch in batches:
-                    layout = plan(
-                        batch, mode, config=model.config, modules=model.modules,
-                        placement="node", ranks_per_node=rpn,
-                    )  # fmt: skip
-                    res = simulate_step(
-                        batch, layout, mode, config=model.config, modules=model.modules,
-                        cluster=cluster,
-                    )  # fmt: skip
-                    # gpu_step puts the measured planning on the step (none plans nothing)
-                    times.append(res.step_time_s + (res.plan_ms * 1e-3 if mode != "none" else 0))
-                sim[mode] = float(np.mean(times))
+            predicted = setup.predict(batches, modes=list(group))
+            sim = {mode: p["step_time_s"] for mode, p in predicted.items()}
             for mode, rec in group.items():
                 sim_speedup = sim["none"] / sim[mode] if "none" in sim else None
                 out = {

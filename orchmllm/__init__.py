@@ -9,6 +9,14 @@ The planner (``balance``, the cost models, ``Rearrangement`` and the step planne
 from importlib import import_module
 from typing import Any
 
+try:
+    from orchmllm import _core  # noqa: F401  (the compiled planner; not in a fresh checkout)
+except ImportError as exc:
+    raise ImportError(
+        "orchmllm._core, the compiled C++ planner, is not built for this Python: run "
+        "`python setup.py build_ext --inplace` in the checkout's root (or `pip install -e .`)"
+    ) from exc
+
 from orchmllm.balance import Assignment, InfeasibleCapError, balance
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement

@@ -40,6 +40,7 @@ from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.models import MLLM, build_model, shard_model
 from orchmllm.orchestrator import LLMBatch, Orchestrator
+from orchmllm.phase_memory import PhaseMemory
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import IGNORE_INDEX, LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
@@ -76,6 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also record every rank's load per phase (world_size numbers per phase and step)",
     )
     p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
+    p.add_argument(
+        "--memory-report",
+        default=None,
+        metavar="PATH",
+        help="write one JSON line per step: rank 0's peak CUDA memory in the forward, backward "
+        "and optimizer step, and the step's batch (orchmllm.phase_memory)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
@@ -336,10 +344,16 @@ def setup(args: argparse.Namespace) -> Run:
     return Run(args, cfg, steps, placement, rpn, dtype, device, model, optim, orch, loader)
 
 
-def forward_backward(run: Run, planned: PlannedBatch) -> tuple[Tensor, LLMBatch]:
-    """One step's forward over all phases and its backward (gradients reduce-scattered)."""
-    loss, out = run.model(step_forward(run.orch, planned, dtype=run.dtype, device=run.device))
-    loss.backward()
+def forward_backward(
+    run: Run, planned: PlannedBatch, *, memory: PhaseMemory | None = None
+) -> tuple[Tensor, LLMBatch]:
+    """One step's forward over all phases and its backward (gradients reduce-scattered),
+    each measured by ``memory`` when given."""
+    memory = memory or PhaseMemory(None, run.device)
+    with memory.phase("forward"):
+        loss, out = run.model(step_forward(run.orch, planned, dtype=run.dtype, device=run.device))
+    with memory.phase("backward"):
+        loss.backward()
     return loss, out
 
 
@@ -360,6 +374,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
     metrics = args.metrics if dist.get_rank() == 0 else None
     if metrics:
         start_metrics(metrics, start=start)
+    memory = PhaseMemory(args.memory_report if dist.get_rank() == 0 else None, run.device)
     batches = iter(run.loader)
     progress = StepProgress(
         total=run.steps,
@@ -378,9 +393,10 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
         watch.arrive("train", step)
         t0 = time.perf_counter()
         try:
-            loss, out = forward_backward(run, planned)
-            run.optim.step()
-            run.optim.zero_grad(set_to_none=True)
+            loss, out = forward_backward(run, planned, memory=memory)
+            with memory.phase("optimizer"):
+                run.optim.step()
+                run.optim.zero_grad(set_to_none=True)
             global_loss, n_tokens = _all_reduce_sum(
                 [loss.item(), float(out.lengths.sum())], run.device
             )
@@ -405,6 +421,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
             },
         }
         summary.add(record)
+        memory.end_step(step, planned.plan)
         if metrics:
             append_metrics(metrics, record)
         progress.step(

@@ -62,6 +62,44 @@ def test_quick_cpu_records(run_benchmark):
         assert llm[f"{p}_plan_imbalance"] == pytest.approx(none[f"{p}_plan_imbalance"])
     assert "speedup" not in run.stderr
     assert "x none" in run.stdout
+    # Every measured figure has the simulator's prediction for the same set-up beside it, and
+    # the full mode's targets are those predictions.
+    for r in records:
+        for key in ("step_time_s", "ideal_step_s", "step_over_ideal", "peak_mem_bytes"):
+            assert r[f"sim_{key}"] > 0, key
+        assert r["sim_step_time_s"] >= r["sim_ideal_step_s"]
+        assert r["sim_speedup_vs_none"] == pytest.approx(
+            by_mode["none"]["sim_step_time_s"] / r["sim_step_time_s"]
+        )
+    assert none["sim_speedup_vs_none"] == 1.0 and llm["sim_speedup_vs_llm"] == 1.0
+    target = next(line for line in run.stdout.splitlines() if "/rank full:" in line)
+    assert f"predicted {full['sim_speedup_vs_none']:.3f}" in target
+    assert f"predicted {full['sim_speedup_vs_llm']:.3f}" in target
+
+
+def test_target_lines_say_which_side_of_the_prediction():
+    rec = {"mode": "full", "ranks": 8, "examples_per_rank": 60}
+    rec |= {"speedup_vs_none": 1.25, "sim_speedup_vs_none": 1.2}
+    rec |= {"speedup_vs_llm": 1.05, "sim_speedup_vs_llm": 1.1}
+    rec |= {"step_over_ideal": 1.01, "sim_step_over_ideal": 1.02}
+    (line,) = gpu_step.target_lines([rec, {**rec, "mode": "none"}])
+    assert line.startswith("8 ranks x 60/rank full:")
+    assert "speedup_vs_none 1.250 (predicted 1.200: meets it)" in line
+    assert "speedup_vs_llm 1.050 (predicted 1.100: MISSES it)" in line
+    assert "step_over_ideal 1.010 (predicted 1.020: meets it)" in line
+
+
+def test_sim_batch_is_the_sampled_examples():
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))
+    batches = gpu_step.sample_ranks(cfg, step=0, ranks=3, per_rank=5, seed=4)
+    batch = gpu_step.sim_batch(batches)
+    examples = [ex for b in batches for ex in b]
+    assert batch.num_ranks == 3 and batch.examples_per_rank == 5
+    assert batch.text.tolist() == [len(ex["input_ids"]) for ex in examples]
+    for name, key in (("vision", "image_patches"), ("audio", "audio_mels")):
+        items = batch.of(name)
+        got = [items.raw[items.example == i].tolist() for i in range(len(examples))]
+        assert got == [[len(item) for item in ex[key]] for ex in examples], key
 
 
 def test_chunked_head_loss_equals_cross_entropy():
@@ -119,6 +157,7 @@ def test_emulator_runs_a_rank_with_no_image_or_audio(one_thread):
     assert np.all(res.phase_times >= 0) and res.phase_times[2].min() > 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the NCCL backend")
 def test_single_process_nccl_training_smoke(tmp_path, repo_env):
     """World size 1 on CUDA: the real entry point under torchrun, NCCL, FSDP2, orchestrator."""

@@ -54,6 +54,7 @@ FLOORS = {
     "orchmllm.train": 7,
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
+    "orchmllm.phase_memory": 7,
 }
 TORCH_FREE_FLOOR = 2.5
 

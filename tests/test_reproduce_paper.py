@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchmllm.train import load_config
+from orchmllm.config import load_config
 from tests.conftest import ROOT, load_script
 
 reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
@@ -210,8 +210,9 @@ def test_gpu_batch_holds_the_examples_gpu_step_runs() -> None:
 
     rec = {"device": "cpu", "vision_layers": 2, "audio_layers": 2, "llm_layers": 2, "ranks": 4}
     rec["config"] = "configs/tiny.yaml"
-    model, rpn = reproduce_paper.gpu_model(rec)
-    assert rpn == 2  # tiny.yaml's ranks_per_node
+    setup = reproduce_paper.gpu_setup(rec)
+    model = setup.model
+    assert setup.ranks_per_node == 2  # tiny.yaml's ranks_per_node
     ranks, per_rank, step, seed = 4, 40, 1, 5
     batch = reproduce_paper.gpu_batch(model, ranks, per_rank, step, seed)
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))

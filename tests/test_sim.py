@@ -20,6 +20,7 @@ from orchmllm.sim.compute import (
     load_block_records,
     submodules,
 )
+from orchmllm.sim.emulated import EMULATED_MEMORY, EmulatedSetup
 from orchmllm.sim.layout import MODES, disttrain_reorder, llm_pieces, plan
 from orchmllm.sim.memory import MemoryModel, block_activation_bytes, phase_tokens
 from orchmllm.sim.step import dispatch_collectives, simulate_step
@@ -303,6 +304,49 @@ def test_memory_model_peak_is_the_llm_backward_of_the_worst_rank(mllm10b) -> Non
     assert not mem.kept_bytes(frozen, tokens["vision"]).any()
     with pytest.raises(ValueError, match="logit_chunk_tokens"):
         MemoryModel(logit_chunk_tokens=0)
+
+
+def test_static_memory_follows_the_optimizer_and_fsdp_of_the_set_up(mllm10b) -> None:
+    """The default is ZeRO-3 with Adam (16 bytes per trained parameter, three FSDP units);
+    gpu_step's emulated ranks hold bf16 parameters and gradients only, nothing gathered."""
+    _, mods = mllm10b
+    trained = sum(m.parameters for m in mods.values())
+    unit = max(max(m.block.shape.weights, m.block.shape.hidden * m.vocab) for m in mods.values())
+    one = MemoryModel(shard_group=1)
+    assert one.static_bytes(mods, 8) == pytest.approx(16 * trained + 3 * 2 * unit)
+    assert EMULATED_MEMORY.static_bytes(mods, 8) == pytest.approx(4 * trained)
+    assert EMULATED_MEMORY.static_bytes(mods, 8) < one.static_bytes(mods, 8)
+    for field, bad in (("trained_param_bytes", -1.0), ("fsdp_units", -1)):
+        with pytest.raises(ValueError, match=field):
+            MemoryModel(**{field: bad})
+
+
+def test_emulated_setup_predicts_gpu_steps_figures(rng) -> None:
+    """The prediction gpu_step prints: per mode step >= ideal, speed-ups are step-time ratios,
+    and balancing every phase brings the step close to its ideal."""
+    layers = {"vision": 9, "audio": 8, "llm": 7}
+    setup = EmulatedSetup.load(
+        CONFIGS / "mllm-10b.yaml", layers=layers, checkpointing=True, link_gbs=450.0
+    )
+    assert setup.ranks_per_node == 8 and setup.policies["audio"] == "binary_search"
+    assert setup.model.config.llm.layers == 7 and setup.model.modules["llm"].layers == 7
+    batches = [_random_batch(rng, 8, 30) for _ in range(2)]
+    pred = setup.predict(batches)
+    assert set(pred) == {"none", "llm", "full"}
+    for mode, p in pred.items():
+        assert p["step_time_s"] >= p["ideal_step_s"] > 0, mode
+        assert p["step_over_ideal"] == pytest.approx(p["step_time_s"] / p["ideal_step_s"])
+        assert p["speedup_vs_none"] == pytest.approx(pred["none"]["step_time_s"] / p["step_time_s"])
+        assert 0 < p["peak_mem_bytes"] < EMULATED_MEMORY.budget_bytes, mode
+    assert pred["none"]["speedup_vs_none"] == 1.0
+    assert pred["full"]["speedup_vs_none"] > 1.0
+    assert pred["full"]["step_over_ideal"] < pred["none"]["step_over_ideal"]
+    with pytest.raises(ValueError, match="layers"):
+        EmulatedSetup.load(
+            CONFIGS / "mllm-10b.yaml", layers={"llm": 7}, checkpointing=True, link_gbs=450.0
+        )
+    with pytest.raises(ValueError, match="link_gbs"):
+        EmulatedSetup.load(CONFIGS / "tiny.yaml", layers=layers, checkpointing=False, link_gbs=0)
 
 
 def test_padded_phase_memory_counts_the_padding() -> None:

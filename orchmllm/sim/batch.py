@@ -119,6 +119,16 @@ class Batch:
         return Batch(self.num_ranks, self.text[keep], items)
 
     @classmethod
+    def from_record(cls, record: Mapping) -> Batch:
+        """A batch written as JSON: ``{"num_ranks": d, "text": [...], "items": {name:
+        {"example": [...], "raw": [...]}}}`` (as ``orchmllm.phase_memory`` writes a step's)."""
+        items = {
+            name: ItemLengths(np.asarray(it["example"], np.int64), np.asarray(it["raw"], np.int64))
+            for name, it in record["items"].items()
+        }
+        return cls(int(record["num_ranks"]), np.asarray(record["text"], np.int64), items)
+
+    @classmethod
     def uniform(
         cls, num_ranks: int, examples_per_rank: int, *, text: int, raw: Mapping[str, int]
     ) -> Batch:

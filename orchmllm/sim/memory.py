@@ -28,7 +28,10 @@ audio phase holds ``items x longest item`` tokens per rank.
 Static memory is the ZeRO-3 shard of bf16 parameters and gradients plus fp32 Adam state (16
 bytes per trained parameter, 2 per frozen one, over the shard group) and, unsharded, the
 parameters of two FSDP units (the one computing and the one prefetched) and one unit's
-gradient before its reduce-scatter; the largest unit is the LM head or a block.
+gradient before its reduce-scatter; the largest unit is the LM head or a block. A set-up
+without an optimizer or without FSDP sets ``trained_param_bytes`` and ``fsdp_units`` (gpu_step's
+emulated ranks: bf16 parameters and gradients, 4 bytes, and no unit gathered; see
+:mod:`orchmllm.sim.emulated`).
 
 What agrees with the paper by construction: nothing in this module; the GPU's memory and the
 shard group are the paper's hardware and setting (section 8.1). Left out (so the model is a
@@ -85,6 +88,12 @@ class MemoryModel:
     shard_group: int = 256
     # Tokens per LM-head loss chunk, as benchmarks/gpu_step.py's chunked_head_loss.
     logit_chunk_tokens: int = 4096
+    # Bytes per trained parameter, sharded: bf16 parameter and gradient, fp32 Adam master copy
+    # and two moments (2 + 2 + 12).
+    trained_param_bytes: float = 16.0
+    # Unsharded FSDP units held at once: two units' parameters (computing, prefetched) and one
+    # unit's gradient before its reduce-scatter.
+    fsdp_units: int = 3
 
     def __post_init__(self) -> None:
         if not self.gpu_bytes > 0:
@@ -94,6 +103,10 @@ class MemoryModel:
         for name in ("shard_group", "logit_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.trained_param_bytes >= 0:
+            raise ValueError(f"trained_param_bytes must be >= 0, got {self.trained_param_bytes!r}")
+        if self.fsdp_units < 0:
+            raise ValueError(f"fsdp_units must be >= 0, got {self.fsdp_units!r}")
 
     def static_bytes(self, modules: Mapping[str, Submodule], num_ranks: int) -> float:
         """Sharded parameters, gradients and optimizer state plus the unsharded FSDP units."""
@@ -103,7 +116,8 @@ class MemoryModel:
         unit = max(
             max(m.block.shape.weights, m.block.shape.hidden * m.vocab) for m in modules.values()
         )
-        return (16.0 * trainable + 2.0 * frozen) / group + 3 * ACT_BYTES * unit
+        sharded = self.trained_param_bytes * trainable + ACT_BYTES * frozen
+        return sharded / group + self.fsdp_units * ACT_BYTES * unit
 
     def kept_bytes(self, module: Submodule, tokens: np.ndarray) -> np.ndarray:
         """What ``module`` keeps for its backward from its forward until its backward starts."""
