@@ -142,6 +142,7 @@ def test_floor_table_rejects_an_unknown_module():
         floor_of("json")
 
 
+@pytest.mark.integration
 def test_torch_free_floors_import_and_plan_without_torch(tmp_path):
     torch_free = sorted(m for m in import_graph() if floor_of(m) <= TORCH_FREE_FLOOR)
     script = textwrap.dedent(

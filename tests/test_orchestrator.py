@@ -19,6 +19,8 @@ from orchmllm.step_plan import (
 from orchmllm.testing import run_distributed
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 # -- distributed execution ----------------------------------------------------------------
 
 
