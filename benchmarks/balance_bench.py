@@ -36,7 +36,6 @@ A second table replays the audio phase with the H100 audio-10b block cost fitted
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from functools import partial
@@ -56,6 +55,7 @@ from orchmllm.balance import (
 )
 from orchmllm.cost import CostModel, fit_packed, fit_padded, load_calibration
 from orchmllm.placement import REFINE_STEPS_PER_RANK
+from orchmllm.provenance import write_records
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
 # H100 block at hidden 1280, fitted on the packaged measurement: the quadratic objective.
@@ -558,11 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     summary.update(report_targets(peers, moves, scale, wrapper))
     if args.json:
         out = records + audio + peers + moves + scale + [wrapper, {"policy": "summary", **summary}]
-        clean = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-            for r in out
-        ]
-        args.json.write_text(json.dumps(clean, indent=1))
+        write_records(args.json, out)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orchmllm.data import TEXT, generate_example
 from orchmllm.models import MLLM, build_model
+from orchmllm.provenance import write_records
 from orchmllm.step_plan import MODES, StepOptions, default_phases, local_metadata, plan_step
 from orchmllm.train import RunConfig, load_config, synthetic_config
 
@@ -720,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print_table(records)
     print_targets(records)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        write_records(args.json, records)
     return records
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 import warnings
 
@@ -25,6 +24,7 @@ import numpy as np
 
 import orchmllm
 from orchmllm.placement import place_batches, prepare_ilp
+from orchmllm.provenance import write_records
 from orchmllm.sim.layout import plan as plan_layout
 from orchmllm.sim.sweep import load_model, sample_pool
 from orchmllm.workloads import sample_lengths
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     ranks_per_node=c,
                     seed=seed,
                     items=int(lengths.size),
+                    paper_reduction_range=list(PAPER_REDUCTION),
                 )
                 records.append(rec)
                 print(
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         records.append(step)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_records(args.json, records)
     return records
 
 

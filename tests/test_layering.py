@@ -51,6 +51,7 @@ FLOORS = {
     "orchmllm.train": 7,
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
+    "orchmllm.provenance": 7,
 }
 TORCH_FREE_FLOOR = 2.5
 
