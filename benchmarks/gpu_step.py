@@ -69,6 +69,12 @@ from orchmllm.train import RunConfig, load_config, synthetic_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("vision", "audio", "llm")
+# Issue 8's targets for mode full (meaningful on an H100), carried by its records so that
+# docs/results.md judges by them: step over the ideal step, speed-ups over none (by examples
+# per rank) and over llm.
+TARGET_MAX_STEP_OVER_IDEAL = 1.03
+TARGET_MIN_SPEEDUP_VS_NONE = {60: 1.3, 20: 1.5}
+TARGET_MIN_SPEEDUP_VS_LLM = 1.15
 IGNORE_INDEX = -100
 
 
@@ -585,6 +591,12 @@ def run_benchmark(
             }
             rec["speedup_vs_none"] = summary["none"]["step_time_s"] / rec["step_time_s"]
             rec["speedup_vs_llm"] = summary["llm"]["step_time_s"] / rec["step_time_s"]
+            if mode == "full":
+                rec.update(
+                    target_max_step_over_ideal=TARGET_MAX_STEP_OVER_IDEAL,
+                    target_min_speedup_vs_none=TARGET_MIN_SPEEDUP_VS_NONE.get(per_rank),
+                    target_min_speedup_vs_llm=TARGET_MIN_SPEEDUP_VS_LLM,
+                )
             records.append(rec)
     return records
 
@@ -615,12 +627,13 @@ def print_targets(records: Sequence[dict]) -> None:
     for r in records:
         if r["mode"] != "full":
             continue
-        want = {60: 1.3, 20: 1.5}.get(r["examples_per_rank"])
+        want = r["target_min_speedup_vs_none"]
         vs_none = f" (target >= {want})" if want else ""
         print(
             f"{r['examples_per_rank']}/rank full: step/ideal {r['step_over_ideal']:.3f} "
-            f"(target <= 1.03), x none {r['speedup_vs_none']:.3f}{vs_none}, "
-            f"x llm {r['speedup_vs_llm']:.3f} (target >= 1.15)"
+            f"(target <= {r['target_max_step_over_ideal']}), x none "
+            f"{r['speedup_vs_none']:.3f}{vs_none}, x llm {r['speedup_vs_llm']:.3f} "
+            f"(target >= {r['target_min_speedup_vs_llm']})"
         )
 
 
