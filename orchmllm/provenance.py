@@ -94,8 +94,9 @@ def _finite_or_none(value: Any) -> Any:
 def write_records(
     path: str | os.PathLike, records: Sequence[dict[str, Any]], *, command_line: str | None = None
 ) -> None:
-    """Write a benchmark's ``--json`` file: its flat records, each with :func:`run_info`'s
-    fields, NaN and infinities as ``null`` (so the file is strict JSON)."""
+    """Write a benchmark's ``--json`` file: a JSON list of its flat records, one per line (a
+    rerun's diff shows which cases changed), each with :func:`run_info`'s fields; NaN and
+    infinities as ``null``, so the file is strict JSON."""
     info = run_info(command_line=command_line)
-    out = [{**{k: _finite_or_none(v) for k, v in r.items()}, **info} for r in records]
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    lines = [json.dumps({**{k: _finite_or_none(v) for k, v in r.items()}, **info}) for r in records]
+    Path(path).write_text("[\n" + ",\n".join(lines) + "\n]\n")
