@@ -36,7 +36,6 @@ A second table replays the audio phase with the H100 audio-10b block cost fitted
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from functools import partial
@@ -49,6 +48,7 @@ from orchmllm.balance import balance
 from orchmllm.cost import CostModel, fit_packed, fit_padded, load_calibration
 from orchmllm.placement import REFINE_STEPS_PER_RANK
 from orchmllm.policies import PADDED_POLICIES, POLICIES, plan_dst
+from orchmllm.provenance import write_records
 from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
@@ -63,6 +63,18 @@ CORE = tuple(p for p in POLICIES if p not in ("identity", "greedy_stay"))
 VARIANTS = {p: (p, {}) for p in POLICIES} | {"greedy_alg1": ("greedy", {"refine": False})}
 # Over 10^4 items these take 10-1000 ms per plan: fewer repetitions.
 SLOW = ("kk", "kk_equal", "greedy_tolerance", "greedy_stay")
+# The targets, as bounds on figures of the summary, which carries each one as
+# target_max_<figure> / target_min_<figure> (docs/results.md judges by those, not by a copy).
+TARGET_MAX = {
+    "greedy_over_argsort_max": 3.0,  # greedy against numpy's argsort, largest case
+    "packed_gap_to_lb_max": 1.01,  # greedy, greedy_cost, kk at 16+ items per rank
+    "wrapper_overhead_us": 10.0,  # balance() over its C++ core at 8 x 4
+    "greedy_stay_over_exact_max": 1.2,  # tokens moved over the exact minimum
+    "greedy_stay_node_over_exact_max": 1.2,  # the same, node-aware
+    "scale_greedy_over_argsort_max": 2.0,  # greedy against argsort at 16,384 x 60
+    "scale_placement_ms_max": 100.0,  # placement="auto" at 16,384 x 60
+}
+TARGET_MIN = {"speedup_min": 20.0}  # the C++ core over the Python reference
 
 
 def _cpu_ms(fn, reps: int) -> float:
@@ -353,8 +365,9 @@ def report_targets(
 ) -> dict[str, float]:
     """The issue-16 targets: printed met/not met, returned for the JSON summary."""
     summary: dict[str, float] = {"wrapper_overhead_us": wrapper["overhead_us"]}
-    ok = "met" if wrapper["overhead_us"] <= 10 else "NOT met"
-    print(f"  target balance() <= 10 us over the core at 8 x 4: {ok}"
+    bound = TARGET_MAX["wrapper_overhead_us"]
+    ok = "met" if wrapper["overhead_us"] <= bound else "NOT met"
+    print(f"  target balance() <= {bound:g} us over the core at 8 x 4: {ok}"
           f" ({wrapper['overhead_us']:.1f} us: core {wrapper['core_us']:.1f} us,"
           f" balance() {wrapper['wrapper_us']:.1f} us)")  # fmt: skip
     for ref in ("lpt", "kk", "multifit"):
@@ -366,8 +379,8 @@ def report_targets(
     print(f"  target greedy never worse than LPT/KK/MULTIFIT: {'met' if worse == 0 else 'NOT met'}"
           f" (worse on {worse:.0f} of {3 * len(peers)} comparisons)")  # fmt: skip
     for policy, key, what in (
-        ("movement", "greedy_stay", "greedy_stay <= 1.2x exact minimum moved"),
-        ("movement_node", "greedy_stay_node", "node-aware greedy_stay <= 1.2x exact minimum"
+        ("movement", "greedy_stay", "greedy_stay <= {:g}x exact minimum moved"),
+        ("movement_node", "greedy_stay_node", "node-aware greedy_stay <= {:g}x exact minimum"
          " (moved, inter-node counted twice)"),
     ):  # fmt: skip
         cases = [r for r in moves if r["policy"] == policy]
@@ -380,9 +393,10 @@ def report_targets(
         summary[f"{key}_within_1_2"] = float(sum(x <= 1.2 for x in ratios))
         exact = sum(x <= 1.0 + 1e-9 for x in ratios)
         summary[f"{key}_small_plan_ms_max"] = max(r["plan_ms"] for r in cases)
-        ok = "met" if top <= 1.2 else "NOT met"
+        bound = TARGET_MAX[f"{key}_over_exact_max"]
+        ok = "met" if top <= bound else "NOT met"
         bounded = sum(not r["exact"] for r in cases)
-        print(f"  target {what}: {ok}"
+        print(f"  target {what.format(bound)}: {ok}"
               f" (max {top:.3f}, median {np.median(ratios):.3f}, within 1.2x on"
               f" {sum(x <= 1.2 for x in ratios)} of {len(cases)} instances, the minimum on"
               f" {exact}, plan at most {max(r['plan_ms'] for r in cases):.1f} ms,"
@@ -395,9 +409,14 @@ def report_targets(
             r["greedy_auto_over_argsort"] for r in scale
         )
         summary["scale_placement_ms_max"] = p
-        print(f"  target greedy <= 2x argsort at 16,384 x 60: {'met' if g <= 2 else 'NOT met'}"
-              f" (max {g:.2f}x)")  # fmt: skip
-        print(f"  target placement=auto < 100 ms at 16,384 ranks: {'met' if p < 100 else 'NOT met'}"
+        g_max, p_max = (
+            TARGET_MAX["scale_greedy_over_argsort_max"],
+            TARGET_MAX["scale_placement_ms_max"],
+        )
+        print(f"  target greedy <= {g_max:g}x argsort at 16,384 x 60:"
+              f" {'met' if g <= g_max else 'NOT met'} (max {g:.2f}x)")  # fmt: skip
+        print(f"  target placement=auto <= {p_max:g} ms at 16,384 ranks:"
+              f" {'met' if p <= p_max else 'NOT met'}"
               f" (max {p:.0f} ms, {summary['scale_greedy_auto_over_argsort_max']:.1f}x argsort"
               " with greedy)")  # fmt: skip
     return summary
@@ -494,18 +513,18 @@ def report(records: list[dict], audio: list[dict], *, quick: bool = False) -> di
     for k, v in summary.items():
         print(f"  {k}: {v:.4g}")
     checks = {
-        "greedy <= 3x argsort": (
-            summary["greedy_over_argsort_max"] <= 3.0,
+        f"greedy <= {TARGET_MAX['greedy_over_argsort_max']:g}x argsort": (
+            summary["greedy_over_argsort_max"] <= TARGET_MAX["greedy_over_argsort_max"],
             f"max {summary['greedy_over_argsort_max']:.2f}x, "
             f"median {summary['greedy_over_argsort_median']:.2f}x at {big} items",
         ),
-        "C++ >= 20x Python reference": (
-            summary["speedup_min"] >= 20.0,
+        f"C++ >= {TARGET_MIN['speedup_min']:g}x Python reference": (
+            summary["speedup_min"] >= TARGET_MIN["speedup_min"],
             f"min {summary['speedup_min']:.1f}x, median {summary['speedup_median']:.0f}x "
             f"over {len(speedups)} timed cases",
         ),
         "packed within 1% of lower bound": (
-            summary["packed_gap_to_lb_max"] <= 1.01,
+            summary["packed_gap_to_lb_max"] <= TARGET_MAX["packed_gap_to_lb_max"],
             f"max gap {summary['packed_gap_to_lb_max']:.4f} ({', '.join(PACKED_TARGET)}; "
             f"Alg. 1 alone {summary.get('greedy_alg1_gap_to_lb_max', math.nan):.4f})",
         ),
@@ -550,13 +569,11 @@ def main(argv: list[str] | None = None) -> None:
     summary = report(records, audio, quick=args.quick)
     wrapper = wrapper_overhead(args.seed)
     summary.update(report_targets(peers, moves, scale, wrapper))
+    for kind, targets in (("max", TARGET_MAX), ("min", TARGET_MIN)):
+        summary.update({f"target_{kind}_{k}": v for k, v in targets.items() if k in summary})
     if args.json:
         out = records + audio + peers + moves + scale + [wrapper, {"policy": "summary", **summary}]
-        clean = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-            for r in out
-        ]
-        args.json.write_text(json.dumps(clean, indent=1))
+        write_records(args.json, out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ batch``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from orchmllm import balance, comm
 from orchmllm.plan import Rearrangement
+from orchmllm.provenance import write_records
 from orchmllm.testing import run_distributed
 
 FULL = dict(
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     records = measured + simulated
     if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
+        write_records(args.json, records)
     return records
 
 

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -78,6 +77,7 @@ from torch.utils.checkpoint import checkpoint
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import TEXT, SyntheticConfig, generate_example
 from orchmllm.models import MLLM, build_model
+from orchmllm.provenance import write_records
 from orchmllm.recipe import ItemLengths
 from orchmllm.schema import IGNORE_INDEX, LLM, MODALITIES
 from orchmllm.sim.batch import Batch
@@ -806,7 +806,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if not cuda:
         print("(on CPU the prediction is still an H100's: only the speed-ups compare)")
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        write_records(args.json, records)
     return records
 
 

@@ -19,13 +19,13 @@ example. ``prefetch=0`` is the synchronous baseline (nothing hidden).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from orchmllm.provenance import write_records
 from orchmllm.testing import run_distributed
 
 
@@ -214,8 +214,7 @@ def main() -> None:
         f"move mode: {saved:.1%} fewer bytes"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_records(args.json, records)
 
 
 if __name__ == "__main__":

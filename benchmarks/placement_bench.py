@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 import warnings
 
@@ -25,6 +24,7 @@ import numpy as np
 
 import orchmllm
 from orchmllm.placement import place_batches, prepare_ilp
+from orchmllm.provenance import write_records
 from orchmllm.sim.layout import plan as plan_layout
 from orchmllm.sim.sweep import load_model, sample_pool
 from orchmllm.workloads import sample_lengths
@@ -32,6 +32,13 @@ from orchmllm.workloads import sample_lengths
 RANKS = (16, 64, 256, 1024, 2560, 16384)
 QUICK_RANKS = (16, 64)
 PAPER_REDUCTION = (0.436, 0.722)  # paper Fig. 13: worst-rank inter-node volume reduction
+# The targets, carried by every record (docs/results.md judges by these, not by a copy).
+TARGETS = {
+    "target_max_auto_ms": 100.0,  # placement="auto" at the largest size
+    "target_max_step_plan_ms": 150.0,  # the whole step plan at the largest size
+    "target_max_makespan_over_greedy": 1.005,  # greedy_stay's balance against greedy's
+    "target_max_moved_over_bound": 1.5,  # greedy_stay's tokens moved over the lower bound
+}
 TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
 TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)  # configs/mllm-10b.yaml data.mix
 AUDIO_RATE = 4  # mel frames per LLM token: conv stride 2, downsample 2 (MLLM-10B)
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     ranks_per_node=c,
                     seed=seed,
                     items=int(lengths.size),
+                    paper_reduction_range=list(PAPER_REDUCTION),
+                    **TARGETS,
                 )
                 records.append(rec)
                 print(
@@ -226,15 +235,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _targets(records)
     if not args.quick:
         step = step_plan_case(max(ranks), per_rank[0], c)
+        limit = TARGETS["target_max_step_plan_ms"]
         print(
-            f"- whole step plan under 150 ms at {step['num_ranks']} ranks x "
+            f"- whole step plan <= {limit:g} ms at {step['num_ranks']} ranks x "
             f"{step['examples_per_rank']} examples: {step['plan_ms']:.0f} ms: "
-            f"{_met(step['plan_ms'] < 150)}"
+            f"{_met(step['plan_ms'] <= limit)}"
         )
         records.append(step)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_records(args.json, records)
     return records
 
 
@@ -279,7 +288,8 @@ def _targets(records: list[dict]) -> None:
     plans = [r for r in records if not r["policy"].startswith("greedy_stay")]
     d = max(r["num_ranks"] for r in records)
     auto = max(r["solve_ms"] for r in plans if r["method"] == "auto" and r["num_ranks"] == d)
-    print(f"- auto under 100 ms at {d} ranks: max {auto:.1f} ms: {_met(auto < 100)}")
+    limit = TARGETS["target_max_auto_ms"]
+    print(f"- auto <= {limit:g} ms at {d} ranks: max {auto:.1f} ms: {_met(auto <= limit)}")
     print("    auto's node assignment (bounded search) keeps, of the most any placement keeps:")
     for n in sorted({r["num_ranks"] for r in plans}):
         shares = [
@@ -307,18 +317,20 @@ def _targets(records: list[dict]) -> None:
     for policy in ("greedy_stay", "greedy_stay_node"):
         stay = [r for r in records if r["policy"] == policy]
         span = [r["makespan_over_greedy"] for r in stay]
-        balanced = sum(x <= 1.005 + 1e-9 for x in span)
+        balanced = sum(x <= TARGETS["target_max_makespan_over_greedy"] + 1e-9 for x in span)
         moved = max(r["tokens_moved"] / r["greedy_tokens_moved"] for r in stay)
         print(
-            f"- {policy}: makespan within 0.5% of greedy in {balanced}/{len(stay)} cases "
+            f"- {policy}: makespan <= {TARGETS['target_max_makespan_over_greedy']:g} x greedy's"
+            f" in {balanced}/{len(stay)} cases "
             f"(max {max(span):.4f}): {_met(balanced == len(stay))}; tokens moved at most "
             f"{moved:.3f} x greedy's"
         )
         for b in sorted({r["examples_per_rank"] for r in stay}):
             ratio = [r["moved_over_bound"] for r in stay if r["examples_per_rank"] == b]
-            within = sum(x <= 1.5 for x in ratio)
+            bound = TARGETS["target_max_moved_over_bound"]
+            within = sum(x <= bound for x in ratio)
             print(
-                f"    {b} examples/rank: tokens moved <= 1.5 x lower bound in {within}/"
+                f"    {b} examples/rank: tokens moved <= {bound:g} x lower bound in {within}/"
                 f"{len(ratio)} (max {max(ratio):.3f}, median {np.median(ratio):.3f}): "
                 f"{_met(within == len(ratio))}"
             )

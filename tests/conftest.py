@@ -1,14 +1,17 @@
-"""Shared fixtures. Multi-process helpers live in ``orchmllm.testing``."""
+"""Shared fixtures, and the ``integration`` marker's guard. Multi-process helpers live in
+``orchmllm.testing``."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +20,63 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+INTEGRATION = "integration"
+
+
+@contextlib.contextmanager
+def recording_process_starts(started: list[str]) -> Iterator[None]:
+    """Append a line to ``started`` for every process started inside the block, and let it
+    start: ``subprocess.Popen`` (``subprocess.run``, torchrun) and ``multiprocessing``'s
+    ``Process.start`` (``torch.multiprocessing``, ``orchmllm.testing``, DataLoader workers)."""
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def popen(self, args, *rest, **kwargs):
+        started.append(f"subprocess {str(args)[:160]}")
+        popen_init(self, args, *rest, **kwargs)
+
+    def start(self):
+        started.append(f"process running {getattr(self, '_target', None)!r}"[:200])
+        process_start(self)
+
+    subprocess.Popen.__init__ = popen
+    multiprocessing.process.BaseProcess.start = start
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = popen_init
+        multiprocessing.process.BaseProcess.start = process_start
+
+
+@contextlib.contextmanager
+def no_unmarked_process_starts(item: pytest.Item, phase: str) -> Iterator[None]:
+    """Fail a test that starts a process without the ``integration`` marker, so that
+    ``pytest -m "not integration"`` stays the fast, single-process inner loop."""
+    if item.get_closest_marker(INTEGRATION):
+        yield
+        return
+    started: list[str] = []
+    with recording_process_starts(started):
+        yield
+    if started:
+        pytest.fail(
+            f"{item.nodeid} started {len(started)} process(es) in its {phase} (first: "
+            f"{started[0]}) but is not marked {INTEGRATION}: add @pytest.mark.{INTEGRATION} "
+            f"(pytestmark = pytest.mark.{INTEGRATION} for a whole module)",
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with no_unmarked_process_starts(item, "set-up"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with no_unmarked_process_starts(item, "call"):
+        return (yield)
 
 
 @pytest.fixture

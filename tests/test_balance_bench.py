@@ -2,8 +2,12 @@
 
 import math
 
+import pytest
+
 from orchmllm.policies import POLICIES
 from orchmllm.workloads import DISTRIBUTIONS
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 FIELDS = {"policy", "dist", "ranks", "per_rank", "imbalance_before", "imbalance_after", "plan_ms"}
 

@@ -16,6 +16,7 @@ def _ids(examples):
     return torch.tensor([e["id"] for e in examples])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_collator_in_workers_fails_saying_what_to_use_instead(context):
     """Forked workers fail at their first batch; spawned ones as the iterator starts (the

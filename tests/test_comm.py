@@ -198,6 +198,7 @@ def session() -> list[dict[str, str | None]]:
     return run_checks(CHECKS, 4, timeout=60)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_check(session, name):
     assert_check_passed(session, name)

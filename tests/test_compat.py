@@ -282,6 +282,7 @@ def _fsdp_sum_worker(rank: int, world: int):
     return value.item(), len(sharded), applied, reference, grads
 
 
+@pytest.mark.integration
 def test_real_fsdp_sums_gradients_over_ranks():
     world = 3
     results = run_distributed(_fsdp_sum_worker, world, timeout=60)
@@ -301,6 +302,7 @@ def test_real_fsdp_sums_gradients_over_ranks():
             torch.testing.assert_close(g.double(), p.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_leave_process_ends_with_the_status_and_the_output_written():
     """What a finished torchrun rank does last: its status comes out, and what it wrote to
     block-buffered pipes is flushed, though nothing of interpreter shutdown runs."""

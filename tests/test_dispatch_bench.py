@@ -1,5 +1,9 @@
 """Smoke test of benchmarks/dispatch_bench.py: --quick --json records are complete and sane."""
 
+import pytest
+
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def test_dispatch_bench_quick(run_benchmark):
     records = run_benchmark("dispatch_bench.py", timeout=240).records

@@ -60,6 +60,7 @@ def causal_lm() -> dict[str, list[dict]]:
     return per_rank[0]
 
 
+@pytest.mark.integration
 def test_causal_lm_balanced_equals_plain(causal_lm):
     plain, balanced = causal_lm["none/global"], causal_lm["greedy/global"]
     assert len(plain) == 8
@@ -72,6 +73,7 @@ def test_causal_lm_balanced_equals_plain(causal_lm):
     assert before > after and after < 1.05
 
 
+@pytest.mark.integration
 def test_causal_lm_per_rank_mean_breaks_invariance(causal_lm):
     """HF's default loss (mean over the rank's own tokens) trains differently once balanced:
     ten times the tolerance the global normalisation meets."""
@@ -91,6 +93,7 @@ def mllm() -> dict[str, list[dict]]:
     return per_rank[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model", ["qwen2-vl", "qwen2.5-omni"])
 def test_mllm_orchestrated_equals_hf_forward(mllm, model):
     """The orchestrated split (towers as encoder phases, packed LLM with rebuilt M-RoPE) trains

@@ -99,6 +99,7 @@ def _w_planner_mismatch(rank: int, world: int):
     assert sorted(everyone.tolist()) == sorted(e["id"] for r in range(world) for e in _examples(r))
 
 
+@pytest.mark.integration
 def test_ranks_with_different_planners_fail_the_step_together():
     """Before the header carried the planner, rank 1 planned with another policy and moved
     examples by a plan the others did not share (a gloo size mismatch or lost examples)."""

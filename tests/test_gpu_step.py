@@ -33,6 +33,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.integration
 def test_quick_cpu_records(run_benchmark):
     run = run_benchmark("gpu_step.py", "--device", "cpu", timeout=120)
     records = run.records
@@ -158,6 +159,7 @@ def test_emulator_runs_a_rank_with_no_image_or_audio(one_thread):
 
 
 @pytest.mark.cuda
+@pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the NCCL backend")
 def test_single_process_nccl_training_smoke(tmp_path, repo_env):
     """World size 1 on CUDA: the real entry point under torchrun, NCCL, FSDP2, orchestrator."""

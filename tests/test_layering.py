@@ -55,6 +55,7 @@ FLOORS = {
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,
+    "orchmllm.provenance": 7,
 }
 TORCH_FREE_FLOOR = 2.5
 
@@ -160,6 +161,7 @@ def test_floor_table_rejects_an_unknown_module():
         floor_of("json")
 
 
+@pytest.mark.integration
 def test_torch_free_floors_import_and_plan_without_torch(tmp_path):
     torch_free = sorted(m for m in import_graph() if floor_of(m) <= TORCH_FREE_FLOOR)
     script = textwrap.dedent(

@@ -190,6 +190,7 @@ def move_run():
     return run_distributed(_move_and_errors_worker, WORLD, timeout=90)
 
 
+@pytest.mark.integration
 def test_index_mode_epoch_prefetch_resume_uneven(index_run):
     world, n, batch = WORLD, INDEX_N, INDEX_BATCH
     out = [r[0] for r in index_run]
@@ -270,6 +271,7 @@ def _move_mode_worker(rank, world, n, batch):
     return res
 
 
+@pytest.mark.integration
 def test_move_mode_iterable_dataloader_and_collator(move_run):
     world, n = WORLD, MOVE_N
     out = [r[0] for r in move_run]
@@ -387,6 +389,7 @@ def _expected_orchestrated_stats(plan, orch):
     return out
 
 
+@pytest.mark.integration
 def test_synthetic_multimodal_index_mode_and_orchestrator_plans(index_run):
     out = [r[1] for r in index_run]
     items = [x for r, *_ in out for b in r for x in b]
@@ -479,6 +482,7 @@ def _agreement_worker(rank, world):
     return res
 
 
+@pytest.mark.integration
 def test_nondeterministic_plans_are_computed_on_rank_zero_and_shared(index_run):
     out = [r[2] for r in index_run]
     assert [r["shared"] for r in out] == [("plan of", 0)] * WORLD
@@ -559,6 +563,7 @@ def _errors_worker(rank, world):
     return res
 
 
+@pytest.mark.integration
 def test_errors_surface_on_every_rank_without_hanging(move_run):
     out = [r[1] for r in move_run]
     bad = [r["bad_length"] for r in out]
@@ -623,6 +628,7 @@ def _bad_length_index_worker(rank, world):
     return res
 
 
+@pytest.mark.integration
 def test_bad_or_missing_length_names_the_dataset_index(move_run):
     out = [r[2] for r in move_run]
     (owner,) = [rank for rank, r in enumerate(out) if r["owner"]]
@@ -679,6 +685,7 @@ def _uneven_exit_worker(rank, world):
 UNEVEN = {(0, 0): 1, (2, 0): 4, (2, 2): 8}
 
 
+@pytest.mark.integration
 def test_ranks_leaving_an_epoch_at_different_steps_fail_clearly_on_every_rank(move_run):
     out = [r[3] for r in move_run]
     for (prefetch, workers), step in UNEVEN.items():
@@ -912,6 +919,7 @@ def features_run():
     return run_distributed(_features_worker, WORLD, timeout=150)
 
 
+@pytest.mark.integration
 def test_workers_in_every_form_keep_batches_len_and_resume_exact(features_run):
     out = [r["parity"] for r in features_run]
     for mode in ("index", "move"):
@@ -933,6 +941,7 @@ def test_workers_in_every_form_keep_batches_len_and_resume_exact(features_run):
     assert all(r["dataloader"]["len"] == r["dataloader"]["dl_len"] for r in out)
 
 
+@pytest.mark.integration
 def test_objects_without_a_topology_own_their_groups_and_leave_nothing_behind(features_run):
     for r in (r["groups"] for r in features_run):
         (threads0, files0), (threads1, files1) = r["own"]
@@ -951,6 +960,7 @@ def test_objects_without_a_topology_own_their_groups_and_leave_nothing_behind(fe
     assert received.tolist() == [sent] * 10
 
 
+@pytest.mark.integration
 def test_token_budget_batches_are_balanced_within_the_budget(features_run):
     out = [r["budget"] for r in features_run]
     lengths = out[0]["lengths"]
@@ -972,6 +982,7 @@ def test_token_budget_batches_are_balanced_within_the_budget(features_run):
     assert min(totals) > WORLD * BUDGET / 2
 
 
+@pytest.mark.integration
 def test_every_batch_carries_its_step_metrics_and_log_every_prints_on_rank_zero(features_run):
     out = [r["stats"] for r in features_run]
     for key, local, remote in (("one_node", "intra", "inter"), ("rank_per_node", "inter", "intra")):
@@ -1153,6 +1164,7 @@ def test_abandoned_iteration_stops_its_thread_when_dropped():
     assert len(list(loader)) == len(loader) - 1  # still usable: continues after the consumed step
 
 
+@pytest.mark.integration
 def test_package_exports_load_lazily():
     """``import orchmllm.data`` stays light; the loader's names load on first use."""
     heavy = ("torch", "datasets", "orchmllm.data.loader")

@@ -1,5 +1,9 @@
 """Smoke test of benchmarks/loader_bench.py: records have the fields and sane values."""
 
+import pytest
+
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def test_quick_json(run_benchmark):
     records = run_benchmark("loader_bench.py", "--step-ms", "30", timeout=240).records

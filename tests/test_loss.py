@@ -123,6 +123,7 @@ def results():
     return run_checks(CHECKS, 2, timeout=60)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_distributed(results, name):
     assert_check_passed(results, name)

@@ -22,6 +22,8 @@ from orchmllm.testing import run_distributed
 from orchmllm.topology import Topology
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 # -- distributed execution ----------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import orchmllm
 import orchmllm.data
 
@@ -18,6 +20,7 @@ def test_every_public_name_resolves_and_is_listed_by_dir():
             assert getattr(module, name) is not None
 
 
+@pytest.mark.integration
 def test_help_lists_the_lazy_names():
     code = "import orchmllm, pydoc; print(pydoc.render_doc(orchmllm, renderer=pydoc.plaintext))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -286,6 +286,7 @@ print(json.dumps(dict(prepared=prepared, calls=calls)))
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("prepare", [False, True])
 def test_first_ilp_in_a_process_keeps_the_time_limit(repo_env, prepare):
     """cvxpy's import and the solver's first load (seconds) are paid outside the 50 ms budget,
@@ -690,6 +691,7 @@ print(sum("ILP failed" in str(w.message) for w in caught))
 """
 
 
+@pytest.mark.integration
 def test_missing_solver_warns_once_per_process(repo_env):
     """Without cylp the ILP falls back to assign on every call, and says so once, not every
     step (the old code warned 11 times in these 12 calls)."""

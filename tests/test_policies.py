@@ -438,5 +438,6 @@ def session() -> list[dict[str, str | None]]:
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.integration
 def test_registered_policy_on_gloo_ranks(session, name):
     assert_check_passed(session, name)

@@ -17,6 +17,7 @@ def _report(rank: int, world: int, mode: str, steps: int) -> str:
     return stream.getvalue()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["bar", "lines", "auto", "off"])
 def test_only_rank_zero_reports(mode):
     steps = 5

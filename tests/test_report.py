@@ -132,6 +132,7 @@ def test_inconsistent_records_raise(tmp_path, rng):
         report.write_report(_write(tmp_path / "d.jsonl", two[:1]), tmp_path / "o", step=99)
 
 
+@pytest.mark.integration
 def test_missing_file_and_cli(tmp_path, rng, capsys):
     assert report.main([str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from orchmllm.testing import run_distributed
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def _all_reduce_rank(rank: int, world_size: int, offset: int) -> int:
     t = torch.tensor([rank + offset])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
 import torch.distributed as dist
 
 from orchmllm import topology  # noqa: F401  (the fork hook is registered on import)
@@ -37,6 +38,7 @@ def _fork_collects_garbage(rank: int, world: int) -> int:
     return status
 
 
+@pytest.mark.integration
 def test_a_forked_child_never_destroys_an_inherited_process_group():
     """Without the fork hook the child's collector frees the gloo group copy and its
     destructor joins threads the child does not have: the child hangs or crashes (seen as a

@@ -134,6 +134,7 @@ def _assert_same_training(
     return {mode: records for mode, (records, _) in results.items()}
 
 
+@pytest.mark.integration
 def test_balance_modes_train_identically_on_4_ranks_as_2_nodes(tmp_path):
     """4 ranks as 2 nodes of 2, node-wise placement by the time-limited ILP (whose plans
     rank 0 computes for all: see orchmllm.data.exchange.agreed_plan)."""
@@ -163,6 +164,7 @@ def _sparse_then_grads_worker(rank, world, sparse, tmp_path, grads_config):
     return _grads_worker(rank, world, grads_config, tmp_path, "full")
 
 
+@pytest.mark.integration
 def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
     """Two checks on 2 ranks, one launch.
 
@@ -226,6 +228,7 @@ def _depth_worker(rank: int, world: int, config: str, tmp_path: str, steps: int)
         unregister_modality(DEPTH.name)
 
 
+@pytest.mark.integration
 def test_a_new_modality_in_a_table_row_trains_end_to_end(tmp_path):
     """A temporary "depth" row: synthetic depth maps, its own encoder (a ViT, from the config
     section's architecture), its own balanced phase, moves and metrics; every mode trains
@@ -269,6 +272,7 @@ def _subsets_worker(rank: int, world: int, tmp_path: str):
         _modes_worker(rank, world, config, sub, 2, ())
 
 
+@pytest.mark.integration
 def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
     """A model without some encoders, on a dataset without their fields: the trainer's data
     (HF datasets), the orchestrated loader's default ``to_example`` and the orchestrator need
@@ -306,6 +310,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 def test_two_torchrun_nodes_on_a_shared_empty_data_dir_write_it_once(tmp_path, repo_env):
     """The README's 2-node set-up on one machine: two ``torchrun --nnodes=2`` launches whose
     first ranks both see the same, empty ``--data-dir`` (a shared filesystem). Exactly one
@@ -363,6 +368,7 @@ def _write_once_worker(rank: int, world: int, tmp_path: str):
     return first, again, who, sorted(os.listdir(root))
 
 
+@pytest.mark.integration
 def test_write_once_one_writer_per_filesystem(tmp_path):
     results = run_distributed(_write_once_worker, 3, str(tmp_path), timeout=30)
     assert [r[0] for r in results] == [True, False, True]
@@ -412,6 +418,7 @@ def _wait_for(predicate, *, timeout: float, procs: list) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.integration
 def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_path, repo_env):
     """SIGSTOP one of 3 ranks mid-training with ``--timeout 8``: every healthy rank reports
     that rank (and the step) as not arrived and exits with status 1 within the timeout plus
@@ -463,6 +470,7 @@ def _reference_then_another_seed(rank: int, world: int, argv: list[str], ckpt: s
         main([*argv, "--checkpoint-dir", ckpt, "--seed", "1"])
 
 
+@pytest.mark.integration
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_env):
     """Kill both ranks of a checkpointing run (SIGKILL) once a checkpoint is complete, rerun
     the same command: it resumes there (not at a half-written checkpoint) and ends with the

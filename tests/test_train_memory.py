@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 PHASES = ("forward", "backward", "optimizer")
 
 
+@pytest.mark.integration
 def test_quick_cpu_records(run_benchmark):
     run = run_benchmark("train_memory.py", timeout=240)
     records = run.records

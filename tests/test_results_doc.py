@@ -1,0 +1,151 @@
+"""benchmarks/results_doc.py: docs/results.md is what the committed ``--json`` files give, and
+its figures and target verdicts follow the records, not text typed beside them."""
+
+import json
+
+import pytest
+
+from tests.conftest import ROOT, load_script
+
+results_doc = load_script(ROOT / "benchmarks" / "results_doc.py")
+
+# What orchmllm.provenance.run_info writes, fixed.
+RUN = {
+    "run_date": "2026-01-02T03:04:05Z",
+    "run_command": "python benchmarks/x.py --json x.json",
+    "host_cpu": "Test CPU",
+    "host_simd": "avx2",
+    "host_cores": 2,
+    "host_load_avg": [3.5, 2.0, 1.25],
+    "host_gpu": None,
+    "host_note": "a shared VM",
+    "python_version": "3.11.7",
+    "numpy_version": "2.0.0",
+    "torch_version": "2.13.0",
+}
+
+
+def _train(mode: str, *, loss: float, vision_after: float) -> dict:
+    phase = {
+        "vision": (1.5, vision_after, 2000.0),
+        "llm": (1.2, 1.0 if mode == "full" else 1.2, 0.0),
+    }
+    rec = {
+        "mode": mode,
+        "config": "configs/tiny.yaml",
+        "nproc": 4,
+        "steps": 2,
+        "phase_names": list(phase),
+        "world_size": 4,
+        "balance": mode,
+        "placement": "auto",
+        "timed_steps": 1,
+        "step_time_mean_s": 0.25,
+        "loss_first": 6.3,
+        "loss_last": loss,
+    }
+    for name, (before, after, inter) in phase.items():
+        rec[f"{name}_imbalance_before_mean"] = before
+        rec[f"{name}_imbalance_after_mean"] = after
+        rec[f"{name}_bytes_inter_total"] = inter if mode == "full" else 0.0
+    return {**rec, **RUN}
+
+
+def _gpu(mode: str, *, speedup_vs_none: float) -> dict:
+    """A gpu_step record; its simulated figures (the targets) are fixed: 1.3x none, 1.1x llm."""
+    rec = {
+        "mode": mode,
+        "device": "NVIDIA H100",
+        "ranks": 8,
+        "examples_per_rank": 60,
+        "vision_layers": 9,
+        "audio_layers": 8,
+        "llm_layers": 7,
+        "step_time_s": 1.0,
+        "speedup_vs_none": speedup_vs_none,
+        "speedup_vs_llm": 1.2,
+        "step_over_ideal": 1.01,
+        "peak_mem_bytes": 2**34,
+        "tokens_per_s": 5000.0,
+        "sim_step_time_s": 0.9,
+        "sim_speedup_vs_none": 1.0 if mode == "none" else 1.3,
+        "sim_speedup_vs_llm": 1.1,
+        "sim_peak_mem_bytes": 2**33,
+    }
+    return {**rec, **RUN, "host_gpu": "NVIDIA H100"}
+
+
+def _write(folder, name: str, records: list[dict]) -> None:
+    (folder / name).write_text(json.dumps(records))
+
+
+def _section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_committed_document_is_what_the_committed_json_gives():
+    expected = results_doc.render(results_doc.RESULTS)
+    assert results_doc.DOC.read_text() == expected, (
+        "docs/results.md is stale or was edited by hand: run python benchmarks/results_doc.py"
+    )
+
+
+def test_a_section_without_its_file_says_so_and_names_the_command(tmp_path):
+    text = results_doc.render(tmp_path)
+    for section in results_doc.SECTIONS:
+        body = _section(text, section.title)
+        assert section.missing in body and f"`{section.command}`" in body
+    assert "No GPU record" in _section(text, "A training step on a GPU")
+
+
+def test_a_changed_figure_changes_the_text_and_the_run_is_named(tmp_path):
+    title = results_doc.SECTIONS[0].title
+    _write(
+        tmp_path,
+        "train_modes.json",
+        [
+            _train("none", loss=6.25, vision_after=1.5),
+            _train("full", loss=6.25, vision_after=1.125),
+        ],
+    )
+    body = _section(results_doc.render(tmp_path), title)
+    assert "| `full` | 1.500 → 1.125 | 1.200 → 1.000 | 1.0 / 0.0 | 6.2500 | 250.0 |" in body
+    assert "differ by at most 0.0e+00" in body
+    assert "`python benchmarks/x.py --json x.json`, run 2026-01-02 03:04:05 UTC" in body
+    assert "load average 3.5 / 2 / 1.25" in body and "The machine: a shared VM." in body
+    _write(
+        tmp_path,
+        "train_modes.json",
+        [_train("none", loss=6.25, vision_after=1.5), _train("full", loss=6.5, vision_after=1.25)],
+    )
+    changed = _section(results_doc.render(tmp_path), title)
+    assert "| `full` | 1.500 → 1.250 |" in changed and "| 6.5000 |" in changed
+    assert "1.125" not in changed and "differ by at most 2.5e-01" in changed
+
+
+@pytest.mark.parametrize(("speedup", "word"), [(1.4, "met"), (1.3, "met"), (1.2, "**NOT met**")])
+def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word):
+    _write(
+        tmp_path,
+        "gpu_step_h100.json",
+        [_gpu(m, speedup_vs_none=1.0 if m == "none" else speedup) for m in ("none", "llm", "full")],
+    )
+    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    assert "No GPU record" not in body and "GPU NVIDIA H100" in body
+    where = "8 ranks x 60/rank, `full`"
+    line = f"| {where}: × `none` ≥ the prediction 1.300 | {speedup:.3f} | {word} |"
+    assert line in body
+    assert f"| {where}: × `llm` ≥ the prediction 1.100 | 1.200 | met |" in body
+    assert "| 9/8/7 |" in body  # each encoder's layers, then the LLM's
+
+
+def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
+    _write(tmp_path, "train_modes.json", [_train("none", loss=6.25, vision_after=1.5)])
+    doc = tmp_path / "results.md"
+    args = ["--results", str(tmp_path), "--doc", str(doc)]
+    assert results_doc.main([*args, "--check"]) == 1  # no document yet
+    assert results_doc.main(args) == 0
+    assert results_doc.main([*args, "--check"]) == 0
+    doc.write_text(doc.read_text().replace("6.2500", "6.2000"))  # a hand edit
+    assert results_doc.main([*args, "--check"]) == 1
+    assert "run benchmarks/results_doc.py" in capsys.readouterr().out
