@@ -579,6 +579,11 @@ def summarize_mode(steps: Sequence[StepResult], *, ranks: int) -> dict:
     return rec
 
 
+def _progress(line: str) -> None:
+    """A line of progress, flushed: a run stopped by a time limit still says how far it got."""
+    print(line, flush=True)
+
+
 def run_benchmark(
     cfg: RunConfig,
     *,
@@ -593,23 +598,34 @@ def run_benchmark(
 ) -> list[dict]:
     """Records for every (examples per rank, mode), all modes on the same sampled batches,
     each with the simulator's prediction for the same set-up and batches (``sim_*``)."""
+    t0 = time.perf_counter()
     emu = Emulator.build(cfg, device=device, seed=seed)
+    _progress(f"model built on {device} in {time.perf_counter() - t0:.1f} s")
     link = sim.link_gbs * 1e9
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     records = []
     for per_rank in examples_per_rank:
         if warmup_ranks:  # unmeasured batches (ids after the measured ones)
+            t0 = time.perf_counter()
             batches = sample_ranks(cfg, step=steps, ranks=ranks, per_rank=per_rank, seed=seed)
             only = range(min(warmup_ranks, ranks))
             emulate_step(emu, batches, mode="full", link_bytes_per_s=link, only_ranks=only)
+            _progress(f"warm-up on {len(only)} ranks in {time.perf_counter() - t0:.1f} s")
         results: dict[str, list[StepResult]] = {m: [] for m in MODES}
         measured = []
         for step in range(steps):
+            t0 = time.perf_counter()
             batches = sample_ranks(cfg, step=step, ranks=ranks, per_rank=per_rank, seed=seed)
             measured.append(sim_batch(batches))
+            _progress(f"step {step}: sampled in {time.perf_counter() - t0:.1f} s")
             for mode in MODES:  # interleaved, so drift hits every mode alike
+                t0 = time.perf_counter()
                 results[mode].append(
                     emulate_step(emu, batches, mode=mode, link_bytes_per_s=link, repeats=repeats)
+                )
+                _progress(
+                    f"step {step} {mode}: emulated step {results[mode][-1].step_s:.3f} s, "
+                    f"measured in {time.perf_counter() - t0:.1f} s"
                 )
         summary = {m: summarize_mode(results[m], ranks=ranks) for m in MODES}
         predicted = sim.predict(measured, modes=MODES)

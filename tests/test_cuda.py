@@ -9,6 +9,7 @@ in ``tests/test_gpu_step.py``.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from orchmllm import compat
+from orchmllm.config import load_config
 from orchmllm.dispatcher import BatchDispatcher
-from orchmllm.models import packed_attention
+from orchmllm.models import build_model, packed_attention
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.step_plan import StepOptions
 from orchmllm.testing import run_distributed
@@ -29,6 +31,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60.0
 LENGTHS = [1, 7, 64, 129, 300, 33]  # a one-token sequence, odd lengths, one past a tile
 
@@ -92,6 +95,26 @@ def test_packed_attention_on_cuda_matches_per_sequence_sdpa(dtype, causal):
         assert err <= 2 * tol, f"{dtype} d{name}: relative error {err:.2e} > {2 * tol:.2e}"
 
 
+def test_every_encoder_runs_on_an_empty_batch_in_bf16():
+    """A rank with no item of a modality still runs its encoder (FSDP2 needs every call). On
+    an H100 with torch 2.11 the padded audio encoder's SDPA returned no tensor for a batch of
+    zero clips and the trainer's step failed; every encoder must give ``[0, hidden]`` and zero
+    gradients."""
+    cfg = load_config(ROOT / "configs" / "tiny.yaml").model
+    model = build_model(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    empty = torch.zeros(0, dtype=torch.int64, device="cuda")
+    outs = [
+        model.encoders[name](
+            torch.zeros(0, enc.feature_dim, dtype=torch.bfloat16, device="cuda"), empty
+        )
+        for name, enc in cfg.encoders.items()
+    ]
+    assert all(out.shape == (0, cfg.llm.hidden) for out in outs)
+    sum(out.sum() for out in outs).backward()
+    for name, p in model.encoders.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+
+
 # -- NCCL at world size 1 ------------------------------------------------------------------
 
 
@@ -151,6 +174,7 @@ def _dispatch_and_orchestrate(rank: int, world: int, device_type: str) -> dict:
     return out
 
 
+@pytest.mark.integration
 def test_nccl_dispatcher_and_orchestrator_equal_gloo():
     """World size 1 on NCCL: the dispatcher conserves items and contents through dispatch and
     undo on the GPU, and the orchestrator's LLM batch, assembled sequences and encoder

@@ -15,17 +15,17 @@ from tests.conftest import load_script
 ROOT = Path(__file__).resolve().parents[1]
 gpu_check = load_script(ROOT / "benchmarks" / "gpu_check.py")
 
-CPU_PARTS = ["env", "build", "cuda-tests", "gpu-step-4x4", "gpu-step-8x2", "train"]
+CPU_PARTS = ["env", "build", "gpu-step-4x4", "cuda-tests", "train", "gpu-step-8x2"]
 
 
 def test_the_limits_keep_the_run_under_8_minutes():
     todo = gpu_check.parts(cuda=True, tmp=Path("t"), out=Path("o"), gpu="h100")
     assert [p.name for p in todo] == [
         "build",
-        "cuda-tests",
         "gpu-step-8x60",
-        "gpu-step-32x20",
+        "cuda-tests",
         "train",
+        "gpu-step-32x20",
     ]
     assert gpu_check.ENV_LIMIT_S + sum(p.limit_s for p in todo) <= 8 * 60
 

@@ -181,8 +181,9 @@ def test_single_process_nccl_training_smoke(tmp_path, repo_env):
         assert r["world_size"] == 1 and r["balance"] == "full"
         assert math.isfinite(r["loss"]) and r["step_time_s"] > 0
         assert set(r["phases"]) == set(PHASES)
-        for ph in r["phases"].values():
-            assert len(ph["loads_after"]) == 1 and ph["imbalance_after"] == pytest.approx(1.0)
+        for ph in r["phases"].values():  # one rank: nothing to balance
+            assert ph["imbalance_after"] == pytest.approx(1.0)
+            assert ph["load_max_after"] == ph["load_max_before"]
 
 
 def test_block_checkpointing_keeps_gradients(one_thread):

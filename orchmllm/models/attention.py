@@ -68,6 +68,11 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tenso
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; key_mask: bool [B, T], True for real frames.
     Padded query rows produce values the caller must ignore. Returns [B, T, Hq, D].
     """
+    if q.shape[0] == 0:
+        # No item: CUDA's fused kernels return no tensor for an empty batch (torch 2.11, seen
+        # on an H100). Keep the output attached to q so every parameter still gets a (zero)
+        # gradient, as packed_attention does.
+        return q.clone()
     gqa = q.shape[2] != k.shape[2]
     out = compat.scaled_dot_product_attention(
         q.transpose(1, 2),
