@@ -84,6 +84,8 @@ def provenance(records: Records) -> str:
     r = records[0]
     if "transcribed_from" in r:
         return f"Not written by the command: transcribed from {r['transcribed_from']}."
+    if "run_command" not in r:
+        return "Its records carry no run details (written before the benchmark recorded them)."
     load = " / ".join(f"{x:g}" for x in r["host_load_avg"])
     gpu = f"GPU {r['host_gpu']}" if r.get("host_gpu") else "no GPU"
     simd = f", widest SIMD `{r['host_simd']}`" if r.get("host_simd") else ""
@@ -775,7 +777,8 @@ def gpu_step(recs: Records) -> list[str]:
     ``sim_*`` fields gpu_step records beside them: its targets)."""
     rows, targets = [], []
     for r in recs:
-        layers = "/".join(str(v) for k, v in r.items() if k.endswith("_layers"))
+        encoders = [k for k in r if k.endswith("_layers") and k != "llm_layers"]
+        layers = "/".join(str(r[k]) for k in [*encoders, "llm_layers"])
         rows.append(
             [r["device"], layers, r["ranks"], r["examples_per_rank"], f"`{r['mode']}`",
              f"{r['step_time_s']:.4f}", f"{r['sim_step_time_s']:.4f}",
@@ -809,7 +812,52 @@ def gpu_step(recs: Records) -> list[str]:
     )  # fmt: skip
     if targets:
         lines += table(["target", "measured", ""], targets)
+    for (ranks, b), group in _by_setup(recs).items():
+        none = group.get("none")
+        if none and none["step_over_ideal"] > 1.5 * none["sim_step_over_ideal"]:
+            lines += [
+                f"At {ranks} ranks x {b}/rank the measurement is noise-dominated: `none` took "
+                f"{none['step_over_ideal']:.2f}x its ideal step where the simulator puts "
+                f"{none['sim_step_over_ideal']:.2f}x. Each rank's phases were timed once "
+                f"(repeats {none['repeats']}, {none['steps']} step), and one slow rank sets a "
+                "phase's time, so its speed-ups say little.",
+                "",
+            ]
     return lines
+
+
+def _by_setup(recs: Records) -> dict[tuple[int, int], dict[str, dict]]:
+    """gpu_step records by (ranks, examples per rank), then by mode."""
+    out: dict[tuple[int, int], dict[str, dict]] = {}
+    for r in recs:
+        out.setdefault((r["ranks"], r["examples_per_rank"]), {})[r["mode"]] = r
+    return out
+
+
+def gpu_memory(recs: Records) -> list[str]:
+    """The trainer's measured peak memory per phase beside the memory model's prediction."""
+    rows = [
+        [r["step"], r["phase"], r["llm_tokens"], f"{r['measured_peak_bytes'] / 2**30:.2f}",
+         "–" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / 2**30:.2f}",
+         r["predicted_figure"] or "–",
+         "–" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.3f}"]
+        for r in recs
+    ]  # fmt: skip
+    first = recs[0]
+    return [
+        f"`orchmllm.train` on `{first['config']}` ({first['dtype']}), one process, peak "
+        f"memory per phase of each step ({first['source']}) beside the memory model's "
+        "prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
+        "the backward, its static bytes for the optimizer step; the forward has no figure of "
+        f"its own. The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
+        f"the model has {first['model_parameters'] / 1e6:,.0f} M.",
+        "",
+        *table(
+            ["step", "phase", "LLM tokens", "peak GiB", "model GiB", "model figure",
+             "measured / model"],
+            rows,
+        ),
+    ]  # fmt: skip
 
 
 def oldest_torch(recs: Records) -> list[str]:
@@ -878,6 +926,13 @@ SECTIONS = (
         "python benchmarks/gpu_step.py --json benchmarks/results/gpu_step_<gpu>.json",
         gpu_step,
         missing="No GPU record: nothing here has been measured on a GPU.",
+    ),
+    Section(
+        "The trainer's memory on a GPU",
+        "gpu_memory_*.json",
+        "python -m benchmarks.train_memory --json benchmarks/results/gpu_memory_<gpu>.json",
+        gpu_memory,
+        missing="No GPU record.",
     ),
     Section(
         "The test suite on older torch releases",

@@ -47,6 +47,7 @@ import torch
 from orchmllm.config import load_config
 from orchmllm.models import MLLM
 from orchmllm.phase_memory import PHASES as STEP_PHASES
+from orchmllm.provenance import write_records
 from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import submodules
@@ -204,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     records = records_of(report, config=config, dtype=dtype, device=device)
     print_table(records)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        write_records(args.json, records)
     return records
 
 
