@@ -43,10 +43,12 @@ sizes, heads, vocabulary 152064, downsample rates and image/audio bounds unchang
 module's layer count divided by ``--layer-divisor`` (default 4: LLM 28 -> 7, vision 36 -> 9,
 audio 32 -> 8 layers), so parameters, gradients and the activations of 60 examples fit one
 80 GB GPU; the layer ratios between modules, and so the phases' shares of the step, are kept
-(the embedding, LM head and connectors are not scaled). bf16 parameters, activation
-checkpointing per transformer block (as large-model training does) and a chunked LM-head loss
-(the full ``[tokens, 152064]`` logits would not fit). With no GPU it runs ``configs/tiny.yaml``
-on CPU in float32, so the whole path is testable.
+(the embedding, LM head and connectors are not scaled). The step runs the config's training
+recipe, the trainer's (``recipe:``, :mod:`orchmllm.models.parallelize`): for MLLM-10B bf16
+compute (parameters stored in bf16: one device and no optimizer need no fp32 master weights),
+activation checkpointing of every block and a chunked LM-head loss (the full
+``[tokens, 152064]`` logits would not fit). With no GPU it runs ``configs/tiny.yaml`` on CPU
+(float32, no checkpointing), so the whole path is testable.
 
 From the checkout's root (nothing to install; the C++ planner core is built in place first,
 since a fresh clone does not have it)::
@@ -71,12 +73,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import TEXT, SyntheticConfig, generate_example
-from orchmllm.models import MLLM, build_model
+from orchmllm.models import MLLM, apply_checkpointing, build_model, compute_dtype
 from orchmllm.provenance import write_records
 from orchmllm.recipe import ItemLengths
 from orchmllm.schema import IGNORE_INDEX, LLM, MODALITIES
@@ -102,67 +103,6 @@ def scale_layers(cfg: RunConfig, divisor: int) -> RunConfig:
     encoders = {name: fewer(enc) for name, enc in m.encoders.items()}
     model = dataclasses.replace(m, encoders=encoders, llm=fewer(m.llm))
     return dataclasses.replace(cfg, model=model)
-
-
-class _Checkpointed(nn.Module):
-    """A block whose activations are recomputed in backward (only its input is kept)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args):
-        return checkpoint(self.block, *args, use_reentrant=False)
-
-
-def checkpoint_blocks(model: MLLM) -> None:
-    for module in (*model.encoders.values(), model.llm):
-        module.blocks = nn.ModuleList(_Checkpointed(b) for b in module.blocks)
-
-
-class ChunkedHeadLoss(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` over targets, normalised by ``denom``.
-
-    Computes the logits ``chunk`` rows at a time and their gradients in the same pass (as fused
-    linear-cross-entropy kernels do), so the ``[T, vocab]`` logits never exist at once. The
-    FLOPs are those of the plain head: one logits matmul forward, two backward.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, denom: float):
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 accumulates in fp32
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
-            t = targets[start : start + chunk]
-            logits = (h @ weight.T).to(acc)
-            valid = t != IGNORE_INDEX
-            safe = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            loss += torch.where(valid, lse - picked, 0.0).sum()
-            grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place
-            grad[torch.arange(t.shape[0], device=t.device), safe] -= 1.0
-            grad *= valid[:, None] / denom
-            grad = grad.to(hidden.dtype)
-            grad_hidden[start : start + chunk] = grad @ weight
-            grad_weight += (grad.T @ h).to(acc)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return loss / denom
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
-
-
-def chunked_head_loss(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, denom: float, chunk: int = 4096
-) -> Tensor:
-    """Equals ``F.cross_entropy(hidden @ weight.T, targets, reduction="sum") / denom``."""
-    return ChunkedHeadLoss.apply(hidden, weight, targets, chunk, float(denom))
 
 
 # -- sampling and planning -------------------------------------------------------------------
@@ -406,21 +346,19 @@ class Emulator:
     device: torch.device
     dtype: torch.dtype
     model: MLLM
-    head: nn.Linear
 
     @classmethod
     def build(cls, cfg: RunConfig, *, device: torch.device, seed: int) -> Emulator:
-        cuda = device.type == "cuda"
-        dtype = torch.bfloat16 if cuda else torch.float32
-        model = build_model(cfg.model, seed=seed, dtype=dtype, device=str(device))
-        head = model.llm.lm_head
-        model.llm.lm_head = nn.Identity()  # LLM.forward returns the normed hidden states
-        if cuda:
-            checkpoint_blocks(model)
-        return cls(cfg, device, dtype, model, head)
+        """The model under the config's training recipe as one rank runs it: parameters in
+        the compute dtype (bf16 for ``bf16-mixed``: one device, no optimizer, so no master
+        weights), the recipe's activation checkpointing, its chunked loss."""
+        dtype = compute_dtype(cfg.recipe)
+        model = build_model(cfg.model, seed=seed, dtype=dtype, device=device)
+        apply_checkpointing(model, recipe=cfg.recipe)
+        return cls(cfg, device, dtype, model)
 
     def params(self) -> list[Tensor]:
-        return [*self.model.parameters(), *self.head.parameters()]
+        return list(self.model.parameters())
 
     def run(self, work: RankWork, *, denom: float) -> RankResult:
         """One rank's step in training order (each encoder's forward, the LLM's forward and
@@ -454,8 +392,9 @@ class Emulator:
                 forward[name] = (start, clock.mark())
             start = clock.mark()
             embeds = torch.cat([self.model.llm.embed(ids), standin])[order]
-            hidden_states = self.model.llm(embeds, seq_lengths)
-            loss = chunked_head_loss(hidden_states, self.head.weight, targets, denom=denom)
+            loss = self.model.llm(
+                embeds, seq_lengths, targets, denom=denom, loss_chunk=self.cfg.recipe.loss_chunk
+            )
         loss.backward()
         forward[LLM] = (start, clock.mark())
         for name in reversed(encoders):

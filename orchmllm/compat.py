@@ -46,6 +46,7 @@ __all__ = [
     "fully_shard",
     "is_fsdp_module",
     "leave_process",
+    "mixed_precision",
     "scaled_dot_product_attention",
     "set_gradient_sum",
     "set_reduce_scatter_unused_params",
@@ -57,6 +58,7 @@ __all__ = [
 MINIMUM: dict[str, str] = {
     "torch.distributed.fsdp.fully_shard": "2.6",
     "torch.distributed.fsdp.FSDPModule": "2.6",
+    "torch.distributed.fsdp.MixedPrecisionPolicy": "2.6",
     "FSDPModule.set_gradient_divide_factor": "2.8",
     "FSDPModule.set_force_sum_reduction_for_comms": "2.8",
     "FSDPModule.set_reduce_scatter_unused_params": "2.13",
@@ -114,9 +116,18 @@ def _fsdp(name: str) -> Any:
 # -- FSDP2 ----------------------------------------------------------------------------------
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None) -> nn.Module:
-    """FSDP2's ``fully_shard(module, mesh=mesh)``."""
-    return _fsdp("fully_shard")(module, mesh=mesh)
+def fully_shard(module: nn.Module, *, mesh: Any = None, mp_policy: Any = None) -> nn.Module:
+    """FSDP2's ``fully_shard(module, mesh=mesh)``, with ``mp_policy`` when given (see
+    :func:`mixed_precision`)."""
+    if mp_policy is None:
+        return _fsdp("fully_shard")(module, mesh=mesh)
+    return _fsdp("fully_shard")(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def mixed_precision(param: torch.dtype, *, reduce: torch.dtype) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy``: gather and compute parameters in ``param``, reduce
+    gradients in ``reduce`` (the sharded master weights keep the dtype they were built in)."""
+    return _fsdp("MixedPrecisionPolicy")(param_dtype=param, reduce_dtype=reduce)
 
 
 def is_fsdp_module(module: object) -> bool:
@@ -267,6 +278,9 @@ _PROBES: dict[str, Callable[[], bool]] = {
     ),
     "torch.distributed.fsdp.FSDPModule": lambda: (
         _attribute("torch.distributed.fsdp", "FSDPModule") is not None
+    ),
+    "torch.distributed.fsdp.MixedPrecisionPolicy": lambda: (
+        _attribute("torch.distributed.fsdp", "MixedPrecisionPolicy") is not None
     ),
     "FSDPModule.set_gradient_divide_factor": lambda: _has_method("set_gradient_divide_factor"),
     "FSDPModule.set_force_sum_reduction_for_comms": lambda: _has_method(

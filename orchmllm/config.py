@@ -43,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "TrainConfig",
+    "TrainRecipe",
     "VitConfig",
     "WhisperConfig",
     "load_config",
@@ -391,14 +392,61 @@ class TrainConfig:
             raise _fail("train.seed", f"must be an integer >= 0, got {self.seed!r}")
 
 
+PRECISIONS = ("float32", "float64", "bf16-mixed")
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """How a step runs on the hardware: what every GPU run sets, and the memory model reads.
+
+    Attributes:
+        precision: ``bf16-mixed``: FSDP2 mixed precision, parameters computed in bf16 while
+            the sharded master weights, the optimizer state and the gradient reduction stay
+            fp32 (a GPU run); ``float32``, or ``float64`` (exact comparisons in tests): one
+            dtype throughout.
+        checkpointing: activation checkpointing of the transformer blocks of every trained
+            encoder and the LLM: 0 off, k > 0 every k-th block (1: every block), so only a
+            checkpointed block's input is kept and the block is recomputed in backward.
+        loss_chunk: tokens per chunk of the LM-head loss: its logits and their gradient are
+            computed ``loss_chunk`` tokens at a time, never ``[tokens, vocab]`` at once.
+    """
+
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("checkpointing",)
+
+    precision: str = "float32"
+    checkpointing: int = 0
+    loss_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            hint = _closest(str(self.precision), list(PRECISIONS))
+            raise _fail("recipe.precision", f"{self.precision!r} is no precision; {hint}")
+        if not is_integer(self.checkpointing) or self.checkpointing < 0:
+            raise _fail(
+                "recipe.checkpointing",
+                f"must be 0 (off) or k > 0 (every k-th block), got {self.checkpointing!r}",
+            )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters compute in bf16 over fp32 master weights."""
+        return self.precision == "bf16-mixed"
+
+    def checkpointed(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) of a module is checkpointed."""
+        return self.checkpointing > 0 and layer % self.checkpointing == 0
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """One run: ``model``, ``data``, ``balance`` and ``train`` sections (all defaulted)."""
+    """One run: ``model``, ``data``, ``balance``, ``train`` and ``recipe`` sections (all
+    defaulted)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    recipe: TrainRecipe = field(default_factory=TrainRecipe)
 
     @property
     def rates(self) -> EncodingRates:
@@ -410,7 +458,12 @@ class RunConfig:
         return (*self.model.encoders, LLM)
 
 
-_SECTIONS = {"data": DataConfig, "balance": BalanceConfig, "train": TrainConfig}
+_SECTIONS = {
+    "data": DataConfig,
+    "balance": BalanceConfig,
+    "train": TrainConfig,
+    "recipe": TrainRecipe,
+}
 
 
 def run_config(raw: Mapping[str, Any] | None) -> RunConfig:

@@ -1,4 +1,6 @@
-"""Loss normalisation over the data-parallel group: what a rebalanced training loop must get right.
+"""The loss of a rebalanced step: normalised over the data-parallel group, computed in chunks.
+
+Normalisation is what a rebalanced training loop must get right.
 
 Rebalancing moves examples between ranks. The gradient of the *global* mean loss does not
 depend on which rank computes which example, but the usual per-rank mean does: with
@@ -22,6 +24,10 @@ Then scale for the gradient reduction of the data-parallel wrapper:
 Either way every rank's loss is its share of one global mean: their sum over the ranks is
 the global loss, and the gradients equal those of one process on the whole global batch,
 whatever the layout (``tests/test_loss.py`` checks both forms against that reference).
+
+The LM head's logits are ``tokens x vocab`` (152,064 entries a token for Qwen2): a step's whole
+fp32 logits would outgrow the model. :func:`chunked_cross_entropy` never holds more than one
+chunk of them.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ import numbers
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["global_num_items"]
+from orchmllm.schema import IGNORE_INDEX
+
+__all__ = ["chunked_cross_entropy", "global_num_items"]
 
 
 def _as_count(local_count: object) -> int:
@@ -85,3 +94,79 @@ def global_num_items(
     total = torch.tensor([count], dtype=torch.int64, device=_device_for(group))
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` over the targets, divided by ``denom``.
+
+    Computes the logits ``chunk`` rows at a time and their gradients in the same pass (as
+    fused linear-cross-entropy kernels do), so the ``[rows, vocab]`` logits never exist at
+    once: per chunk, fp32 logits, their softmax gradient in place and its copy in the
+    hidden states' dtype. The FLOPs are those of the plain head: one logits product forward,
+    two backward. What is kept for backward is the two gradients (``hidden``'s and
+    ``weight``'s, in their dtypes).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, denom: float):
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 accumulates in fp32
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            t = targets[start : start + chunk]
+            logits = (h @ weight.T).to(acc)
+            valid = t != IGNORE_INDEX
+            safe = torch.where(valid, t, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place
+            grad[torch.arange(t.shape[0], device=t.device), safe] -= 1.0
+            grad *= valid[:, None] / denom
+            grad = grad.to(hidden.dtype)
+            grad_hidden[start : start + chunk] = grad @ weight
+            grad_weight += (grad.T @ h).to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss / denom
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk: int, denom: float = 1.0
+) -> Tensor:
+    """The LM-head loss without the whole ``[tokens, vocab]`` logits.
+
+    Args:
+        hidden: ``[tokens, hidden]``, the final normed hidden states.
+        weight: ``[vocab, hidden]``, the LM head's weight.
+        targets: int64 ``[tokens]``, the next token at each position, ``IGNORE_INDEX`` where
+            nothing is predicted.
+        chunk: tokens per chunk (the logits of one chunk exist at a time).
+        denom: the loss is divided by it (the global number of targets: see
+            :func:`global_num_items`).
+
+    Returns:
+        ``F.cross_entropy(hidden @ weight.T, targets, reduction="sum") / denom``, a scalar in
+        fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: ``chunk`` is not a positive integer, or the shapes disagree.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    if (
+        hidden.dim() != 2
+        or targets.shape != hidden.shape[:1]
+        or weight.shape[1:] != hidden.shape[1:]
+    ):
+        raise ValueError(
+            f"hidden [tokens, h], weight [vocab, h] and targets [tokens] disagree: "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk, float(denom))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -27,27 +28,23 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from orchmllm import checkpoint, compat, watch
 from orchmllm.balance import PLACEMENTS
-from orchmllm.config import RunConfig, load_config
+from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
-from orchmllm.models import MLLM, build_model, shard_model
+from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
 from orchmllm.progress import PROGRESS, StepProgress
-from orchmllm.schema import IGNORE_INDEX, LLM
+from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
 from orchmllm.topology import Topology
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 # --------------------------------------------------------------------------------------------
 # command line
@@ -84,7 +81,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write one JSON line per step: rank 0's peak CUDA memory in the forward, backward "
         "and optimizer step, and the step's batch (orchmllm.phase_memory)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--precision", choices=PRECISIONS, default=None, help="override recipe.precision"
+    )
+    p.add_argument(
+        "--checkpointing",
+        type=int,
+        default=None,
+        metavar="K",
+        help="override recipe.checkpointing: 0 off, K > 0 every K-th block",
+    )
+    p.add_argument(
+        "--loss-chunk", type=int, default=None, metavar="N", help="override recipe.loss_chunk"
+    )
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
     p.add_argument(
@@ -235,6 +244,21 @@ def write_once(path: str, write: Callable[[str], object]) -> bool:
 # training loop
 
 
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The config file with the command line's overrides of its recipe."""
+    cfg = load_config(args.config)
+    overrides = {
+        name: value
+        for name, value in (
+            ("precision", args.precision),
+            ("checkpointing", args.checkpointing),
+            ("loss_chunk", args.loss_chunk),
+        )
+        if value is not None
+    }
+    return dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, **overrides))
+
+
 def make_orchestrator(
     cfg: RunConfig, *, mode: str, placement: str, topology: Topology, dtype: torch.dtype
 ) -> Orchestrator:
@@ -255,13 +279,14 @@ def make_orchestrator(
     return Orchestrator(options, topology=topology)
 
 
-def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtype, device):
+def step_forward(orch: Orchestrator, planned: PlannedBatch, *, recipe: TrainRecipe, device):
     """The whole multimodal forward of one step, run inside the FSDP root call.
 
-    Returns this rank's share of the loss (summed over its targets, divided by the global
-    target count) and the orchestrator's LLM batch (for metrics).
+    Returns this rank's share of the loss (summed over its targets in the recipe's loss
+    chunks, divided by the global target count) and the orchestrator's LLM batch (metrics).
     """
     batch = planned.batch.to(device)
+    dtype = compute_dtype(recipe)
 
     def forward(model: MLLM):
         encoders = {
@@ -269,10 +294,15 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, dtype: torch.dtyp
             for name, enc in model.encoders.items()
         }
         out = orch.run(batch, encoders, plan=planned.plan, assembly=planned.assembly)
-        logits = model.llm(out.assemble(model.llm.embed(out.input_ids)), out.lengths)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
-        loss = F.cross_entropy(logits, out.targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss / max(out.num_targets, 1), out
+        embeds = out.assemble(model.llm.embed(out.input_ids))
+        loss = model.llm(
+            embeds,
+            out.lengths,
+            out.targets,
+            denom=max(out.num_targets, 1),
+            loss_chunk=recipe.loss_chunk,
+        )
+        return loss, out
 
     return forward
 
@@ -300,7 +330,6 @@ class Run:
     steps: int
     placement: str
     rpn: int
-    dtype: torch.dtype
     device: torch.device
     model: MLLM
     optim: torch.optim.Optimizer
@@ -310,11 +339,10 @@ class Run:
 
 def setup(args: argparse.Namespace) -> Run:
     """Load the config and data, build and shard the model (collective: every rank)."""
-    cfg = load_config(args.config)
+    cfg = run_config(args)
     steps = args.steps or cfg.train.steps
     seed = cfg.train.seed if args.seed is None else args.seed
     placement = args.placement or cfg.balance.placement
-    dtype = DTYPES[args.dtype]
     world = dist.get_world_size()
     _, device = init_distributed(args.timeout)
     rpn = ranks_per_node(cfg, world)
@@ -326,7 +354,11 @@ def setup(args: argparse.Namespace) -> Run:
     # background thread while training collectives run on the default group.
     topology = Topology.build(ranks_per_node=rpn, timeout=args.timeout)
     orch = make_orchestrator(
-        cfg, mode=args.balance, placement=placement, topology=topology, dtype=dtype
+        cfg,
+        mode=args.balance,
+        placement=placement,
+        topology=topology,
+        dtype=compute_dtype(cfg.recipe),
     )
     # Samples like a DistributedSampler; plans each step in a background thread ahead of it
     # (a time-limited ILP placement on rank 0 alone, broadcast: see agreement.agreed_plan).
@@ -338,10 +370,11 @@ def setup(args: argparse.Namespace) -> Run:
         options=LoaderOptions(prefetch=args.prefetch),
         topology=topology,
     )
-    model = shard_model(build_model(cfg.model, seed=seed, dtype=dtype, device=str(device)))
+    model = build_model(cfg.model, seed=seed, dtype=storage_dtype(cfg.recipe), device=device)
+    model = parallelize(model, recipe=cfg.recipe)
     _set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-    return Run(args, cfg, steps, placement, rpn, dtype, device, model, optim, orch, loader)
+    return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader)
 
 
 def forward_backward(
@@ -351,7 +384,9 @@ def forward_backward(
     each measured by ``memory`` when given."""
     memory = memory or PhaseMemory(None, run.device)
     with memory.phase("forward"):
-        loss, out = run.model(step_forward(run.orch, planned, dtype=run.dtype, device=run.device))
+        loss, out = run.model(
+            step_forward(run.orch, planned, recipe=run.cfg.recipe, device=run.device)
+        )
     with memory.phase("backward"):
         loss.backward()
     return loss, out
@@ -548,7 +583,7 @@ def _identity(run: Run) -> dict[str, Any]:
     changes the training itself (not the balance mode or placement, which do not)."""
     a = run.args
     return {
-        "config": repr(run.cfg), "steps": run.steps, "dtype": a.dtype,
+        "config": repr(run.cfg), "steps": run.steps, "precision": run.cfg.recipe.precision,
         "seed": run.cfg.train.seed if a.seed is None else a.seed,
         "world_size": dist.get_world_size(),
     }  # fmt: skip
@@ -557,7 +592,7 @@ def _identity(run: Run) -> dict[str, Any]:
 def resume(run: Run) -> int:
     """Restore the newest complete checkpoint of ``--checkpoint-dir`` (model, optimizer,
     loader position, RNG) and return the step to continue at; 0 when there is none.
-    Collective. A checkpoint of another run (config, steps, seed, dtype, world size) is
+    Collective. A checkpoint of another run (config, steps, seed, precision, world size) is
     refused with a ValueError rather than resumed."""
     directory = run.args.checkpoint_dir
     loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
@@ -611,7 +646,8 @@ def main(argv: list[str] | None = None) -> RunningSummary:
         summary, model = train(args)
         if args.save:
             # Collective: every rank contributes its shards; rank 0 writes.
-            state = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+            # the state dict's names are the model's (no activation-checkpoint wrapper)
+            state = {n: t.full_tensor().detach().cpu() for n, t in model.state_dict().items()}
             if dist.get_rank() == 0:
                 torch.save(state, args.save)
         if dist.get_rank() == 0:

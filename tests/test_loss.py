@@ -1,4 +1,5 @@
-"""global_num_items: the all-reduced count, and the gradient property it exists for.
+"""The loss: global_num_items (the all-reduced count, and the gradient property it exists
+for) and the chunked LM-head cross-entropy.
 
 On 2 gloo ranks with real FSDP2 (``fully_shard``), float64: the same global batch laid out two
 ways (as sampled, and balanced by ``orchmllm.balance``) gives the gradient of one process on the
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import orchmllm
+from orchmllm.loss import chunked_cross_entropy
+from orchmllm.schema import IGNORE_INDEX
 from orchmllm.testing import assert_check_passed, run_checks
 
 VOCAB, HIDDEN = 32, 16
@@ -139,3 +142,30 @@ def test_single_process_is_the_local_count():
 def test_bad_counts_name_the_argument(bad):
     with pytest.raises(ValueError, match="local_count"):
         orchmllm.global_num_items(bad)
+
+
+@pytest.mark.parametrize("chunk", [1, 10, 37, 4096])
+def test_chunked_cross_entropy_equals_the_whole_logits_loss(chunk):
+    """Loss and both gradients of the plain ``[tokens, vocab]`` cross-entropy, whatever the
+    chunking; targets ignored where IGNORE_INDEX."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (37,), generator=g)
+    targets[::3] = IGNORE_INDEX
+    loss = chunked_cross_entropy(hidden, weight, targets, denom=5.0, chunk=chunk)
+    (loss * 2).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, targets, ignore_index=IGNORE_INDEX, reduction="sum") / 5.0
+    (ref * 2).backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+
+
+def test_chunked_cross_entropy_refuses_bad_input():
+    h, w, t = torch.zeros(4, 3), torch.zeros(5, 3), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="chunk must be a positive integer, got 0"):
+        chunked_cross_entropy(h, w, t, chunk=0)
+    with pytest.raises(ValueError, match="disagree"):
+        chunked_cross_entropy(h, w[:, :2], t, chunk=2)

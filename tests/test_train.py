@@ -67,7 +67,7 @@ def _config(
 
 def _argv(config: str, tmp_path, mode: str, steps: int, *extra: str) -> list[str]:
     return [
-        "--config", config, "--steps", str(steps), "--balance", mode, "--dtype", "float64",
+        "--config", config, "--steps", str(steps), "--balance", mode, "--precision", "float64",
         "--data-dir", os.path.join(tmp_path, "data"), "--quiet", *extra,
     ]  # fmt: skip
 

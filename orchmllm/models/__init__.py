@@ -5,7 +5,8 @@ from orchmllm.config import LLMConfig, ModelConfig, VitConfig, WhisperConfig
 from .attention import packed_attention, padded_attention
 from .audio import AudioEncoder
 from .llm import LLM
-from .mllm import ENCODERS, MLLM, build_model, shard_model
+from .mllm import ENCODERS, MLLM, build_model
+from .parallelize import apply_checkpointing, compute_dtype, parallelize, shard_model, storage_dtype
 from .vision import VisionEncoder
 
 __all__ = [
@@ -18,8 +19,12 @@ __all__ = [
     "VisionEncoder",
     "VitConfig",
     "WhisperConfig",
+    "apply_checkpointing",
     "build_model",
+    "compute_dtype",
     "packed_attention",
     "padded_attention",
+    "parallelize",
     "shard_model",
+    "storage_dtype",
 ]

@@ -51,14 +51,17 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, causal
         return compat.varlen_attention()(q, k, v, cu, int(lengths.max()), causal=causal)
     outs = []
     for qs, ks, vs in zip(*(t.split(lengths.tolist()) for t in (q, k, v)), strict=True):
+        # [1, heads, tokens, head_dim]: with a batch dimension SDPA runs its flash kernel on
+        # CPU too, which keeps what flash keeps (no [tokens, tokens] probabilities), so a CPU
+        # step's memory is a GPU step's.
         o = compat.scaled_dot_product_attention(
-            qs.transpose(0, 1),
-            ks.transpose(0, 1),
-            vs.transpose(0, 1),
+            qs.transpose(0, 1)[None],
+            ks.transpose(0, 1)[None],
+            vs.transpose(0, 1)[None],
             is_causal=causal,
             enable_gqa=gqa,
         )
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
 

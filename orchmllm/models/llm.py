@@ -7,6 +7,7 @@ import functools
 from torch import Tensor, nn
 
 from orchmllm.config import LLMConfig
+from orchmllm.loss import chunked_cross_entropy
 
 from .attention import packed_attention, positions_from_lengths
 from .layers import Block, check_lengths
@@ -37,12 +38,38 @@ class LLM(nn.Module):
         """Token embeddings [T, hidden]."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, embeds: Tensor, lengths: Tensor) -> Tensor:
-        """embeds [T, hidden] of packed sequences (lengths, sum T) -> logits [T, vocab]."""
+    def forward(
+        self,
+        embeds: Tensor,
+        lengths: Tensor,
+        targets: Tensor | None = None,
+        *,
+        denom: float = 1.0,
+        loss_chunk: int = 4096,
+    ) -> Tensor:
+        """The packed sequences' logits, or their loss.
+
+        Args:
+            embeds: ``[T, hidden]``, packed sequences.
+            lengths: the sequences' lengths (summing to T).
+            targets: int64 ``[T]``, the next token at each position (``IGNORE_INDEX`` where
+                nothing is predicted); None returns logits.
+            denom: the summed loss is divided by it (the global target count).
+            loss_chunk: tokens per chunk of the loss (:func:`orchmllm.loss.chunked_cross_entropy`).
+
+        Returns:
+            ``[T, vocab]`` logits without ``targets``; with them the summed cross-entropy over
+            ``denom``, computed inside this call so that a sharded LM head is gathered for it.
+        """
         check_lengths(lengths, 1, "lengths")
         attend = functools.partial(packed_attention, lengths=lengths, causal=True)
         positions = positions_from_lengths(lengths)
         x = embeds
         for block in self.blocks:
             x = block(x, attend, positions)
-        return self.lm_head(self.norm(x))
+        hidden = self.norm(x)
+        if targets is None:
+            return self.lm_head(hidden)
+        return chunked_cross_entropy(
+            hidden, self.lm_head.weight, targets, chunk=loss_chunk, denom=denom
+        )

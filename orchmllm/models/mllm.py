@@ -1,5 +1,5 @@
-"""The reference MLLM: one encoder per modality of the model config and a decoder LLM, plus
-FSDP2 sharding.
+"""The reference MLLM: one encoder per modality of the model config and a decoder LLM (the
+training recipe, FSDP2 included, is applied from outside: :mod:`orchmllm.models.parallelize`).
 
 The submodules are independent; the orchestrator decides which items each one sees on
 which rank. :meth:`MLLM.forward` only runs a caller-supplied step function inside the root
@@ -15,7 +15,6 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from orchmllm.compat import fully_shard, set_reduce_scatter_unused_params
 from orchmllm.config import ModelConfig
 
 from .audio import AudioEncoder
@@ -86,25 +85,3 @@ def build_model(
         model = MLLM(cfg)
         init_weights(model)
     return model.to(dtype=dtype)
-
-
-def shard_model(model: MLLM, *, mesh=None) -> MLLM:
-    """Apply FSDP2 ``fully_shard``: each transformer block, each connector, the token
-    embedding (called on its own through ``LLM.embed``), each submodule, then the root.
-
-    Unused-parameter reduce-scatter is on where torch has it (2.13+), so a parameter no item
-    reached on some rank still takes part in the gradient reduce-scatter with zeros instead of
-    desynchronising ranks; every module also runs on every rank, which older torch relies on.
-    """
-    for encoder in model.encoders.values():
-        for block in encoder.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(encoder.connector, mesh=mesh)
-        fully_shard(encoder, mesh=mesh)
-    for block in model.llm.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model.llm.embed_tokens, mesh=mesh)
-    fully_shard(model.llm, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    set_reduce_scatter_unused_params(model)
-    return model
