@@ -93,6 +93,29 @@ def test_the_committed_document_is_what_the_committed_json_gives():
     )
 
 
+def test_the_readme_blocks_are_what_the_committed_json_gives():
+    text = results_doc.README.read_text()
+    assert results_doc.render_readme(text) == text, (
+        "README.md's results blocks are stale or were edited: run python benchmarks/results_doc.py"
+    )
+
+
+def test_a_readme_block_is_rewritten_from_the_records_and_says_when_there_are_none(tmp_path):
+    text = "intro\n<!-- results:main-job -->\nold\n<!-- /results:main-job -->\n"
+    text += "<!-- results:gpu -->\n<!-- /results:gpu -->\nend\n"
+    empty = results_doc.render_readme(text, tmp_path)
+    assert "(no `train_modes.json` record yet)" in empty and "old" not in empty
+    assert empty.startswith("intro\n") and empty.endswith("end\n")
+    _write(tmp_path, "gpu_step_h100.json", [_gpu(m, speedup_vs_none=1.2) for m in ("none", "full")])
+    filled = results_doc.render_readme(text, tmp_path)
+    assert (
+        "8 ranks x 60 examples: `full` over `none` 1.200, the simulator predicted 1.300" in filled
+    )
+    assert results_doc.render_readme(filled, tmp_path) == filled  # idempotent
+    with pytest.raises(ValueError, match="no <!-- results:main-job --> block"):
+        results_doc.render_readme("nothing marked", tmp_path)
+
+
 def test_a_section_without_its_file_says_so_and_names_the_command(tmp_path):
     text = results_doc.render(tmp_path)
     for section in results_doc.SECTIONS:
@@ -144,8 +167,10 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
 
 def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
     _write(tmp_path, "train_modes.json", [_train("none", loss=6.25, vision_after=1.5)])
-    doc = tmp_path / "results.md"
-    args = ["--results", str(tmp_path), "--doc", str(doc)]
+    doc, readme = tmp_path / "results.md", tmp_path / "README.md"
+    readme.write_text("<!-- results:main-job -->\n<!-- /results:main-job -->\n"
+                      "<!-- results:gpu -->\n<!-- /results:gpu -->\n")  # fmt: skip
+    args = ["--results", str(tmp_path), "--doc", str(doc), "--readme", str(readme)]
     assert results_doc.main([*args, "--check"]) == 1  # no document yet
     assert results_doc.main(args) == 0
     assert results_doc.main([*args, "--check"]) == 0
