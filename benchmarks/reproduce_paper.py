@@ -65,6 +65,7 @@ QUICK_DEFAULTS_RANKS = (64,)
 DEFAULTS_TIE = 0.001  # MFU ratios closer than this are a tie (see defaults())
 QUICK_ABLATION_RANKS = 32
 SEEDS, QUICK_SEEDS = 5, 2
+# The simulator's modes (orchmllm.sim.layout.MODES) in the order the tables show them.
 MODES = ("none", "llm", "disttrain", "full")
 GPU_RESULTS = ROOT / "benchmarks" / "results"
 

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from orchmllm.provenance import write_records
 from orchmllm.report import load_metrics, summarize
+from orchmllm.step_plan import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("none", "llm", "full")
 NPROC = 4
 
 

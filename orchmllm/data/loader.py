@@ -68,7 +68,8 @@ from orchmllm.data.sampling import (
 from orchmllm.plan import Rearrangement
 from orchmllm.topology import Topology
 
-MODES = ("auto", "index", "move", "local")
+# How examples cross the ranks (``mode=``): not the balance modes of orchmllm.step_plan.MODES.
+EXCHANGE_MODES = ("auto", "index", "move", "local")
 _CREATED = itertools.count(1)  # loaders created by this process, for their default names
 _HANDSHAKE = (
     "world_size",
@@ -117,8 +118,8 @@ class PlannedBatch:
 def _check_lengths_args(lengths_from: list[str], mode: str, planning: PlanningOptions) -> None:
     """Where the planner's rows come from (``lengths_from``: the names of the length arguments
     given), checked against the mode and the planning options."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"mode must be one of {EXCHANGE_MODES}, got {mode!r}")
     if len(lengths_from) > 1:
         raise ValueError(
             f"pass at most one of length_fn, length_column, lengths; got {lengths_from}"
@@ -639,7 +640,7 @@ class BalancedDataLoader:
             len(source) if sr.is_map_style(source) else -1,
             self.epoch,
             self._step,
-            MODES.index(self.mode),
+            EXCHANGE_MODES.index(self.mode),
             sampling.seed,
             int(sampling.shuffle),
             int(sampling.drop_last),
