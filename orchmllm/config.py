@@ -113,21 +113,30 @@ def _build(cls: type, path: str, raw: Any, *, also: tuple[str, ...] = ()) -> Any
 # -- model -------------------------------------------------------------------------------
 
 
-def _check_heads(section: Any, path: str) -> None:
-    """Attention heads split the width, and query heads group evenly over key/value heads."""
-    if section.hidden % section.heads:
-        raise _fail(path, f"hidden={section.hidden} is not divisible by heads={section.heads}")
-    if section.heads % section.kv_heads:
-        raise _fail(path, f"heads={section.heads} is not divisible by kv_heads={section.kv_heads}")
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A stack of transformer blocks: width, MLP width, depth and (grouped-query) heads."""
+
+    hidden: int = 64
+    ffn: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+
+    def check(self, path: str) -> None:
+        """Attention heads split the width, and query heads group evenly over key/value
+        heads."""
+        if self.hidden % self.heads:
+            raise _fail(path, f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise _fail(path, f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
-    """The shape shared by every encoder architecture (a transformer over raw rows).
+class EncoderConfig(TransformerConfig):
+    """An encoder: a transformer over raw rows, then a connector to the LLM's width.
 
     Attributes:
-        hidden, ffn, layers, heads, kv_heads: the transformer's width, MLP width, depth and
-            (grouped-query) attention heads.
         downsample: encoder positions merged into one LLM token by the connector.
         frozen: run forward only (no gradients, no optimizer state).
     """
@@ -135,11 +144,6 @@ class EncoderConfig:
     arch: ClassVar[str]
     padded: ClassVar[bool]  # attention over padded batches (else packed sequences)
 
-    hidden: int = 64
-    ffn: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 4
     downsample: int = 1
     frozen: bool = False
 
@@ -150,17 +154,13 @@ class EncoderConfig:
 
     @property
     def feature_dim(self) -> int:
-        """Values per raw row: what an encoder phase moves per row."""
+        """Values per raw row: what an encoder phase moves per raw row."""
         raise NotImplementedError
 
     @property
     def rate(self) -> Rate:
         """How its raw rows become LLM tokens."""
         return Rate(stride=self.stride, downsample=self.downsample)
-
-    def check(self, path: str) -> None:
-        """Shape rules beyond the field types."""
-        _check_heads(self, path)
 
 
 @dataclass(frozen=True)
@@ -207,19 +207,12 @@ modules)."""
 
 
 @dataclass(frozen=True)
-class LLMConfig:
+class LLMConfig(TransformerConfig):
     """A Qwen2-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, packed causal."""
 
-    hidden: int = 64
     ffn: int = 160
-    layers: int = 2
-    heads: int = 4
     kv_heads: int = 2
     rope_theta: float = 10000.0
-
-    def check(self, path: str) -> None:
-        """Shape rules beyond the field types."""
-        _check_heads(self, path)
 
 
 def _default_encoders() -> dict[str, EncoderConfig]:
