@@ -6,29 +6,21 @@ reads a step's global batch from it, and the synthetic dataset (:mod:`orchmllm.d
 draws its examples' lengths from it and only fills tensors (token ids, patches, mels).
 
 Item lengths come from :mod:`orchmllm.workloads` (LLaVA-1.5 images, LibriSpeech, AIR-Bench,
-ShareGPT; sources there). Per task (text in tokens before ``scale``; "assumed" marks our own
-choice where no figure is published), following the paper's data mix (section 3.1, 8):
+ShareGPT) and every other number from the table :data:`orchmllm.workload_facts.FACTS`, each
+entry with its source or "assumed". The paper's data mix (section 3.1, 8), per task:
 
-- ``caption`` (LLaVA-1.5 captions): prefix U[4, 10), one image, prompt U[8, 21), answer a brief
-  COCO-style caption (about 10.5 words: log-normal median 13, sigma 0.3, weight 0.6) or a
-  LLaVA-Instruct detailed description (median 110, sigma 0.4, assumed spread).
-- ``vqa``: LLaVA-1.5 packs several VQAv2/GQA questions about one image into one conversation:
-  prefix U[4, 10), one image (a second one, after U[2, 5) more prompt tokens, with
-  ``p_multi_image``), 1 + Poisson(2.5) turns (at most 10) of a question (median 12) and an
-  answer, short (U[1, 5), "answer with a single word or phrase", weight 0.7 per example) or
-  conversational (median 60). With ``p_spoken_question`` the first question is spoken instead:
-  a U(2, 8) s clip (cross-modal examples; assumed rates).
-- ``asr`` (LibriSpeech train-clean-100: 990k words in 100.6 h, 2.73 words/s): prompt U[6, 15),
-  one clip, transcript ``seconds * 2.73 words/s * 1.3 tokens/word * LogNormal(0, 0.15)`` (text
-  correlates with audio).
-- ``spoken_qa`` (AIR-Bench, Yang et al. 2024): prompt U[4, 10), one clip, question and choices
-  median 30, answer U[1, 4) (multiple choice, weight 0.75) or a chat answer (median 40): long
-  audio, short text, no correlation.
-- ``chat`` (the 40K ShareGPT conversations of the mix): prefix U[6, 20) and a ShareGPT body,
-  split into 1-8 user/assistant turn pairs by a flat Dirichlet (loss on assistant turns).
-- Task mix (default): caption 0.25, vqa 0.30, asr 0.25, spoken_qa 0.10, chat 0.10. The raw
-  dataset sizes (about 625k LLaVA visual, 40k ShareGPT, 281k LibriSpeech 960 h, 21k AIR-Bench)
-  would give spoken QA 2%; it is upsampled so every task appears in small batches.
+- ``caption`` (LLaVA-1.5 captions): a prefix, one image, a prompt, and an answer that is a
+  brief COCO-style caption or a detailed LLaVA-Instruct description.
+- ``vqa`` (LLaVA-1.5 packs several VQAv2/GQA questions about one image into one conversation):
+  a prefix, one image (a second one, after a few more prompt tokens, with ``p_multi_image``),
+  1 + Poisson turns of a question and an answer, short ("answer with a single word or
+  phrase") or conversational. With ``p_spoken_question`` the first question is a spoken clip.
+- ``asr`` (LibriSpeech): a prompt, one clip, a transcript whose length follows the clip's
+  (the corpus's words per second, tokens per word): text correlates with audio.
+- ``spoken_qa`` (AIR-Bench): a prompt, one clip, a question with choices, a choice or a chat
+  answer: long audio, short text, no correlation.
+- ``chat`` (the ShareGPT conversations of the mix): a prefix and a ShareGPT body split into
+  user/assistant turn pairs by a flat Dirichlet (loss on assistant turns).
 
 Rules settled where the simulator and the synthetic generator used to differ (the simulator's
 rule in each case, so the simulator's figures did not move):
@@ -47,8 +39,8 @@ rule in each case, so the simulator's figures did not move):
   exceed it). The floor is 2 (the simulator's was 1) so an example always has a prompt token at
   position 0 and a target; at ``scale`` 1 no text is below 12 tokens, so this never binds there.
   :func:`split_text` then shares the total among the runs.
-- ``p_multi_image`` and ``p_spoken_question`` are fields of :class:`RecipeConfig`, defaulting
-  to the simulator's former constants (0.1 each).
+- ``p_multi_image`` and ``p_spoken_question`` are fields of :class:`RecipeConfig` (and of a
+  run config's ``data:``), defaulting to the table's.
 
 Tasks are rows of :data:`TASKS`. The five above are the paper's mix, drawn together by one
 function; :func:`register_task` adds a task with its own draw (e.g. one that holds a modality
@@ -72,10 +64,11 @@ import numpy as np
 from orchmllm import workloads
 from orchmllm.config import DataConfig, ModelConfig
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named
+from orchmllm.workload_facts import fact
 
 MIN_TEXT = 2  # a prompt token at position 0 (never a target) and one target token
-MAX_VQA_TURNS = 10
-MAX_CHAT_TURNS = 8
+MAX_VQA_TURNS = int(fact("vqa.max_turns"))
+MAX_CHAT_TURNS = int(fact("chat.max_turn_pairs"))
 
 Run = tuple[str, bool]  # ("text" or a modality name, is_target)
 _PROMPT: Run = ("text", False)
@@ -141,20 +134,21 @@ class Task:
         return {m for m in held if getattr(cfg, self.optional.get(m, ""), 1) > 0}
 
 
+_CAPTION, _VQA, _ASR, _SPOKEN_QA, _CHAT = fact("mix.weights")
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("caption", (_PROMPT, ("vision", False), _PROMPT, _TARGET), 0.25),
+        Task("caption", (_PROMPT, ("vision", False), _PROMPT, _TARGET), _CAPTION),
         Task(
             "vqa",
             (_PROMPT, ("vision", False), _PROMPT, ("vision", False), ("audio", False))
             + (_PROMPT, _TARGET) * MAX_VQA_TURNS,
-            0.30,
+            _VQA,
             optional={"audio": "p_spoken_question"},  # a spoken first question
         ),
-        Task("asr", (_PROMPT, ("audio", False), _TARGET), 0.25),
-        Task("spoken_qa", (_PROMPT, ("audio", False), _PROMPT, _TARGET), 0.10),
-        Task("chat", (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS, 0.10),
+        Task("asr", (_PROMPT, ("audio", False), _TARGET), _ASR),
+        Task("spoken_qa", (_PROMPT, ("audio", False), _PROMPT, _TARGET), _SPOKEN_QA),
+        Task("chat", (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS, _CHAT),
     )
 }
 """The task table, name -> row, in draw order. Extend it with :func:`register_task`."""
@@ -204,8 +198,8 @@ class RecipeConfig:
     max_audio_s: float = 30.0  # Whisper's window
     max_text_tokens: int = 2048
     scale: float = 1.0  # multiplies every length, so a tiny config keeps the composition
-    p_multi_image: float = 0.1
-    p_spoken_question: float = 0.1
+    p_multi_image: float = fact("mix.p_multi_image")
+    p_spoken_question: float = fact("mix.p_spoken_question")
 
     def __post_init__(self) -> None:
         for name in ("patch", "max_image_side", "max_text_tokens"):
@@ -310,8 +304,9 @@ class Examples:
         return [(int(kinds[c]), int(counts[c]), bool(is_target[c])) for c in np.flatnonzero(counts)]
 
 
-def _lognormal(rng: np.random.Generator, median: float, sigma: float, shape) -> np.ndarray:
-    return median * np.exp(sigma * rng.standard_normal(shape))
+def _lognormal(rng: np.random.Generator, median: str, sigma: str, shape) -> np.ndarray:
+    """Log-normal draws with the median and sigma of two table entries."""
+    return fact(median) * np.exp(fact(sigma) * rng.standard_normal(shape))
 
 
 def _scaled(raw: np.ndarray, scale: float, step: int) -> np.ndarray:
@@ -412,7 +407,7 @@ def _draw_paper_mix(
     spoken = vqa[gen.random(vqa.size) < cfg.p_spoken_question]
     asr_frames = workloads.sample_lengths("librispeech", own["asr"].size, gen)
     qa_frames = workloads.sample_lengths("spoken_qa", own["spoken_qa"].size, gen)
-    question_s = gen.uniform(2.0, 8.0, spoken.size)
+    question_s = gen.uniform(*fact("vqa.spoken_question_s"), spoken.size)
     audio_example = np.concatenate([own["asr"], own["spoken_qa"], spoken])
     frames = np.concatenate(
         [asr_frames, qa_frames, np.round(question_s * workloads.FRAMES_PER_S).astype(np.int64)]
@@ -426,51 +421,67 @@ def _draw_paper_mix(
     # text, and each task's runs (its row of TASKS)
     k = own["caption"]
     one = np.ones(k.size)
-    brief = gen.random(k.size) < 0.6
-    answer = np.where(brief, _lognormal(gen, 13, 0.3, k.size), _lognormal(gen, 110, 0.4, k.size))
-    prefix, prompt = gen.integers(4, 10, k.size), gen.integers(8, 21, k.size)
+    brief = gen.random(k.size) < fact("caption.brief_share")
+    answer = np.where(
+        brief,
+        _lognormal(gen, "caption.brief_median_tokens", "caption.brief_sigma", k.size),
+        _lognormal(gen, "caption.detailed_median_tokens", "caption.detailed_sigma", k.size),
+    )
+    prefix = gen.integers(*fact("caption.prefix_tokens"), k.size)
+    prompt = gen.integers(*fact("caption.prompt_tokens"), k.size)
     text[k] = prefix + prompt + answer
     weights["caption"] = np.column_stack([prefix, one, prompt, answer])
 
     k = vqa
-    turns = 1 + np.minimum(MAX_VQA_TURNS - 1, gen.poisson(2.5, k.size))
-    short = gen.random(k.size) < 0.7
-    questions = _lognormal(gen, 12, 0.4, (k.size, MAX_VQA_TURNS))
+    turns = 1 + np.minimum(MAX_VQA_TURNS - 1, gen.poisson(fact("vqa.turns_poisson_mean"), k.size))
+    short = gen.random(k.size) < fact("vqa.short_share")
+    dialogue_shape = (k.size, MAX_VQA_TURNS)
+    questions = _lognormal(gen, "vqa.question_median_tokens", "vqa.question_sigma", dialogue_shape)
     has_clip = np.isin(k, spoken)
     questions[:, 0] *= ~has_clip  # a spoken first question has no text
     answers = np.where(
         short[:, None],
-        gen.integers(1, 5, (k.size, MAX_VQA_TURNS)),
-        _lognormal(gen, 60, 0.5, (k.size, MAX_VQA_TURNS)),
+        gen.integers(*fact("vqa.short_answer_tokens"), dialogue_shape),
+        _lognormal(gen, "vqa.long_answer_median_tokens", "vqa.long_answer_sigma", dialogue_shape),
     )
     used = np.arange(MAX_VQA_TURNS)[None, :] < turns[:, None]
-    prefix = gen.integers(4, 10, k.size)
+    prefix = gen.integers(*fact("vqa.prefix_tokens"), k.size)
     text[k] = prefix + ((questions + answers) * used).sum(axis=1)
     has_second = np.isin(k, second)
     bridge = np.zeros(k.size)
-    bridge[has_second] = gen.integers(2, 5, second.size)
+    bridge[has_second] = gen.integers(*fact("vqa.bridge_tokens"), second.size)
     text[second] += bridge[has_second]
     dialogue = np.stack([questions * used, answers * used], axis=2)  # q0, a0, q1, a1, ...
     runs = [prefix, np.ones(k.size), bridge, has_second, has_clip]  # image, image, clip: 0/1
     weights["vqa"] = np.column_stack([*runs, dialogue.reshape(k.size, 2 * MAX_VQA_TURNS)])
 
     k = own["asr"]
-    prefix = gen.integers(6, 15, k.size)
+    prefix = gen.integers(*fact("asr.prompt_tokens"), k.size)
     seconds = asr_frames / workloads.FRAMES_PER_S
-    transcript = seconds * 2.73 * 1.3 * np.exp(0.15 * gen.standard_normal(k.size))
+    words = seconds * fact("asr.words_per_s")
+    noise = np.exp(fact("asr.noise_sigma") * gen.standard_normal(k.size))
+    transcript = words * fact("asr.tokens_per_word") * noise
     text[k] = prefix + transcript
     weights["asr"] = np.column_stack([prefix, np.ones(k.size), transcript])
 
     k = own["spoken_qa"]
-    short = gen.random(k.size) < 0.75
-    prefix = gen.integers(4, 10, k.size)
-    question = _lognormal(gen, 30, 0.4, k.size)
-    answer = np.where(short, gen.integers(1, 4, k.size), _lognormal(gen, 40, 0.5, k.size))
+    short = gen.random(k.size) < fact("spoken_qa.choice_share")
+    prefix = gen.integers(*fact("spoken_qa.prompt_tokens"), k.size)
+    question = _lognormal(
+        gen, "spoken_qa.question_median_tokens", "spoken_qa.question_sigma", k.size
+    )
+    answer = np.where(
+        short,
+        gen.integers(*fact("spoken_qa.choice_answer_tokens"), k.size),
+        _lognormal(
+            gen, "spoken_qa.chat_answer_median_tokens", "spoken_qa.chat_answer_sigma", k.size
+        ),
+    )
     text[k] = prefix + question + answer
     weights["spoken_qa"] = np.column_stack([prefix, np.ones(k.size), question, answer])
 
     k = own["chat"]
-    prefix = gen.integers(6, 20, k.size)
+    prefix = gen.integers(*fact("chat.prefix_tokens"), k.size)
     body = workloads.sample_lengths("text", k.size, gen)
     text[k] = prefix + body
     # drawn last (layout only): 1-8 turn pairs share the body, a flat Dirichlet

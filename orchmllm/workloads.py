@@ -1,22 +1,17 @@
 """Item-length distributions for balancing benchmarks and tests (pure numpy, fast at 10^5 items).
 
-Each sampler returns int64 lengths in the unit the balanced phase pays for. Parameters follow
-the published statistics that :mod:`orchmllm.data.synthetic` documents for the paper's data
-mix (section 3.1, 8); "assumed" marks a shape chosen by us where no figure is published.
+Each sampler returns int64 lengths in the unit the balanced phase pays for. The paper mix's
+samplers draw with the numbers of :data:`orchmllm.workload_facts.FACTS` (each with its source or
+"assumed"), summarised here:
 
 - ``llava_image``: vision-encoder patches per image at dynamic resolution (paper section 8):
-  LLaVA-1.5 mix665k sources (Liu et al. 2023, Table 7): long side 640 px (COCO, weight 0.55),
-  500 px (VG/GQA, 0.20), 1024 px (TextVQA/OpenImages, 0.15), log-normal around 350 px
-  (OCR-VQA covers, 0.10); aspect 4:3, 3:2, 16:9, 1:1, 3:4 (assumed weights .5/.15/.1/.1/.15);
-  images above 448 px (MLLM-10B) are downscaled; patches = ceil(w/14) * ceil(h/14) (a partial
-  patch at the border counts; the patch side is an argument).
-- ``librispeech``: mel frames (100 per second) of LibriSpeech utterances: train-clean-100 has
-  28,539 utterances in 100.6 h (mean 12.7 s); 0.8 * Normal(14.5, 2.5) s + 0.2 * U(1.5, 10) s,
-  clipped to [1, 24.5] s (mixture shape assumed, mean about 12.8 s).
-- ``spoken_qa``: AIR-Bench clips (Yang et al. 2024, up to 30 s): log-normal median 12 s,
-  sigma 0.6 (assumed), clipped to [2, 30] s, 100 frames per second.
-- ``text``: ShareGPT conversations (the 40K in the LLaVA-1.5 mix): log-normal median 700
-  tokens, sigma 0.8 (assumed), clipped to [16, 8192].
+  the LLaVA-1.5 mix665k sources (COCO, VG/GQA, TextVQA/OpenImages, OCR-VQA covers) at their
+  native sizes and common aspects, downscaled to ``max_image_side``; patches =
+  ``ceil(w / patch) * ceil(h / patch)`` (a partial patch at the border counts).
+- ``librispeech``: mel frames (100 per second) of LibriSpeech utterances: a mixture around
+  the corpus's mode and a tail of short ones, clipped.
+- ``spoken_qa``: AIR-Bench clips, log-normal, clipped to the benchmark's 30 s.
+- ``text``: ShareGPT conversations (the 40K in the LLaVA-1.5 mix), log-normal, clipped.
 - ``pareto``: heavy tail, 64 * (1 + Pareto(1.5)) tokens, capped at 32768.
 - ``uniform``: integers uniform in [1, 4096].
 """
@@ -27,9 +22,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-PATCH = 14
-MAX_IMAGE_SIDE = 448
-FRAMES_PER_S = 100
+from orchmllm.workload_facts import fact
+
+PATCH = int(fact("image.patch_px"))
+MAX_IMAGE_SIDE = int(fact("image.max_side_px"))
+FRAMES_PER_S = int(fact("audio.frames_per_s"))
 
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
@@ -37,13 +34,16 @@ Sampler = Callable[[np.random.Generator, int], np.ndarray]
 def _llava_image(
     rng: np.random.Generator, n: int, max_side: int = MAX_IMAGE_SIDE, patch: int = PATCH
 ) -> np.ndarray:
-    source = rng.choice(4, size=n, p=[0.55, 0.20, 0.15, 0.10])
-    long_side = np.array([640.0, 500.0, 1024.0, 0.0])[source]
-    covers = source == 3
-    long_side[covers] = np.clip(rng.lognormal(np.log(350.0), 0.25, covers.sum()), 150, 800)
-    aspect = np.array([4 / 3, 3 / 2, 16 / 9, 1.0, 3 / 4])[
-        rng.choice(5, size=n, p=[0.5, 0.15, 0.1, 0.1, 0.15])
-    ]
+    weights = fact("image.source_weights")
+    source = rng.choice(len(weights), size=n, p=list(weights))
+    long_side = np.array([*fact("image.long_side_px"), 0.0])[source]
+    covers = source == len(weights) - 1  # the last source: OCR-VQA covers, sized apart
+    cover = rng.lognormal(
+        np.log(fact("image.cover_median_px")), fact("image.cover_sigma"), covers.sum()
+    )
+    long_side[covers] = np.clip(cover, *fact("image.cover_clip_px"))
+    aspects, shares = fact("image.aspects"), fact("image.aspect_weights")
+    aspect = np.array(aspects)[rng.choice(len(aspects), size=n, p=list(shares))]
     wide = aspect >= 1
     width = np.where(wide, long_side, long_side * aspect)
     height = np.where(wide, long_side / aspect, long_side)
@@ -56,17 +56,20 @@ def _llava_image(
 
 
 def _librispeech(rng: np.random.Generator, n: int) -> np.ndarray:
-    seconds = np.where(rng.random(n) < 0.8, rng.normal(14.5, 2.5, n), rng.uniform(1.5, 10.0, n))
-    return np.round(np.clip(seconds, 1.0, 24.5) * FRAMES_PER_S).astype(np.int64)
+    main = rng.random(n) < fact("librispeech.main_share")
+    long = rng.normal(fact("librispeech.main_mean_s"), fact("librispeech.main_sd_s"), n)
+    seconds = np.where(main, long, rng.uniform(*fact("librispeech.short_s"), n))
+    return np.round(np.clip(seconds, *fact("librispeech.clip_s")) * FRAMES_PER_S).astype(np.int64)
 
 
 def _spoken_qa(rng: np.random.Generator, n: int) -> np.ndarray:
-    seconds = np.clip(rng.lognormal(np.log(12.0), 0.6, n), 2.0, 30.0)
-    return np.round(seconds * FRAMES_PER_S).astype(np.int64)
+    seconds = rng.lognormal(np.log(fact("spoken_qa.median_s")), fact("spoken_qa.sigma"), n)
+    return np.round(np.clip(seconds, *fact("spoken_qa.clip_s")) * FRAMES_PER_S).astype(np.int64)
 
 
 def _text(rng: np.random.Generator, n: int) -> np.ndarray:
-    return np.clip(np.round(rng.lognormal(np.log(700.0), 0.8, n)), 16, 8192).astype(np.int64)
+    tokens = rng.lognormal(np.log(fact("sharegpt.median_tokens")), fact("sharegpt.sigma"), n)
+    return np.clip(np.round(tokens), *fact("sharegpt.clip_tokens")).astype(np.int64)
 
 
 def _pareto(rng: np.random.Generator, n: int) -> np.ndarray:

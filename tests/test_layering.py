@@ -36,6 +36,7 @@ FLOORS = {
     "orchmllm.placement": 2,
     "orchmllm.plan": 2,
     "orchmllm.workloads": 2,
+    "orchmllm.workload_facts": 2,
     "orchmllm.recipe": 2,
     "orchmllm.step_plan": 2,
     "orchmllm.sim": 2.5,
