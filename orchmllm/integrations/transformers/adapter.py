@@ -130,12 +130,12 @@ class Adapter:
             items = self.split(source.kind, row)
             at = np.flatnonzero(ids == source.token_id)
             k = 0
-            for it in items:
+            for i, it in enumerate(items):
                 n = it.tokens if it.tokens is not None else _run_length(at[k:])
                 run = at[k : k + n]
                 if run.size != n or n == 0 or run[-1] - run[0] + 1 != n:
                     raise ValueError(
-                        f"a {source.kind} item's {n} placeholders (token {source.token_id}) are "
+                        f"{source.kind} item {i}'s {n} placeholders (token {source.token_id}) are "
                         f"not one run of input_ids at position {at[k] if k < at.size else 'end'}"
                     )
                 owner[run] = len(found)
