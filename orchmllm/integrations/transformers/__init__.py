@@ -14,8 +14,18 @@ A plain data-parallel script becomes balanced in a few lines::
 
 ``dataset`` holds the processor's rows (one example each: ``input_ids`` with placeholders,
 ``labels``, ``pixel_values``, ...), as a plain ``DataLoader`` would read them. The adapter is
-chosen by the model's class (:data:`ADAPTERS`); a family without one is added with an
-:class:`Adapter` subclass and :func:`register_adapter`.
+chosen by the model's class (:data:`ADAPTERS`). A family without one needs an :class:`Adapter`
+subclass (``tiles.LlavaAdapter`` is about 40 lines): ``sources`` (which placeholder token stands
+for which kind of item, in which phase), ``feature_dims``, ``split`` (a row's items: raw rows,
+record, tokens), ``encode`` (the tower on packed items, through the model's own feature
+functions) and ``dummy``; ``position_ids`` and ``language_kwargs`` where the language model
+needs more than restarting 1-D positions. Then ``register_adapter(YourModelClass,
+YourAdapter)``.
+
+Modules: :mod:`.adapter` (the base class, the registry, packed positions), :mod:`.balanced`
+(:func:`wrap`, :func:`shard`, :class:`BalancedModel`), :mod:`.qwen` and :mod:`.tiles` (the
+adapters), :mod:`.tiny` (tiny models and processor rows of every family, for tests and
+``examples/hf_mllm.py``).
 """
 
 from orchmllm.integrations.transformers import qwen, tiles

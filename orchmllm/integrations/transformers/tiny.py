@@ -158,8 +158,6 @@ class Piece:
 
     tokens: list[int]
     fields: dict[str, np.ndarray]
-    token_type: int = 0  # mm_token_type_ids of its placeholders (Qwen: image 1, video 2)
-    placeholder: int = -1
 
 
 def _size(rng: np.random.Generator, mean: float, hi: int) -> int:
@@ -188,8 +186,6 @@ def _qwen_vision(kind: str, family: str, rng: np.random.Generator) -> list[Piece
             Piece(
                 stamp + [VISION_START, *[token] * n, VISION_END],
                 fields if k == 0 else {},
-                token_type=1 if kind == "image" else 2,
-                placeholder=token,
             )
         )
     return pieces
@@ -200,7 +196,7 @@ def _omni_audio(rng: np.random.Generator) -> list[Piece]:
     tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1
     features = rng.standard_normal((1, N_MELS, frames)).astype(np.float32)
     fields = {"input_features": features, "feature_attention_mask": np.ones((1, frames), np.int64)}
-    return [Piece([AUDIO_START, *[AUDIO_TOKEN] * tokens, AUDIO_END], fields, 0, AUDIO_TOKEN)]
+    return [Piece([AUDIO_START, *[AUDIO_TOKEN] * tokens, AUDIO_END], fields)]
 
 
 def _tiles(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -209,13 +205,13 @@ def _tiles(n: int, rng: np.random.Generator) -> np.ndarray:
 
 def _llava_image(rng: np.random.Generator) -> list[Piece]:
     n = (SIDE // 2) ** 2
-    return [Piece([*[IMAGE_TOKEN] * n], {"pixel_values": _tiles(1, rng)}, 1, IMAGE_TOKEN)]
+    return [Piece([*[IMAGE_TOKEN] * n], {"pixel_values": _tiles(1, rng)})]
 
 
 def _internvl_image(rng: np.random.Generator) -> list[Piece]:
     tiles = _size(rng, 2, 6)
     tokens = [VISION_START, *[IMAGE_TOKEN] * (tiles * (SIDE // 4) ** 2), VISION_END]
-    return [Piece(tokens, {"pixel_values": _tiles(tiles, rng)}, 1, IMAGE_TOKEN)]
+    return [Piece(tokens, {"pixel_values": _tiles(tiles, rng)})]
 
 
 def _onevision(kind: str, model: torch.nn.Module, rng: np.random.Generator) -> list[Piece]:
@@ -225,7 +221,7 @@ def _onevision(kind: str, model: torch.nn.Module, rng: np.random.Generator) -> l
         frames = 2
         tokens = frames * math.ceil(SIDE / 4) ** 2 + 1
         fields = {"pixel_values_videos": _tiles(frames, rng)[None]}
-        return [Piece([VISION_START, *[VIDEO_TOKEN] * tokens, VISION_END], fields, 2, VIDEO_TOKEN)]
+        return [Piece([VISION_START, *[VIDEO_TOKEN] * tokens, VISION_END], fields)]
     size = [SIDE * _size(rng, 1.5, 3) + int(rng.integers(0, SIDE)) for _ in range(2)]
     config = model.config
     tiles = transformers.models.llava_onevision.modeling_llava_onevision.image_size_to_num_patches(
@@ -238,7 +234,7 @@ def _onevision(kind: str, model: torch.nn.Module, rng: np.random.Generator) -> l
     )
     fields = {"pixel_values": _tiles(tiles, rng)[None], "image_sizes": np.array([size])}
     tokens = [VISION_START, *[IMAGE_TOKEN] * packed[0].shape[0], VISION_END]
-    return [Piece(tokens, fields, 1, IMAGE_TOKEN)]
+    return [Piece(tokens, fields)]
 
 
 def _text(rng: np.random.Generator, n: int) -> list[int]:
