@@ -21,13 +21,21 @@ from orchmllm.balance import Assignment, InfeasibleCapError, balance
 from orchmllm.cost import CostModel
 from orchmllm.plan import Rearrangement
 from orchmllm.policies import POLICIES, PolicyInput, register_policy, unregister_policy
-from orchmllm.step_plan import EncoderPhase, StepOptions, StepPlan, local_metadata, plan_step
+from orchmllm.step_plan import (
+    EncoderPhase,
+    ItemField,
+    StepOptions,
+    StepPlan,
+    local_metadata,
+    plan_step,
+)
 
 _LAZY = {
     "BatchDispatcher": "orchmllm.dispatcher",
     "Orchestrator": "orchmllm.orchestrator",
     "LocalBatch": "orchmllm.orchestrator",
     "LLMBatch": "orchmllm.orchestrator",
+    "Encoded": "orchmllm.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
     "LoaderOptions": "orchmllm.data.options",
     "SamplingOptions": "orchmllm.data.options",
@@ -47,6 +55,7 @@ __all__ = [
     "PolicyInput",
     "Rearrangement",
     "EncoderPhase",
+    "ItemField",
     "StepOptions",
     "StepPlan",
     "balance",

@@ -16,12 +16,19 @@ orchestrator
 
 The orchestrator knows phases (a segment kind, a divisor from raw units to LLM tokens, a
 policy), not a model: encoders and the token embedding are callables of the caller.
+
+Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.step_plan.ItemField`:
+an image's grid, a video's seconds per frame) has each item carry a small record from the
+example (``item_meta``) to its encoder, moved with its rows; an encoder may return per-token
+values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack features), which
+move with its tokens to the LLM layout (:meth:`LLMBatch.token_values`). Nothing is padded onto
+the data rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +45,7 @@ from orchmllm.step_plan import (
     RAW,
     Assembly,
     EncoderPhase,
+    ItemField,
     StepOptions,
     StepPlan,
     local_metadata,
@@ -47,7 +55,7 @@ from orchmllm.step_plan import (
 from orchmllm.step_plan import assembly as rank_assembly
 from orchmllm.topology import Topology
 
-__all__ = ["LLMBatch", "LocalBatch", "Orchestrator"]
+__all__ = ["Encoded", "LLMBatch", "LocalBatch", "Orchestrator"]
 
 
 @dataclass
@@ -63,12 +71,16 @@ class LocalBatch:
             concatenated.
         input_ids: int64 ``[text tokens]``, every example's text tokens concatenated.
         loss_mask: int64 ``[text tokens]``, aligned with ``input_ids``.
+        item_meta: phase name -> field name -> ``[items, width]`` (int64 or float64), the
+            per-item records of a phase that declares ``fields``, items in the order of
+            ``raw`` (empty for phases without fields).
     """
 
     metadata: np.ndarray
     raw: dict[str, torch.Tensor]
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
+    item_meta: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def from_examples(
@@ -79,7 +91,10 @@ class LocalBatch:
         Args:
             examples: this rank's examples in local order (schema fields ``segments``,
                 ``input_ids``, ``loss_mask``, and each phase's ``key``: one
-                ``(raw count, feature_dim)`` array per segment of the phase's kind).
+                ``(raw count, feature_dim)`` array per segment of the phase's kind; an
+                example without items of a phase needs no field for it), and for a phase
+                with ``fields``, ``item_meta[phase][field]``: one row of ``width`` numbers per
+                item of the phase, in segment order.
             phases: the encoder phases, as the orchestrator has them.
 
         Returns:
@@ -88,13 +103,16 @@ class LocalBatch:
         Raises:
             ValueError: a bad segment table or ``loss_mask`` (:func:`local_metadata`), an
                 example whose ``input_ids`` count differs from its text segments, a phase
-                whose number of arrays differs from its segments, or an array whose shape is
-                not ``(raw count, feature_dim)``.
+                whose number of arrays differs from its segments, an array whose shape is
+                not ``(raw count, feature_dim)``, or a missing or misshapen ``item_meta``
+                field.
         """
         metadata = local_metadata(examples)
-        raw = {}
+        raw, item_meta = {}, {}
         for p in phases:
-            arrays = [np.asarray(a, dtype=np.float32) for ex in examples for a in ex[p.key]]
+            arrays = [
+                np.asarray(a, dtype=np.float32) for ex in examples for a in ex.get(p.key) or ()
+            ]
             counts = metadata[metadata[:, KIND] == p.kind, RAW]
             if len(arrays) != counts.size:
                 raise ValueError(f"{p.key}: {len(arrays)} arrays but {counts.size} segments")
@@ -105,6 +123,13 @@ class LocalBatch:
                     )
             flat = np.concatenate(arrays) if arrays else np.zeros((0, p.feature_dim), np.float32)
             raw[p.name] = torch.from_numpy(flat)
+            if p.fields:
+                items = np.bincount(
+                    metadata[metadata[:, KIND] == p.kind, EX], minlength=len(examples)
+                )
+                item_meta[p.name] = {
+                    f.name: _item_field(examples, items, p.name, f) for f in p.fields
+                }
 
         text = metadata[metadata[:, KIND] == TEXT]
         text_tokens = np.bincount(text[:, EX], weights=text[:, RAW], minlength=len(examples))
@@ -118,7 +143,7 @@ class LocalBatch:
                     )
             return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
-        return cls(metadata, raw, tokens("input_ids"), tokens("loss_mask"))
+        return cls(metadata, raw, tokens("input_ids"), tokens("loss_mask"), item_meta)
 
     def to(self, device: torch.device | str) -> LocalBatch:
         """The batch with its tensors on ``device`` (``metadata`` stays on the host).
@@ -130,7 +155,37 @@ class LocalBatch:
             A new :class:`LocalBatch`; this one is unchanged.
         """
         raw = {k: v.to(device) for k, v in self.raw.items()}
-        return LocalBatch(self.metadata, raw, self.input_ids.to(device), self.loss_mask.to(device))
+        meta = {
+            k: {f: v.to(device) for f, v in fields.items()} for k, fields in self.item_meta.items()
+        }
+        return LocalBatch(
+            self.metadata, raw, self.input_ids.to(device), self.loss_mask.to(device), meta
+        )
+
+
+def _item_field(
+    examples: Sequence[Mapping], items: np.ndarray, phase: str, spec: ItemField
+) -> torch.Tensor:
+    """One field of a phase's per-item records, every example's rows concatenated."""
+    parts = [np.zeros((0, spec.width), dtype=spec.dtype)]
+    for i, (ex, n) in enumerate(zip(examples, items.tolist(), strict=True)):
+        value = ((ex.get("item_meta") or {}).get(phase) or {}).get(spec.name)
+        if value is None and n:
+            raise ValueError(
+                f"examples[{i}] has {n} {phase} items but no item_meta[{phase!r}][{spec.name!r}]"
+            )
+        arr = np.asarray([] if value is None else value, dtype=spec.dtype)
+        if (
+            arr.size != n * spec.width
+            or arr.ndim > 2
+            or (arr.ndim == 2 and arr.shape[1] != spec.width)
+        ):
+            raise ValueError(
+                f"examples[{i}] item_meta[{phase!r}][{spec.name!r}] has shape {arr.shape}, "
+                f"expected ({n}, {spec.width}): one row per {phase} item"
+            )
+        parts.append(arr.reshape(n, spec.width))
+    return torch.from_numpy(np.concatenate(parts))
 
 
 @dataclass
@@ -157,6 +212,10 @@ class LLMBatch:
             order.
         index: int64 ``[sum(lengths)]``, the row of ``cat([text_embeds, *encoded])`` each
             position takes.
+        phases: the phase names of ``encoded``, in its order.
+        values: phase name -> the per-token values its encoder returned beside its embeddings
+            (:class:`Encoded`), name -> ``[rows, ...]`` aligned with its ``encoded`` rows; read
+            them in sequence layout with :meth:`token_values`.
     """
 
     input_ids: torch.Tensor
@@ -168,6 +227,8 @@ class LLMBatch:
     stats: dict[str, dict]
     encoded: list[torch.Tensor]
     index: torch.Tensor
+    phases: tuple[str, ...] = ()
+    values: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def assemble(self, text_embeds: torch.Tensor) -> torch.Tensor:
         """Interleave text embeddings and encoder outputs into the packed sequences.
@@ -192,8 +253,78 @@ class LLMBatch:
         pieces = [text_embeds, *(e.to(text_embeds.dtype) for e in self.encoded)]
         return torch.cat(pieces).index_select(0, self.index.to(text_embeds.device))
 
+    def token_values(self, name: str, fill: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
+        """The per-token values ``name`` at every position of the packed sequences.
 
-Encoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        Tokens of a phase whose encoder returned ``name`` take theirs; every other position
+        (text, other phases) takes ``fill``. Differentiable like :meth:`assemble`.
+
+        Args:
+            name: a key of the :class:`Encoded` values some encoder returned.
+            fill: the value of the other positions, broadcast to one token's value shape.
+
+        Returns:
+            ``[sum(lengths), ...]``, in the dtype and on the device of the encoders' values.
+
+        Raises:
+            ValueError: no phase returned ``name``.
+        """
+        like = next((v[name] for v in self.values.values() if name in v), None)
+        if like is None:
+            known = sorted({k for v in self.values.values() for k in v})
+            raise ValueError(f"no encoder returned token values {name!r}; they returned {known}")
+        shape = like.shape[1:]
+        filler = torch.as_tensor(fill, dtype=like.dtype, device=like.device).expand(shape)
+        pieces = [filler.expand(self.input_ids.shape[0], *shape)]
+        for phase, enc in zip(self.phases, self.encoded, strict=True):
+            mine = self.values.get(phase, {}).get(name)
+            pieces.append(filler.expand(enc.shape[0], *shape) if mine is None else mine)
+        return torch.cat(pieces).index_select(0, self.index.to(like.device))
+
+    def mask(self, *sources: str) -> torch.Tensor:
+        """Which positions of the packed sequences hold a token of ``sources``.
+
+        Args:
+            sources: phase names, or ``"text"`` for the text tokens.
+
+        Returns:
+            bool ``[sum(lengths)]``.
+
+        Raises:
+            ValueError: a source that is neither ``"text"`` nor a phase.
+        """
+        rows = {"text": self.input_ids.shape[0]}
+        rows.update((p, e.shape[0]) for p, e in zip(self.phases, self.encoded, strict=True))
+        unknown = [s for s in sources if s not in rows]
+        if unknown:
+            raise ValueError(f"sources {unknown} are not among {list(rows)}")
+        bounds = np.cumsum([0, *rows.values()])
+        keep = torch.zeros(int(bounds[-1]), dtype=torch.bool, device=self.index.device)
+        for k, source in enumerate(rows):
+            if source in sources:
+                keep[int(bounds[k]) : int(bounds[k + 1])] = True
+        return keep[self.index]
+
+
+@dataclass
+class Encoded:
+    """What an encoder returns when its tokens carry per-token values besides embeddings.
+
+    The values move with the tokens to the LLM layout (one all-to-all per dtype with the
+    embeddings) and are read there with :meth:`LLMBatch.token_values`: positions the LLM needs
+    (M-RoPE offsets), features it adds at later layers (DeepStack). Every rank's encoder must
+    return the same names, dtypes and trailing shapes, also with no items.
+
+    Attributes:
+        embeds: ``[tokens, hidden]``, as a plain encoder returns.
+        values: name -> ``[tokens, ...]``, one row per token of ``embeds``.
+    """
+
+    embeds: torch.Tensor
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+Encoder = Callable[..., "torch.Tensor | Encoded"]
 
 
 class Orchestrator:
@@ -313,7 +444,7 @@ class Orchestrator:
         return self.plan(*self.gather(batch.metadata))
 
     def _move(
-        self, plan: Rearrangement, tensors: list[torch.Tensor], sizes: np.ndarray
+        self, plan: Rearrangement, tensors: list[torch.Tensor], sizes: list[np.ndarray]
     ) -> list[torch.Tensor]:
         # Every rank holds the whole plan, so all skip a no-op move together.
         if np.array_equal(plan.src_rank, plan.dst_rank) and np.array_equal(
@@ -321,9 +452,7 @@ class Orchestrator:
         ):
             return tensors
         t = self.topology
-        return comm.move_many(
-            plan, tensors, [sizes] * len(tensors), group=t.group, timeout=t.timeout
-        )
+        return comm.move_many(plan, tensors, sizes, group=t.group, timeout=t.timeout)
 
     def _bytes(self, plan: Rearrangement, sizes: np.ndarray, row_bytes: int) -> tuple[int, int]:
         t = plan.traffic(sizes=sizes, ranks_per_node=self.ranks_per_node)
@@ -340,10 +469,15 @@ class Orchestrator:
         """Move, encode and assemble one step; ``plan`` from a prefetcher, or computed now.
 
         ``encoders[name](raw_rows, lengths)`` gets the phase's items in its balanced layout and
-        must return ``[sum(lengths // divisor), hidden]``. It is called on every rank, with
-        empty tensors where a rank has no items. ``stats[phase]["bytes_intra"/"bytes_inter"]``
-        are the forward bytes that leave their rank, summed over all ranks (raw inputs plus
-        encoder outputs for an encoder phase, token ids and loss mask for ``llm``).
+        must return ``[tokens, hidden]``: each item's tokens (its stated count, else
+        ``length // divisor``), items in order. A phase with ``fields`` calls
+        ``encoders[name](raw_rows, lengths, meta)``, ``meta`` the items' records (field name ->
+        ``[items, width]``). An encoder may return an :class:`Encoded` instead, whose per-token
+        values move with its tokens (:meth:`LLMBatch.token_values`). It is called on every
+        rank, with empty tensors where a rank has no items.
+        ``stats[phase]["bytes_intra"/"bytes_inter"]`` are the forward bytes that leave their
+        rank, summed over all ranks (raw inputs, item records and encoder outputs with their
+        values for an encoder phase, token ids and loss mask for ``llm``).
 
         A collective on the topology's data-parallel group (and, without ``plan``, on its
         metadata group): every rank calls this together. The moves are autograd-aware: the
@@ -354,7 +488,7 @@ class Orchestrator:
             batch: this rank's :class:`LocalBatch`, on the device the moves use.
             encoders: phase name -> its encoder, ``encoder(raw_rows, lengths)`` with
                 ``raw_rows`` ``[sum(lengths), feature_dim]`` and ``lengths`` int64 raw rows
-                per item.
+                per item (``encoder(raw_rows, lengths, meta)`` for a phase with ``fields``).
             plan: the step's plan made ahead for exactly this batch (e.g.
                 ``PlannedBatch.plan`` from :func:`~orchmllm.data.orchestrated.orchestrated_loader`);
                 None plans now (:meth:`plan_batch`).
@@ -390,31 +524,40 @@ class Orchestrator:
         else:
             _check_assembly_fits(assembly, plan, rank)
         stats = plan.stats()
-        encoded = []
+        encoded, values = [], {}
         for p in self.phases:
             pp = plan.phases[p.name]
-            (x,) = self._move(pp.encoder, [batch.raw[p.name]], pp.raw)
+            meta = batch.item_meta.get(p.name, {})
+            if sorted(meta) != sorted(f.name for f in p.fields):
+                raise ValueError(
+                    f"batch.item_meta[{p.name!r}] has fields {sorted(meta)}, the phase declares "
+                    f"{[f.name for f in p.fields]}: build the batch with these phases"
+                )
+            ones = np.ones(pp.raw.size, dtype=np.int64)
+            x, *moved = self._move(
+                pp.encoder, [batch.raw[p.name], *meta.values()], [pp.raw] + [ones] * len(meta)
+            )
             mine = pp.encoder.items_at(rank)
             lengths = torch.as_tensor(pp.raw[mine], dtype=torch.long, device=x.device)
-            out = encoders[p.name](x, lengths)
-            expected = int(pp.encoded[mine].sum())
-            if out.dim() != 2 or out.shape[0] != expected:
-                raise ValueError(
-                    f"encoders[{p.name!r}] returned shape {tuple(out.shape)}, expected "
-                    f"({expected}, hidden) for raw lengths {pp.raw[mine].tolist()}"
-                )
-            (y,) = self._move(pp.to_llm, [out], pp.encoded)
+            args = (x, lengths, dict(zip(meta, moved, strict=True))) if p.fields else (x, lengths)
+            out = encoders[p.name](*args)
+            out = out if isinstance(out, Encoded) else Encoded(out)
+            _check_encoded(p.name, out, int(pp.encoded[mine].sum()), pp.raw[mine])
+            names = list(out.values)
+            y, *token_values = self._move(
+                pp.to_llm, [out.embeds, *out.values.values()], [pp.encoded] * (1 + len(names))
+            )
             encoded.append(y)
-            raw_b = self._bytes(pp.encoder, pp.raw, x.shape[1] * x.element_size())
-            out_b = self._bytes(pp.to_llm, pp.encoded, out.shape[1] * out.element_size())
-            stats[p.name]["bytes_intra"] = raw_b[0] + out_b[0]
-            stats[p.name]["bytes_inter"] = raw_b[1] + out_b[1]
-        ids, mask = self._move(plan.llm, [batch.input_ids, batch.loss_mask], plan.text_len)
-        intra, inter = self._bytes(
-            plan.llm, plan.text_len, ids.element_size() + mask.element_size()
-        )
+            values[p.name] = dict(zip(names, token_values, strict=True))
+            raw_b = self._bytes(pp.encoder, pp.raw, _row_bytes([x]))
+            item_b = self._bytes(pp.encoder, ones, _row_bytes(moved))
+            out_b = self._bytes(pp.to_llm, pp.encoded, _row_bytes([out.embeds, *token_values]))
+            stats[p.name]["bytes_intra"] = raw_b[0] + item_b[0] + out_b[0]
+            stats[p.name]["bytes_inter"] = raw_b[1] + item_b[1] + out_b[1]
+        ids, mask = self._move(plan.llm, [batch.input_ids, batch.loss_mask], [plan.text_len] * 2)
+        intra, inter = self._bytes(plan.llm, plan.text_len, _row_bytes([ids, mask]))
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter
-        return self._llm_batch(plan, assembly, ids, mask, encoded, stats)
+        return self._llm_batch(plan, assembly, ids, mask, encoded, stats, values)
 
     @staticmethod
     def _llm_batch(
@@ -424,6 +567,7 @@ class Orchestrator:
         mask: torch.Tensor,
         encoded: list[torch.Tensor],
         stats: dict,
+        values: dict[str, dict[str, torch.Tensor]],
     ) -> LLMBatch:
         device = ids.device
         total = int(layout.lengths.sum())
@@ -443,7 +587,29 @@ class Orchestrator:
             stats=stats,
             encoded=encoded,
             index=torch.from_numpy(layout.index).to(device),
+            phases=tuple(values),
+            values={k: v for k, v in values.items() if v},
         )
+
+
+def _row_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of one row of each tensor, together (what one item or token carries)."""
+    return sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size() for t in tensors)
+
+
+def _check_encoded(name: str, out: Encoded, expected: int, raw: np.ndarray) -> None:
+    """An encoder's output must have one row per token its items become, values too."""
+    if out.embeds.dim() != 2 or out.embeds.shape[0] != expected:
+        raise ValueError(
+            f"encoders[{name!r}] returned shape {tuple(out.embeds.shape)}, expected "
+            f"({expected}, hidden) for raw lengths {raw.tolist()}"
+        )
+    for key, value in out.values.items():
+        if value.dim() < 1 or value.shape[0] != expected:
+            raise ValueError(
+                f"encoders[{name!r}] returned values {key!r} of shape {tuple(value.shape)}, "
+                f"expected {expected} rows (one per token)"
+            )
 
 
 def _with_ranks_per_node(options: StepOptions, ranks_per_node: int | None) -> StepOptions:

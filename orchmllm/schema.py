@@ -4,7 +4,9 @@ One example is one HF ``datasets`` row (and the dict a loader yields per example
 
 - ``id`` int64; ``task`` str (optional; the synthetic recipe's task name)
 - ``segments``: ``[kind, count]`` pairs in interleaving order; kind :data:`TEXT` (count = text
-  tokens) or a modality's kind (count = its raw rows: image patches, mel frames, ...)
+  tokens) or a modality's kind (count = its raw rows: image patches, mel frames, ...). An item
+  whose LLM token count is not its raw rows over its rate (a Hugging Face model's tiles, clips
+  or packed image features) says it: ``[kind, count, tokens]``
 - ``input_ids``: every text segment's tokens concatenated in order; ``loss_mask``: 1 per text
   token that is a prediction target
 - one field per modality that the example holds (the row's ``key``: ``image_patches``,
@@ -291,8 +293,8 @@ class ExampleMeta:
         text_len: text tokens, all text segments together.
         raw: modality name -> raw rows of each of its items, in segment order (every row of
             the table, empty where the example has none).
-        encoded: modality name -> LLM tokens of each of its items
-            (``EncodingRates.encoded``), in order.
+        encoded: modality name -> LLM tokens of each of its items (its stated ``tokens``,
+            else ``EncodingRates.encoded``), in order.
         seq_len: length of the whole interleaved sequence the LLM sees: ``text_len`` plus
             every encoded item.
     """
@@ -308,35 +310,65 @@ def check_segments(segments: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     out = []
     known = kinds()
     for seg in segments:
-        if len(seg) != 2:
-            raise ValueError(f"segments entries must be [kind, count], got {list(seg)!r}")
+        if len(seg) not in (2, 3) or (len(seg) == 3 and int(seg[0]) == TEXT):
+            raise ValueError(
+                f"segments entries must be [kind, count] or, for an item, [kind, count, tokens], "
+                f"got {list(seg)!r}"
+            )
         kind, count = int(seg[0]), int(seg[1])
         if kind not in known:
             raise ValueError(f"segments kind must be one of {known}, got {kind}")
         if count < 1:
             raise ValueError(f"segments count must be >= 1, got {count} (kind {kind})")
+        if len(seg) == 3 and int(seg[2]) < 1:
+            raise ValueError(f"segments tokens must be >= 1, got {int(seg[2])} (kind {kind})")
         out.append((kind, count))
     return out
+
+
+def given_tokens(segments: Sequence[Sequence[int]]) -> list[int]:
+    """The LLM token count each segment states (an item's third entry), -1 where it states
+    none (text, and items whose rate decides: ``EncodingRates.encoded``).
+
+    Raises:
+        ValueError: a bad segment (:func:`check_segments`).
+    """
+    check_segments(segments)
+    return [int(seg[2]) if len(seg) == 3 else -1 for seg in segments]
+
+
+def segment_tokens(segments: Sequence[Sequence[int]], rates: EncodingRates) -> list[int]:
+    """LLM tokens of every segment: the text count, an item's stated tokens, or its raw count
+    over its rate.
+
+    Raises:
+        ValueError: a bad segment (:func:`check_segments`).
+    """
+    segs, given = check_segments(segments), given_tokens(segments)
+    return [g if g >= 0 else rates.encoded(k, c) for (k, c), g in zip(segs, given, strict=True)]
 
 
 def example_metadata(segments: Sequence[Sequence[int]], rates: EncodingRates) -> ExampleMeta:
     """Lengths per modality and the LLM sequence length of one example (pure).
 
     Args:
-        segments: the example's ``[kind, count]`` pairs (schema field ``segments``).
-        rates: how raw counts become LLM tokens.
+        segments: the example's ``[kind, count]`` pairs, or ``[kind, count, tokens]`` for an
+            item stating its LLM tokens (schema field ``segments``).
+        rates: how raw counts become LLM tokens where an item states none.
 
     Returns:
         The example's :class:`ExampleMeta`.
 
     Raises:
-        ValueError: a segment that is not a ``[kind, count]`` pair, has an unknown kind, or a
-            count below 1.
+        ValueError: a segment that is neither a ``[kind, count]`` pair nor an item's
+            ``[kind, count, tokens]``, has an unknown kind, or a count or tokens below 1.
     """
     segs = check_segments(segments)
+    tokens = segment_tokens(segments, rates)
     raw = {m.name: tuple(c for k, c in segs if k == m.kind) for m in MODALITIES.values()}
     encoded = {
-        m.name: tuple(rates.encoded(m.kind, c) for c in raw[m.name]) for m in MODALITIES.values()
+        m.name: tuple(t for (k, _), t in zip(segs, tokens, strict=True) if k == m.kind)
+        for m in MODALITIES.values()
     }
     text = sum(c for k, c in segs if k == TEXT)
     return ExampleMeta(
@@ -367,7 +399,8 @@ def validate_example(
         ValueError: bad ``segments``; a ``task`` that is not a string; ``input_ids`` /
             ``loss_mask`` whose length is not the text segments' total; a modality's arrays
             whose number, shape or width does not match ``segments`` (or a missing field
-            where segments of its kind exist); a count not divisible by its rate.
+            where segments of its kind exist); a count not divisible by its rate (an item
+            that states its tokens is not held to its rate).
     """
     segs = check_segments(example["segments"])
     if "task" in example and not isinstance(example["task"], str):
@@ -379,19 +412,20 @@ def validate_example(
             f"{len(example['input_ids'])}/{len(example['loss_mask'])}"
         )
     widths = dict(feature_dims or {})
+    given = given_tokens(example["segments"])
     for m in MODALITIES.values():
-        counts = [c for k, c in segs if k == m.kind]
+        counts = [(c, g) for (k, c), g in zip(segs, given, strict=True) if k == m.kind]
         if m.key not in example and not counts:
             continue
         arrays = list(example.get(m.key) or [])
         if len(arrays) != len(counts):
             raise ValueError(f"{m.key} has {len(arrays)} items, segments say {len(counts)}")
         width = widths.get(m.name)
-        for arr, count in zip(arrays, counts, strict=True):
+        for arr, (count, stated) in zip(arrays, counts, strict=True):
             arr = np.asarray(arr)
             if arr.ndim != 2 or arr.shape[0] != count or width not in (None, arr.shape[1]):
                 raise ValueError(f"{m.key} item shape {arr.shape} does not match count {count}")
-            if count % rates.divisor(m.kind):
+            if stated < 0 and count % rates.divisor(m.kind):
                 raise ValueError(
                     f"{m.key} count {count} is not divisible by {rates.divisor(m.kind)} "
                     "(encoded-length rule)"

@@ -2,10 +2,10 @@
 
 One function, :func:`plan_step`, plans a whole multimodal step from the segment table every rank
 gathered (:func:`local_metadata`: one int64 row per segment: example, kind, raw count,
-prediction targets). It is torch-free and a pure function of its inputs, so the orchestrator
-(on the critical path or in the loader's background thread) and the cluster simulator
-(``orchmllm.sim``) run the same planner; only a time-limited ILP placement is not pure, and
-the comm floor computes that plan on one rank and broadcasts it.
+prediction targets, the LLM tokens an item states). It is torch-free and a pure function of its
+inputs, so the orchestrator (on the critical path or in the loader's background thread) and the
+cluster simulator (``orchmllm.sim``) run the same planner; only a time-limited ILP placement is
+not pure, and the comm floor computes that plan on one rank and broadcasts it.
 
 Per step:
 
@@ -14,7 +14,7 @@ Per step:
   Whisper-style stride-2 convolution: the unit its cost model is measured in), with its own
   policy;
 - the LLM phase balances whole examples by their interleaved sequence length (text tokens plus
-  ``raw // divisor`` tokens per encoded item);
+  each encoded item's tokens: the count it states, else ``raw // divisor``);
 - with a placement method (``placement != "none"`` and ``ranks_per_node`` set) each phase's
   balanced batches are then permuted over the ranks to keep the *bytes that the phase's move
   carries* inside nodes: raw rows for an encoder phase; for the LLM phase each example's text
@@ -41,12 +41,20 @@ from orchmllm.cost import CostModel, imbalance
 from orchmllm.placement import place_batches
 from orchmllm.plan import Rearrangement, expand_rows
 from orchmllm.policies import PADDED_POLICIES, POLICIES, default_cost
-from orchmllm.schema import MODALITIES, TEXT, EncodingRates, check_segments, is_integer
+from orchmllm.schema import (
+    MODALITIES,
+    TEXT,
+    EncodingRates,
+    check_segments,
+    given_tokens,
+    is_integer,
+)
 
 __all__ = [
     "MODES",
     "Assembly",
     "EncoderPhase",
+    "ItemField",
     "PhasePlan",
     "StepOptions",
     "StepPlan",
@@ -57,14 +65,49 @@ __all__ = [
 ]
 
 MODES = ("none", "llm", "full")
-# Columns of the gathered metadata: one row per segment.
-EX, KIND, RAW, TARGETS = range(4)
+# Columns of the gathered metadata: one row per segment. TOKENS is an item's stated LLM token
+# count (-1: ``raw // divisor``); rows of four columns (without it) plan too.
+EX, KIND, RAW, TARGETS, TOKENS = range(5)
+COLUMNS = 5
+ITEM_DTYPES = ("int64", "float64")
 # Steps with at least this many segments plan their phases in threads side by side. Below it
 # (a few hundred ranks) starting the threads costs about as much as it saves; at 16,384 ranks
 # it saves about a tenth of the step plan on 2 cores (placement_bench's whole-step case).
 PARALLEL_MIN_SEGMENTS = 8192
 # Placement volumes are rounded up to KiB, so the ILP's coefficients stay small.
 PLACEMENT_UNIT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class ItemField:
+    """One field of the small per-item record an encoder phase's items carry to its encoder.
+
+    The record travels with its item to the encoder layout (``Orchestrator.run`` moves it with
+    the raw rows and passes it to the encoder), so what an encoder needs besides the rows (an
+    image's patch grid, a video's seconds per frame, a clip's sample rate) never becomes
+    padding columns on the rows. The plan does not read it.
+
+    Attributes:
+        name: the field's key in an example's ``item_meta[phase]`` and in the encoder's
+            ``meta`` argument.
+        width: numbers per item (an image grid ``(t, h, w)``: 3).
+        dtype: ``"int64"`` or ``"float64"``.
+
+    Raises:
+        ValueError: an empty name, a width that is not an integer >= 1, or another dtype.
+    """
+
+    name: str
+    width: int = 1
+    dtype: str = "int64"
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        if not is_integer(self.width) or self.width < 1:
+            raise ValueError(f"width must be an integer >= 1, got {self.width!r}")
+        if self.dtype not in ITEM_DTYPES:
+            raise ValueError(f"dtype must be one of {ITEM_DTYPES}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +120,8 @@ class EncoderPhase:
         kind: the non-text segment kind (``orchmllm.schema``) whose segments it consumes.
         key: the example field holding the raw arrays (``image_patches``), one
             ``(raw, feature_dim)`` array per segment of this kind.
-        divisor: raw rows per LLM token (a multiple of ``stride``).
+        divisor: raw rows per LLM token (a multiple of ``stride``), for items that state no
+            token count of their own (``[kind, count, tokens]`` segments do).
         feature_dim: raw row width.
         policy: the balancing policy, a name from ``orchmllm.POLICIES``.
         cost: the phase's cost model; the policy optimises it when it is of the policy's kind
@@ -88,12 +132,16 @@ class EncoderPhase:
             ``raw // stride``: what the policy balances and ``cost`` is measured over).
         value_bytes: the bytes of one raw value; the move's volume per raw row is
             :attr:`row_bytes` (it weighs placement only).
+        fields: the per-item record its items carry to the encoder (:class:`ItemField`;
+            none: the encoder is called as ``encoder(rows, lengths)``, else as
+            ``encoder(rows, lengths, meta)``, see ``Orchestrator.run``).
 
     Raises:
         ValueError: ``kind`` is the text kind or not a non-negative integer; ``divisor``,
             ``feature_dim``, ``stride`` or ``value_bytes`` is not an integer >= 1;
             ``divisor`` is not a multiple of ``stride``; ``policy`` is not in
-            ``orchmllm.POLICIES``; ``name`` is ``"llm"``.
+            ``orchmllm.POLICIES``; ``name`` is ``"llm"``; ``fields`` holds another type or
+            two fields of one name.
     """
 
     name: str
@@ -105,8 +153,14 @@ class EncoderPhase:
     cost: CostModel | None = None
     stride: int = 1
     value_bytes: int = 4
+    fields: tuple[ItemField, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", tuple(self.fields))
+        if not all(isinstance(f, ItemField) for f in self.fields):
+            raise ValueError(f"fields must hold ItemField entries, got {self.fields!r}")
+        if len({f.name for f in self.fields}) != len(self.fields):
+            raise ValueError(f"fields must have distinct names, got {self.fields!r}")
         if self.kind == TEXT or not is_integer(self.kind) or self.kind < 0:
             raise ValueError(f"kind must be a non-text segment kind, got {self.kind!r}")
         for name in ("divisor", "feature_dim", "stride", "value_bytes"):
@@ -220,9 +274,10 @@ def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
             token).
 
     Returns:
-        An int64 array ``(segments, 4)``, segments in example order: local example index,
+        An int64 array ``(segments, 5)``, segments in example order: local example index,
         kind, raw count, prediction targets in the segment (text tokens with loss_mask 1,
-        except position 0 of the sequence, which nothing predicts; 0 for other kinds).
+        except position 0 of the sequence, which nothing predicts; 0 for other kinds), and
+        the LLM tokens an item states (``[kind, count, tokens]``; -1 elsewhere).
 
     Raises:
         ValueError: a bad ``segments`` entry, an example with no segments, or a ``loss_mask``
@@ -246,23 +301,24 @@ def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
                 f"examples[{i}] loss_mask has {mask.size} tokens, segments say {n_text}"
             )
         pos = text = 0
-        for kind, count in segs:
+        for (kind, count), tokens in zip(segs, given_tokens(ex["segments"]), strict=True):
             targets = 0
             if kind == TEXT:
                 seg_mask = mask[text : text + count]
                 targets = int(seg_mask.sum()) - int(pos == 0 and seg_mask[0] != 0)
                 text += count
-            rows.append((i, kind, count, targets))
+            rows.append((i, kind, count, targets, tokens))
             pos += count
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, COLUMNS)
 
 
 def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndarray:
-    """LLM tokens of every segment of :func:`local_metadata` rows: the text count, or the raw
-    count over the phase's divisor.
+    """LLM tokens of every segment of :func:`local_metadata` rows: the text count, an item's
+    stated tokens, or its raw count over the phase's divisor.
 
     Args:
-        rows: ``int64 (segments, 4)`` metadata rows, of one rank or gathered.
+        rows: ``int64 (segments, 5)`` metadata rows (or 4 columns: no item states its
+            tokens), of one rank or gathered.
         phases: the encoder phases; a kind with no phase counts like text.
 
     Returns:
@@ -273,6 +329,9 @@ def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndar
         if p.divisor > 1:  # integer division only where it changes something
             of_phase = rows[:, KIND] == p.kind
             lengths[of_phase] //= p.divisor
+    if rows.shape[1] > TOKENS:
+        stated = rows[:, TOKENS] >= 0
+        lengths[stated] = rows[stated, TOKENS]
     return lengths
 
 
@@ -312,8 +371,8 @@ class StepPlan:
         seq_len: ``(examples,)`` whole interleaved LLM sequence length per example.
         seg_example: ``(segments,)`` global example id, segments in example order.
         seg_kind: ``(segments,)`` segment kind.
-        seg_len: ``(segments,)`` LLM tokens of the segment (text count or encoded length,
-            ``raw // divisor``).
+        seg_len: ``(segments,)`` LLM tokens of the segment (text count, an item's stated
+            tokens, else ``raw // divisor``).
         seg_item: ``(segments,)`` item id within its phase (-1 for text).
         seg_text_offset: ``(segments,)`` offset of a text segment within its example's text
             (0 for other kinds).
@@ -480,19 +539,17 @@ def _encoder_phase(
 
 def _phase_plan(
     phase: EncoderPhase, sel: np.ndarray, encoder: Rearrangement, stats: dict, *,
-    rows: np.ndarray, seg_example: np.ndarray, llm_dst: np.ndarray,
+    rows: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray, llm_dst: np.ndarray,
 ) -> PhasePlan:  # fmt: skip
     """A phase's plan once the LLM layout is known: its outputs go where their examples go."""
-    item_ex, raw = seg_example[sel], rows[sel, RAW]
+    item_ex, raw, encoded = seg_example[sel], rows[sel, RAW], seg_len[sel]
     lifted = Rearrangement.from_assignment(
         encoder.src_rank, llm_dst[item_ex], num_ranks=encoder.num_ranks
     )
     t0 = time.perf_counter()
     to_llm = lifted.compose(encoder.inverse())
     stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
-    return PhasePlan(
-        phase.name, phase.kind, item_ex, raw, raw // phase.divisor, encoder, to_llm, stats
-    )
+    return PhasePlan(phase.name, phase.kind, item_ex, raw, encoded, encoder, to_llm, stats)
 
 
 def plan_step(
@@ -506,7 +563,8 @@ def plan_step(
     :data:`PARALLEL_MIN_SEGMENTS` segments plans its phases in threads, to the same plan.
 
     Args:
-        rows: every rank's :func:`local_metadata` rows in rank order, int64 ``(n, 4)``.
+        rows: every rank's :func:`local_metadata` rows in rank order, int64 ``(n, 5)`` (or
+            ``(n, 4)``: no item states its tokens).
         src: the rank of each row, non-decreasing (``rows``/``src`` are what
             ``orchmllm.comm.all_gather_rows`` returns).
         options: how to plan (:class:`StepOptions`).
@@ -526,7 +584,11 @@ def plan_step(
         raise ValueError(f"options must be a StepOptions, got {type(options).__name__}")
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        rows = rows.reshape(0, COLUMNS)
+    if rows.ndim != 2 or rows.shape[1] not in (TOKENS, COLUMNS):
+        raise ValueError(f"rows must be (n, {TOKENS}) or (n, {COLUMNS}), got shape {rows.shape}")
     src = np.asarray(src, dtype=np.int64).reshape(-1)
     if src.size != rows.shape[0]:
         raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
@@ -604,7 +666,9 @@ def plan_step(
     )  # fmt: skip
 
     # The LLM move and each phase's move to the LLM layout, side by side again.
-    to_llm = partial(_phase_plan, rows=rows, seg_example=seg_example, llm_dst=llm_dst)
+    to_llm = partial(
+        _phase_plan, rows=rows, seg_example=seg_example, seg_len=seg_len, llm_dst=llm_dst
+    )
     jobs = {p.name: partial(to_llm, p, *items[p.name]) for p in phases}
     jobs["llm"] = partial(Rearrangement.from_assignment, example_src, llm_dst, num_ranks=num_ranks)
     phase_plans = _side_by_side(jobs, parallel=parallel)

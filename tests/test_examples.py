@@ -2,10 +2,10 @@
 
 Each example's ``main(argv)`` runs on 2 gloo processes (orchmllm.testing, with timeouts),
 float64, balanced and with ``--balance none`` (the plain pipeline; for the multimodal model the
-HF model's own forward), in one session per example: the per-step losses agree to 1e-5 and the
-balanced runs' ranks are closer to equal. Single-process checks pin the two pieces the
-multimodal split adds: the packed M-RoPE positions equal the model's ``get_rope_index``, and a
-rank without items of a phase still runs that tower's forward and backward.
+HF model's own forward), in one session per group of examples: the per-step losses agree to
+1e-5 and the balanced runs' ranks are closer to equal. ``hf_mllm.py`` runs every adapted
+family (``orchmllm.integrations.transformers``); tests/test_integrations_transformers.py pins
+its pieces in one process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-import torch
 
 from orchmllm.testing import run_distributed
 
@@ -80,106 +79,92 @@ def test_causal_lm_per_rank_mean_breaks_invariance(causal_lm):
     assert _max_loss_diff(causal_lm["none/local"], causal_lm["greedy/local"]) > 10 * TOL
 
 
-@pytest.fixture(scope="module")
-def mllm() -> dict[str, list[dict]]:
+def _mllm_runs(models: list[str], extra: dict[str, list[str]] | None = None) -> dict:
+    """Every model plain (``none``) and balanced (``full``, ``llm``), 4 steps each."""
     data = ["--examples", "48", "--batch-size", "6"]
     runs = {
         f"{model}/{balance}": [*data, "--model", model, "--balance", balance]
-        for model in ("qwen2-vl", "qwen2.5-omni")
-        for balance in ("none", "full")
+        for model in models
+        for balance in ("none", "full", "llm")
     }
-    per_rank = run_distributed(_runs_worker, 2, "hf_mllm", runs, timeout=180)
+    for key, argv in (extra or {}).items():
+        runs.update({f"{key}/{b}": [*data, *argv, "--balance", b] for b in ("none", "full")})
+    per_rank = run_distributed(_runs_worker, 2, "hf_mllm", runs, timeout=240)
     assert per_rank[0] == per_rank[1]
     return per_rank[0]
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("model", ["qwen2-vl", "qwen2.5-omni"])
-def test_mllm_orchestrated_equals_hf_forward(mllm, model):
-    """The orchestrated split (towers as encoder phases, packed LLM with rebuilt M-RoPE) trains
-    exactly as the HF model's own forward on the plain pipeline's padded batches."""
-    plain, balanced = mllm[f"{model}/none"], mllm[f"{model}/full"]
+QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni"]
+TILES = ["llava", "llava-onevision", "internvl"]
+# Omni on datasets holding one modality or none: the adapter's defaults, nothing else.
+SUBSETS = {
+    f"omni-{m}": ["--model", "qwen2.5-omni", "--modalities", m] for m in ("text", "image", "audio")
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_runs() -> dict[str, list[dict]]:
+    return _mllm_runs(QWEN)
+
+
+@pytest.fixture(scope="module")
+def tile_runs() -> dict[str, list[dict]]:
+    return _mllm_runs(TILES, SUBSETS)
+
+
+def _imbalance(records: list[dict], phase: str) -> float:
+    return float(np.mean([r["imbalance"][phase] for r in records]))
+
+
+def _check_adapter(runs: dict[str, list[dict]], model: str) -> None:
+    plain = runs[f"{model}/none"]
     assert len(plain) == 4
-    assert _max_loss_diff(plain, balanced) < TOL
+    for balance in ("full", "llm"):
+        balanced = runs[f"{model}/{balance}"]
+        assert _max_loss_diff(plain, balanced) < TOL, balance
+        for phase in plain[0]["loads"]:  # the same global work, spread differently
+            assert [sum(r["loads"][phase]) for r in plain] == [
+                sum(r["loads"][phase]) for r in balanced
+            ]
+    full, llm = runs[f"{model}/full"], runs[f"{model}/llm"]
+    diffs = {b: _max_loss_diff(plain, runs[f"{model}/{b}"]) for b in ("full", "llm")}
+    print(f"{model}: max |loss - plain| full {diffs['full']:.1e} llm {diffs['llm']:.1e}")
     for phase in plain[0]["loads"]:
-        assert [sum(r["loads"][phase]) for r in plain] == [sum(r["loads"][phase]) for r in balanced]
-        before = np.mean([r["imbalance"][phase] for r in plain])
-        after = np.mean([r["imbalance"][phase] for r in balanced])
-        print(f"{model} {phase}: mean imbalance {before:.3f} -> {after:.3f}")
-        assert before > after
-
-
-def _rope_columns(mod: ModuleType, example: dict) -> torch.Tensor:
-    """The (dt, dh, dw, extent) columns of one example's LLM sequence, as the orchestrated
-    step assembles them (-1 for text; the encoders' offsets for their tokens)."""
-    images, clips = iter(example["image_patches"]), iter(example["audio_mels"])
-    rows = []
-    for kind, count in example["segments"]:
-        if kind == mod.TEXT:
-            rows.append(torch.full((count, mod.ROPE), -1))
-        elif kind == mod.IMAGE:
-            grid = torch.from_numpy(next(images)[:1, mod.PATCH :]).long()
-            rows.append(mod.image_rope(grid))
-        else:
-            assert len(next(clips)) == count
-            rows.append(mod.audio_rope(torch.tensor([count // mod.AUDIO_STRIDE])))
-    return torch.cat(rows)
-
-
-@pytest.mark.parametrize("model", ["qwen2-vl", "qwen2.5-omni"])
-def test_mllm_packed_positions_are_hf_rope_index(model):
-    """The M-RoPE positions rebuilt from the columns the encoders append, over packed
-    sequences, are the model's own ``get_rope_index`` on the padded batch."""
-    mod = _example("hf_mllm")
-    hf = mod.build_model(model, seed=0, dtype=torch.float32, device=torch.device("cpu"))
-    examples = mod.make_dataset(5, audio=model == "qwen2.5-omni", seed=3)
-    inputs = mod.hf_inputs(examples)
-    mask = inputs["attention_mask"]
-    if model == "qwen2-vl":
-        expected, _ = hf.model.get_rope_index(
-            inputs["input_ids"],
-            mm_token_type_ids=(inputs["input_ids"] == mod.IMAGE_TOKEN).int(),
-            image_grid_thw=inputs["image_grid_thw"],
-            attention_mask=mask,
+        before, after = _imbalance(plain, phase), _imbalance(full, phase)
+        print(
+            f"  {phase}: mean imbalance {before:.3f} -> {after:.3f} (llm only: "
+            f"{_imbalance(llm, phase):.3f})"
         )
-    else:
-        expected, _ = hf.model.get_rope_index(
-            inputs["input_ids"],
-            image_grid_thw=inputs["image_grid_thw"],
-            attention_mask=mask,
-            audio_seqlens=inputs["feature_attention_mask"].sum(-1),
-        )
-    rope = torch.cat([_rope_columns(mod, ex) for ex in examples])
-    got = mod.mrope_position_ids(rope, mask.sum(1))
-    assert torch.equal(got[1:, 0], expected[:, mask.bool()])
-    lengths = mask.sum(1).tolist()
-    assert torch.equal(got[0, 0], torch.cat([torch.arange(n) for n in lengths]))
+        assert after < before, phase
+    assert _imbalance(llm, "llm") < _imbalance(plain, "llm")
 
 
-def test_mllm_encoders_run_without_items():
-    """A rank with no item of a phase still calls its tower (FSDP2 needs the call) and returns
-    no row, connected to the graph: the backward reaches every parameter that a real item's
-    backward reaches (Qwen2.5-Omni's audio tower has one its forward never uses)."""
-    mod = _example("hf_mllm")
-    hf = mod.build_model("qwen2.5-omni", seed=0, dtype=torch.float64, device=torch.device("cpu"))
-    loads: dict[str, float] = {}
-    encoders = mod.encoders(hf, loads)
-    example = mod.make_dataset(1, audio=True, seed=0)[0]
-    towers = {"vision": hf.model.visual, "audio": hf.model.audio_tower}
-    items = {"vision": example["image_patches"], "audio": example["audio_mels"]}
+@pytest.mark.integration
+@pytest.mark.parametrize("model", QWEN)
+def test_qwen_adapters_train_as_the_models_own_forward(qwen_runs, model):
+    """Balanced (towers as phases, packed language model with M-RoPE rebuilt from the tokens'
+    offsets) trains exactly as the model's own forward on a plain DataLoader, in float64 over
+    4 steps of AdamW, and every phase's ranks come closer to equal. Qwen2.5-Omni's dataset
+    mixes images, videos and audio."""
+    _check_adapter(qwen_runs, model)
 
-    def reached(name: str, x: torch.Tensor, lengths: torch.Tensor) -> set[str]:
-        hf.zero_grad(set_to_none=True)
-        out = encoders[name](x, lengths)
-        assert out.shape[1] == mod.HIDDEN + mod.ROPE and out.requires_grad
-        out.sum().backward()
-        return {n for n, p in towers[name].named_parameters() if p.grad is not None}
 
-    for name, arrays in items.items():
-        x = torch.from_numpy(np.concatenate(arrays)).double()
-        lengths = torch.tensor([len(a) for a in arrays])
-        with_items = reached(name, x, lengths)
-        assert loads[name] == float(lengths.sum())
-        without = reached(name, x[:0], lengths[:0])
-        assert loads[name] == 0.0
-        assert without == with_items and len(with_items) > 0
+@pytest.mark.integration
+@pytest.mark.parametrize("model", TILES)
+def test_tile_adapters_train_as_the_models_own_forward(tile_runs, model):
+    _check_adapter(tile_runs, model)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("subset", list(SUBSETS))
+def test_text_image_and_audio_only_datasets_run_through_the_defaults(tile_runs, subset):
+    """Qwen2.5-Omni (a vision and an audio phase) on a dataset without images and videos,
+    without audio, or with neither: the missing phases' towers run on dummy items, nothing
+    else changes, and the losses are the plain run's."""
+    plain, full = tile_runs[f"{subset}/none"], tile_runs[f"{subset}/full"]
+    assert _max_loss_diff(plain, full) < TOL
+    loads = {p: sum(sum(r["loads"][p]) for r in plain) for p in plain[0]["loads"]}
+    assert loads["llm"] > 0
+    assert (loads["vision"] > 0) == (subset == "omni-image")
+    assert (loads["audio"] > 0) == (subset == "omni-audio")
+    assert _imbalance(full, "llm") < _imbalance(plain, "llm")

@@ -3,7 +3,9 @@
 1. schema and configs (torch-free); 2. planner (numpy + the C++ core, torch-free; the package
 facade ``orchmllm`` itself only re-exports it eagerly); 2.5 the simulator (floors 1-2 only);
 3. comm (torch.distributed: collectives, plan agreement, topology, dispatcher); 4. orchestrator
-(execution); 5. data; 6. models; 7. train and reports. The check is static (every ``import``
+(execution); 5. data; 6. models; 7. train and reports; 8. integrations (adapters for other
+stacks), which import the public API only: the facade ``orchmllm``, the modality table
+``orchmllm.schema`` and themselves. The check is static (every ``import``
 in a module, also inside functions, so a circle cannot hide behind a lazy import), and the
 torch-free floors are imported for real in a process where ``import torch`` fails.
 """
@@ -57,7 +59,10 @@ FLOORS = {
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,
     "orchmllm.provenance": 7,
+    "orchmllm.integrations": 8,
 }
+# What an integration may import from the package: the public API, as an outside user would.
+PUBLIC_API = ("orchmllm", "orchmllm.schema", "orchmllm.integrations")
 TORCH_FREE_FLOOR = 2.5
 
 
@@ -117,6 +122,17 @@ def test_every_module_has_a_floor_and_imports_none_above_it():
             if floor_of(dep) > floor_of(module):
                 upward.append(f"{module} (floor {floor_of(module)}) -> {dep} ({floor_of(dep)})")
     assert not upward, "imports that climb a floor:\n" + "\n".join(sorted(upward))
+
+
+def test_integrations_import_only_the_public_api():
+    private = [
+        f"{module} -> {dep}"
+        for module, deps in import_graph().items()
+        if module.startswith("orchmllm.integrations")
+        for dep in deps
+        if dep not in PUBLIC_API and not dep.startswith("orchmllm.integrations.")
+    ]
+    assert not private, "integrations importing past the public API:\n" + "\n".join(private)
 
 
 def test_the_import_graph_has_no_cycle():

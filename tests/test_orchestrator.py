@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 from orchmllm.data import EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import LocalBatch, Orchestrator
-from orchmllm.schema import Modality, register_modality
+from orchmllm.orchestrator import Encoded, LocalBatch, Orchestrator
+from orchmllm.schema import IMAGE, TEXT, Modality, register_modality
 from orchmllm.step_plan import (
     MODES,
     EncoderPhase,
+    ItemField,
     StepOptions,
     assembly,
     default_phases,
@@ -224,6 +225,101 @@ def _stale_plan_worker(rank, world):
     return orch.run(own, encoders, plan=plan).num_targets
 
 
+# Items that state their LLM tokens and carry a record (which example and item they are, how
+# many tokens they become, a scale) to their encoder: the per-item metadata channel.
+GRID = ItemField("grid", width=3)
+SCALE = ItemField("scale", dtype="float64")
+META_PHASES = (EncoderPhase("vision", IMAGE, "image_patches", 1, WIDTH, fields=(GRID, SCALE)),)
+
+
+def _meta_example(eid: int, rng: np.random.Generator) -> dict:
+    """Text, then items of random raw rows (every row holds ``eid``) and random tokens."""
+    segments, images, grid, scale = [[TEXT, int(rng.integers(1, 5))]], [], [], []
+    for j in range(int(rng.integers(0, 4)) if eid % 3 else 0):  # some examples hold no item
+        raw, tokens = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        segments += [[IMAGE, raw, tokens], [TEXT, int(rng.integers(1, 4))]]
+        images.append(np.full((raw, WIDTH), eid, np.float32))
+        grid.append([eid, j, tokens])
+        scale.append(0.5 + j)
+    n_text = sum(c for k, c, *_ in segments if k == TEXT)
+    return {
+        "id": eid,
+        "segments": segments,
+        "input_ids": eid * 1000 + np.arange(n_text),
+        "loss_mask": np.ones(n_text, np.int64),
+        "image_patches": images,
+        "item_meta": {"vision": {"grid": grid, "scale": scale}},
+    }
+
+
+def _meta_sequence(ex: dict) -> np.ndarray:
+    """Per position of the example's sequence: (example, item or -1, token or text index)."""
+    rows, t, j = [], 0, 0
+    for kind, count, *tokens in ex["segments"]:
+        if kind == TEXT:
+            rows += [[ex["id"], -1, t + k] for k in range(count)]
+            t += count
+        else:
+            rows += [[ex["id"], j, k] for k in range(tokens[0])]
+            j += 1
+    return np.array(rows)
+
+
+def _meta_encoder(calls: list):
+    def enc(x, lengths, meta):
+        grid, scale = meta["grid"], meta["scale"]
+        calls.append(int(lengths.numel()))
+        assert grid.dtype == torch.int64 and scale.dtype == torch.float64
+        assert grid.shape == (lengths.numel(), 3) and scale.shape == (lengths.numel(), 1)
+        # The record arrived with its own item: its rows hold the example id the record names.
+        owner = torch.repeat_interleave(grid[:, 0], lengths)
+        assert torch.equal(x[:, 0].long(), owner)
+        tokens = grid[:, 2]
+        where = torch.cat(
+            [torch.stack([g[0].expand(n), g[1].expand(n), torch.arange(n)], 1) for g, n in
+             zip(grid, tokens.tolist(), strict=True)] or [grid.new_zeros(0, 3)]
+        )  # fmt: skip
+        embeds = where.double().requires_grad_(True)
+        return Encoded(embeds, {"where": where, "scale": scale.repeat_interleave(tokens, 0)})
+
+    return enc
+
+
+def _item_meta_worker(rank, world):
+    exs = _meta_exs(rank)
+    everyone = {e["id"]: e for r in range(world) for e in _meta_exs(r)}
+    topology = Topology.build(timeout=30)
+    out = {}
+    for mode in ("none", "full"):
+        orch = Orchestrator(StepOptions(META_PHASES, mode=mode), topology=topology)
+        calls = []
+        res = orch.run(LocalBatch.from_examples(exs, META_PHASES), {"vision": _meta_encoder(calls)})
+        assert calls  # called on every rank, also one that holds no item
+        text = torch.stack(
+            [res.input_ids // 1000, torch.full_like(res.input_ids, -1), res.input_ids % 1000], 1
+        )
+        got = res.assemble(text.double()).detach().long()
+        where = res.token_values("where", fill=-1)
+        scale = res.token_values("scale", fill=0.0)
+        is_item = res.mask("vision")
+        assert torch.equal(where[is_item], got[is_item]) and (where[~is_item] == -1).all()
+        assert torch.equal(res.mask("text"), ~is_item) and torch.equal(is_item, got[:, 1] >= 0)
+        starts = np.concatenate(([0], np.cumsum(res.lengths.numpy())))
+        for begin, end in zip(starts[:-1], starts[1:], strict=True):
+            ex = everyone[int(got[begin, 0])]
+            assert np.array_equal(got[begin:end].numpy(), _meta_sequence(ex))
+        item_scale = scale[is_item, 0]
+        expected = 0.5 + got[is_item, 1].double()
+        assert torch.equal(item_scale, expected)
+        out[mode] = sorted(int(got[s, 0]) for s in starts[:-1])
+    return out
+
+
+def _meta_exs(rank: int) -> list[dict]:
+    rng = np.random.default_rng(rank)
+    return [_meta_example(rank * 10 + i, rng) for i in range(4 if rank != 1 else 1)]
+
+
 WORLD = 4
 
 
@@ -235,6 +331,7 @@ def _worker(rank, world):
         "agreement": _agreement_worker(rank, world),
         "third": _third_modality_worker(rank, world),
         "stale_plan": _stale_plan_worker(rank, world),
+        "item_meta": _item_meta_worker(rank, world),
     }
 
 
@@ -252,6 +349,16 @@ def test_a_third_modality_runs_through_planning_dispatch_and_assembly(distribute
     assert sorted(i for p in per for i in p["ids"]) == sorted(ex["id"] for ex in exs)
     assert sum(p["depth_rows"] for p in per) == depth_rows  # every depth row, exactly once
     assert all(p["called"] == ["audio", "depth", "vision"] for p in per)  # on every rank
+
+
+def test_item_records_reach_the_encoder_and_token_values_the_llm_layout(distributed):
+    """Per-item records move with their items to the encoder (it checks each against its
+    rows), items that state their token counts are planned by them, and the per-token values
+    an encoder returns land at their tokens' positions in the LLM layout; every example
+    arrives exactly once, in both the sampled and the balanced layout."""
+    every = sorted(ex["id"] for r in range(WORLD) for ex in _meta_exs(r))
+    for mode in ("none", "full"):
+        assert sorted(i for r in distributed for i in r["item_meta"][mode]) == every
 
 
 def test_a_plan_of_another_batch_is_refused_on_every_rank(distributed):

@@ -138,3 +138,51 @@ def test_bad_input_raises():
     bad = {**batches[0][0], "image_patches": [np.zeros((3, WIDTH), np.float32)]}
     with pytest.raises(ValueError, match="image_patches"):
         LocalBatch.from_examples([bad], PHASES)
+
+
+def test_items_that_state_their_tokens_are_planned_by_them():
+    """``[kind, count, tokens]``: a Hugging Face item (tiles, a clip, packed image features)
+    whose LLM tokens are not its raw rows over the divisor plans and assembles by its stated
+    count; rows without the tokens column (four columns) still plan as before."""
+    segs = [[[TEXT, 3], [IMAGE, 8, 5], [TEXT, 2]], [[TEXT, 4], [IMAGE, 6], [AUDIO, 16, 3]]]
+    batch = [payload_example(i, [s[:2] for s in e]) for i, e in enumerate(segs)]
+    for ex, e in zip(batch, segs, strict=True):
+        ex["segments"] = e
+    rows = local_metadata(batch)
+    assert rows.shape == (6, 5) and rows[:, step_plan.TOKENS].tolist() == [-1, 5, -1, -1, -1, 3]
+    src = np.zeros(len(rows), np.int64)
+    plan = plan_step(rows, src, StepOptions(PHASES), num_ranks=1)
+    assert plan.seq_len.tolist() == [3 + 5 + 2, 4 + 6 // 2 + 3]
+    assert plan.phases["vision"].encoded.tolist() == [5, 3]
+    assert plan.phases["audio"].encoded.tolist() == [3]
+    assert assembly(plan, 0).rows == {"text": 9, "vision": 8, "audio": 3}
+    four = plan_step(rows[:, :4], src, StepOptions(PHASES), num_ranks=1)
+    assert four.seq_len.tolist() == [3 + 8 // 2 + 2, 4 + 6 // 2 + 16 // 4]
+    with pytest.raises(ValueError, match=r"rows must be \(n, 4\) or \(n, 5\)"):
+        plan_step(rows[:, :3], src, StepOptions(PHASES), num_ranks=1)
+    for bad in ([TEXT, 3, 3], [IMAGE, 8, 0], [IMAGE, 8, 1, 1]):
+        with pytest.raises(ValueError, match="segments"):
+            local_metadata([{**batch[0], "segments": [bad]}])
+
+
+def test_item_records_are_declared_checked_and_optional():
+    """A phase's ``fields`` declare the per-item record its items carry (LocalBatch.item_meta);
+    a record of another shape or a missing one is refused, naming the example and field; an
+    example without items needs neither the record nor the modality's field."""
+    grid = step_plan.ItemField("grid", width=3)
+    phases = (dataclasses.replace(PHASES[0], fields=(grid,)), PHASES[1])
+    ex = payload_example(0, [[TEXT, 2], [IMAGE, 4], [TEXT, 1], [IMAGE, 2]])
+    text_only = payload_example(1, [[TEXT, 3]])
+    del text_only["image_patches"], text_only["audio_mels"]
+    ex["item_meta"] = {"vision": {"grid": [[1, 2, 2], [1, 1, 2]]}}
+    batch = LocalBatch.from_examples([text_only, ex], phases)
+    assert batch.item_meta["vision"]["grid"].tolist() == [[1, 2, 2], [1, 1, 2]]
+    assert batch.raw["audio"].shape == (0, WIDTH) and "audio" not in batch.item_meta
+    with pytest.raises(ValueError, match=r"examples\[0\] item_meta\['vision'\]\['grid'\] has"):
+        LocalBatch.from_examples([{**ex, "item_meta": {"vision": {"grid": [[1, 2]]}}}], phases)
+    with pytest.raises(ValueError, match=r"examples\[0\] has 2 vision items but no item_meta"):
+        LocalBatch.from_examples([{**ex, "item_meta": {}}], phases)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        step_plan.ItemField("grid", dtype="float32")
+    with pytest.raises(ValueError, match="distinct names"):
+        dataclasses.replace(PHASES[0], fields=(grid, grid))

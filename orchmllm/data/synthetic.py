@@ -335,11 +335,12 @@ def as_example(row: Mapping) -> dict:
 
     Returns:
         A new dict: ``id`` int and ``task`` str when the row has them, ``segments`` a list of
-        ``[kind, count]`` int lists, ``input_ids`` and ``loss_mask`` int64 arrays, and each
-        modality field of the row as a list of float32 2-D arrays.
+        ``[kind, count]`` (or an item's ``[kind, count, tokens]``) int lists, ``input_ids`` and
+        ``loss_mask`` int64 arrays, each modality field of the row as a list of float32 2-D
+        arrays, and ``item_meta`` (the per-item records) as the row has it.
     """
     out = {
-        "segments": [[int(k), int(c)] for k, c in row["segments"]],
+        "segments": [[int(v) for v in seg] for seg in row["segments"]],
         "input_ids": np.asarray(row["input_ids"], dtype=np.int64),
         "loss_mask": np.asarray(row["loss_mask"], dtype=np.int64),
     }
@@ -350,4 +351,6 @@ def as_example(row: Mapping) -> dict:
     for m in MODALITIES.values():
         if m.key in row:
             out[m.key] = [np.asarray(a, dtype=np.float32) for a in row[m.key]]
+    if row.get("item_meta") is not None:
+        out["item_meta"] = row["item_meta"]
     return out

@@ -1,0 +1,225 @@
+"""An HF vision-language model trained as orchmllm phases: :func:`wrap`, :func:`shard`.
+
+:class:`BalancedModel` holds the HF model, its adapter and an ``orchmllm.Orchestrator``; its
+``forward`` is one training step's forward: the towers encode their balanced items, the
+encoder outputs move to the LLM layout, and the language model runs on this rank's packed
+sequences, called the way packing needs (no cache, no attention mask, positions that restart
+per sequence, an attention implementation that builds the block-diagonal mask from them). The
+loss is normalised by the prediction targets of all ranks, so balancing never changes the
+gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import orchmllm
+from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
+
+
+@dataclass
+class BalancedOutput:
+    """What :meth:`BalancedModel.forward` returns.
+
+    Attributes:
+        loss: this rank's share of the global mean loss (its targets' summed loss over the
+            targets of all ranks); multiply by the world size for FSDP2 or DDP, which average
+            gradients over ranks.
+        logits: ``[1, tokens, vocab]`` over this rank's packed sequences.
+        batch: the step's :class:`orchmllm.LLMBatch` (sequence lengths, example ids, the
+            phases' statistics).
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    batch: orchmllm.LLMBatch
+
+
+class BalancedModel(nn.Module):
+    """An HF vision-language model whose step runs balanced, phase by phase.
+
+    Build it with :func:`wrap`; feed it the batches of :meth:`loader`.
+
+    Args:
+        model: the HF model (``...ForConditionalGeneration``).
+        adapter: how its family runs as phases.
+        orchestrator: plans and moves every step (its phases are the adapter's).
+
+    Attributes:
+        model, adapter, orchestrator: as given.
+        loads: phase name (and ``"llm"``) -> the raw rows (encoders) and tokens (LLM) this rank
+            computed in the last step, for reporting balance.
+    """
+
+    def __init__(
+        self, model: nn.Module, adapter: Adapter, orchestrator: orchmllm.Orchestrator
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.adapter = adapter
+        self.orchestrator = orchestrator
+        self.loads: dict[str, int] = {}
+
+    def loader(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        sampling: orchmllm.SamplingOptions | None = None,
+        options: orchmllm.LoaderOptions | None = None,
+    ) -> orchmllm.BalancedDataLoader:
+        """The balanced loader over ``dataset``'s processor rows (each turned into orchmllm's
+        schema by the adapter): it samples like ``DistributedSampler`` and plans each step
+        ahead in a background thread. Iterate it and pass each batch to this model."""
+        return orchmllm.orchestrated_loader(
+            dataset,
+            self.orchestrator,
+            batch_size=batch_size,
+            to_example=self.adapter.to_example,
+            sampling=sampling,
+            options=options,
+            topology=self.orchestrator.topology,
+        )
+
+    def forward(self, batch: orchmllm.PlannedBatch | list) -> BalancedOutput:
+        """One step's forward on this rank.
+
+        A collective on the orchestrator's groups: every rank calls it together.
+
+        Args:
+            batch: a batch of :meth:`loader` (planned ahead), or this rank's processor rows
+                (planned now; without ``torch.distributed`` the one process plans alone).
+
+        Returns:
+            The :class:`BalancedOutput`.
+        """
+        orch = self.orchestrator
+        if isinstance(batch, list):
+            local = orchmllm.LocalBatch.from_examples(
+                [self.adapter.to_example(r) for r in batch], orch.phases
+            )
+            plan = assembly = None
+            if not orch.topology.distributed:
+                src = np.zeros(len(local.metadata), np.int64)
+                plan = orch.plan(local.metadata, src)
+        else:
+            local, plan, assembly = batch.batch, batch.plan, batch.assembly
+        model = self.model
+        device = model.get_input_embeddings().weight.device
+        encoders = {p.name: self._encoder(p) for p in orch.phases}
+        out = orch.run(local.to(device), encoders, plan=plan, assembly=assembly)
+        embeds = out.assemble(model.get_input_embeddings()(out.input_ids))
+        hidden = self.adapter.language_model(model)(
+            inputs_embeds=embeds[None],
+            position_ids=self.adapter.position_ids(out),
+            attention_mask=None,  # the positions say where each packed sequence starts
+            use_cache=False,  # with a cache, transformers would not derive that mask
+            **self.adapter.language_kwargs(out),
+        ).last_hidden_state
+        logits = model.get_output_embeddings()(hidden)
+        self.loads["llm"] = int(out.lengths.sum())
+        loss = model.loss_function(
+            logits=logits,
+            labels=None,
+            shift_labels=out.targets[None],  # the orchestrator's targets are shifted already
+            vocab_size=logits.shape[-1],
+            num_items_in_batch=out.num_targets,  # over all ranks
+        )
+        return BalancedOutput(loss, logits, out)
+
+    def _encoder(self, phase: orchmllm.EncoderPhase) -> Callable[..., orchmllm.Encoded]:
+        """``phase``'s encoder for the orchestrator: the adapter's, on a dummy item (of which
+        it keeps no token) where this rank has none, so every rank calls every tower."""
+
+        def encode(
+            rows: torch.Tensor, lengths: torch.Tensor, meta: dict | None = None
+        ) -> orchmllm.Encoded:
+            self.loads[phase.name] = int(lengths.sum())
+            empty = lengths.numel() == 0
+            if empty:
+                item = self.adapter.dummy(phase.name)
+                rows = torch.as_tensor(item.rows, dtype=rows.dtype, device=rows.device)
+                lengths = torch.tensor([rows.shape[0]], device=rows.device)
+                meta = {
+                    f.name: torch.as_tensor(
+                        np.asarray(item.meta[f.name]), dtype=getattr(torch, f.dtype)
+                    ).reshape(1, f.width).to(rows.device)
+                    for f in phase.fields
+                }  # fmt: skip
+            out = self.adapter.encode(self.model, phase.name, rows, lengths, meta or {})
+            if empty:
+                out = orchmllm.Encoded(out.embeds[:0], {k: v[:0] for k, v in out.values.items()})
+            return out
+
+        return encode
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    mode: str = "full",
+    adapter: Adapter | None = None,
+    topology: orchmllm.Topology | None = None,
+    llm_policy: str = "greedy",
+) -> BalancedModel:
+    """Balance an HF vision-language model: its towers and its language model become phases.
+
+    Args:
+        model: an HF model whose class (or a base class) has a registered adapter.
+        mode: ``"full"`` balances every phase, ``"llm"`` only the language model, ``"none"``
+            moves nothing (``orchmllm.step_plan.MODES``).
+        adapter: the adapter to use (None: the one registered for the model's class).
+        topology: the process groups (None: a topology over the default group).
+        llm_policy: the language model's balancing policy.
+
+    Returns:
+        The :class:`BalancedModel`; shard it with :func:`shard` (or your own FSDP2 wiring whose
+        root is the returned module).
+
+    Raises:
+        ValueError: no adapter is registered for the model's class, or its language model's
+            attention implementation cannot attend within packed sequences.
+    """
+    adapter = adapter or adapter_for(model)
+    text = model.config.get_text_config()
+    attention = getattr(text, "_attn_implementation", None) or "eager"
+    if attention not in PACKING_ATTENTION:
+        raise ValueError(
+            f"the language model's attention implementation {attention!r} cannot attend "
+            f"within packed sequences; use one of {PACKING_ATTENTION}"
+        )
+    options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
+    return BalancedModel(model, adapter, orchmllm.Orchestrator(options, topology=topology))
+
+
+def shard(model: BalancedModel, **fsdp: Any) -> BalancedModel:
+    """FSDP2 for a :class:`BalancedModel`: ``fully_shard`` every block of the HF model (its
+    ``_no_split_modules`` classes: decoder layers, tower blocks), then the
+    :class:`BalancedModel` as the root, so the whole step runs inside the root's hooks.
+
+    Parameters no rank used in a step (a tower's unused parameter) are reduce-scattered as
+    zeros, so every rank takes part in every reduction.
+
+    Args:
+        model: from :func:`wrap`.
+        fsdp: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...).
+
+    Returns:
+        ``model``, sharded in place.
+    """
+    blocks = set(getattr(model.model, "_no_split_modules", None) or ())
+    for module in reversed(list(model.model.modules())):  # inner blocks before outer ones
+        if type(module).__name__ in blocks:
+            fully_shard(module, **fsdp)
+    fully_shard(model, **fsdp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reduce_scatter_unused_params(True)
+    return model

@@ -1,0 +1,253 @@
+"""Adapters for the Qwen vision-language family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the thinker
+of Qwen2.5-Omni (vision and audio).
+
+Images and videos share the vision phase, as they share the model's vision tower: an item is
+an image or a video, its raw rows are its patches (``pixel_values`` rows), its record its grid
+``(t, h, w)``, whether it is a video and its seconds per temporal patch. The tower runs once per
+step on every item of the rank (its attention is per frame, so packing items changes nothing).
+Each token's M-RoPE offsets and the position step after its item come from the model's own
+functions (``get_vision_position_ids``, Omni's ``get_llm_pos_ids_for_vision``) and travel with
+the token to the LLM layout, where :func:`.adapter.mrope_positions` rebuilds ``get_rope_index``
+over the packed sequences.
+
+Qwen3-VL separates a video's frames by timestamp text, so each frame is an item (its tokens
+are one run; the tower attends per frame, so the features are the same); its DeepStack
+features travel with the vision tokens and are added where the model adds them.
+
+The Omni thinker's audio is its own phase (the audio tower packs clips by windows, so the
+phase is balanced with ``greedy``): an item is a clip's log-mel frames; its tokens take
+consecutive positions, like text. Videos with their audio interleaved
+(``use_audio_in_video``) are not adapted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import orchmllm
+from orchmllm.integrations.transformers.adapter import (
+    TEXT_ROPE,
+    Adapter,
+    Item,
+    Source,
+    item_rope,
+    mrope_positions,
+    register_adapter,
+)
+
+VISION_FIELDS = (
+    orchmllm.ItemField("grid_thw", width=3),
+    orchmllm.ItemField("video"),
+    orchmllm.ItemField("seconds", dtype="float64"),  # per temporal patch (videos)
+)
+KINDS = ("image", "video")
+
+
+class Qwen2VLAdapter(Adapter):
+    """``Qwen2VLForConditionalGeneration``: vision phase (images and videos), M-RoPE."""
+
+    fields = {"vision": VISION_FIELDS}
+    seconds_key: str | None = None  # the row field with a video's seconds per temporal patch
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        vision = self.config.vision_config
+        self.merge = vision.spatial_merge_size
+        self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        self.tokens = {"image": self.config.image_token_id, "video": self.config.video_token_id}
+
+    def sources(self) -> tuple[Source, ...]:
+        return tuple(Source(kind, self.tokens[kind], "vision") for kind in KINDS)
+
+    def feature_dims(self) -> dict[str, int]:
+        return {"vision": self.patch_dim}
+
+    def split(self, kind: str, row: Mapping[str, Any]) -> list[Item]:
+        if f"{kind}_grid_thw" not in row:
+            return []
+        grids = np.asarray(row[f"{kind}_grid_thw"]).reshape(-1, 3)
+        pixels = np.asarray(row["pixel_values" if kind == "image" else "pixel_values_videos"])
+        pixels = pixels.reshape(-1, self.patch_dim)
+        sizes = grids.prod(1)
+        if pixels.shape[0] != sizes.sum():
+            raise ValueError(f"{kind}: {pixels.shape[0]} patch rows, the grids say {sizes.sum()}")
+        seconds = np.zeros(len(grids))
+        if kind == "video" and self.seconds_key in row:
+            seconds = np.asarray(row[self.seconds_key], dtype=np.float64).reshape(-1)
+        items = []
+        for grid, rows, sec in zip(
+            grids, np.split(pixels, np.cumsum(sizes)[:-1]), seconds, strict=True
+        ):
+            items += self._items(grid, rows, int(kind == "video"), float(sec))
+        return items
+
+    def _items(self, grid: np.ndarray, rows: np.ndarray, video: int, seconds: float) -> list[Item]:
+        meta = {"grid_thw": grid.tolist(), "video": video, "seconds": seconds}
+        return [Item(rows, meta, int(grid.prod()) // self.merge**2)]
+
+    def dummy(self, phase: str) -> Item:
+        grid = np.array([1, self.merge, self.merge])
+        return self._items(grid, np.zeros((self.merge**2, self.patch_dim), np.float32), 0, 0.0)[0]
+
+    def encode(
+        self,
+        model: nn.Module,
+        phase: str,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        meta: Mapping[str, torch.Tensor],
+    ) -> orchmllm.Encoded:
+        grid = meta["grid_thw"]
+        out = model.model.get_image_features(rows, grid, return_dict=True)
+        rope = [
+            self.rope(model, g, int(v), s)
+            for g, v, s in zip(grid, meta["video"][:, 0], meta["seconds"][:, 0], strict=True)
+        ]
+        values = {"rope": torch.cat(rope)}
+        values.update(self.extra_values(out))
+        return orchmllm.Encoded(torch.cat(out.pooler_output), values)
+
+    def extra_values(self, out: Any) -> dict[str, torch.Tensor]:
+        """Per-token values besides positions (Qwen3-VL: DeepStack features)."""
+        return {}
+
+    def interval(self, video: int, seconds: torch.Tensor) -> float | torch.Tensor:
+        """The temporal position step per temporal patch (``get_rope_index``'s)."""
+        return 1
+
+    def rope(
+        self, model: nn.Module, grid: torch.Tensor, video: int, seconds: torch.Tensor
+    ) -> torch.Tensor:
+        """One item's rope rows: ``get_vision_position_ids`` from 0, then ``max(h, w)``
+        merged patches on."""
+        offsets = model.model.get_vision_position_ids(
+            0, grid, 1, self.merge, self.interval(video, seconds), device=grid.device
+        )
+        return item_rope(offsets, int(max(grid[1], grid[2])) // self.merge)
+
+    def position_ids(self, batch: orchmllm.LLMBatch) -> torch.Tensor:
+        return mrope_positions(batch.token_values("rope", TEXT_ROPE), batch.lengths)
+
+
+class Qwen2_5VLAdapter(Qwen2VLAdapter):
+    """``Qwen2_5_VLForConditionalGeneration``: as Qwen2-VL; a video's temporal positions step
+    by ``tokens_per_second * second_per_grid_ts``."""
+
+    seconds_key = "second_per_grid_ts"
+
+    def interval(self, video: int, seconds: torch.Tensor) -> float | torch.Tensor:
+        if not video:
+            return 1
+        # float32, as the processor's tensor is, so positions round as the model's do
+        return self.config.vision_config.tokens_per_second * seconds.to(torch.float32).cpu()
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """``Qwen3VLForConditionalGeneration``: a video's frames are items of their own (timestamp
+    text separates them); DeepStack features travel with the vision tokens."""
+
+    def _items(self, grid: np.ndarray, rows: np.ndarray, video: int, seconds: float) -> list[Item]:
+        t, h, w = (int(x) for x in grid)
+        frames = np.split(rows, t) if video else [rows]
+        frame = np.array([1, h, w]) if video else grid
+        base = super()._items
+        return [item for f in frames for item in base(frame, f, video, seconds)]
+
+    def extra_values(self, out: Any) -> dict[str, torch.Tensor]:
+        layers = [torch.cat(per_item) for per_item in out.deepstack_features]
+        return {"deepstack": torch.stack(layers, 1)}  # [tokens, layers, hidden]
+
+    def language_kwargs(self, batch: orchmllm.LLMBatch) -> dict[str, Any]:
+        vision = batch.mask("vision")
+        deepstack = batch.token_values("deepstack", 0.0)[vision]
+        layers = list(deepstack.unbind(1))
+        return {"visual_pos_masks": vision[None], "deepstack_visual_embeds": layers}
+
+
+class Qwen2_5OmniThinkerAdapter(Qwen2VLAdapter):
+    """``Qwen2_5OmniThinkerForConditionalGeneration``: a vision phase and an audio phase."""
+
+    fields = {"vision": VISION_FIELDS}
+    policies = {"audio": "greedy"}  # the audio tower packs clips (windowed attention)
+    seconds_key = "video_second_per_grid"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.tokens["audio"] = self.config.audio_token_id
+        self.n_mels = self.config.audio_config.num_mel_bins
+
+    def sources(self) -> tuple[Source, ...]:
+        return (*super().sources(), Source("audio", self.tokens["audio"], "audio"))
+
+    def feature_dims(self) -> dict[str, int]:
+        return {**super().feature_dims(), "audio": self.n_mels}
+
+    def split(self, kind: str, row: Mapping[str, Any]) -> list[Item]:
+        if kind != "audio":
+            return super().split(kind, row)
+        if "input_features" not in row:
+            return []
+        features = np.asarray(row["input_features"]).reshape(
+            -1, self.n_mels, np.shape(row["input_features"])[-1]
+        )
+        mask = np.asarray(row["feature_attention_mask"]).reshape(len(features), -1)
+        return [self._clip(f[:, : int(m.sum())].T) for f, m in zip(features, mask, strict=True)]
+
+    @staticmethod
+    def _clip(frames: np.ndarray) -> Item:
+        n = frames.shape[0]
+        return Item(frames, {}, ((n - 1) // 2 + 1 - 2) // 2 + 1)  # the audio tower's rule
+
+    def dummy(self, phase: str) -> Item:
+        if phase == "audio":
+            return self._clip(np.zeros((4, self.n_mels), np.float32))
+        return super().dummy(phase)
+
+    def encode(
+        self,
+        model: nn.Module,
+        phase: str,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        meta: Mapping[str, torch.Tensor],
+    ) -> orchmllm.Encoded:
+        if phase != "audio":
+            return super().encode(model, phase, rows, lengths, meta)
+        width = int(lengths.max())
+        mask = torch.arange(width, device=rows.device) < lengths[:, None]
+        features = rows.new_zeros(len(lengths), width, self.n_mels)
+        features[mask] = rows
+        out = model.model.get_audio_features(
+            features.transpose(1, 2), feature_attention_mask=mask.long(), return_dict=True
+        )
+        _, tokens = model.model.audio_tower._get_feat_extract_output_lengths(lengths)
+        rope = [
+            item_rope(torch.arange(n, device=rows.device).expand(3, -1), n) for n in tokens.tolist()
+        ]
+        return orchmllm.Encoded(out.last_hidden_state, {"rope": torch.cat(rope)})
+
+    def rope(
+        self, model: nn.Module, grid: torch.Tensor, video: int, seconds: torch.Tensor
+    ) -> torch.Tensor:
+        """Omni's rule: temporal positions at ``position_id_per_seconds`` per second, and the
+        next position after an item's largest."""
+        per_grid = seconds.float().cpu() if video else 1
+        t_index = (torch.arange(grid[0]) * per_grid * self.config.position_id_per_seconds).long()
+        offsets = model.model.get_llm_pos_ids_for_vision(
+            0, 0, self.merge, t_index, grid[1:2], grid[2:3]
+        ).to(grid.device)
+        return item_rope(offsets, int(offsets.max()) + 1)
+
+
+for _cls, _adapter in (
+    ("Qwen2VLForConditionalGeneration", Qwen2VLAdapter),
+    ("Qwen2_5_VLForConditionalGeneration", Qwen2_5VLAdapter),
+    ("Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
+    ("Qwen2_5OmniThinkerForConditionalGeneration", Qwen2_5OmniThinkerAdapter),
+):
+    register_adapter(_cls, _adapter)

@@ -1,0 +1,261 @@
+"""orchmllm.integrations.transformers: every adapter, in one process, against the model's own code.
+
+The distributed checks (balanced losses equal the plain run's on 2 gloo ranks, every dataset
+shape through the defaults) run the example, in tests/test_examples.py. Here: packed sequences
+give the per-sequence outputs of the model's own forward (positions, cache off and the merge of
+the towers' outputs all matter, and a wrong one is caught), the packed M-RoPE positions are
+``get_rope_index``'s, a rank without items still reaches every tower parameter, a processor row
+becomes the schema, and the registry and ``wrap`` refuse what they cannot run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extra
+
+import orchmllm  # noqa: E402
+from orchmllm.integrations import transformers as omt  # noqa: E402
+from orchmllm.integrations.transformers import tiny  # noqa: E402
+from orchmllm.schema import IMAGE, TEXT  # noqa: E402
+from orchmllm.step_plan import KIND, RAW  # noqa: E402
+
+FAMILIES = list(tiny.FAMILIES)
+QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni"]
+
+
+@pytest.fixture(scope="module")
+def families() -> dict[str, tuple[torch.nn.Module, list[dict]]]:
+    """Each family's tiny model in float64, and 5 processor rows holding its modalities."""
+    out = {}
+    for name in FAMILIES:
+        model = tiny.build_model(name, seed=0, dtype=torch.float64)
+        out[name] = (model, tiny.make_rows(name, model, 5, seed=3))
+    return out
+
+
+def _per_sequence(out: omt.BalancedOutput) -> dict[int, torch.Tensor]:
+    """The packed logits of each example (by its index in the rows)."""
+    pieces = torch.split(out.logits[0], out.batch.lengths.tolist())
+    return dict(zip(out.batch.example_ids.tolist(), pieces, strict=True))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_sequences_give_the_models_own_outputs(families, name):
+    """The adapter's packed step (towers on packed items, outputs merged by position, the
+    language model over several sequences at once) gives each sequence the logits of the
+    model's own forward on that example alone, and the loss of its forward on the batch."""
+    model, rows = families[name]
+    kinds = {k for r in rows for k in r if k.startswith(("pixel_values", "input_features"))}
+    assert len(kinds) == len(tiny.FAMILIES[name].modalities)  # every modality is exercised
+    out = omt.wrap(model)(rows)
+    assert out.batch.lengths.numel() == len(rows)
+    for i, logits in _per_sequence(out).items():
+        alone = model(**tiny.collate([rows[i]])).logits[0]
+        torch.testing.assert_close(logits, alone, rtol=0, atol=1e-10)
+    batch = tiny.collate(rows)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    plain = model(**batch, num_items_in_batch=n).loss  # HF computes it in float32
+    torch.testing.assert_close(out.loss, plain, rtol=0, atol=1e-5)
+
+
+def test_packing_needs_the_cache_off_and_the_models_positions(families):
+    """What the adapter's language model call guards against, measured: with a cache (the
+    config's default) transformers does not derive the block-diagonal mask, and Qwen's packed
+    sequences with 1-D positions instead of M-RoPE give other outputs."""
+    model, rows = families["qwen2-vl"]
+    balanced = omt.wrap(model)
+    out = balanced(rows)
+    embeds = out.batch.assemble(model.get_input_embeddings()(out.batch.input_ids))[None]
+    lm = balanced.adapter.language_model(model)
+    kwargs = {"inputs_embeds": embeds, "position_ids": balanced.adapter.position_ids(out.batch)}
+    right = lm(**kwargs, use_cache=False).last_hidden_state
+    cached = lm(**kwargs, use_cache=True).last_hidden_state
+    flat = omt.restart_positions(out.batch.lengths)[None]
+    one_d = lm(inputs_embeds=embeds, position_ids=flat, use_cache=False).last_hidden_state
+    first = int(out.batch.lengths[0])  # the first sequence sees no other: equal either way
+    torch.testing.assert_close(cached[:, :first], right[:, :first], rtol=0, atol=1e-10)
+    assert (cached - right).abs().max() > 1e-3
+    assert (one_d - right).abs().max() > 1e-3
+
+
+def _rope_index(name: str, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model's own ``get_rope_index`` on a padded processor batch."""
+    common = {
+        "image_grid_thw": batch.get("image_grid_thw"),
+        "video_grid_thw": batch.get("video_grid_thw"),
+        "attention_mask": batch["attention_mask"],
+    }
+    if name == "qwen2.5-omni":
+        seqlens = batch["feature_attention_mask"].sum(-1) if "input_features" in batch else None
+        return model.model.get_rope_index(
+            batch["input_ids"], **common, audio_seqlens=seqlens,
+            second_per_grids=batch.get("video_second_per_grid"),
+        )[0]  # fmt: skip
+    extra = {"second_per_grid_ts": batch["second_per_grid_ts"]} if name == "qwen2.5-vl" else {}
+    return model.model.get_rope_index(
+        batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"], **common, **extra
+    )[0]
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_packed_mrope_positions_are_get_rope_index(families, name):
+    """The positions rebuilt from the offsets each token brought from its tower are, sequence
+    by sequence, the model's ``get_rope_index`` on the padded batch; row 0 restarts at 0."""
+    model, rows = families[name]
+    balanced = omt.wrap(model)
+    out = balanced(rows)
+    positions = balanced.adapter.position_ids(out.batch)
+    assert positions.shape == (4, 1, int(out.batch.lengths.sum()))
+    batch = tiny.collate(rows)
+    expected = _rope_index(name, model, batch)
+    pieces = torch.split(positions[:, 0], out.batch.lengths.tolist(), dim=1)
+    for i, got in zip(out.batch.example_ids.tolist(), pieces, strict=True):
+        mask = batch["attention_mask"][i].bool()
+        assert torch.equal(got[1:], expected[:, i, mask])
+        assert torch.equal(got[0], torch.arange(got.shape[1]))
+
+
+def _tower_params(model: torch.nn.Module, phase: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters a phase's tower owns (what its encoder must reach)."""
+    inner = model.model
+    tower = {"vision": ("visual", "vision_tower"), "audio": ("audio_tower",)}[phase]
+    module = next(getattr(inner, n) for n in tower if hasattr(inner, n))
+    return dict(module.named_parameters())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_rank_without_items_runs_every_tower_and_keeps_no_token(families, name):
+    """A rank that holds no item of a phase encodes the adapter's dummy item (FSDP2 needs every
+    rank to call every tower): no token comes out, yet the backward reaches every parameter a
+    real item's backward reaches, with zero gradients."""
+    model, rows = families[name]
+    balanced = omt.wrap(model)
+    examples = [balanced.adapter.to_example(r) for r in rows]
+    local = orchmllm.LocalBatch.from_examples(examples, balanced.orchestrator.phases)
+    for phase in balanced.orchestrator.phases:
+        encode = balanced._encoder(phase)
+        params = _tower_params(model, phase.name)
+        raw, meta = local.raw[phase.name], local.item_meta.get(phase.name, {})
+        lengths = torch.as_tensor(local.metadata[local.metadata[:, KIND] == phase.kind, RAW])
+        reached = {}
+        for label, args in (
+            ("items", (raw, lengths, meta)),
+            ("none", (raw[:0], lengths[:0], {k: v[:0] for k, v in meta.items()})),
+        ):
+            model.zero_grad(set_to_none=True)
+            out = encode(*args)
+            assert out.embeds.requires_grad
+            assert (out.embeds.shape[0] == 0) == (label == "none")
+            (out.embeds.sum() + sum(v.float().sum() for v in out.values.values())).backward()
+            reached[label] = {n for n, p in params.items() if p.grad is not None}
+            if label == "none":
+                assert all(float(params[n].grad.abs().max()) == 0 for n in reached[label])
+        assert reached["none"] == reached["items"] and reached["items"], phase.name
+
+
+def test_a_processor_row_becomes_the_schema(families):
+    """Qwen2.5-VL: text is every token but the placeholders, each item a segment stating its
+    tokens, with its patch rows and its record (grid, video, seconds per temporal patch); the
+    loss mask is where labels are set."""
+    model, rows = families["qwen2.5-vl"]
+    adapter = omt.adapter_for(model)
+    row = next(r for r in rows if "image_grid_thw" in r and "video_grid_thw" in r)
+    ex = adapter.to_example(row)
+    ids, labels = row["input_ids"].numpy(), row["labels"].numpy()
+    placeholder = np.isin(ids, [tiny.IMAGE_TOKEN, tiny.VIDEO_TOKEN])
+    assert np.array_equal(ex["input_ids"], ids[~placeholder])
+    assert np.array_equal(ex["loss_mask"], labels[~placeholder] != -100)
+    items = [s for s in ex["segments"] if s[0] != TEXT]
+    grids = np.concatenate([row[k] for k in ("image_grid_thw", "video_grid_thw") if k in row])
+    meta = ex["item_meta"]["vision"]
+    assert sorted(map(tuple, meta["grid_thw"])) == sorted(map(tuple, grids.tolist()))
+    for (kind, raw, tokens), grid, patches in zip(
+        items, meta["grid_thw"], ex["image_patches"], strict=True
+    ):
+        assert kind == IMAGE and raw == np.prod(grid) == len(patches) and tokens == raw // 4
+    assert sum(s[1] for s in ex["segments"] if s[0] == TEXT) == ex["input_ids"].size
+    assert sum(tokens for _, _, tokens in items) == placeholder.sum()
+    videos = [s for v, s in zip(meta["video"], meta["seconds"], strict=True) if v]
+    assert videos == row["second_per_grid_ts"].tolist() and len(videos) < len(items)
+
+
+def test_qwen3_vl_videos_become_one_item_per_frame(families):
+    """Qwen3-VL separates a video's frames by timestamps: each frame is an item, grid (1, h, w)."""
+    model, rows = families["qwen3-vl"]
+    adapter = omt.adapter_for(model)
+    row = next(r for r in rows if "video_grid_thw" in r)
+    meta = adapter.to_example(row)["item_meta"]["vision"]
+    frames = [g for g, v in zip(meta["grid_thw"], meta["video"], strict=True) if v]
+    expected = [[1, h, w] for t, h, w in row["video_grid_thw"].tolist() for _ in range(t)]
+    assert frames == expected
+
+
+def test_rows_that_do_not_match_their_items_are_refused(families):
+    model, rows = families["qwen2-vl"]
+    adapter = omt.adapter_for(model)
+    row = next(r for r in rows if "image_grid_thw" in r)
+    ids = row["input_ids"]
+    first = int(torch.nonzero(ids == tiny.IMAGE_TOKEN)[0])
+    short = {**row, "input_ids": torch.cat([ids[:first], ids[first + 1 :]])}
+    short["labels"] = torch.cat([row["labels"][:first], row["labels"][first + 1 :]])
+    with pytest.raises(ValueError, match=r"image item 0's \d+ placeholders .* are not one run"):
+        adapter.to_example(short)
+    labelled = {**row, "labels": torch.where(ids == tiny.IMAGE_TOKEN, ids, row["labels"])}
+    with pytest.raises(ValueError, match="placeholder tokens"):
+        adapter.to_example(labelled)
+    shifted = {**row, "labels": torch.roll(torch.where(row["labels"] >= 0, ids, -100), 1)}
+    with pytest.raises(ValueError, match="labels must be the token"):
+        adapter.to_example(shifted)
+
+
+def test_the_registry_names_what_it_has_and_how_to_add_one(families):
+    model, _ = families["llava"]
+
+    class MyLlava(type(model)):
+        """A user's subclass: the base class's adapter serves it."""
+
+    mine = MyLlava(model.config)
+    assert isinstance(omt.adapter_for(mine), omt.tiles.LlavaAdapter)
+    with pytest.raises(ValueError) as err:
+        omt.adapter_for(torch.nn.Linear(2, 2))
+    message = str(err.value)
+    assert "no adapter is registered for Linear" in message and "register_adapter" in message
+    assert all(name in message for name in omt.ADAPTERS) and len(omt.ADAPTERS) == 7
+    with pytest.raises(ValueError, match="Adapter subclass"):
+        omt.register_adapter("Linear", object)
+
+
+def test_wrap_refuses_an_attention_that_cannot_pack(families):
+    model, _ = families["internvl"]
+    text = model.config.get_text_config()
+    saved = text._attn_implementation
+    try:
+        text._attn_implementation = "paged|sdpa"
+        with pytest.raises(ValueError, match="cannot attend within packed sequences"):
+            omt.wrap(model)
+    finally:
+        text._attn_implementation = saved
+
+
+def test_nothing_below_the_integrations_imports_transformers():
+    """``import orchmllm`` (and every floor below the integrations) never loads transformers:
+    it stays an optional extra."""
+    package = Path(omt.__file__).resolve().parents[2]
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "integrations" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "transformers"]
+    assert not found
