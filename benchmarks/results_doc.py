@@ -846,7 +846,7 @@ def gpu_memory(recs: Records) -> list[str]:
     ]  # fmt: skip
     first = recs[0]
     return [
-        f"`orchmllm.train` on `{first['config']}` ({first['dtype']}), one process, peak "
+        f"`orchmllm.train` on `{first['config']}` ({first.get('precision', first.get('dtype'))}), one process, peak "
         f"memory per phase of each step ({first['source']}) beside the memory model's "
         "prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
         "the backward, its static bytes for the optimizer step; the forward has no figure of "

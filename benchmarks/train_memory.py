@@ -9,7 +9,7 @@ every step it then predicts the same step's batch with the simulator's memory mo
 
 - one rank holds everything (shard group 1); FSDP2 still gathers its units into buffers of
   their own (the model's three units);
-- parameters, gradients and AdamW's two moments all in the parameter dtype (``--dtype``):
+- parameters, gradients and AdamW's two moments all in the storage dtype (``--precision``):
   four times its bytes per parameter, no fp32 master copy;
 - no activation checkpointing (every block keeps its activations) and the loss takes the
   logits of all the rank's tokens at once (no chunking).
@@ -44,15 +44,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orchmllm.config import load_config
-from orchmllm.models import MLLM
+from orchmllm.config import PRECISIONS, TrainRecipe, load_config
+from orchmllm.models import MLLM, storage_dtype
 from orchmllm.phase_memory import PHASES as STEP_PHASES
 from orchmllm.provenance import write_records
 from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import submodules
 from orchmllm.sim.memory import MemoryModel, phase_tokens
-from orchmllm.train import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the memory model predicts for each phase of the trainer's step (module docstring).
@@ -95,7 +94,7 @@ def model_parameters(config: Path) -> int:
 
 
 def run_trainer(
-    config: Path, *, steps: int, dtype: str, workdir: Path, timeout: float
+    config: Path, *, steps: int, precision: str, workdir: Path, timeout: float
 ) -> list[dict]:
     """Train ``steps`` steps on one process with ``--memory-report``; its report's lines."""
     report = workdir / "memory.jsonl"
@@ -104,7 +103,7 @@ def run_trainer(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
         "-m", "orchmllm.train", "--config", str(config), "--steps", str(steps),
-        "--dtype", dtype, "--balance", "full", "--progress", "lines",
+        "--precision", precision, "--balance", "full", "--progress", "lines",
         "--memory-report", str(report), "--data-dir", str(workdir / "data"),
     ]  # fmt: skip
     print(" ".join(cmd), flush=True)
@@ -117,13 +116,13 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def records_of(report: list[dict], *, config: Path, dtype: str, device: str) -> list[dict]:
+def records_of(report: list[dict], *, config: Path, precision: str, device: str) -> list[dict]:
     """One flat record per (step, phase): measured and predicted bytes."""
     params = model_parameters(config)
     records = []
     for line in report:
         batch = Batch.from_record(line["batch"])
-        pred = predict(config, batch, DTYPES[dtype])
+        pred = predict(config, batch, storage_dtype(TrainRecipe(precision=precision)))
         for phase in STEP_PHASES:
             measured = line["phases"][phase]
             figure = PREDICTED[phase]
@@ -135,7 +134,7 @@ def records_of(report: list[dict], *, config: Path, dtype: str, device: str) -> 
                     "phase": phase,
                     "device": device,
                     "config": _shown(config),
-                    "dtype": dtype,
+                    "precision": precision,
                     "source": line["source"],
                     "measured_peak_bytes": peak,
                     "measured_allocated_bytes": measured["allocated_bytes"],
@@ -179,7 +178,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="run config (default: mllm-10b-1gpu on CUDA)")
     ap.add_argument("--steps", type=int, default=None, help="steps (5 on CUDA, 2 on CPU)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    ap.add_argument("--precision", choices=PRECISIONS, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds the trainer may run")
     ap.add_argument("--quick", action="store_true", help="tiny config on CPU, seconds")
     ap.add_argument("--json", default=None, help="write the records (a JSON list) here")
@@ -196,13 +195,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     default = "mllm-10b-1gpu.yaml" if full else "tiny.yaml"
     config = (Path(args.config) if args.config else ROOT / "configs" / default).resolve()
     steps = args.steps or (5 if full else 2)
-    dtype = args.dtype or ("bfloat16" if full else "float32")
+    precision = args.precision or ("bf16-mixed" if full else "float32")
     with tempfile.TemporaryDirectory(prefix="train_memory_") as tmp:
         report = run_trainer(
-            config, steps=steps, dtype=dtype, workdir=Path(tmp), timeout=args.timeout
+            config, steps=steps, precision=precision, workdir=Path(tmp), timeout=args.timeout
         )
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
-    records = records_of(report, config=config, dtype=dtype, device=device)
+    records = records_of(report, config=config, precision=precision, device=device)
     print_table(records)
     if args.json:
         write_records(args.json, records)

@@ -36,7 +36,7 @@ def _runs_worker(rank: int, world: int, name: str, runs: dict[str, list[str]]) -
     """Every run of ``runs`` through the example's main, in order; their records by key."""
     main = _example(name).main
     return {
-        key: main([*argv, "--precision", "float64", "--timeout", "60", "--progress", "off"])
+        key: main([*argv, "--dtype", "float64", "--timeout", "60", "--progress", "off"])
         for key, argv in runs.items()
     }
 

@@ -14,7 +14,7 @@ def test_quick_cpu_records(run_benchmark):
     assert [(r["step"], r["phase"]) for r in records] == [(s, p) for s in (0, 1) for p in PHASES]
     for r in records:
         assert r["device"] == "cpu" and r["config"] == "configs/tiny.yaml"
-        assert r["dtype"] == "float32" and r["source"] is None
+        assert r["precision"] == "float32" and r["source"] is None
         # no allocator counter on CPU: nothing measured, nothing compared
         assert r["measured_peak_bytes"] is None and r["measured_over_predicted"] is None
         assert r["llm_tokens"] > 0
