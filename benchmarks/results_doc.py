@@ -845,8 +845,9 @@ def gpu_memory(recs: Records) -> list[str]:
         for r in recs
     ]  # fmt: skip
     first = recs[0]
+    precision = first.get("precision", first.get("dtype"))  # records before the recipe: dtype
     return [
-        f"`orchmllm.train` on `{first['config']}` ({first.get('precision', first.get('dtype'))}), one process, peak "
+        f"`orchmllm.train` on `{first['config']}` ({precision}), one process, peak "
         f"memory per phase of each step ({first['source']}) beside the memory model's "
         "prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
         "the backward, its static bytes for the optimizer step; the forward has no figure of "
