@@ -47,8 +47,11 @@ from orchmllm.sim.emulated import EmulatedSetup
 from orchmllm.sim.sweep import (
     PAPER_MODELS,
     SimModel,
+    default_steps,
+    fitting_minibatches,
     largest_minibatch,
     load_model,
+    placement_for,
     run_case,
     sample_pool,
 )
@@ -138,9 +141,8 @@ def fmt_spread(s: dict[str, float] | None) -> str:
 
 
 def _steps_for(ranks: int, override: int | None) -> int:
-    """Several steps where a step holds few examples; at scale one step is already a large
-    sample of the length distribution."""
-    return override or max(1, min(4, 256 // ranks))
+    """Several steps where a step holds few examples (``orchmllm.sim.sweep.default_steps``)."""
+    return override or default_steps(ranks)
 
 
 class Sweep:
@@ -185,10 +187,6 @@ class Sweep:
         rec.update(figure=figure, seed=seed)
         self.records.append(rec)
         return rec
-
-
-def _placement(mode: str) -> str:
-    return "node" if mode in ("llm", "full") else "none"
 
 
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -249,7 +247,7 @@ def speedups(sw: Sweep) -> None:
         oom = set()
         for seed in sw.seeds:
             recs = {
-                mode: sw.case("speedup", model, d, mode, b, 60, seed, placement=_placement(mode))
+                mode: sw.case("speedup", model, d, mode, b, 60, seed, placement=placement_for(mode))
                 for mode in MODES
             }
             base = recs["none"]["step_time_s"]
@@ -289,24 +287,18 @@ def speedups(sw: Sweep) -> None:
 def _fig8_point(
     sw: Sweep, model: str, d: int, seed: int, prev: dict[str, int] | None
 ) -> dict[str, Any]:
-    """One seed of one Figure 8 point: both mini-batches from the memory model, three cases.
+    """One seed of one Figure 8 point: both mini-batches from the memory model under the
+    config's training recipe (``fitting_minibatches``, the search ``python -m
+    orchmllm.plan_memory`` runs, so the two print the same mini-batches), three cases.
 
-    ``prev`` (this seed's mini-batches at the previous scale) sets where the searches start and
-    how many examples per rank the pool holds (each mini-batch is the first ``b`` of every
-    rank's pooled examples, so a larger pool draws other examples, not a different rule)."""
+    ``prev`` (this seed's mini-batches at the previous scale) only sets where the searches
+    start."""
     m = sw.models[model]
-    guess_none = prev["b_none"] if prev else None
-    cap = int(1.1 * prev["b_full"]) + 4 if prev else 256
-    while True:
-        pools = sw.fresh_pools(model, d, cap, seed)
-        try:
-            b0, none = largest_minibatch(m, d, "none", pools=pools, guess=guess_none)
-            # the full mini-batch moves with the none one across scales (the static share)
-            guess = round(prev["b_full"] * b0 / prev["b_none"]) if prev and b0 else None
-            b1, full = largest_minibatch(m, d, "full", pools=pools, placement="node", guess=guess)
-            break
-        except ValueError:  # every pooled mini-batch fits: draw larger pools, start there
-            guess_none, cap = cap, int(1.5 * cap) + 1
+    guesses = {"none": prev["b_none"], "full": prev["b_full"]} if prev else None
+    pools, found = fitting_minibatches(
+        m, d, ("none", "full"), seed=seed, steps=_steps_for(d, sw.steps_override), guesses=guesses
+    )
+    (b0, none), (b1, full) = found["none"], found["full"]
     out: dict[str, Any] = {"b_none": b0, "b_full": b1}
     if none is None or full is None:
         out["oom"] = True  # not even one example per rank fits
@@ -410,7 +402,7 @@ def figure10(sw: Sweep, d: int) -> None:
         per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
         for seed in sw.seeds:
             for mode in MODES:
-                rec = sw.case("fig10", model, d, mode, b, b, seed, placement=_placement(mode))
+                rec = sw.case("fig10", model, d, mode, b, b, seed, placement=placement_for(mode))
                 per_mode[mode].append(rec)
         row: list[Any] = [model, b]
         for mode in MODES:
@@ -648,11 +640,13 @@ def gpu_setup(rec: dict[str, Any]) -> EmulatedSetup:
     path = Path(rec.get("config") or default)
     if not path.is_absolute():
         path = ROOT / path
+    cpu = rec["device"] == "cpu"
     return EmulatedSetup.load(
         path,
         layers={p: rec[f"{p}_layers"] for p in load_config(path).phases},
-        checkpointing=rec["device"] != "cpu",
+        checkpointing=not cpu,
         link_gbs=float(rec.get("link_gbs", 450.0)),  # gpu_step's --link-gbs default
+        device="cpu" if cpu else "cuda",
     )
 
 

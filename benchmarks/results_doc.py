@@ -844,12 +844,23 @@ def gpu_memory(recs: Records) -> list[str]:
         for r in recs
     ]  # fmt: skip
     first = recs[0]
+    if "precision" in first:  # the memory model of the training recipe, per phase
+        setting = (
+            f"{first['precision']}, checkpointing {first['checkpointing']}, loss chunk "
+            f"{first['loss_chunk']}"
+        )
+        figures = "its peak for every phase (static bytes included)"
+    else:  # records from before the training recipe: one dtype, two figures
+        setting = first["dtype"]
+        figures = (
+            "its peak for the backward, its static bytes for the optimizer step; the forward "
+            "has no figure of its own"
+        )
     return [
-        f"`orchmllm.train` on `{first['config']}` ({first['dtype']}), one process, peak "
+        f"`orchmllm.train` on `{first['config']}` ({setting}), one process, peak "
         f"memory per phase of each step ({first['source']}) beside the memory model's "
-        "prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
-        "the backward, its static bytes for the optimizer step; the forward has no figure of "
-        f"its own. The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
+        f"prediction for the same step's batch (`benchmarks/train_memory.py`): {figures}. "
+        f"The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
         f"the model has {first['model_parameters'] / 1e6:,.0f} M.",
         "",
         *table(
