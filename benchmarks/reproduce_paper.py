@@ -634,17 +634,16 @@ def table2(sw: Sweep, ranks: Sequence[int]) -> None:
 
 def gpu_setup(rec: dict[str, Any]) -> EmulatedSetup:
     """The set-up a ``gpu_step`` record ran: its run config (the record's ``config``, else
-    gpu_step's default for the device) with the record's layer counts, checkpointed as
-    gpu_step does (every block on CUDA, none on CPU), at the record's link speed."""
-    default = "configs/tiny.yaml" if rec["device"] == "cpu" else "configs/mllm-10b.yaml"
+    gpu_step's default for the device) with the record's layer counts and the config's
+    training recipe, at the record's link speed."""
+    cpu = rec["device"] == "cpu"
+    default = "configs/tiny.yaml" if cpu else "configs/mllm-10b.yaml"
     path = Path(rec.get("config") or default)
     if not path.is_absolute():
         path = ROOT / path
-    cpu = rec["device"] == "cpu"
     return EmulatedSetup.load(
         path,
         layers={p: rec[f"{p}_layers"] for p in load_config(path).phases},
-        checkpointing=not cpu,
         link_gbs=float(rec.get("link_gbs", 450.0)),  # gpu_step's --link-gbs default
         device="cpu" if cpu else "cuda",
     )

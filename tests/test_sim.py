@@ -269,9 +269,7 @@ def test_emulated_setup_predicts_gpu_steps_figures(rng) -> None:
     """The prediction gpu_step prints: per mode step >= ideal, speed-ups are step-time ratios,
     and balancing every phase brings the step close to its ideal."""
     layers = {"vision": 9, "audio": 8, "llm": 7}
-    setup = EmulatedSetup.load(
-        CONFIGS / "mllm-10b.yaml", layers=layers, checkpointing=True, link_gbs=450.0
-    )
+    setup = EmulatedSetup.load(CONFIGS / "mllm-10b.yaml", layers=layers, link_gbs=450.0)
     assert setup.ranks_per_node == 8 and setup.policies["audio"] == "binary_search"
     assert setup.model.config.llm.layers == 7 and setup.model.modules["llm"].layers == 7
     batches = [_random_batch(rng, 8, 30) for _ in range(2)]
@@ -286,11 +284,9 @@ def test_emulated_setup_predicts_gpu_steps_figures(rng) -> None:
     assert pred["full"]["speedup_vs_none"] > 1.0
     assert pred["full"]["step_over_ideal"] < pred["none"]["step_over_ideal"]
     with pytest.raises(ValueError, match="layers"):
-        EmulatedSetup.load(
-            CONFIGS / "mllm-10b.yaml", layers={"llm": 7}, checkpointing=True, link_gbs=450.0
-        )
+        EmulatedSetup.load(CONFIGS / "mllm-10b.yaml", layers={"llm": 7}, link_gbs=450.0)
     with pytest.raises(ValueError, match="link_gbs"):
-        EmulatedSetup.load(CONFIGS / "tiny.yaml", layers=layers, checkpointing=False, link_gbs=0)
+        EmulatedSetup.load(CONFIGS / "tiny.yaml", layers=layers, link_gbs=0)
 
 
 def test_largest_minibatch_is_the_boundary_whatever_the_start() -> None:

@@ -62,13 +62,12 @@ class EmulatedSetup:
         config: str | Path,
         *,
         layers: Mapping[str, int],
-        checkpointing: bool | None = None,
         link_gbs: float,
         device: str = "cuda",
     ) -> EmulatedSetup:
         """The run config ``config`` with ``layers`` (phase name -> layer count: every
-        encoder's and the LLM's), as gpu_step builds it: the config's training recipe, with
-        ``checkpointing`` (every block or none) overriding its checkpointing when given."""
+        encoder's and the LLM's) under its training recipe, as gpu_step builds it, on
+        ``device`` (``cuda`` or ``cpu``: which kernels its memory counts)."""
         run = load_config(config)
         if set(layers) != set(run.phases):
             raise ValueError(f"layers must name {run.phases}, got {sorted(layers)}")
@@ -81,11 +80,8 @@ class EmulatedSetup:
         }
         llm = dataclasses.replace(base.config.llm, layers=int(layers[LLM]))
         scaled = dataclasses.replace(base.config, encoders=encoders, llm=llm)
-        recipe = base.recipe
-        if checkpointing is not None:
-            recipe = dataclasses.replace(recipe, checkpointing=int(bool(checkpointing)))
-        modules = submodules(scaled, checkpointing=recipe.checkpointing > 0)
-        model = SimModel(base.name, scaled, base.data, modules, recipe)
+        modules = submodules(scaled, checkpointing=base.recipe.checkpointing > 0)
+        model = SimModel(base.name, scaled, base.data, modules, base.recipe)
         policies = {p: run.balance.policy(p) for p in run.phases}
         rpn = run.balance.ranks_per_node or DEFAULT_RANKS_PER_NODE
         return cls(model, int(rpn), policies, float(link_gbs), device)
