@@ -101,14 +101,17 @@ NOTES = (
     "Agrees by construction: nothing. Inputs are the H100 block timings (measured), the model "
     "shapes (Table 1), the H100's published memory, FLOPs and link speeds, and the paper's "
     "cluster and settings (8 GPUs per node, hybrid-shard group 256, the ablation and Table 2 "
-    "mini-batches). Assumed: activation checkpointing, FlashAttention, a 4096-token chunked "
-    "loss, 6 GB reserved per GPU, 2 us per all-to-all peer.",
-    "Mini-batch (Fig. 8): the memory model is a lower bound (no fragmentation, no gradient "
-    "transients inside a block, no connector activations), so its largest mini-batches sit "
-    "above the paper's, where the worst rank is closer to the mean and balancing frees less "
-    "room. And at those mini-batches ZeRO-3 traffic hides behind compute and the only per-step "
-    "fixed cost is the fitted per-block constant, so a larger mini-batch raises no MFU: the "
-    "sim's mini-batch factor is 1.00 and its Figure 8 ratio is balancing alone.",
+    "mini-batches). The training recipe is each config's (recipe:, what orchmllm.train runs: "
+    "bf16 compute over fp32 master weights, every block checkpointed, 4096-token loss "
+    "chunks). Assumed: 6 GB reserved per GPU, 2 us per all-to-all peer.",
+    "Mini-batch (Fig. 8): the memory model replays the trainer's step under that recipe "
+    "(checked per phase against the CPU allocator by tests/test_memory_measured.py), and "
+    "`python -m orchmllm.plan_memory` prints the same mini-batches. They sit above the "
+    "paper's; the paper gives no breakdown of its trainer's memory, so the sim cannot say "
+    "which terms differ. At those mini-batches ZeRO-3 traffic hides behind compute and the "
+    "only per-step fixed cost is the fitted per-block constant, so a larger mini-batch raises "
+    "almost no MFU: the sim's mini-batch factor is about 1.00 and its Figure 8 ratio is "
+    "balancing alone.",
     "MFU (Fig. 8, 10, 11): the sim counts block compute with recompute, ZeRO-3 traffic and "
     "dispatch only; no optimizer step, embeddings, connectors, data loading, kernel gaps or "
     "exposed collective latency, so its MFU is an upper bound.",

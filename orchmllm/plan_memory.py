@@ -7,12 +7,13 @@ loss chunk) on ``--gpus`` GPUs of ``--gpu-memory`` GB, FSDP sharding over ``--sh
 ranks (default: all of them, as ``orchmllm.train`` shards), this prints in seconds and without
 a GPU:
 
-- the static bytes per GPU (sharded fp32 master weights and AdamW's moments);
+- the static bytes per GPU (the sharded master weights and AdamW's moments);
 - the largest ``examples_per_rank`` whose worst rank fits in every sampled step, without
   balancing (``none``) and with OrchMLLM (``full``), per seed: the paper's rule, on the
   simulator's workload (the config's data mix) and the real step planner
   (:func:`orchmllm.sim.sweep.fitting_minibatches`, the search ``benchmarks/reproduce_paper.py``
-  runs for Figure 8, so the two print the same mini-batches);
+  runs for Figure 8: with its shard group, the paper's 256 (``--shard-group 256``), and its
+  seeds, the two print the same mini-batches);
 - the worst rank's predicted peak per phase (forward, backward, optimizer step) at the
   config's ``examples_per_rank`` and at the largest that fits.
 

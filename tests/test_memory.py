@@ -31,7 +31,6 @@ from orchmllm.sim.allocations import (
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.memory import (
-    GPU_RECIPE,
     MemoryModel,
     cpu_attention_workspace,
     moves_of_layout,
@@ -40,6 +39,7 @@ from orchmllm.sim.memory import (
 from orchmllm.sim.trace import Moment, Moments, Trace
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GPU_RECIPE = load_config(CONFIGS / "mllm-10b.yaml").recipe  # bf16 mixed, checkpointed, chunked
 DTYPES = {"bf16-mixed": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 STYLES = {  # block style -> (qwen2, padded): the LLM's, the ViT's, the Whisper encoder's
     "llm": (True, False),
@@ -225,9 +225,7 @@ def test_the_recipe_moves_memory_the_way_it_should(rng) -> None:
     """Checkpointing keeps less than keeping every block; bf16 mixed keeps less than fp32;
     more examples per rank need more; a larger shard group holds less static memory;
     the optimizer's phase is the sharded gradients plus AdamW's temporaries."""
-    run = load_config(CONFIGS / "mllm-10b.yaml")
-    cfg, gpu = run.model, run.recipe
-    assert gpu == GPU_RECIPE
+    cfg, gpu = load_config(CONFIGS / "mllm-10b.yaml").model, GPU_RECIPE
     mem = MemoryModel()
     small, big = _batch(8, 4, rng), None
     big = _batch(8, 8, np.random.default_rng(1))

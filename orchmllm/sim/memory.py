@@ -21,8 +21,6 @@ trainer step's allocator peak on CPU against the whole prediction
 (``tests/test_memory_measured.py``). Left out: the allocator's fragmentation and rounding,
 CPU bf16 GEMM packing buffers, buffers of a few bytes per item; ``reserve_bytes`` stands for
 the CUDA context, NCCL's buffers and fragmentation (assumed, not measured).
-
-:data:`GPU_RECIPE` is the recipe a GPU run uses (the paper configs' ``recipe:``).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from orchmllm.sim.layout import Layout
 from orchmllm.sim.trace import Moments
 from orchmllm.step_plan import StepPlan
 
-GPU_RECIPE = TrainRecipe(precision="bf16-mixed", checkpointing=1, loss_chunk=4096)
 PHASES = ("forward", "backward", "optimizer")
 
 _MOMENTS: dict[tuple, Moments] = {}
