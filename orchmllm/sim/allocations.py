@@ -662,9 +662,10 @@ def block(env: Env, x: Act, rows: Form, shape: BlockShape, unit: Unit, phase: st
     final residual (returned as a tensor without storage)."""
     s, h, f, kv, d = env.s, shape.hidden, shape.ffn, shape.kv, shape.head_dim
     norm = rms_norm if shape.qwen2 else layer_norm
+    # a norm's output is the argument of the module it feeds: alive until that returns;
+    # SelfAttention's locals (qkv, the rotated q and k) until its output projection ran
     y = norm(env, x, rows, h, unit, f"{phase} norm1")
     qkv = linear(env, y, rows, h, h + 2 * kv, unit, bias=True, label=f"{phase} qkv")
-    env.drop(y)
     sizes = [scaled(rows, s * h), scaled(rows, s * kv), scaled(rows, s * kv)]
     q, k, v = split(env, qkv, sizes, f"{phase} qkv split")
     if shape.rope:
@@ -673,29 +674,28 @@ def block(env: Env, x: Act, rows: Form, shape: BlockShape, unit: Unit, phase: st
     else:  # the kernel reads views of the split's parts
         q_in, k_in = q, k
     o = attention(env, q_in, k_in, v, rows, shape, phase, f"{phase} attention")
+    attn = linear(env, o, rows, h, h, unit, bias=False, label=f"{phase} out")
     if shape.rope:
         env.drop(q_in, k_in)
-    env.drop(q, k, v, qkv)
-    attn = linear(env, o, rows, h, h, unit, bias=False, label=f"{phase} out")
-    env.drop(o)
+    env.drop(o, q, k, v, qkv, y)
     x1 = add(env, x, attn, f"{phase} residual1")
     env.drop(attn)
     y2 = norm(env, x1, rows, h, unit, f"{phase} norm2")
-    if shape.qwen2:
+    if shape.qwen2:  # SwiGLU: gate|up and its halves stay bound until down has run
         gu = linear(env, y2, rows, h, 2 * f, unit, bias=False, label=f"{phase} gate_up")
-        env.drop(y2)
         gate, up = split(env, gu, [scaled(rows, s * f)] * 2, f"{phase} gate_up chunk")
         act = pointwise(env, gate, scaled(rows, s * f), f"{phase} silu", saves=[gate])
         prod = product(env, act, up, rows, f, f"{phase} swiglu")
-        env.drop(act, gate, up, gu)
-    else:
+        env.drop(act)
+        bound = [gate, up, gu]
+    else:  # GELU MLP: up's output is a temporary, gone once GELU returns
         u = linear(env, y2, rows, h, f, unit, bias=True, label=f"{phase} up")
-        env.drop(y2)
         prod = pointwise(env, u, scaled(rows, s * f), f"{phase} gelu", saves=[u])
         env.drop(u)
+        bound = []
     down = linear(env, prod, rows, f, h, unit, bias=not shape.qwen2, label=f"{phase} down",
                   alloc=not recompute)  # fmt: skip
-    env.drop(prod)
+    env.drop(prod, *bound, y2)
     out = add(env, x1, down, f"{phase} residual2", alloc=not recompute)
     env.drop(down, x1)
     return out
@@ -756,7 +756,7 @@ def blocks_forward(env: Env, x: Act, tw: Tower, recipe: TrainRecipe, *, extra: l
         if backward:
             marker(env, f"{unit.name} pre-backward", lambda t, u=unit, n=inner: _pre(env, u, n))
         post_forward(env, unit)
-        env.drop(x)
+        env.drop(x)  # the loop rebinds its variable (the caller holds the first input)
         x = out
         tr.recording = True
     return x
@@ -822,10 +822,9 @@ def vit_forward(env: Env, name: str, e: EncoderConfig, raw: Act, recipe: TrainRe
     tower = Tower(name, block_shape(env.config, name), e.layers, own.trained, rows)
     xl = blocks_forward(env, x0, tower, recipe, extra=[pos])
     y = layer_norm(env, xl, rows, h, own, f"{name} norm")
-    env.drop(xl)
     tr.saving = saving
     out = connector(env, name, e, y, merged)
-    _encoder_done(env, own, out, [pos, x])
+    _encoder_done(env, own, out, [y, xl, pos, x])  # `x` is bound until the return
     return out
 
 
@@ -863,12 +862,11 @@ def whisper_forward(env: Env, name: str, e: EncoderConfig, raw: Act, recipe: Tra
     tower = Tower(name, block_shape(env.config, name), e.layers, own.trained, rows)
     hl_ = blocks_forward(env, h0, tower, recipe, extra=[key_mask])
     hv = gather_rows(env, hl_, key_mask, rows, valid_rows, h, f"{name} real positions")
-    env.drop(hl_)
     y = layer_norm(env, hv, valid_rows, h, own, f"{name} norm")
     env.drop(hv)
     tr.saving = saving
     out = connector(env, name, e, y, merged)
-    _encoder_done(env, own, out, [key_mask, valid, padded, x])
+    _encoder_done(env, own, out, [y, hl_, key_mask, valid, padded, x])  # `h` is bound
     return out
 
 
@@ -914,12 +912,12 @@ def gather_rows(env: Env, x: Act, mask: Act, rows: Form, kept: Form, h: int, lab
 
 def connector(env: Env, name: str, e: EncoderConfig, y: Act, merged: Form) -> Act:
     """``layers.Connector`` (its own unit): ``downsample`` rows merged (a view), fc1, GELU,
-    fc2 to the LLM width. Always trained, so fc1 saves the encoder's normed output."""
+    fc2 to the LLM width. Always trained, so fc1 saves the encoder's normed output (``y``,
+    the caller's argument, which the caller releases)."""
     unit, hl = env.units[f"{name}.connector"], env.config.llm.hidden
     marker(env, f"{unit.name} post-backward", lambda t: post_backward(env, unit))
     pre_forward(env, unit)
     a = linear(env, y, merged, e.hidden * e.downsample, hl, unit, bias=True, label=f"{name} fc1")
-    env.drop(y)
     g = pointwise(env, a, a.size, f"{name} connector gelu", saves=[a])
     env.drop(a)
     out = linear(env, g, merged, hl, hl, unit, bias=True, label=f"{name} fc2")
@@ -958,11 +956,12 @@ def llm_forward(env: Env, recipe: TrainRecipe, encoded: list[Act]) -> Act:
     pre_forward(env, own)
     pos = positions(env, tokens, LLM)
     tower = Tower(LLM, block_shape(env.config, LLM), m.layers, True, tokens)
+    bound = env.tr.ref(embeds.storage)  # the step's `embeds`, bound until the LLM returns
     x = blocks_forward(env, embeds, tower, recipe, extra=[pos])
     hidden = rms_norm(env, x, tokens, hl, own, "llm norm")
-    env.drop(x)
     loss = chunked_loss(env, hidden, own)
-    env.drop(hidden, pos)
+    env.drop(hidden, x, pos)  # LLM.forward's locals: the last block's output, positions
+    env.tr.drop(bound)
     marker(env, "llm pre-backward", lambda t: pre_backward(env, own))
     post_forward(env, own)
     return loss
