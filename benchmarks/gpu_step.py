@@ -730,8 +730,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             **{n: e.layers for n, e in cfg.model.encoders.items()},
             LLM: cfg.model.llm.layers,
         },
-        checkpointing=cuda,  # as Emulator.build
-        link_gbs=args.link_gbs,
+        link_gbs=args.link_gbs,  # the config's recipe, as Emulator.build applies it
+        device="cuda" if cuda else "cpu",
     )
     print(
         f"device={device} config={config} layers/{divisor}: "

@@ -47,8 +47,11 @@ from orchmllm.sim.emulated import EmulatedSetup
 from orchmllm.sim.sweep import (
     PAPER_MODELS,
     SimModel,
+    default_steps,
+    fitting_minibatches,
     largest_minibatch,
     load_model,
+    placement_for,
     run_case,
     sample_pool,
 )
@@ -99,14 +102,17 @@ NOTES = (
     "Agrees by construction: nothing. Inputs are the H100 block timings (measured), the model "
     "shapes (Table 1), the H100's published memory, FLOPs and link speeds, and the paper's "
     "cluster and settings (8 GPUs per node, hybrid-shard group 256, the ablation and Table 2 "
-    "mini-batches). Assumed: activation checkpointing, FlashAttention, a 4096-token chunked "
-    "loss, 6 GB reserved per GPU, 2 us per all-to-all peer.",
-    "Mini-batch (Fig. 8): the memory model is a lower bound (no fragmentation, no gradient "
-    "transients inside a block, no connector activations), so its largest mini-batches sit "
-    "above the paper's, where the worst rank is closer to the mean and balancing frees less "
-    "room. And at those mini-batches ZeRO-3 traffic hides behind compute and the only per-step "
-    "fixed cost is the fitted per-block constant, so a larger mini-batch raises no MFU: the "
-    "sim's mini-batch factor is 1.00 and its Figure 8 ratio is balancing alone.",
+    "mini-batches). The training recipe is each config's (recipe:, what orchmllm.train runs: "
+    "bf16 compute over fp32 master weights, every block checkpointed, 4096-token loss "
+    "chunks). Assumed: 6 GB reserved per GPU, 2 us per all-to-all peer.",
+    "Mini-batch (Fig. 8): the memory model replays the trainer's step under that recipe "
+    "(checked per phase against the CPU allocator by tests/test_memory_measured.py), and "
+    "`python -m orchmllm.plan_memory` prints the same mini-batches. They sit above the "
+    "paper's; the paper gives no breakdown of its trainer's memory, so the sim cannot say "
+    "which terms differ. At those mini-batches ZeRO-3 traffic hides behind compute and the "
+    "only per-step fixed cost is the fitted per-block constant, so a larger mini-batch raises "
+    "almost no MFU: the sim's mini-batch factor is about 1.00 and its Figure 8 ratio is "
+    "balancing alone.",
     "MFU (Fig. 8, 10, 11): the sim counts block compute with recompute, ZeRO-3 traffic and "
     "dispatch only; no optimizer step, embeddings, connectors, data loading, kernel gaps or "
     "exposed collective latency, so its MFU is an upper bound.",
@@ -139,9 +145,8 @@ def fmt_spread(s: dict[str, float] | None) -> str:
 
 
 def _steps_for(ranks: int, override: int | None) -> int:
-    """Several steps where a step holds few examples; at scale one step is already a large
-    sample of the length distribution."""
-    return override or max(1, min(4, 256 // ranks))
+    """Several steps where a step holds few examples (``orchmllm.sim.sweep.default_steps``)."""
+    return override or default_steps(ranks)
 
 
 class Sweep:
@@ -186,10 +191,6 @@ class Sweep:
         rec.update(figure=figure, seed=seed)
         self.records.append(rec)
         return rec
-
-
-def _placement(mode: str) -> str:
-    return "node" if mode in ("llm", "full") else "none"
 
 
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -250,7 +251,7 @@ def speedups(sw: Sweep) -> None:
         oom = set()
         for seed in sw.seeds:
             recs = {
-                mode: sw.case("speedup", model, d, mode, b, 60, seed, placement=_placement(mode))
+                mode: sw.case("speedup", model, d, mode, b, 60, seed, placement=placement_for(mode))
                 for mode in MODES
             }
             base = recs["none"]["step_time_s"]
@@ -290,24 +291,18 @@ def speedups(sw: Sweep) -> None:
 def _fig8_point(
     sw: Sweep, model: str, d: int, seed: int, prev: dict[str, int] | None
 ) -> dict[str, Any]:
-    """One seed of one Figure 8 point: both mini-batches from the memory model, three cases.
+    """One seed of one Figure 8 point: both mini-batches from the memory model under the
+    config's training recipe (``fitting_minibatches``, the search ``python -m
+    orchmllm.plan_memory`` runs, so the two print the same mini-batches), three cases.
 
-    ``prev`` (this seed's mini-batches at the previous scale) sets where the searches start and
-    how many examples per rank the pool holds (each mini-batch is the first ``b`` of every
-    rank's pooled examples, so a larger pool draws other examples, not a different rule)."""
+    ``prev`` (this seed's mini-batches at the previous scale) only sets where the searches
+    start."""
     m = sw.models[model]
-    guess_none = prev["b_none"] if prev else None
-    cap = int(1.1 * prev["b_full"]) + 4 if prev else 256
-    while True:
-        pools = sw.fresh_pools(model, d, cap, seed)
-        try:
-            b0, none = largest_minibatch(m, d, "none", pools=pools, guess=guess_none)
-            # the full mini-batch moves with the none one across scales (the static share)
-            guess = round(prev["b_full"] * b0 / prev["b_none"]) if prev and b0 else None
-            b1, full = largest_minibatch(m, d, "full", pools=pools, placement="node", guess=guess)
-            break
-        except ValueError:  # every pooled mini-batch fits: draw larger pools, start there
-            guess_none, cap = cap, int(1.5 * cap) + 1
+    guesses = {"none": prev["b_none"], "full": prev["b_full"]} if prev else None
+    pools, found = fitting_minibatches(
+        m, d, ("none", "full"), seed=seed, steps=_steps_for(d, sw.steps_override), guesses=guesses
+    )
+    (b0, none), (b1, full) = found["none"], found["full"]
     out: dict[str, Any] = {"b_none": b0, "b_full": b1}
     if none is None or full is None:
         out["oom"] = True  # not even one example per rank fits
@@ -411,7 +406,7 @@ def figure10(sw: Sweep, d: int) -> None:
         per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
         for seed in sw.seeds:
             for mode in MODES:
-                rec = sw.case("fig10", model, d, mode, b, b, seed, placement=_placement(mode))
+                rec = sw.case("fig10", model, d, mode, b, b, seed, placement=placement_for(mode))
                 per_mode[mode].append(rec)
         row: list[Any] = [model, b]
         for mode in MODES:
@@ -643,17 +638,18 @@ def table2(sw: Sweep, ranks: Sequence[int]) -> None:
 
 def gpu_setup(rec: dict[str, Any]) -> EmulatedSetup:
     """The set-up a ``gpu_step`` record ran: its run config (the record's ``config``, else
-    gpu_step's default for the device) with the record's layer counts, checkpointed as
-    gpu_step does (every block on CUDA, none on CPU), at the record's link speed."""
-    default = "configs/tiny.yaml" if rec["device"] == "cpu" else "configs/mllm-10b.yaml"
+    gpu_step's default for the device) with the record's layer counts and the config's
+    training recipe, at the record's link speed."""
+    cpu = rec["device"] == "cpu"
+    default = "configs/tiny.yaml" if cpu else "configs/mllm-10b.yaml"
     path = Path(rec.get("config") or default)
     if not path.is_absolute():
         path = ROOT / path
     return EmulatedSetup.load(
         path,
         layers={p: rec[f"{p}_layers"] for p in load_config(path).phases},
-        checkpointing=rec["device"] != "cpu",
         link_gbs=float(rec.get("link_gbs", 450.0)),  # gpu_step's --link-gbs default
+        device="cpu" if cpu else "cuda",
     )
 
 

@@ -28,7 +28,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
-README = ROOT / "README.md"
 Records = list[dict[str, Any]]
 
 
@@ -575,7 +574,9 @@ def reproduce_paper(recs: Records) -> list[str]:
     )  # fmt: skip
     lines += [
         "**Figure 8, decomposed.** Both mini-batches (per rank) are the largest the memory "
-        "model lets run, without balancing (`b none`) and with OrchMLLM (`b full`). `balance ×` "
+        "model lets run under each config's training recipe (the ones `python -m "
+        "orchmllm.plan_memory` prints), without balancing (`b none`) and with OrchMLLM "
+        "(`b full`). `balance ×` "
         "is the speed-up of balancing at `b none`, `mini-batch ×` the speed-up of going from "
         "`b none` to `b full`, `product ×` the MFU ratio full/none.",
         "",
@@ -845,13 +846,23 @@ def gpu_memory(recs: Records) -> list[str]:
         for r in recs
     ]  # fmt: skip
     first = recs[0]
-    precision = first.get("precision", first.get("dtype"))  # records before the recipe: dtype
+    if "precision" in first:  # the memory model of the training recipe, per phase
+        setting = (
+            f"{first['precision']}, checkpointing {first['checkpointing']}, loss chunk "
+            f"{first['loss_chunk']}"
+        )
+        figures = "its peak for every phase (static bytes included)"
+    else:  # records from before the training recipe: one dtype, two figures
+        setting = first["dtype"]
+        figures = (
+            "its peak for the backward, its static bytes for the optimizer step; the forward "
+            "has no figure of its own"
+        )
     return [
-        f"`orchmllm.train` on `{first['config']}` ({precision}), one process, peak "
+        f"`orchmllm.train` on `{first['config']}` ({setting}), one process, peak "
         f"memory per phase of each step ({first['source']}) beside the memory model's "
-        "prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
-        "the backward, its static bytes for the optimizer step; the forward has no figure of "
-        f"its own. The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
+        f"prediction for the same step's batch (`benchmarks/train_memory.py`): {figures}. "
+        f"The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
         f"the model has {first['model_parameters'] / 1e6:,.0f} M.",
         "",
         *table(
@@ -987,73 +998,6 @@ def _anchor(title: str) -> str:
     return kept.replace(" ", "-")
 
 
-# -- the README's marked blocks ---------------------------------------------------------------
-
-
-def gpu_proof(recs: Records) -> list[str]:
-    """What the README says of the GPU: each set-up's measured speed-up beside its prediction."""
-    lines = []
-    for (ranks, b), group in _by_setup(recs).items():
-        full, none = group["full"], group["none"]
-        noisy = none["step_over_ideal"] > 1.5 * none["sim_step_over_ideal"]
-        lines.append(
-            f"- {ranks} ranks x {b} examples: `full` over `none` {full['speedup_vs_none']:.3f}, "
-            f"the simulator predicted {full['sim_speedup_vs_none']:.3f} for the same batches "
-            f"(measured / predicted {full['speedup_vs_none'] / full['sim_speedup_vs_none']:.2f}); "
-            f"`full` over `llm` {full['speedup_vs_llm']:.3f} (predicted "
-            f"{full['sim_speedup_vs_llm']:.3f})"
-            + ("; noise-dominated: one timing per rank" if noisy else "")
-            + "."
-        )
-    r = recs[0]
-    return [
-        *lines,
-        "",
-        f"({r['device']}, torch {r['torch_version']}, {r['run_date'][:10]}; docs/results.md has "
-        "every figure, the memory measurements and what they mean.)",
-    ]
-
-
-@dataclass(frozen=True)
-class Block:
-    """A marked block of the README (``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->``)
-    and the records it is made of."""
-
-    name: str
-    pattern: str
-    render: Callable[[Records], list[str]]
-
-
-BLOCKS = (
-    Block("main-job", "train_modes.json", lambda recs: table_only(train_modes(recs))),
-    Block("gpu", "gpu_step_*.json", gpu_proof),
-)
-
-
-def table_only(lines: list[str]) -> list[str]:
-    """The table of a section's lines (the README keeps only the figures)."""
-    return [line for line in lines if line.startswith("|")]
-
-
-def render_readme(text: str, results: Path = RESULTS) -> str:
-    """``text`` with every marked block rewritten from the records (a block without records
-    says so)."""
-    for block in BLOCKS:
-        start, end = f"<!-- results:{block.name} -->", f"<!-- /results:{block.name} -->"
-        head, found, rest = text.partition(start)
-        if not found:
-            raise ValueError(f"README has no {start} block")
-        _, found, tail = rest.partition(end)
-        if not found:
-            raise ValueError(f"README's {start} block has no {end}")
-        records: Records = []
-        for path in sorted(results.glob(block.pattern)):
-            records += json.loads(path.read_text())
-        body = block.render(records) if records else [f"(no `{block.pattern}` record yet)"]
-        text = "\n".join([head + start, *body, end]) + tail
-    return text
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="the --json files")
@@ -1061,24 +1005,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if the document is stale"
     )
-    ap.add_argument("--readme", type=Path, default=README, help="the README whose blocks to fill")
     args = ap.parse_args(argv)
-    outputs = {args.doc: render(args.results)}
-    if args.readme.exists():
-        outputs[args.readme] = render_readme(args.readme.read_text(), args.results)
+    text = render(args.results)
     if args.check:
-        stale = [
-            path for path, text in outputs.items() if not path.exists() or path.read_text() != text
-        ]
-        for path in stale:
-            print(f"{path} is not what {args.results} gives: run benchmarks/results_doc.py")
-        if not stale:
-            print(f"{', '.join(map(str, outputs))} up to date")
-        return 1 if stale else 0
-    for path, text in outputs.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+        current = args.doc.read_text() if args.doc.exists() else ""
+        if current != text:
+            print(f"{args.doc} is not what {args.results} gives: run benchmarks/results_doc.py")
+            return 1
+        print(f"{args.doc} is up to date")
+        return 0
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text(text)
+    print(f"wrote {args.doc}")
     return 0
 
 

@@ -3,29 +3,21 @@
 Runs the real entry point on one process, ``torchrun --standalone --nproc_per_node=1 -m
 orchmllm.train`` (NCCL and one GPU on CUDA, gloo on CPU), for a few steps with
 ``--memory-report`` (:mod:`orchmllm.phase_memory`: ``torch.cuda.max_memory_allocated`` reset
-and read around the forward, the backward and the optimizer step, and the step's batch). For
-every step it then predicts the same step's batch with the simulator's memory model
-(:class:`orchmllm.sim.memory.MemoryModel`) set to the trainer's recipe as it is today:
+and read around the forward, the backward and the optimizer step, and the step's batch) under
+the config's training recipe (``recipe:``: precision, activation checkpointing, loss chunk).
+For every step it then predicts the same step's batch with the simulator's memory model
+(:class:`orchmllm.sim.memory.MemoryModel`) for that recipe: one rank holds everything (shard
+group 1), the model replays the trainer's step (:mod:`orchmllm.sim.allocations`), and each
+phase's prediction is the static bytes (fp32 master weights, AdamW's moments) plus that
+phase's peak, the previous step's batch alive until the backward ends as in the trainer's
+loop. Step 0 has no optimizer state yet (AdamW creates it in its first step), so its backward
+lies below the model's; compare from step 1. Left out by the model: the CUDA context and
+allocator fragmentation (what ``--reserve`` covers in ``orchmllm.plan_memory``).
 
-- one rank holds everything (shard group 1); FSDP2 still gathers its units into buffers of
-  their own (the model's three units);
-- parameters, gradients and AdamW's two moments all in the storage dtype (``--precision``):
-  four times its bytes per parameter, no fp32 master copy;
-- no activation checkpointing (every block keeps its activations) and the loss takes the
-  logits of all the rank's tokens at once (no chunking).
-
-Compared per phase: the backward against the model's peak (its largest backward moment), the
-optimizer step against the model's static bytes (parameters, gradients, optimizer state; the
-step's temporaries are not modelled). The model has no forward moment: the forward is
-reported measured only. Step 0 has no optimizer state yet (AdamW creates it in its first
-step), so its backward lies below the model's; compare from step 1. What the model leaves out
-(it is a lower bound): the token embedding's parameters (the records give the model's own
-parameter count beside the simulator's), connectors and the audio front end, allocator
-fragmentation, intermediates inside a block's backward.
-
-On CUDA the default is ``configs/mllm-10b-1gpu.yaml`` in bfloat16 for 5 steps; with ``--quick``
-or without a GPU, ``configs/tiny.yaml`` in float32 for 2 steps. On CPU there is no allocator
-counter: the measured figures are null and only the path is exercised.
+On CUDA the default is ``configs/mllm-10b-1gpu.yaml`` for 5 steps; with ``--quick`` or without
+a GPU, ``configs/tiny.yaml`` for 2 steps. On CPU there is no allocator counter: the measured
+figures are null and only the path is exercised (``tests/test_memory_measured.py`` checks the
+model against the CPU allocator).
 
     python -m benchmarks.train_memory [--quick] [--config PATH] [--steps N] [--json PATH]
 """
@@ -44,45 +36,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orchmllm.config import PRECISIONS, TrainRecipe, load_config
-from orchmllm.models import MLLM, storage_dtype
+from orchmllm.config import TrainRecipe, load_config
+from orchmllm.models import MLLM
 from orchmllm.phase_memory import PHASES as STEP_PHASES
 from orchmllm.provenance import write_records
-from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
-from orchmllm.sim.compute import submodules
-from orchmllm.sim.memory import MemoryModel, phase_tokens
+from orchmllm.sim.layout import Layout
+from orchmllm.sim.memory import MemoryModel
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the memory model predicts for each phase of the trainer's step (module docstring).
-PREDICTED = {"forward": None, "backward": "peak", "optimizer": "static"}
 
 
-def trainer_memory(dtype: torch.dtype) -> MemoryModel:
-    """The memory model set to the trainer's recipe today (module docstring)."""
-    return MemoryModel(
-        shard_group=1,
-        trained_param_bytes=4 * dtype.itemsize,  # parameter, gradient, two AdamW moments
-        logit_chunk_tokens=2**62,  # the whole sequence's logits at once
-    )
-
-
-def predict(config: Path, batch: Batch, dtype: torch.dtype) -> dict[str, float]:
-    """The memory model's ``peak`` and ``static`` bytes for one rank holding ``batch``."""
-    cfg = load_config(str(config)).model
-    modules = submodules(cfg, checkpointing=False)
-    lengths = {name: batch.encoder_lengths(name, cfg) for name in cfg.encoders}
-    lengths[LLM] = batch.llm_lengths(cfg)
-    tokens = {
-        p: phase_tokens(modules[p].kind, n, np.zeros(n.size, dtype=np.int64), 1)
-        for p, n in lengths.items()
-    }
-    mem = trainer_memory(dtype)
+def predict(config: Path, batch: Batch, *, device: str) -> dict[str, float]:
+    """The memory model's bytes per phase (static included) for one rank holding ``batch``
+    under the config's recipe."""
+    run = load_config(str(config))
+    cfg, recipe = run.model, run.recipe
+    n = batch.text.size
+    home = Layout(np.zeros(n, np.int64), {k: np.zeros(batch.of(k).raw.size, np.int64)
+                                          for k in cfg.encoders})  # fmt: skip
+    memory = MemoryModel(shard_group=1, device=device, threads=torch.get_num_threads())
+    features = memory.rank_features(cfg, recipe, batch, home)
+    static = memory.static_bytes(cfg, recipe, 1)
+    peaks = memory.phase_peaks(cfg, recipe, features, num_ranks=1)
     return {
-        "peak": float(mem.peak_bytes(modules, tokens, 1)[0]),
-        "static": float(mem.static_bytes(modules, 1)),
-        "sim_parameters": float(sum(m.parameters for m in modules.values())),
-        "llm_tokens": int(lengths[LLM].sum()),
+        **{p: static + float(v[0]) for p, v in peaks.items()},
+        "static": static,
+        "sim_parameters": float(memory.parameters(cfg)[0]),
+        "llm_tokens": int(features["llm.tokens"][0]),
     }
 
 
@@ -93,9 +74,7 @@ def model_parameters(config: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_trainer(
-    config: Path, *, steps: int, precision: str, workdir: Path, timeout: float
-) -> list[dict]:
+def run_trainer(config: Path, *, steps: int, workdir: Path, timeout: float) -> list[dict]:
     """Train ``steps`` steps on one process with ``--memory-report``; its report's lines."""
     report = workdir / "memory.jsonl"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -103,7 +82,7 @@ def run_trainer(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
         "-m", "orchmllm.train", "--config", str(config), "--steps", str(steps),
-        "--precision", precision, "--balance", "full", "--progress", "lines",
+        "--balance", "full", "--progress", "lines",
         "--memory-report", str(report), "--data-dir", str(workdir / "data"),
     ]  # fmt: skip
     print(" ".join(cmd), flush=True)
@@ -116,17 +95,23 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def records_of(report: list[dict], *, config: Path, precision: str, device: str) -> list[dict]:
+def _recipe(recipe: TrainRecipe) -> dict:
+    return {"precision": recipe.precision, "checkpointing": recipe.checkpointing,
+            "loss_chunk": recipe.loss_chunk}  # fmt: skip
+
+
+def records_of(report: list[dict], *, config: Path, device: str) -> list[dict]:
     """One flat record per (step, phase): measured and predicted bytes."""
     params = model_parameters(config)
+    recipe = _recipe(load_config(str(config)).recipe)
+    kernels = "cpu" if device == "cpu" else "cuda"
     records = []
     for line in report:
         batch = Batch.from_record(line["batch"])
-        pred = predict(config, batch, storage_dtype(TrainRecipe(precision=precision)))
+        pred = predict(config, batch, device=kernels)
         for phase in STEP_PHASES:
             measured = line["phases"][phase]
-            figure = PREDICTED[phase]
-            predicted = pred[figure] if figure else None
+            predicted = pred[phase]
             peak = measured["peak_bytes"]
             records.append(
                 {
@@ -134,12 +119,13 @@ def records_of(report: list[dict], *, config: Path, precision: str, device: str)
                     "phase": phase,
                     "device": device,
                     "config": _shown(config),
-                    "precision": precision,
+                    **recipe,
                     "source": line["source"],
                     "measured_peak_bytes": peak,
                     "measured_allocated_bytes": measured["allocated_bytes"],
-                    "predicted_figure": figure,
+                    "predicted_figure": phase,
                     "predicted_bytes": predicted,
+                    "predicted_static_bytes": pred["static"],
                     "measured_over_predicted": peak / predicted if peak and predicted else None,
                     "llm_tokens": pred["llm_tokens"],
                     **{f"{n}_items": it.raw.size for n, it in batch.items.items()},
@@ -168,9 +154,9 @@ def print_table(records: Sequence[dict]) -> None:
         )
     r0 = records[0]
     print(
-        f"parameters: the memory model counts {r0['sim_parameters'] / 1e6:,.1f} M, the model "
-        f"has {r0['model_parameters'] / 1e6:,.1f} M (the token embedding, connectors and the "
-        "audio front end are not in the memory model)"
+        f"recipe: {r0['precision']}, checkpointing {r0['checkpointing']}, loss chunk "
+        f"{r0['loss_chunk']}; parameters: the memory model counts "
+        f"{r0['sim_parameters'] / 1e6:,.1f} M, the model has {r0['model_parameters'] / 1e6:,.1f} M"
     )
 
 
@@ -178,7 +164,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="run config (default: mllm-10b-1gpu on CUDA)")
     ap.add_argument("--steps", type=int, default=None, help="steps (5 on CUDA, 2 on CPU)")
-    ap.add_argument("--precision", choices=PRECISIONS, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds the trainer may run")
     ap.add_argument("--quick", action="store_true", help="tiny config on CPU, seconds")
     ap.add_argument("--json", default=None, help="write the records (a JSON list) here")
@@ -195,13 +180,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     default = "mllm-10b-1gpu.yaml" if full else "tiny.yaml"
     config = (Path(args.config) if args.config else ROOT / "configs" / default).resolve()
     steps = args.steps or (5 if full else 2)
-    precision = args.precision or ("bf16-mixed" if full else "float32")
     with tempfile.TemporaryDirectory(prefix="train_memory_") as tmp:
-        report = run_trainer(
-            config, steps=steps, precision=precision, workdir=Path(tmp), timeout=args.timeout
-        )
+        report = run_trainer(config, steps=steps, workdir=Path(tmp), timeout=args.timeout)
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
-    records = records_of(report, config=config, precision=precision, device=device)
+    records = records_of(report, config=config, device=device)
     print_table(records)
     if args.json:
         write_records(args.json, records)

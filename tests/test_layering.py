@@ -42,6 +42,7 @@ FLOORS = {
     "orchmllm.recipe": 2,
     "orchmllm.step_plan": 2,
     "orchmllm.sim": 2.5,
+    "orchmllm.plan_memory": 2.5,  # the simulator's memory model as a command
     "orchmllm.compat": 3,
     "orchmllm.comm": 3,
     "orchmllm.agreement": 3,

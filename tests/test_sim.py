@@ -15,17 +15,16 @@ from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import (
     BlockShape,
-    Submodule,
     block_fit,
     load_block_records,
     submodules,
 )
-from orchmllm.sim.emulated import EMULATED_MEMORY, EmulatedSetup
+from orchmllm.sim.emulated import EmulatedSetup, emulated_memory
 from orchmllm.sim.layout import MODES, disttrain_reorder, llm_pieces, plan
-from orchmllm.sim.memory import MemoryModel, block_activation_bytes, phase_tokens
 from orchmllm.sim.step import dispatch_collectives, simulate_step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPE = load_config(CONFIGS / "mllm-10b.yaml").recipe  # the GPU recipe
 
 
 def _config(name: str) -> ModelConfig:
@@ -216,7 +215,7 @@ def test_equal_lengths_give_the_same_step_in_every_mode(mllm10b) -> None:
     results = {}
     for mode in MODES:
         layout = plan(batch, mode, config=cfg, modules=mods, placement="node")
-        results[mode] = simulate_step(batch, layout, mode, config=cfg, modules=mods)
+        results[mode] = simulate_step(batch, layout, mode, config=cfg, modules=mods, recipe=RECIPE)
         assert results[mode].dispatch_fwd_s == 0.0  # a plan no better than staying moves nothing
     base = results["none"]
     for mode, r in results.items():
@@ -232,12 +231,13 @@ def test_balancing_never_slows_the_step(seed, mllm10b) -> None:
     cfg, mods = mllm10b
     batch = _random_batch(np.random.default_rng(seed), 32, 40)
     none = simulate_step(
-        batch, plan(batch, "none", config=cfg, modules=mods), "none", config=cfg, modules=mods
-    )
+        batch, plan(batch, "none", config=cfg, modules=mods), "none", config=cfg, modules=mods,
+        recipe=RECIPE,
+    )  # fmt: skip
     for mode in ("llm", "full"):
         for placement in ("none", "node"):
             layout = plan(batch, mode, config=cfg, modules=mods, placement=placement)
-            r = simulate_step(batch, layout, mode, config=cfg, modules=mods)
+            r = simulate_step(batch, layout, mode, config=cfg, modules=mods, recipe=RECIPE)
             assert r.step_time_s < none.step_time_s, (mode, placement)
             assert r.mfu > none.mfu, (mode, placement)
             balanced = ("vision", "audio", "llm") if mode == "full" else ("llm",)
@@ -256,7 +256,7 @@ def test_step_waits_for_the_slowest_rank(mllm10b) -> None:
         items={},
     )
     layout = plan(batch, "none", config=cfg, modules=mods)
-    r = simulate_step(batch, layout, "none", config=cfg, modules=mods)
+    r = simulate_step(batch, layout, "none", config=cfg, modules=mods, recipe=RECIPE)
     t = mods["llm"].times_ms(batch.llm_lengths(cfg), layout.example, 2) * 1e-3
     assert r.compute_s["llm"] == pytest.approx(t.max())
     assert r.mean_compute_s["llm"] == pytest.approx(t.mean())
@@ -265,69 +265,11 @@ def test_step_waits_for_the_slowest_rank(mllm10b) -> None:
     )
 
 
-def test_block_activation_bytes_follow_the_shape() -> None:
-    """A GPT block (GELU MLP, f = 4h, kv = h) keeps 32 h bytes per token: Korthikanti et al.'s
-    34 h less the two dropout masks (FlashAttention drops the l^2 terms); plus the 4 h bytes of
-    its output and input gradients. SwiGLU keeps two more FFN-wide values."""
-    h = 1024
-    gelu = BlockShape(h, 4 * h, 16, 16, "bidir")
-    assert block_activation_bytes(gelu) == 32 * h + 4 * h
-    swiglu = BlockShape(h, 4 * h, 16, 16, "causal")
-    assert block_activation_bytes(swiglu) - block_activation_bytes(gelu) == 2 * 2 * 4 * h
-    gqa = BlockShape(h, 4 * h, 16, 4, "causal")  # k and v shrink with the key/value heads
-    assert block_activation_bytes(swiglu) - block_activation_bytes(gqa) == 2 * 2 * (h - h // 4)
-
-
-def test_memory_model_peak_is_the_llm_backward_of_the_worst_rank(mllm10b) -> None:
-    _, mods = mllm10b
-    mem = MemoryModel()
-    tokens = {
-        "vision": np.array([0.0, 2000.0]),
-        "audio": np.array([500.0, 0.0]),
-        "llm": np.array([1000.0, 3000.0]),
-    }
-    act = mem.activation_bytes(mods, tokens)
-    kept = {p: mem.kept_bytes(mods[p], tokens[p]) for p in tokens}
-    llm = mods["llm"]
-    h = llm.block.shape.hidden
-    # checkpointed block inputs plus the final norm and the loss's hidden gradient
-    np.testing.assert_allclose(kept["llm"], tokens["llm"] * 2 * h * (llm.layers + 3))
-    work = np.maximum(
-        tokens["llm"] * block_activation_bytes(llm.block.shape),
-        np.minimum(tokens["llm"], mem.logit_chunk_tokens) * llm.vocab * 10,
-    )
-    np.testing.assert_allclose(act, kept["vision"] + kept["audio"] + kept["llm"] + work)
-    peak = mem.peak_bytes(mods, tokens, 2)
-    np.testing.assert_allclose(peak - act, mem.static_bytes(mods, 2))
-    # a frozen module keeps nothing for a backward it does not run
-    frozen = Submodule("vision", mods["vision"].block, mods["vision"].layers, frozen=True)
-    assert not mem.kept_bytes(frozen, tokens["vision"]).any()
-    with pytest.raises(ValueError, match="logit_chunk_tokens"):
-        MemoryModel(logit_chunk_tokens=0)
-
-
-def test_static_memory_follows_the_optimizer_and_fsdp_of_the_set_up(mllm10b) -> None:
-    """The default is ZeRO-3 with Adam (16 bytes per trained parameter, three FSDP units);
-    gpu_step's emulated ranks hold bf16 parameters and gradients only, nothing gathered."""
-    _, mods = mllm10b
-    trained = sum(m.parameters for m in mods.values())
-    unit = max(max(m.block.shape.weights, m.block.shape.hidden * m.vocab) for m in mods.values())
-    one = MemoryModel(shard_group=1)
-    assert one.static_bytes(mods, 8) == pytest.approx(16 * trained + 3 * 2 * unit)
-    assert EMULATED_MEMORY.static_bytes(mods, 8) == pytest.approx(4 * trained)
-    assert EMULATED_MEMORY.static_bytes(mods, 8) < one.static_bytes(mods, 8)
-    for field, bad in (("trained_param_bytes", -1.0), ("fsdp_units", -1)):
-        with pytest.raises(ValueError, match=field):
-            MemoryModel(**{field: bad})
-
-
 def test_emulated_setup_predicts_gpu_steps_figures(rng) -> None:
     """The prediction gpu_step prints: per mode step >= ideal, speed-ups are step-time ratios,
     and balancing every phase brings the step close to its ideal."""
     layers = {"vision": 9, "audio": 8, "llm": 7}
-    setup = EmulatedSetup.load(
-        CONFIGS / "mllm-10b.yaml", layers=layers, checkpointing=True, link_gbs=450.0
-    )
+    setup = EmulatedSetup.load(CONFIGS / "mllm-10b.yaml", layers=layers, link_gbs=450.0)
     assert setup.ranks_per_node == 8 and setup.policies["audio"] == "binary_search"
     assert setup.model.config.llm.layers == 7 and setup.model.modules["llm"].layers == 7
     batches = [_random_batch(rng, 8, 30) for _ in range(2)]
@@ -337,23 +279,14 @@ def test_emulated_setup_predicts_gpu_steps_figures(rng) -> None:
         assert p["step_time_s"] >= p["ideal_step_s"] > 0, mode
         assert p["step_over_ideal"] == pytest.approx(p["step_time_s"] / p["ideal_step_s"])
         assert p["speedup_vs_none"] == pytest.approx(pred["none"]["step_time_s"] / p["step_time_s"])
-        assert 0 < p["peak_mem_bytes"] < EMULATED_MEMORY.budget_bytes, mode
+        assert 0 < p["peak_mem_bytes"] < emulated_memory("cuda").budget_bytes, mode
     assert pred["none"]["speedup_vs_none"] == 1.0
     assert pred["full"]["speedup_vs_none"] > 1.0
     assert pred["full"]["step_over_ideal"] < pred["none"]["step_over_ideal"]
     with pytest.raises(ValueError, match="layers"):
-        EmulatedSetup.load(
-            CONFIGS / "mllm-10b.yaml", layers={"llm": 7}, checkpointing=True, link_gbs=450.0
-        )
+        EmulatedSetup.load(CONFIGS / "mllm-10b.yaml", layers={"llm": 7}, link_gbs=450.0)
     with pytest.raises(ValueError, match="link_gbs"):
-        EmulatedSetup.load(CONFIGS / "tiny.yaml", layers=layers, checkpointing=False, link_gbs=0)
-
-
-def test_padded_phase_memory_counts_the_padding() -> None:
-    lengths = np.array([100, 700, 300, 300])
-    dst = np.array([0, 0, 1, 1])
-    np.testing.assert_array_equal(phase_tokens("padded", lengths, dst, 3), [1400, 600, 0])
-    np.testing.assert_array_equal(phase_tokens("packed", lengths, dst, 3), [800, 600, 0])
+        EmulatedSetup.load(CONFIGS / "tiny.yaml", layers=layers, link_gbs=0)
 
 
 def test_largest_minibatch_is_the_boundary_whatever_the_start() -> None:

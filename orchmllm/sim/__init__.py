@@ -3,7 +3,8 @@
 The same planner the training uses (``orchmllm.balance``, ``orchmllm.placement``) lays out a
 sampled global batch; a compute model calibrated on measured H100 blocks (recompute charged
 under activation checkpointing), a communication model of the paper's cluster from the H100's
-published link speeds and a memory model derived from the model shapes turn the layout into a
-step time, an MFU and a peak memory. No constant is fitted to a paper result.
+published link speeds and a memory model that replays the trainer's step under the run's training
+recipe (``orchmllm.sim.memory``) turn the layout into a step time, an MFU and a peak memory per
+phase. No constant is fitted to a paper result, nor the memory model to a measurement.
 ``benchmarks/reproduce_paper.py`` sweeps it against the paper's section 8.
 """

@@ -20,8 +20,8 @@ its hidden size. A module of ``L`` layers costs ``L`` blocks; the LLM adds its o
 (``CostModel.forward_only``). Connectors, the audio conv front end and embeddings are left out:
 each is under 2% of its module's FLOPs for the paper's shapes.
 
-Activation checkpointing (``Submodule.checkpointing``, on by default because the memory model
-in ``orchmllm.sim.memory`` assumes it) keeps only each block's input and recomputes the block in
+Activation checkpointing (``Submodule.checkpointing``, set from the run's training recipe by
+``orchmllm.sim.sweep.load_model``) keeps only each block's input and recomputes the block in
 backward, so a trained module's blocks cost one extra forward: ``1 + FORWARD_FRACTION`` (4/3) of
 their measured forward+backward time. The LM head is not recomputed (the chunked loss computes
 its logits and their gradients in one pass) and a frozen module has no backward to recompute

@@ -1,12 +1,16 @@
 """The set-up ``benchmarks/gpu_step.py`` measures, simulated: data-parallel ranks on one device.
 
 gpu_step runs every emulated rank's step on one device, one rank after another: one copy of
-the parameters, no optimizer and no FSDP, bf16 parameters and gradients on CUDA, activation
-checkpointing per block on CUDA (none on CPU), the all-to-alls estimated from the planned
-moves at ``link_gbs`` per rank and direction with no per-peer latency, and the planning time
-added to the step of every mode that plans (``none`` plans nothing). This module models that
-set-up and nothing else, so its prediction can sit beside each measured figure (gpu_step
-prints both) and be checked against committed records (``reproduce_paper.py --gpu-results``).
+the parameters in the recipe's compute dtype, no optimizer and no FSDP (gradients accumulate in
+place), the config's training recipe otherwise (checkpointing, chunked loss), the all-to-alls
+estimated from the planned moves at ``link_gbs`` per rank and direction with no per-peer
+latency, and the planning time added to the step of every mode that plans (``none`` plans
+nothing). This module models that set-up and nothing else, so its prediction can sit beside
+each measured figure (gpu_step prints both) and be checked against committed records
+(``reproduce_paper.py --gpu-results``). Its memory is the trainer's replayed step
+(:mod:`orchmllm.sim.memory`) without FSDP and without an optimizer
+(:func:`emulated_memory`); gpu_step's stand-in encoder outputs and upstream gradients are
+not in it.
 
 The step is the simulator's (:func:`orchmllm.sim.step.simulate_step`): per phase the slowest
 rank's calibrated compute, plus the dispatch. The ideal step gives every phase its mean rank
@@ -32,10 +36,14 @@ from orchmllm.sim.memory import MemoryModel
 from orchmllm.sim.step import Cluster, simulate_step
 from orchmllm.sim.sweep import SimModel, load_model
 
-# One device holds the whole model: bf16 parameters and their gradients (2 + 2 bytes), no
-# optimizer state, no FSDP unit gathered.
-EMULATED_MEMORY = MemoryModel(shard_group=1, trained_param_bytes=4.0, fsdp_units=0)
 DEFAULT_RANKS_PER_NODE = 8  # one H100 node, when the config leaves it unset (as gpu_step)
+
+
+def emulated_memory(device: str) -> MemoryModel:
+    """One device holds the whole model in the compute dtype and its gradients; no optimizer
+    state, nothing sharded, no previous step held (each emulated rank starts afresh)."""
+    return MemoryModel(shard_group=1, device=device, fsdp=False, optimizer=False,
+                       previous_batch=False)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class EmulatedSetup:
     ranks_per_node: int  # the config's (8, one H100 node, when unset), as gpu_step reads it
     policies: Mapping[str, str]  # phase -> balancing policy, from the config
     link_gbs: float  # gpu_step's --link-gbs
+    device: str = "cuda"  # where gpu_step ran (its kernels and AdamW-free memory)
 
     @classmethod
     def load(
@@ -53,11 +62,12 @@ class EmulatedSetup:
         config: str | Path,
         *,
         layers: Mapping[str, int],
-        checkpointing: bool,
         link_gbs: float,
+        device: str = "cuda",
     ) -> EmulatedSetup:
         """The run config ``config`` with ``layers`` (phase name -> layer count: every
-        encoder's and the LLM's) and ``checkpointing`` per block, as gpu_step builds it."""
+        encoder's and the LLM's) under its training recipe, as gpu_step builds it, on
+        ``device`` (``cuda`` or ``cpu``: which kernels its memory counts)."""
         run = load_config(config)
         if set(layers) != set(run.phases):
             raise ValueError(f"layers must name {run.phases}, got {sorted(layers)}")
@@ -70,20 +80,19 @@ class EmulatedSetup:
         }
         llm = dataclasses.replace(base.config.llm, layers=int(layers[LLM]))
         scaled = dataclasses.replace(base.config, encoders=encoders, llm=llm)
-        model = SimModel(
-            base.name, scaled, base.data, submodules(scaled, checkpointing=checkpointing)
-        )
+        modules = submodules(scaled, checkpointing=base.recipe.checkpointing > 0)
+        model = SimModel(base.name, scaled, base.data, modules, base.recipe)
         policies = {p: run.balance.policy(p) for p in run.phases}
         rpn = run.balance.ranks_per_node or DEFAULT_RANKS_PER_NODE
-        return cls(model, int(rpn), policies, float(link_gbs))
+        return cls(model, int(rpn), policies, float(link_gbs), device)
 
     def cluster(self, num_ranks: int) -> Cluster:
         """gpu_step's all-to-all estimate (``link_gbs`` on every link, no per-peer latency)
-        and one device's memory (:data:`EMULATED_MEMORY`)."""
+        and one device's memory (:func:`emulated_memory`)."""
         link = self.link_gbs * 1e9
         rpn = min(self.ranks_per_node, num_ranks)
         net = Network(ranks_per_node=rpn, bw_intra=link, bw_inter=link, peer_latency_s=0.0)
-        return Cluster(net=net, memory=EMULATED_MEMORY)
+        return Cluster(net=net, memory=emulated_memory(self.device))
 
     def predict(
         self, batches: Sequence[Batch], *, modes: Sequence[str] = ("none", "llm", "full")
@@ -106,8 +115,9 @@ class EmulatedSetup:
                     ranks_per_node=rpn, policies=self.policies,
                 )  # fmt: skip
                 res = simulate_step(
-                    batch, layout, mode, config=m.config, modules=m.modules, cluster=cluster
-                )
+                    batch, layout, mode, config=m.config, modules=m.modules,
+                    recipe=m.recipe, cluster=cluster,
+                )  # fmt: skip
                 # gpu_step puts the planning time on the step of every mode that plans
                 steps.append(res.step_time_s + (layout.plan_ms * 1e-3 if mode != "none" else 0))
                 ideals.append(sum(res.mean_compute_s.values()))

@@ -1,43 +1,26 @@
-"""Memory model: the bytes the worst rank holds at its peak, from the model's shapes alone.
+"""Memory model: what each rank of ``orchmllm.train`` holds at its peak, per phase of a step.
 
-Nothing here is fitted to a paper result. Every per-token figure follows from the block shapes
-(bf16 activations, 2 bytes per value) under the training recipe of ``benchmarks/gpu_step.py``:
-FSDP (ZeRO-3), activation checkpointing per Transformer block, memory-efficient attention
-(FlashAttention: no ``l x l`` score matrix is kept) and a chunked LM-head loss.
+The model takes the run's training recipe (:class:`~orchmllm.config.TrainRecipe`: precision,
+activation checkpointing, loss chunk) and the model config, and predicts each rank's bytes:
 
-Per token of a phase on a rank (``h`` hidden, ``f`` FFN, ``kv`` the key/value width):
+- **static** (:meth:`MemoryModel.static_bytes`), live when a step starts: the FSDP2 shards of
+  the master parameters (fp32 for ``bf16-mixed``) and AdamW's two moments of every trained
+  parameter, over the shard group;
+- **per phase above static** (:meth:`MemoryModel.phase_peaks`): the forward, the backward and
+  the optimizer step, replayed op by op from the code the trainer runs
+  (:mod:`orchmllm.sim.allocations`: gathered FSDP units and their all-gather buffers,
+  checkpointed block inputs, the recomputed block's saved tensors and gradients, the
+  connectors' and front ends' parameters and activations, the loss's chunks, unsharded and
+  reduce-scatter gradient buffers, AdamW's temporaries) as linear forms in per-rank features
+  (:meth:`MemoryModel.rank_features`: the rank's rows per phase, its longest item, ...).
 
-- kept under checkpointing: every block's input, ``2 h`` bytes per layer; the LLM also keeps
-  the final norm's input and output and the loss's hidden gradient, ``3 * 2 h``;
-- the one block being recomputed in backward (``block_activation_bytes``): what autograd saves
-  for it, counted as in Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", section 4.1) without dropout and without the ``l^2`` softmax terms
-  (FlashAttention): the two norms' inputs and the attention input (``3 h``), ``q``, ``k`` and
-  ``v`` (``h + 2 kv``), the attention output (``h``), the MLP input (``h``) and its
-  intermediates (``4 f`` for SwiGLU: gate, up, ``silu(gate)``, their product; ``2 f`` for a GELU
-  MLP), plus the block's output and input gradients (``2 h``);
-- the LM-head loss works ``logit_chunk_tokens`` tokens at a time: fp32 logits, their fp32
-  softmax gradient and its bf16 copy, 10 bytes per vocabulary entry per chunk token.
-
-The peak is the largest of the backward moments: the LLM's (all three phases' kept inputs plus
-the larger of its recomputed block and its loss chunk), the audio encoder's (vision and audio
-kept plus an audio block), the vision encoder's. A frozen module runs forward without autograd
-and keeps nothing; without checkpointing a module keeps every block's activations. The padded
-audio phase holds ``items x longest item`` tokens per rank.
-
-Static memory is the ZeRO-3 shard of bf16 parameters and gradients plus fp32 Adam state (16
-bytes per trained parameter, 2 per frozen one, over the shard group) and, unsharded, the
-parameters of two FSDP units (the one computing and the one prefetched) and one unit's
-gradient before its reduce-scatter; the largest unit is the LM head or a block. A set-up
-without an optimizer or without FSDP sets ``trained_param_bytes`` and ``fsdp_units`` (gpu_step's
-emulated ranks: bf16 parameters and gradients, 4 bytes, and no unit gathered; see
-:mod:`orchmllm.sim.emulated`).
-
-What agrees with the paper by construction: nothing in this module; the GPU's memory and the
-shard group are the paper's hardware and setting (section 8.1). Left out (so the model is a
-lower bound and its largest mini-batch an upper bound): allocator fragmentation, the
-intermediate gradients inside a block's backward, connector and embedding activations,
-communication buffers beyond ``reserve_bytes``.
+Every term names its source in :mod:`orchmllm.sim.allocations`; nothing is fitted to a
+measurement. What a block saves for backward is checked byte for byte against
+``torch.autograd.graph.saved_tensors_hooks`` for every block style and precision, and a
+trainer step's allocator peak on CPU against the whole prediction
+(``tests/test_memory_measured.py``). Left out: the allocator's fragmentation and rounding,
+CPU bf16 GEMM packing buffers, buffers of a few bytes per item; ``reserve_bytes`` stands for
+the CUDA context, NCCL's buffers and fragmentation (assumed, not measured).
 """
 
 from __future__ import annotations
@@ -47,38 +30,101 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchmllm.sim.compute import BlockShape, Submodule
-from orchmllm.sim.layout import ACT_BYTES  # bf16 activations and gradients
+from orchmllm.config import ModelConfig, TrainRecipe
+from orchmllm.recipe import ItemLengths
+from orchmllm.schema import LLM
+from orchmllm.sim.allocations import DEVICES, Dtypes, StepSetup, step_moments, units
+from orchmllm.sim.batch import Batch
+from orchmllm.sim.layout import Layout
+from orchmllm.sim.trace import Moments
+from orchmllm.step_plan import StepPlan
 
-# Chunked loss (benchmarks/gpu_step.py, chunked_head_loss): fp32 logits + fp32 softmax
-# gradient + its bf16 copy, per vocabulary entry of a chunk token.
-LOGIT_ENTRY_BYTES = 4 + 4 + 2
+PHASES = ("forward", "backward", "optimizer")
 
-
-def block_activation_bytes(shape: BlockShape) -> float:
-    """Bytes per token one block holds while it is recomputed and run backward (docstring)."""
-    h = shape.hidden
-    kv = h * shape.kv_heads // shape.heads
-    mlp = (4 if shape.gated else 2) * shape.ffn
-    saved = 3 * h + (h + 2 * kv) + h + h + mlp
-    return ACT_BYTES * (saved + 2 * h)
+_MOMENTS: dict[tuple, Moments] = {}
 
 
-def phase_tokens(kind: str, lengths: np.ndarray, dst: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Activation rows per rank of one phase: summed lengths when packed, ``items x longest``
-    when padded, ``float64[num_ranks]``."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    if kind != "padded":
-        return np.bincount(dst, weights=lengths, minlength=num_ranks).astype(np.float64)
-    count = np.bincount(dst, minlength=num_ranks).astype(np.float64)
-    longest = np.zeros(num_ranks)
-    np.maximum.at(longest, dst, lengths)
-    return count * longest
+def moves_of_layout(batch: Batch, layout: Layout, config: ModelConfig) -> frozenset[str]:
+    """The orchestrator's moves a step runs (``Orchestrator.run``): raw rows to an encoder's
+    layout, its outputs to the LLM's, text to the LLM's; a move where no item changes rank
+    is skipped (``Orchestrator._move``)."""
+    src = batch.example_src
+    out = set()
+    for name in config.encoders:
+        it = batch.of(name)
+        if np.any(layout.items[name] != src[it.example]):
+            out.add(f"{name}.raw")
+        if np.any(layout.items[name] != layout.example[it.example]):
+            out.add(f"{name}.out")
+    if np.any(layout.example != src):
+        out.add("text")
+    return frozenset(out)
+
+
+def _split(length: np.ndarray) -> np.ndarray:
+    """The CPU flash kernel's query split for a sequence of ``length`` rows (it switches
+    at 192 and 768 rows), capped at the length."""
+    q = np.where(length >= 768, 256, np.where(length >= 192, 64, 32))
+    return np.minimum(q, length)
+
+
+def cpu_attention_workspace(
+    longest: np.ndarray, *, head_dim: int, dtypes: Dtypes, threads: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes the CPU flash kernel (``FlashAttentionKernel.cpp``) allocates per call, forward
+    and backward, for the longest sequence (its buffers grow with the length): per thread, in
+    opmath, the score block ``q_split x kv_split`` (kv_split = min(512, length)), its max and
+    sum and an output block (forward), the score and its gradient plus a row sum (backward);
+    for bf16 also the blocks in bf16."""
+    longest = np.asarray(longest, dtype=np.float64)
+    q = _split(longest)
+    kv = np.minimum(512, longest)
+    a, s = dtypes.opmath, dtypes.compute
+    reduced = s < 4
+    fwd = (q * kv + 2 * q + q * head_dim) * a + (q * kv * s if reduced else 0)
+    bwd = 2 * q * kv * a + q * a + (2 * q * kv * s if reduced else 0)
+    return threads * fwd, threads * bwd
+
+
+def cuda_attention_workspace(
+    rows: np.ndarray, items: np.ndarray, *, hidden: int, heads: int, padded: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 workspaces of the CUDA kernels' backward (forward: none): FlashAttention-2's
+    variable-length backward (``mha_varlen_bwd``) a query-gradient accumulator and a softmax
+    sum over ``rows + 128 * sequences``; the memory-efficient kernel (padded, masked) the
+    same two per padded row. From the kernels' sources, not measured here."""
+    rows = np.asarray(rows, dtype=np.float64)
+    extent = rows if padded else rows + 128 * np.asarray(items, dtype=np.float64)
+    return np.zeros_like(rows), 4.0 * (hidden + heads) * extent
+
+
+def _per_rank(values: np.ndarray, dst: np.ndarray, num_ranks: int, how: str) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float64)
+    if how == "sum":
+        return np.bincount(dst, weights=values, minlength=num_ranks).astype(np.float64)
+    if how == "count":
+        return np.bincount(dst, minlength=num_ranks).astype(np.float64)
+    out = np.zeros(num_ranks)
+    np.maximum.at(out, dst, values)
+    return out
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Per-GPU memory budget and the shapes' activation bytes."""
+    """A GPU's memory and the set-up around the trainer's step.
+
+    Attributes:
+        gpu_bytes: the device's memory.
+        reserve_bytes: what the step may not use (CUDA context, NCCL, fragmentation).
+        shard_group: ranks FSDP shards over (the paper's hybrid-shard group).
+        device: ``cuda`` or ``cpu`` (which kernels run, see :mod:`orchmllm.sim.allocations`).
+        threads: the CPU kernels' threads (``torch.get_num_threads()``); ignored on CUDA.
+        fsdp: parameters sharded by FSDP2 with fp32 masters; False: one plain copy in the
+            compute dtype (gpu_step's emulated ranks).
+        optimizer: AdamW runs (its state is static, its step a phase).
+        previous_batch: the previous step's ``LLMBatch`` is alive until the backward ends
+            (the trainer's loop); False for a step measured on its own.
+    """
 
     # H100 SXM: 80 GB HBM3 (NVIDIA H100 Tensor Core GPU datasheet), the paper's GPUs (section 8).
     gpu_bytes: float = 80e9
@@ -86,91 +132,169 @@ class MemoryModel:
     reserve_bytes: float = 6e9
     # Hybrid-shard group size of ZeRO-3: the paper's setting (section 8.1).
     shard_group: int = 256
-    # Tokens per LM-head loss chunk, as benchmarks/gpu_step.py's chunked_head_loss.
-    logit_chunk_tokens: int = 4096
-    # Bytes per trained parameter, sharded: bf16 parameter and gradient, fp32 Adam master copy
-    # and two moments (2 + 2 + 12).
-    trained_param_bytes: float = 16.0
-    # Unsharded FSDP units held at once: two units' parameters (computing, prefetched) and one
-    # unit's gradient before its reduce-scatter.
-    fsdp_units: int = 3
+    device: str = "cuda"
+    threads: int = 1
+    fsdp: bool = True
+    optimizer: bool = True
+    previous_batch: bool = True
 
     def __post_init__(self) -> None:
         if not self.gpu_bytes > 0:
             raise ValueError(f"gpu_bytes must be > 0, got {self.gpu_bytes!r}")
         if not self.reserve_bytes >= 0:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes!r}")
-        for name in ("shard_group", "logit_chunk_tokens"):
+        for name in ("shard_group", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.trained_param_bytes >= 0:
-            raise ValueError(f"trained_param_bytes must be >= 0, got {self.trained_param_bytes!r}")
-        if self.fsdp_units < 0:
-            raise ValueError(f"fsdp_units must be >= 0, got {self.fsdp_units!r}")
-
-    def static_bytes(self, modules: Mapping[str, Submodule], num_ranks: int) -> float:
-        """Sharded parameters, gradients and optimizer state plus the unsharded FSDP units."""
-        group = min(self.shard_group, num_ranks)
-        trainable = sum(m.parameters for m in modules.values() if not m.frozen)
-        frozen = sum(m.parameters for m in modules.values() if m.frozen)
-        unit = max(
-            max(m.block.shape.weights, m.block.shape.hidden * m.vocab) for m in modules.values()
-        )
-        sharded = self.trained_param_bytes * trainable + ACT_BYTES * frozen
-        return sharded / group + self.fsdp_units * ACT_BYTES * unit
-
-    def kept_bytes(self, module: Submodule, tokens: np.ndarray) -> np.ndarray:
-        """What ``module`` keeps for its backward from its forward until its backward starts."""
-        if module.frozen:
-            return np.zeros_like(tokens)
-        h = module.block.shape.hidden
-        per_layer = (
-            ACT_BYTES * h if module.checkpointing else block_activation_bytes(module.block.shape)
-        )
-        head = 3 * ACT_BYTES * h if module.vocab else 0
-        return tokens * (module.layers * per_layer + head)
-
-    def working_bytes(self, module: Submodule, tokens: np.ndarray) -> np.ndarray:
-        """The largest transient of ``module``'s backward: a recomputed block (its input and
-        output gradients alone when not checkpointing) or the loss chunk."""
-        if module.frozen:
-            return np.zeros_like(tokens)
-        shape = module.block.shape
-        block = (
-            block_activation_bytes(shape) if module.checkpointing else 2 * ACT_BYTES * shape.hidden
-        )
-        work = tokens * block
-        if module.vocab:
-            chunk = np.minimum(tokens, self.logit_chunk_tokens)
-            work = np.maximum(work, chunk * module.vocab * LOGIT_ENTRY_BYTES)
-        return work
-
-    def activation_bytes(
-        self, modules: Mapping[str, Submodule], tokens: Mapping[str, np.ndarray]
-    ) -> np.ndarray:
-        """Peak activation bytes per rank from each phase's activation rows per rank (the
-        phases in forward order, the LLM last; see the module docstring)."""
-        if not tokens:
-            raise ValueError("tokens must name at least one phase")
-        peak, kept = None, None
-        for phase, per_rank in tokens.items():
-            rows = np.asarray(per_rank, dtype=np.float64)
-            kept = self.kept_bytes(modules[phase], rows) + (0.0 if kept is None else kept)
-            # the backward of this phase runs with every earlier phase's inputs still kept
-            moment = kept + self.working_bytes(modules[phase], rows)
-            peak = moment if peak is None else np.maximum(peak, moment)
-        return peak
-
-    def peak_bytes(
-        self,
-        modules: Mapping[str, Submodule],
-        tokens: Mapping[str, np.ndarray],
-        num_ranks: int,
-    ) -> np.ndarray:
-        """Peak memory per rank (static plus activations), ``float64[num_ranks]``."""
-        return self.static_bytes(modules, num_ranks) + self.activation_bytes(modules, tokens)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
 
     @property
     def budget_bytes(self) -> float:
         """What a rank may use before it runs out of memory."""
         return self.gpu_bytes - self.reserve_bytes
+
+    def group(self, num_ranks: int) -> int:
+        return min(self.shard_group, num_ranks) if self.fsdp else 1
+
+    # -- static ------------------------------------------------------------------------------
+
+    def parameters(self, config: ModelConfig) -> tuple[int, int]:
+        """The model's parameters: all of them and the trained ones (every FSDP unit of
+        :func:`orchmllm.sim.allocations.units`, embeddings and connectors included)."""
+        us = units(config).values()
+        return sum(u.params for u in us), sum(u.params for u in us if u.trained)
+
+    def static_bytes(self, config: ModelConfig, recipe: TrainRecipe, num_ranks: int) -> float:
+        """Live when a step starts: the sharded master parameters and AdamW's two moments of
+        the trained ones (FSDP2 shards over the group); without FSDP one copy of the
+        parameters in the compute dtype."""
+        dt = Dtypes.of(recipe.precision)
+        total, trained = self.parameters(config)
+        if not self.fsdp:
+            return float(dt.compute * total)
+        state = 2 * dt.master * trained if self.optimizer else 0
+        return (dt.master * total + state) / self.group(num_ranks)
+
+    # -- per phase ----------------------------------------------------------------------------
+
+    def moments(
+        self, config: ModelConfig, recipe: TrainRecipe, *, num_ranks: int, moves=frozenset()
+    ) -> Moments:
+        """The step's replay for this set-up (cached per config, recipe, group and moves)."""
+        setup = StepSetup(
+            shard_group=self.group(num_ranks), device=self.device, moves=frozenset(moves),
+            fsdp=self.fsdp, optimizer=self.optimizer, previous_batch=self.previous_batch,
+        )  # fmt: skip
+        key = (repr(config), recipe, setup)
+        if key not in _MOMENTS:
+            _MOMENTS[key] = step_moments(config, recipe, setup)
+        return _MOMENTS[key]
+
+    def phase_peaks(
+        self,
+        config: ModelConfig,
+        recipe: TrainRecipe,
+        features: Mapping[str, np.ndarray],
+        *,
+        num_ranks: int,
+        moves=frozenset(),
+    ) -> dict[str, np.ndarray]:
+        """Each rank's peak above :meth:`static_bytes` in each phase (forward, backward and,
+        with an optimizer, optimizer)."""
+        return self.moments(config, recipe, num_ranks=num_ranks, moves=moves).peaks(features)
+
+    def peak_bytes(
+        self,
+        config: ModelConfig,
+        recipe: TrainRecipe,
+        features: Mapping[str, np.ndarray],
+        *,
+        num_ranks: int,
+        moves=frozenset(),
+    ) -> np.ndarray:
+        """Each rank's peak over the step: static plus the largest phase peak."""
+        peaks = self.phase_peaks(config, recipe, features, num_ranks=num_ranks, moves=moves)
+        top = np.max(np.stack(list(peaks.values())), axis=0)
+        return self.static_bytes(config, recipe, num_ranks) + top
+
+    # -- features -----------------------------------------------------------------------------
+
+    def rank_features(
+        self, config: ModelConfig, recipe: TrainRecipe, batch: Batch, layout: Layout
+    ) -> dict[str, np.ndarray]:
+        """What the replay's forms are evaluated on, per rank, for ``batch`` laid out as
+        ``layout`` (see :data:`orchmllm.sim.allocations.FEATURES`)."""
+        d = batch.num_ranks
+        dt = Dtypes.of(recipe.precision)
+        src = batch.example_src
+        out: dict[str, np.ndarray] = {}
+        for name, e in config.encoders.items():
+            it = batch.of(name)
+            dst = layout.items[name]
+            pos = it.raw // e.stride
+            n = _per_rank(pos, dst, d, "count")
+            longest = _per_rank(pos, dst, d, "max")
+            valid = _per_rank(pos, dst, d, "sum")
+            rows = n * longest if e.padded else valid
+            f = {
+                "rows": rows,
+                "input": n * _per_rank(it.raw, dst, d, "max") if e.padded else valid,
+                "raw": _per_rank(it.raw, dst, d, "sum"),
+                "sampled": _per_rank(it.raw, src[it.example], d, "sum"),
+                "valid": valid,
+                "merged": _per_rank(it.raw // e.rate.divisor, dst, d, "sum"),
+                "encoded": _per_rank(
+                    it.raw // e.rate.divisor, layout.example[it.example], d, "sum"
+                ),
+                "longest": longest,
+                "items": n,
+            }
+            f["attn_fwd"], f["attn_bwd"] = self._workspace(
+                e.hidden, e.heads, e.padded, rows, longest, n, dt
+            )
+            out.update({f"{name}.{k}": v for k, v in f.items()})
+        seq = batch.llm_lengths(config)
+        tokens = _per_rank(seq, layout.example, d, "sum")
+        c = recipe.loss_chunk
+        m = config.llm
+        n = _per_rank(seq, layout.example, d, "count")
+        longest = _per_rank(seq, layout.example, d, "max")
+        f = {
+            "tokens": tokens,
+            "text": _per_rank(batch.text, layout.example, d, "sum"),
+            "sampled_text": _per_rank(batch.text, src, d, "sum"),
+            "items": n,
+            "chunk": np.minimum(tokens, c),
+            "chunk2": np.clip(tokens - c, 0, c),
+        }
+        f["attn_fwd"], f["attn_bwd"] = self._workspace(
+            m.hidden, m.heads, False, tokens, longest, n, dt
+        )
+        out.update({f"{LLM}.{k}": v for k, v in f.items()})
+        return out
+
+    def _workspace(self, hidden, heads, padded, rows, longest, items, dt):
+        if self.device == "cpu":
+            return cpu_attention_workspace(
+                longest, head_dim=hidden // heads, dtypes=dt, threads=self.threads
+            )
+        return cuda_attention_workspace(rows, items, hidden=hidden, heads=heads, padded=padded)
+
+
+def _moves(r) -> bool:
+    return not (np.array_equal(r.src_rank, r.dst_rank) and np.array_equal(r.src_slot, r.dst_slot))
+
+
+def step_of_plan(plan: StepPlan) -> tuple[Batch, Layout, frozenset[str]]:
+    """A trainer step's plan (:class:`~orchmllm.step_plan.StepPlan`) as the memory model
+    reads it: the global batch, where each phase runs it, and which moves run (a move where
+    every item stays is skipped, as ``Orchestrator._move`` skips it)."""
+    items = {n: ItemLengths(p.example, p.raw) for n, p in plan.phases.items()}
+    batch = Batch(plan.num_ranks, plan.text_len, items)
+    layout = Layout(plan.llm.dst_rank, {n: p.encoder.dst_rank for n, p in plan.phases.items()})
+    moves = {f"{n}.raw" for n, p in plan.phases.items() if _moves(p.encoder)}
+    moves |= {f"{n}.out" for n, p in plan.phases.items() if _moves(p.to_llm)}
+    if _moves(plan.llm):
+        moves.add("text")
+    return batch, layout, frozenset(moves)

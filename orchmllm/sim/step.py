@@ -16,7 +16,8 @@ the dispatch all-to-alls on the critical path:
   ``plan_hidden`` says whether it fits in the step.
 
 MFU counts useful FLOPs only (no padding, causal attention halved, no recompute) over the dense
-bf16 peak. Memory is ``orchmllm.sim.memory``'s peak of the worst rank.
+bf16 peak. Memory is ``orchmllm.sim.memory``'s peak per phase under the run's training recipe
+(static bytes plus the replayed step), per rank.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchmllm.config import ModelConfig
+from orchmllm.config import ModelConfig, TrainRecipe
 from orchmllm.cost import FORWARD_FRACTION
 from orchmllm.schema import LLM
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, Submodule
 from orchmllm.sim.layout import Layout, llm_pieces, raw_row_bytes
-from orchmllm.sim.memory import MemoryModel, phase_tokens
+from orchmllm.sim.memory import MemoryModel, moves_of_layout
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class StepResult:
     llm_tokens: int  # tokens through the LLM (the paper's throughput counts these)
     mfu: float
     peak_memory_bytes: float  # worst rank
-    balanced_memory_bytes: float  # a rank holding every phase's average tokens
+    phase_memory_bytes: dict[str, float]  # worst rank per phase (forward, backward, optimizer)
+    balanced_memory_bytes: float  # a rank holding every phase's average load
     budget_bytes: float
     dispatchers: dict[str, comm.Volumes]  # forward moves by dispatcher name
     plan_ms: float
@@ -151,16 +153,18 @@ def simulate_step(
     *,
     config: ModelConfig,
     modules: Mapping[str, Submodule],
+    recipe: TrainRecipe,
     cluster: Cluster | None = None,
 ) -> StepResult:
-    """Model one step of ``batch`` laid out as ``layout`` (see the module docstring)."""
+    """Model one step of ``batch`` laid out as ``layout`` under the training ``recipe`` (see
+    the module docstring)."""
     cluster = cluster or Cluster()
     d = batch.num_ranks
     phases = (*config.encoders, LLM)
     lengths = {name: batch.encoder_lengths(name, config) for name in config.encoders}
     lengths[LLM] = batch.llm_lengths(config)
     dst = {**layout.items, LLM: layout.example}
-    compute, mean_compute, fsdp, tokens = {}, {}, {}, {}
+    compute, mean_compute, fsdp = {}, {}, {}
     useful = 0.0
     for phase in phases:
         m = modules[phase]
@@ -168,7 +172,6 @@ def simulate_step(
         compute[phase] = float(t.max())
         mean_compute[phase] = float(t.mean())
         fsdp[phase] = fsdp_seconds(m, d, cluster)
-        tokens[phase] = phase_tokens(m.kind, lengths[phase], dst[phase], d)
         useful += m.useful_flops(lengths[phase])
     fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
     # a move where every item stays is skipped by all ranks together (the plan is global)
@@ -184,7 +187,13 @@ def simulate_step(
         for p in phases
     }
     forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in phases) + dispatch_fwd
-    memory = cluster.memory.peak_bytes(modules, tokens, d)
+    mem = cluster.memory
+    features = mem.rank_features(config, recipe, batch, layout)
+    moves = moves_of_layout(batch, layout, config)
+    static = mem.static_bytes(config, recipe, d)
+    phases = mem.phase_peaks(config, recipe, features, num_ranks=d, moves=moves)
+    memory = static + np.max(np.stack(list(phases.values())), axis=0)
+    mean = {k: v.mean(keepdims=True) for k, v in features.items()}
     return StepResult(
         step_time_s=step,
         forward_s=forward,
@@ -197,12 +206,11 @@ def simulate_step(
         llm_tokens=int(lengths[LLM].sum()),
         mfu=useful / (d * step * cluster.peak_flops) if step > 0 else 0.0,
         peak_memory_bytes=float(memory.max()),
+        phase_memory_bytes={p: static + float(v.max()) for p, v in phases.items()},
         balanced_memory_bytes=float(
-            cluster.memory.peak_bytes(
-                modules, {p: t.mean(keepdims=True) for p, t in tokens.items()}, d
-            )[0]
+            mem.peak_bytes(config, recipe, mean, num_ranks=d, moves=moves)[0]
         ),
-        budget_bytes=cluster.memory.budget_bytes,
+        budget_bytes=mem.budget_bytes,
         dispatchers=by_dispatcher(fwd),
         plan_ms=layout.plan_ms,
         plan_hidden=layout.plan_ms * 1e-3 < step,

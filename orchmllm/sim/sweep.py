@@ -3,7 +3,8 @@
 A case is one (model, ranks, mode, placement, policies, mini-batch) over a few sampled steps;
 :func:`run_case` returns one flat record (the benchmark's JSON row). :func:`largest_minibatch`
 is the paper's rule for the mini-batch (the largest that never runs out of memory), applied to
-the memory model.
+the memory model; :func:`fitting_minibatches` applies it to one seed's sampled steps the way
+``python -m orchmllm.plan_memory`` and ``benchmarks/reproduce_paper.py`` both do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.config import DataConfig, ModelConfig, load_config
+from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
 from orchmllm.sim.layout import TAILORED, plan
@@ -28,12 +29,14 @@ PAPER_MODELS = ("mllm-10b", "mllm-18b", "mllm-84b")
 
 @dataclass(frozen=True)
 class SimModel:
-    """A run config's model and data sections, with its calibrated submodules."""
+    """A run config's model, data and training-recipe sections, with its calibrated
+    submodules (recomputing checkpointed blocks as the recipe says)."""
 
     name: str
     config: ModelConfig
     data: DataConfig
     modules: Mapping[str, Submodule] = field(repr=False)
+    recipe: TrainRecipe = field(default_factory=TrainRecipe)
 
 
 def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
@@ -44,7 +47,19 @@ def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
     if not path.is_file():
         raise ValueError(f"name: no run config at {path}")
     run = load_config(path)
-    return SimModel(path.stem, run.model, run.data, submodules(run.model))
+    modules = submodules(run.model, checkpointing=run.recipe.checkpointing > 0)
+    return SimModel(path.stem, run.model, run.data, modules, run.recipe)
+
+
+def default_steps(num_ranks: int) -> int:
+    """Sampled steps per case: several where a step holds few examples; at scale one step
+    is already a large sample of the length distribution."""
+    return max(1, min(4, 256 // num_ranks))
+
+
+def placement_for(mode: str) -> str:
+    """Node-wise placement where a mode moves data (the paper's setting), none elsewhere."""
+    return "node" if mode in ("llm", "full") else "none"
 
 
 def sample_pool(
@@ -97,8 +112,14 @@ def _steps(
         )
         out.append(
             simulate_step(
-                batch, layout, mode, config=model.config, modules=model.modules, cluster=cluster
-            )
+                batch,
+                layout,
+                mode,
+                config=model.config,
+                modules=model.modules,
+                recipe=model.recipe,
+                cluster=cluster,
+            )  # fmt: skip
         )
     return out
 
@@ -136,6 +157,10 @@ def summarize(
         "plan_ms": float(np.mean([r.plan_ms for r in results])),
         "plan_hidden": all(r.plan_hidden for r in results),
         "peak_memory_gb": max(r.peak_memory_bytes for r in results) / 1e9,
+        **{
+            f"{phase}_memory_gb": max(r.phase_memory_bytes[phase] for r in results) / 1e9
+            for phase in results[0].phase_memory_bytes
+        },
         "memory_budget_gb": results[0].budget_bytes / 1e9,
         "oom": any(r.oom for r in results),
     }
@@ -290,3 +315,52 @@ def largest_minibatch(
         cluster=cluster,
     )
     return b, record
+
+
+def step_pools(
+    model: SimModel, num_ranks: int, per_rank: int, seed: int, steps: int
+) -> dict[int, Batch]:
+    """``steps`` sampled steps of ``per_rank`` examples per rank; step ``k`` draws with
+    ``numpy.random.default_rng([seed, k])``."""
+    return {k: sample_pool(model, num_ranks, per_rank, (seed, k)) for k in range(steps)}
+
+
+def fitting_minibatches(
+    model: SimModel,
+    num_ranks: int,
+    modes: Sequence[str],
+    *,
+    seed: int,
+    steps: int | None = None,
+    cluster: Cluster | None = None,
+    guesses: Mapping[str, int | None] | None = None,
+) -> tuple[dict[int, Batch], dict[str, tuple[int, dict[str, Any] | None]]]:
+    """The largest mini-batch of each mode (:func:`largest_minibatch`, node-wise placement
+    where the mode moves data) on one seed's sampled steps (:func:`default_steps` of them),
+    and those steps.
+
+    The steps hold ``2 * data.examples_per_rank`` examples per rank, grown by half until
+    some mini-batch does not fit, so the answer depends on the config, the seed and the
+    cluster only (``guesses`` change where the search starts, not its result)."""
+    steps = steps or default_steps(num_ranks)
+    per_rank = 2 * model.data.examples_per_rank
+    guesses = guesses or {}
+    while True:
+        pools = step_pools(model, num_ranks, per_rank, seed, steps)
+        try:
+            found = {
+                mode: largest_minibatch(
+                    model,
+                    num_ranks,
+                    mode,
+                    pools=pools,
+                    placement=placement_for(mode),
+                    cluster=cluster,
+                    guess=guesses.get(mode),
+                )  # fmt: skip
+                for mode in modes
+            }
+        except ValueError:  # every pooled mini-batch fits: sample larger steps
+            per_rank = int(1.5 * per_rank) + 1
+            continue
+        return pools, found

@@ -1,0 +1,67 @@
+"""python -m orchmllm.plan_memory: the predicted memory per GPU and the largest mini-batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchmllm import plan_memory
+from tests.conftest import ROOT, load_script
+
+CONFIG = str(ROOT / "configs" / "mllm-10b.yaml")
+
+
+def test_prints_the_peak_per_phase_and_the_largest_minibatch_that_fits(capsys) -> None:
+    """The largest mini-batch of each mode fits the budget in every sampled step (the search
+    checks that one more does not); the peaks at it and at the config's mini-batch are
+    printed per phase, with the recipe and the static bytes."""
+    record = plan_memory.main(["--config", CONFIG, "--gpu-memory", "80", "--gpus", "16"])
+    out = capsys.readouterr().out
+    assert "precision bf16-mixed, checkpointing every block, loss chunk 4096" in out
+    assert "16 GPUs, FSDP over 16: budget 74.0 GB" in out
+    assert record["budget_gb"] == pytest.approx(74.0)
+    for mode in ("none", "full"):
+        (b,) = record["largest"][mode]
+        assert b >= 1 and f"{mode:<5} {b:>5}" in out
+        at = record["peaks"][mode]
+        largest, rec = at["largest"]
+        assert largest == b and not rec["oom"]
+        assert rec["peak_memory_gb"] <= record["budget_gb"]
+        assert rec["peak_memory_gb"] == pytest.approx(
+            max(rec[f"{p}_memory_gb"] for p in ("forward", "backward", "optimizer"))
+        )
+        configured, _ = at["config"]
+        assert configured == 80
+    assert record["largest"]["full"][0] >= record["largest"]["none"][0]
+
+
+def test_bad_arguments_are_rejected(capsys) -> None:
+    for argv, name in (
+        (["--config", CONFIG, "--gpus", "0"], "--gpus"),
+        (["--config", CONFIG, "--gpu-memory", "4"], "--gpu-memory"),
+        (["--config", "no/such.yaml"], "--config"),
+    ):
+        with pytest.raises(SystemExit):
+            plan_memory.main(argv)
+        assert name in capsys.readouterr().err
+
+
+def test_it_prints_the_minibatches_reproduce_paper_prints() -> None:
+    """Figure 8 of benchmarks/reproduce_paper.py and plan_memory search the same sampled
+    steps with the same memory model and recipe: the same largest mini-batches per seed."""
+    reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
+    from orchmllm.sim.sweep import load_model
+
+    sw = reproduce_paper.Sweep({"mllm-10b": load_model("mllm-10b")}, None, (0, 1))
+    reproduce_paper.figure8(sw, [64])
+    (fig8,) = [r for r in sw.records if r["figure"] == "fig8"]
+    record = plan_memory.plan(
+        plan_memory.parse_args(["--config", CONFIG, "--gpus", "64", "--seeds", "2"])
+    )
+    for mode in ("none", "full"):
+        bs = record["largest"][mode]
+        spread = fig8[f"b_{mode}"]
+        assert (min(bs), max(bs), sum(bs) / len(bs)) == (
+            spread["min"],
+            spread["max"],
+            pytest.approx(spread["mean"]),
+        ), mode
