@@ -1250,6 +1250,32 @@ def defaults(sw: Sweep, ranks: Sequence[int]) -> None:
     )
 
 
+def closing(records: list[dict[str, Any]]) -> list[str]:
+    """The closing note's figures, from this run's records: Figure 8 at the paper's
+    mini-batches (the largest scale up to the paper's 2560) with their spreads, and the
+    length scale at which Table 2's forward time is the paper's."""
+    out = []
+    fig8 = [r for r in records if r.get("figure") == "fig8"]
+    top = max((r["ranks"] for r in fig8 if r["ranks"] <= 2560), default=None)
+    at = [r for r in fig8 if r["ranks"] == top]
+    if at:
+        out.append(
+            f"Figure 8 at {top} GPUs, MFU ratio full/none at the paper's mini-batches: "
+            + "; ".join(f"{r['model']} {fmt_spread(r['at_paper_product'])}" for r in at)
+            + " (at the largest fitting: "
+            + "; ".join(f"{r['model']} {fmt_spread(r['product'])}" for r in at)
+            + "); the paper: 1.5-2.0."
+        )
+    for r in records:
+        if r.get("figure") == "table2_scale":
+            where = f"scale {r['scale']:.2f}" if r["scale"] else "no scale searched"
+            out.append(
+                f"Table 2's forward time at {r['ranks']} GPUs ({r['paper_forward_s']} s; the sim "
+                f"{r['forward_s_at_1']:.3g} s) is matched at length {where} (derived, not used)."
+            )
+    return out
+
+
 SECTIONS = (
     "speedup", "fig8", "sensitivity", "fig10", "fig11", "fig12", "fig13", "table2", "validation",
     "defaults",
@@ -1327,6 +1353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n== Where the simulation disagrees with the paper, and why")
     for note in NOTES:
         print(f"- {note}")
+    for line in closing(sw.records):
+        print(f"- {line}")
     if not args.no_plots and "fig8" in args.sections:
         written = plots(sw.records, args.out)
         print("\nplots: " + ", ".join(str(p) for p in written))

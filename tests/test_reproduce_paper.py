@@ -37,6 +37,9 @@ def quick(tmp_path_factory, run_benchmark) -> tuple[list[dict], Path]:
     assert "Figure 8" in run.stdout and "Table 2" in run.stdout
     for title in ("at the paper's mini-batches", "Figure 9", "Sensitivity", "Figure 12"):
         assert title in run.stdout, title
+    # the closing note quotes Figure 8 at the paper's mini-batches and the derived scale
+    assert "MFU ratio full/none at the paper's mini-batches: mllm-10b" in run.stdout
+    assert "is matched at length scale" in run.stdout
     assert "Defaults from the simulator" in run.stdout
     assert "no GPU record" in run.stdout
     return run.records, out
