@@ -228,7 +228,7 @@ def test_the_simulators_shortfalls_and_summary_follow_the_records(tmp_path) -> N
         block = results_doc.render_readme(readme, tmp_path)
         for text in (body, block):
             assert f"mllm-10b {product:.3g} ({product - 0.01:.3g}-{product + 0.01:.3g})" in text
-        assert f"length scale **{scale:.2f}**" in body and f"× {scale:.2f} (not used)" in block
+        assert f"length scale **{scale:.2f}**" in body and f"× {scale:.2f}, not used" in block
         assert "Where the simulation falls short of the paper" in body
         assert "more than the budget" in body  # the matching scale does not fit mini-batch 60
         assert "| mllm-10b | 2,560 | 65→80 |" in body  # Figure 8 at the paper's mini-batches
