@@ -28,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
 Records = list[dict[str, Any]]
 
 
@@ -998,6 +999,73 @@ def _anchor(title: str) -> str:
     return kept.replace(" ", "-")
 
 
+# -- the README's marked blocks ---------------------------------------------------------------
+
+
+def gpu_proof(recs: Records) -> list[str]:
+    """What the README says of the GPU: each set-up's measured speed-up beside its prediction."""
+    lines = []
+    for (ranks, b), group in _by_setup(recs).items():
+        full, none = group["full"], group["none"]
+        noisy = none["step_over_ideal"] > 1.5 * none["sim_step_over_ideal"]
+        lines.append(
+            f"- {ranks} ranks x {b} examples: `full` over `none` {full['speedup_vs_none']:.3f}, "
+            f"the simulator predicted {full['sim_speedup_vs_none']:.3f} for the same batches "
+            f"(measured / predicted {full['speedup_vs_none'] / full['sim_speedup_vs_none']:.2f}); "
+            f"`full` over `llm` {full['speedup_vs_llm']:.3f} (predicted "
+            f"{full['sim_speedup_vs_llm']:.3f})"
+            + ("; noise-dominated: one timing per rank" if noisy else "")
+            + "."
+        )
+    r = recs[0]
+    return [
+        *lines,
+        "",
+        f"({r['device']}, torch {r['torch_version']}, {r['run_date'][:10]}; docs/results.md has "
+        "every figure, the memory measurements and what they mean.)",
+    ]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A marked block of the README (``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->``)
+    and the records it is made of."""
+
+    name: str
+    pattern: str
+    render: Callable[[Records], list[str]]
+
+
+BLOCKS = (
+    Block("main-job", "train_modes.json", lambda recs: table_only(train_modes(recs))),
+    Block("gpu", "gpu_step_*.json", gpu_proof),
+)
+
+
+def table_only(lines: list[str]) -> list[str]:
+    """The table of a section's lines (the README keeps only the figures)."""
+    return [line for line in lines if line.startswith("|")]
+
+
+def render_readme(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every marked block rewritten from the records (a block without records
+    says so)."""
+    for block in BLOCKS:
+        start, end = f"<!-- results:{block.name} -->", f"<!-- /results:{block.name} -->"
+        head, found, rest = text.partition(start)
+        if not found:
+            raise ValueError(f"README has no {start} block")
+        _, found, tail = rest.partition(end)
+        if not found:
+            raise ValueError(f"README's {start} block has no {end}")
+        records: Records = []
+        for path in sorted(results.glob(block.pattern)):
+            records += json.loads(path.read_text())
+        body = block.render(records) if records else [f"(no `{block.pattern}` record yet)"]
+        text = "\n".join([head + start, *body, end]) + tail
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="the --json files")
@@ -1005,18 +1073,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if the document is stale"
     )
+    ap.add_argument("--readme", type=Path, default=README, help="the README whose blocks to fill")
     args = ap.parse_args(argv)
-    text = render(args.results)
+    outputs = {args.doc: render(args.results)}
+    if args.readme.exists():
+        outputs[args.readme] = render_readme(args.readme.read_text(), args.results)
     if args.check:
-        current = args.doc.read_text() if args.doc.exists() else ""
-        if current != text:
-            print(f"{args.doc} is not what {args.results} gives: run benchmarks/results_doc.py")
-            return 1
-        print(f"{args.doc} is up to date")
-        return 0
-    args.doc.parent.mkdir(parents=True, exist_ok=True)
-    args.doc.write_text(text)
-    print(f"wrote {args.doc}")
+        stale = [
+            path for path, text in outputs.items() if not path.exists() or path.read_text() != text
+        ]
+        for path in stale:
+            print(f"{path} is not what {args.results} gives: run benchmarks/results_doc.py")
+        if not stale:
+            print(f"{', '.join(map(str, outputs))} up to date")
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 
