@@ -1,0 +1,156 @@
+"""torchtitan's data loader component, balanced by orchmllm (``pip install --no-deps torchtitan``).
+
+torchtitan's trainer builds its loader from the job config (``config.dataloader.build(
+dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=, ...)``), iterates
+``(input_dict, labels)`` pairs and checkpoints the loader through ``state_dict`` per data-parallel
+rank. :class:`BalancedTitanLoader` is such a component: its ``Config`` takes the place of the
+trainer's ``dataloader`` config, and it yields, per step, this rank's balanced share of the step's
+documents packed into one row (``input_dict["input"]`` and ``labels``, each ``[1, tokens]``,
+``labels`` the next tokens of each document: torchtitan's own convention, so its
+``post_dataloading_process`` and document masking apply unchanged).
+
+Each step holds at most ``local_batch_size * seq_len`` tokens per rank (``BalancedDataLoader``'s
+``max_tokens_per_rank``): the epoch is packed into steps whose ranks carry near-equal tokens,
+instead of fixed windows cut across documents. torchtitan already divides each rank's summed
+loss by the global count of valid tokens, so the gradients are those of the same documents on
+any rank.
+
+The documents come from ``dataset_path``: an HF ``datasets`` folder (``save_to_disk``) with an
+``input_ids`` column (tokenised documents; longer ones are cut to ``seq_len + 1`` tokens, shorter
+ones than 2 dropped), or a ``text`` column, which the trainer's tokenizer encodes with BOS and EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+
+import orchmllm
+
+
+def _pack(examples: Sequence[dict]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Documents as one row: each contributes its tokens but the last as input and its tokens
+    but the first as labels."""
+    docs = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
+    inputs = torch.cat([d[:-1] for d in docs]) if docs else torch.zeros(0, dtype=torch.long)
+    labels = torch.cat([d[1:] for d in docs]) if docs else torch.zeros(0, dtype=torch.long)
+    return {"input": inputs[None]}, labels[None]
+
+
+class BalancedTitanLoader(BaseDataLoader):
+    """torchtitan's dataloader component: documents balanced over the data-parallel ranks.
+
+    Args:
+        config: the :class:`Config` (the trainer's ``dataloader`` section).
+        dp_world_size, dp_rank: this rank's place in the data-parallel group (torchtitan's
+            batch mesh; the loader itself gathers over the default process group, which must
+            be that group: data parallelism only).
+        tokenizer: the trainer's tokenizer (encodes a ``text`` column).
+        seq_len, local_batch_size: each rank's step budget is their product in tokens.
+        dataset: a map-style dataset of ``{"input_ids"}`` instead of ``dataset_path``
+            (programmatic use and tests).
+        kwargs: the trainer's other build arguments (``snapshot_every_n_steps``), unused.
+
+    Raises:
+        ValueError: neither ``dataset`` nor ``config.dataset_path``, a dataset without
+            ``input_ids`` or ``text``, ``dp_world_size`` unlike the process group's size.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        policy: str = "greedy"
+        """The balancing policy (``orchmllm.POLICIES``)."""
+
+        seed: int = 0
+        """The shuffling seed (the same on every rank)."""
+
+        infinite: bool = True
+        """Start the next epoch when one ends (torchtitan trains by steps)."""
+
+        num_workers: int = 0
+        """DataLoader workers that load each rank's documents."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any = None,
+        seq_len: int,
+        local_batch_size: int,
+        dataset: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config, self.dp_rank, self.dp_world_size = config, dp_rank, dp_world_size
+        self.seq_len = seq_len
+        documents = self._documents(config, dataset, tokenizer)
+        lengths = np.array([len(d) - 1 for d in documents["input_ids"]], dtype=np.int64)
+        self.loader = orchmllm.BalancedDataLoader(
+            documents,
+            max_tokens_per_rank=seq_len * local_batch_size,
+            lengths=lengths,  # predicted tokens: what the step computes
+            collate_fn=_pack,
+            sampling=orchmllm.SamplingOptions(seed=config.seed, num_replicas=dp_world_size),
+            planning=orchmllm.PlanningOptions(policy=config.policy),
+            options=orchmllm.LoaderOptions(num_workers=config.num_workers),
+        )
+
+    def _documents(self, config: Config, dataset: Any, tokenizer: Any) -> Any:
+        if dataset is None:
+            if not config.dataset_path:
+                raise ValueError("pass dataset= or set the config's dataset_path")
+            dataset = datasets.load_from_disk(config.dataset_path)
+        columns = getattr(dataset, "column_names", None) or list(dataset[0])
+        if "input_ids" not in columns:
+            if "text" not in columns or tokenizer is None:
+                raise ValueError(
+                    f"the dataset needs an input_ids column (or text and a tokenizer); "
+                    f"it has {columns}"
+                )
+            encode = lambda e: {  # noqa: E731
+                "input_ids": tokenizer.encode(e["text"], add_bos=True, add_eos=True)
+            }
+            dataset = dataset.map(encode, remove_columns=columns)
+        if not isinstance(dataset, datasets.Dataset):
+            rows = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+            dataset = datasets.Dataset.from_dict({"input_ids": rows})
+        cut = self.seq_len + 1  # a document predicts at most seq_len tokens, as torchtitan's
+        dataset = dataset.select_columns(["input_ids"]).filter(lambda e: len(e["input_ids"]) > 1)
+        return dataset.map(lambda e: {"input_ids": e["input_ids"][:cut]}).with_format("torch")
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            yield from self.loader
+            if not self.config.infinite:
+                return
+            self.loader.set_epoch(self.loader.epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position (epoch and steps consumed), keyed by its data-parallel rank as
+        torchtitan's own loader keys it."""
+        return {
+            f"dp_rank_{self.dp_rank}": self.loader.state_dict(),
+            "world_size": self.dp_world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (an empty one: start afresh).
+
+        Raises:
+            ValueError: a state saved with another data-parallel size.
+        """
+        if not state_dict:
+            return
+        if state_dict["world_size"] != self.dp_world_size:
+            raise ValueError(
+                f"the state was saved with dp_world_size={state_dict['world_size']}, "
+                f"this loader has {self.dp_world_size}"
+            )
+        self.loader.load_state_dict(state_dict[f"dp_rank_{self.dp_rank}"])
