@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("torchtitan")
+pytest.importorskip("torchtitan.components.dataloader")  # and its dependencies
 datasets = pytest.importorskip("datasets")
 
 from orchmllm.integrations.torchtitan import BalancedTitanLoader  # noqa: E402

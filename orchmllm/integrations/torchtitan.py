@@ -18,6 +18,23 @@ any rank.
 The documents come from ``dataset_path``: an HF ``datasets`` folder (``save_to_disk``) with an
 ``input_ids`` column (tokenised documents; longer ones are cut to ``seq_len + 1`` tokens, shorter
 ones than 2 dropped), or a ``text`` column, which the trainer's tokenizer encodes with BOS and EOS.
+
+Recipe (torchtitan's trainer needs a GPU: its model registries import triton): a config module
+of your own replaces the ``dataloader`` of one of torchtitan's configs::
+
+    # my_configs.py
+    from torchtitan.models.llama3.config_registry import llama3_8b
+    from orchmllm.integrations.torchtitan import BalancedTitanLoader
+
+    def llama3_8b_balanced():
+        config = llama3_8b()
+        config.dataloader = BalancedTitanLoader.Config(dataset_path="/data/docs")
+        return config
+
+    torchrun --nproc_per_node=8 -m torchtitan.train --module my_configs --config llama3_8b_balanced
+
+Pick a document-masking attention (``attn_backend="varlen"`` or flex ``block_causal``) so that
+packed documents do not attend to each other. Balancing is over the data-parallel ranks only.
 """
 
 from __future__ import annotations
