@@ -14,6 +14,7 @@ import wave
 
 import numpy as np
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers", exc_type=ModuleNotFoundError)
 datasets = pytest.importorskip("datasets")
@@ -25,7 +26,7 @@ from orchmllm.integrations.transformers import tiny  # noqa: E402
 SPECIALS = ["<pad>", "<image>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 # (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels.
 SIZES = [(1, 1), (10, 10), (28, 28), (56, 56), (57, 83), (83, 57), (321, 123), (640, 480)]
-SIZES += [(1000, 30), (30, 1000), (1999, 1001), (3000, 2000)]
+SIZES += [(1000, 30), (30, 1000), (1999, 1001)]
 # Samples at 16 kHz: under one hop, hop boundaries, odd, the 30 s cut, beyond it.
 SAMPLES = [1, 159, 160, 161, 8000, 48077, 479_999, 480_000, 480_001, 720_000]
 
@@ -160,6 +161,11 @@ def test_whisper_audio_equals_feature_extractor_and_qwen2_audio(tokenizer, tmp_p
         assert got["audio_tokens"] == int((out["input_ids"] == audio_id).sum()), n
         assert got["num_tokens"] == out["input_ids"].shape[1]
         assert got["audio_rows"] == out["feature_attention_mask"].sum()
+    encoder = transformers.WhisperPreTrainedModel._get_feat_extract_output_lengths
+    plain = L.WhisperAudio.from_processor(fe, pool=1)  # Whisper's encoder: its conv stride
+    for n in SAMPLES:
+        frames = torch.tensor(plain.audio(n).rows)
+        assert plain.audio(n).tokens == int(encoder(None, frames))
     assert L.audio_samples({"duration": 2.5}, sampling_rate=16000) == 40000
     assert L.audio_samples({"num_samples": 8000, "sampling_rate": 8000}, sampling_rate=16000)
 
