@@ -11,6 +11,7 @@ tokens per clip (Whisper's feature extractor, Qwen2-Audio's processor), and whol
 from __future__ import annotations
 
 import wave
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from orchmllm.integrations.transformers import lengths as L  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
+from orchmllm.integrations.transformers.tiles import LlavaAdapter  # noqa: E402
 
 SPECIALS = ["<pad>", "<image>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 # (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels.
@@ -172,7 +174,8 @@ def test_whisper_audio_equals_feature_extractor_and_qwen2_audio(tokenizer, tmp_p
 
 def test_dataset_map_adds_counts(tokenizer, image_files):
     """The row function under ``datasets.map`` (two processes): one column per count, from
-    paths alone."""
+    paths alone, and the row's ``segments`` are the ones the LLaVA adapter makes of the processed
+    row."""
     processor = transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessorPil(),
         tokenizer=tokenizer,
@@ -187,11 +190,21 @@ def test_dataset_map_adds_counts(tokenizer, image_files):
     ]
     ds = datasets.Dataset.from_list(rows)
     out = ds.map(L.lengths_for(processor, family="llava"), num_proc=2)
+    config = transformers.LlavaConfig(  # the adapter reads the model's config only
+        vision_config=transformers.CLIPVisionConfig(image_size=224, patch_size=14),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    adapter = LlavaAdapter(SimpleNamespace(config=config))
     for row, got in zip(rows, out, strict=True):
         images = [Image.open(p) for p in row["images"]] or None
-        ids = processor(text=[row["text"]], images=images, return_tensors="np")["input_ids"]
-        assert got["num_tokens"] == ids.shape[1]
-        assert got["vision_tokens"] == 256 * len(row["images"])
+        processed = processor(text=[row["text"]], images=images, return_tensors="np")
+        assert got["num_tokens"] == processed["input_ids"].shape[1]
+        assert got["vision_tokens"] == got["image_tokens"] == 256 * len(row["images"])
+        ids = processed["input_ids"][0]
+        labels = np.full_like(ids, -100)  # no targets: the adapter checks labels only there
+        pixels = {"pixel_values": processed["pixel_values"]} if images else {}
+        example = adapter.to_example({"input_ids": ids, "labels": labels, **pixels})
+        assert got["segments"] == example["segments"]
 
 
 def test_bad_metadata_names_the_argument(tokenizer):

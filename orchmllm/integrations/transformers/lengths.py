@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchmllm.schema import MODALITIES
+from orchmllm.schema import MODALITIES, TEXT
 
 #: Each kind of item's encoder phase (a name in ``orchmllm.schema.MODALITIES``): images and videos
 #: share the vision tower.
@@ -386,8 +386,11 @@ class MetadataLengths:
     "height"}`` and its ``fps`` when the processor samples frames).
 
     Calling it returns ``num_tokens`` (the processed ``input_ids`` length), ``text_tokens``,
-    and per encoder phase of the family (a name of ``orchmllm.schema.MODALITIES``)
-    ``<phase>_tokens`` and ``<phase>_rows`` (patches, tiles or frames its encoder computes).
+    ``<kind>_tokens`` per kind of item the family takes (``image``, ``video``, ``audio``), per
+    encoder phase (a name of ``orchmllm.schema.MODALITIES``: ``vision``, ``audio``)
+    ``<phase>_tokens`` and ``<phase>_rows`` (patches, tiles or frames its encoder computes),
+    and ``segments``: the row in ``orchmllm.schema``'s form (text runs, and each item as
+    ``[kind, rows, tokens]``), as the family's adapter makes it of the processed row.
 
     Args:
         rules: the family's :class:`Rules` (see :func:`lengths_for`).
@@ -412,28 +415,44 @@ class MetadataLengths:
         values = row.get(self.columns.get(kind, kind)) or []
         return [values] if isinstance(values, str | Mapping) else list(values)
 
-    def __call__(self, row: Mapping[str, Any]) -> dict[str, int]:
+    def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
         ids = self.tokenizer(row[self.text_column])["input_ids"]  # as the processor calls it
-        phases = {PHASE_OF[kind]: [0, 0] for kind in self.rules.items}  # rows, tokens
-        placeholders = 0
+        found: list[tuple[int, str, ItemLength]] = []  # (placeholder position, kind, item)
         for kind, fn in self.rules.items.items():
             values = self.values(row, kind)
             mark = self.rules.placeholders[kind]
-            found = ids.count(self.tokenizer.convert_tokens_to_ids(mark))
-            if found != len(values):
+            token = self.tokenizer.convert_tokens_to_ids(mark)
+            at = [i for i, t in enumerate(ids) if t == token]
+            if len(at) != len(values):
                 raise ValueError(
-                    f"the text has {found} {kind} placeholders ({mark!r}), column "
+                    f"the text has {len(at)} {kind} placeholders ({mark!r}), column "
                     f"{self.columns.get(kind, kind)!r} {len(values)} items"
                 )
-            placeholders += found
-            for item in map(fn, values):
-                phases[item.phase][0] += item.rows
-                phases[item.phase][1] += item.tokens
-        out = {"text_tokens": len(ids) - placeholders}
-        for name, (rows, tokens) in phases.items():
-            out[f"{name}_tokens"], out[f"{name}_rows"] = tokens, rows
-        out["num_tokens"] = out["text_tokens"] + sum(t for _, t in phases.values())
+            found += [(i, kind, fn(v)) for i, v in zip(at, values, strict=True)]
+        out = {"text_tokens": len(ids) - len(found)}
+        for kind in self.rules.items:
+            out[f"{kind}_tokens"] = sum(it.tokens for _, k, it in found if k == kind)
+        for phase in dict.fromkeys(PHASE_OF[kind] for kind in self.rules.items):
+            items = [it for _, _, it in found if it.phase == phase]
+            out[f"{phase}_tokens"] = sum(it.tokens for it in items)
+            out[f"{phase}_rows"] = sum(it.rows for it in items)
+        out["num_tokens"] = out["text_tokens"] + sum(it.tokens for _, _, it in found)
+        out["segments"] = _segments(found, len(ids))
         return out
+
+
+def _segments(found: list[tuple[int, str, ItemLength]], length: int) -> list[list[int]]:
+    """The row's ``segments`` (``orchmllm.schema``): text runs between the items, each item
+    ``[kind, rows, tokens]``, in the order of their placeholders."""
+    out, pos = [], 0
+    for at, _, item in sorted(found, key=lambda f: f[0]):
+        if at > pos:
+            out.append([TEXT, at - pos])
+        out.append([MODALITIES[item.phase].kind, item.rows, item.tokens])
+        pos = at + 1
+    if length > pos:
+        out.append([TEXT, length - pos])
+    return out
 
 
 def lengths_for(processor: Any, *, family: str, **kwargs: Any) -> MetadataLengths:
