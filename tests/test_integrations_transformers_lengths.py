@@ -239,3 +239,15 @@ def test_exif_rotation_swaps_the_size(tmp_path):
     _image(64, 32).save(path, exif=exif)
     loaded = transformers.image_utils.load_image(path)
     assert L.image_size(path) == loaded.size == (32, 64)
+
+
+def test_image_size_of_undecoded_hf_image_column(image_files):
+    """An HF ``Image`` column cast with ``decode=False`` holds ``{"bytes", "path"}``: the size
+    comes from the header of the file or of the bytes."""
+    paths = [p for p, _ in image_files[:4]]
+    ds = datasets.Dataset.from_dict({"image": paths})
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    for value, (path, size) in zip(ds["image"], image_files, strict=False):
+        assert L.image_size(value) == size
+        with open(path, "rb") as f:
+            assert L.image_size({"bytes": f.read(), "path": None}) == size

@@ -276,8 +276,9 @@ def image_size(value: Any) -> tuple[int, int]:
     """``(width, height)`` of an image as a row stores it, reading at most its file header.
 
     Args:
-        value: a path, an HF ``Image`` feature's undecoded dict (``{"bytes", "path"}``), a
-            ``{"width", "height"}`` dict, a ``(width, height)`` pair or a ``PIL.Image``.
+        value: a path, an HF ``Image`` feature's undecoded dict (``{"bytes", "path"}``: cast
+            the column with ``datasets.Image(decode=False)``, or ``map`` decodes every image),
+            a ``{"width", "height"}`` dict, a ``(width, height)`` pair or a ``PIL.Image``.
 
     Raises:
         ValueError: anything else.
