@@ -25,12 +25,16 @@ SEQ_LEN, LOCAL_BATCH = 32, 2
 def _save_documents(path: str, n: int = 60, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(2.8, 0.9, n), 1, 80).astype(int)
-    docs = [rng.integers(0, 1000, k).tolist() for k in lengths]
+    docs = [rng.integers(0, 1000, k).tolist() for k in lengths] + [[], [7]]  # nothing to predict
     datasets.Dataset.from_dict({"input_ids": docs}).save_to_disk(path)
     return docs
 
 
-def _worker(rank: int, world: int, path: str, policy: str) -> dict:
+def _worker(rank: int, world: int, path: str, policies: list[str]) -> dict:
+    return {p: _epoch(rank, world, path, p) for p in policies}
+
+
+def _epoch(rank: int, world: int, path: str, policy: str) -> dict:
     config = BalancedTitanLoader.Config(dataset_path=path, policy=policy, infinite=False)
     build = {"dp_world_size": world, "dp_rank": rank, "tokenizer": None, "seq_len": SEQ_LEN}
     build.update(local_batch_size=LOCAL_BATCH, snapshot_every_n_steps=None)
@@ -52,7 +56,9 @@ def _worker(rank: int, world: int, path: str, policy: str) -> dict:
 def test_titan_loader_balances_conserves_and_resumes(tmp_path):
     path = str(tmp_path / "docs")
     docs = _save_documents(path)
-    runs = {p: run_distributed(_worker, 2, path, p, timeout=120) for p in ("identity", "greedy")}
+    policies = ["identity", "greedy"]
+    per_rank = run_distributed(_worker, 2, path, policies, timeout=120)
+    runs = {p: [r[p] for r in per_rank] for p in policies}
     for policy, per_rank in runs.items():
         labels = sorted(t for r in per_rank for _, y in r["steps"] for t in y)
         assert labels == sorted(t for d in docs for t in d[1 : SEQ_LEN + 1]), policy

@@ -16,8 +16,8 @@ loss by the global count of valid tokens, so the gradients are those of the same
 any rank.
 
 The documents come from ``dataset_path``: an HF ``datasets`` folder (``save_to_disk``) with an
-``input_ids`` column (tokenised documents; longer ones are cut to ``seq_len + 1`` tokens, shorter
-ones than 2 dropped), or a ``text`` column, which the trainer's tokenizer encodes with BOS and EOS.
+``input_ids`` column (tokenised documents; longer ones are cut to ``seq_len + 1`` tokens), or a
+``text`` column, which the trainer's tokenizer encodes with BOS and EOS.
 
 Recipe (torchtitan's trainer needs a GPU: its model registries import triton): a config module
 of your own replaces the ``dataloader`` of one of torchtitan's configs::
@@ -39,24 +39,29 @@ packed documents do not attend to each other. Balancing is over the data-paralle
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 import orchmllm
 
 
-def _pack(examples: Sequence[dict]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Documents as one row: each contributes its tokens but the last as input and its tokens
-    but the first as labels."""
-    docs = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
-    inputs = torch.cat([d[:-1] for d in docs]) if docs else torch.zeros(0, dtype=torch.long)
-    labels = torch.cat([d[1:] for d in docs]) if docs else torch.zeros(0, dtype=torch.long)
+def _pack(
+    examples: Sequence[dict], *, max_len: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Documents as one row: each contributes its first ``max_len`` tokens but the last as
+    input and the same tokens but the first as labels."""
+    docs = [torch.as_tensor(e["input_ids"][:max_len], dtype=torch.long) for e in examples]
+    empty = torch.zeros(0, dtype=torch.long)
+    inputs = torch.cat([empty, *(d[:-1] for d in docs)])
+    labels = torch.cat([empty, *(d[1:] for d in docs)])
     return {"input": inputs[None]}, labels[None]
 
 
@@ -108,12 +113,14 @@ class BalancedTitanLoader(BaseDataLoader):
         self.config, self.dp_rank, self.dp_world_size = config, dp_rank, dp_world_size
         self.seq_len = seq_len
         documents = self._documents(config, dataset, tokenizer)
-        lengths = np.array([len(d) - 1 for d in documents["input_ids"]], dtype=np.int64)
+        cut = seq_len + 1  # a document predicts at most seq_len tokens, as in torchtitan
+        sizes = pc.list_value_length(documents.with_format("arrow")["input_ids"])
+        lengths = np.clip(sizes.to_numpy(zero_copy_only=False), 1, cut) - 1  # predicted tokens
         self.loader = orchmllm.BalancedDataLoader(
             documents,
             max_tokens_per_rank=seq_len * local_batch_size,
-            lengths=lengths,  # predicted tokens: what the step computes
-            collate_fn=_pack,
+            lengths=lengths,
+            collate_fn=functools.partial(_pack, max_len=cut),
             sampling=orchmllm.SamplingOptions(seed=config.seed, num_replicas=dp_world_size),
             planning=orchmllm.PlanningOptions(policy=config.policy),
             options=orchmllm.LoaderOptions(num_workers=config.num_workers),
@@ -138,9 +145,7 @@ class BalancedTitanLoader(BaseDataLoader):
         if not isinstance(dataset, datasets.Dataset):
             rows = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
             dataset = datasets.Dataset.from_dict({"input_ids": rows})
-        cut = self.seq_len + 1  # a document predicts at most seq_len tokens, as torchtitan's
-        dataset = dataset.select_columns(["input_ids"]).filter(lambda e: len(e["input_ids"]) > 1)
-        return dataset.map(lambda e: {"input_ids": e["input_ids"][:cut]}).with_format("torch")
+        return dataset.select_columns(["input_ids"]).with_format("torch")
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
