@@ -64,7 +64,7 @@ class ItemLength:
     tokens: int
 
 
-def _positive(name: str, value: object) -> int:
+def _positive(name: str, value: object) -> int | float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return value
