@@ -448,8 +448,10 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
                 if not skipped:
                     run.optim.step()
                 run.optim.zero_grad(set_to_none=True)
-        except NonFiniteStep:
-            raise  # the same decision on every rank, already named
+        except NonFiniteStep:  # the same decision on every rank, already named
+            progress.close()
+            run.loader.close()  # every rank consumed this step's batch: closing is safe
+            raise
         except BaseException as exc:
             _step_failed(exc, "train", t0)
         dt = time.perf_counter() - t0

@@ -152,6 +152,7 @@ class Progress:
         self._lock = threading.Lock()  # one store connection, several threads
         self._steps = dict.fromkeys(STREAMS, -1)
         self._sections: list[str] = []  # the open sections, innermost last
+        self._entered = ""  # the last section entered (open or not), for the peers
         self._state = "running"
         self._stop = threading.Event()
         self._publish()
@@ -174,6 +175,7 @@ class Progress:
         checkpoint) as a step of its own: every rank enters the same sections in the same
         order, so a failure inside one is diagnosed like a failed step, naming ``name``."""
         self._sections.append(name)
+        self._entered = name
         self.arrive("job", self._steps["job"] + 1)
         t0 = time.perf_counter()
         try:
@@ -184,7 +186,6 @@ class Progress:
             raise self.diagnose(exc, stream="job", elapsed_s=time.perf_counter() - t0) from exc
         finally:
             self._sections.pop()
-            self._publish()
 
     def close(self, state: str = "done") -> None:
         """Stop the heartbeat and leave ``state`` for the peers to read."""
@@ -199,7 +200,7 @@ class Progress:
                 "t": time.time(),
                 "steps": self._steps,
                 "state": self._state,
-                "section": self._sections[-1] if self._sections else "",
+                "section": self._entered,
                 "proc": [p.host, p.pid, p.start],
             }
         )
