@@ -16,7 +16,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
+import signal
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +29,16 @@ import torch
 from orchmllm import checkpoint
 from orchmllm.models.llm import LLM
 from orchmllm.testing import (
+    launch_ranks,
+    launcher_store,
     run_distributed,
+    stop_all,
+    torchrun,
+    wait_for,
+    worker_ranks,
 )
 from orchmllm.train import NonFiniteStep, main
+from tests.conftest import ROOT
 from tests.test_train import _argv, _config
 
 pytestmark = pytest.mark.integration
@@ -50,10 +60,14 @@ def ref(tmp_path_factory) -> Path:
     return tmp
 
 
-def _base(ref: Path, config: str = "cfg") -> list[str]:
-    """The run's command line: a config in ``ref`` (the reference's, or another written
-    there) and the reference's dataset (``ref/data``)."""
-    return [*_argv(str(ref / f"{config}.yaml"), ref, "full", STEPS), "--timeout", "60"]
+def _base(ref: Path, config: Path | None = None) -> list[str]:
+    """The run's command line: the reference's config (or ``config``) and its dataset
+    (``ref/data``)."""
+    return [*_argv(str(config or ref / "cfg.yaml"), ref, "full", STEPS), "--timeout", "60"]
+
+
+def _module(argv: list[str]) -> list[str]:
+    return ["-m", "orchmllm.train", *argv]
 
 
 def _outputs(prefix: Path) -> list[str]:
@@ -183,3 +197,194 @@ def test_damaged_checkpoints_are_named_and_the_run_resumes_as_if_uninterrupted(
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for i, r in enumerate(skip) if i != 2)
     assert all(torch.isfinite(p).all() for p in torch.load(tmp_path / "skip.pt").values())
     assert "training step 2 skipped: the loss is nan (not finite on rank(s) [1])" in err
+
+
+# -- item 3 (one writer) and item 5 (a dead peer named) ----------------------------------
+
+
+def test_a_second_job_is_refused_a_dead_peer_is_named_and_the_requeued_job_resumes(
+    ref, tmp_path, repo_env
+):
+    """Items 3 and 5. Job A runs; paused (SIGSTOP: a slow step, its lock's heartbeat still
+    fresh), the same command is started again (a scheduler's requeue while A runs): job B
+    exits 1 naming A (host, pid) and writes nothing. A goes on; its rank 1 is SIGKILLed: A's
+    rank 0 names rank 1 dead (its process exited) instead of "every rank arrived", and exits
+    1, releasing the lock. The requeued job C resumes from A's newest checkpoint and ends as
+    the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    argv = _module([*_base(ref), *_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-every", "1"])  # fmt: skip
+    jobs = {}
+
+    def launch(name: str) -> list:
+        store = launcher_store()
+        jobs[name] = (store, launch_ranks(argv, WORLD, port=store.port, logdir=tmp_path / name,
+                                          env=repo_env, cwd=ROOT))  # fmt: skip
+        return jobs[name][1]
+
+    try:
+        a = launch("a")
+        wait_for(lambda: (ckpt / "step-00000001").is_dir(), timeout=180, procs=a)
+        for p in a:
+            p.send_signal(signal.SIGSTOP)
+        before = _listing(ckpt)
+        b = launch("b")
+        for rank, p in enumerate(b):
+            assert p.wait(timeout=180) == 1, (tmp_path / "b" / f"err{rank}").read_text()[-3000:]
+        refusal = (tmp_path / "b" / "err0").read_text()
+        owner = rf"\(host {socket.gethostname()}, pid {a[0].pid}, job \w+, started .*, last"
+        assert re.search(rf"{re.escape(str(ckpt))} is in use by another job {owner}", refusal)
+        assert _listing(ckpt) == before
+        for p in a:
+            p.send_signal(signal.SIGCONT)
+        a[1].kill()
+        a[1].wait()
+        assert a[0].wait(timeout=120) == 1
+        err = (tmp_path / "a" / "err0").read_text()
+        assert f"rank 1: dead: its process {a[1].pid} on {socket.gethostname()} exited" in err, err
+        assert "every rank arrived" not in err
+        assert not os.path.exists(ckpt / ".lock")
+        c = launch("c")
+        for rank, p in enumerate(c):
+            assert p.wait(timeout=240) == 0, (tmp_path / "c" / f"err{rank}").read_text()[-3000:]
+    finally:
+        for _, procs in jobs.values():
+            stop_all(procs)
+    assert "resumed at step" in (tmp_path / "c" / "out0").read_text()
+    _assert_same_run(tmp_path / "out", ref)
+
+
+def _listing(directory: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in sorted(directory.rglob("*"))}
+
+
+# -- item 4: automatic restart under torchrun ----------------------------------------------
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(
+    ref, tmp_path, repo_env
+):
+    """Item 4. ``torchrun --max-restarts=1``; rank 1 is SIGKILLed once the first checkpoint
+    exists. torchrun restarts both workers, which meet in a store namespace of their own
+    (the dead attempt's keys are still in the agent's store: without it the restarted
+    workers read them), resume from the newest checkpoint that verifies (taking over the
+    lock if the dead attempt left it), and end with the reference's losses and parameters."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "torchrun.log"
+    argv = _module([*_base(ref), *_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-every", "1"])  # fmt: skip
+    job = torchrun(argv, WORLD, log=log, max_restarts=1, env=repo_env, cwd=ROOT)
+    try:
+        wait_for(lambda: (ckpt / "step-00000001").is_dir(), timeout=240, procs=[job])
+        workers = worker_ranks(job.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        stop_all([job])
+    text = log.read_text()
+    resumed = re.findall(r"resumed at step (\d+) from", text)
+    assert len(resumed) == 1 and 1 <= int(resumed[0]) < STEPS, text[-4000:]
+    assert "Connection refused" not in text
+    _assert_same_run(tmp_path / "out", ref)
+
+
+# -- item 6: resume on another world size -------------------------------------------------
+
+
+def _resume_on_two_worker(rank: int, world: int, refused: list[str], argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match=r"was written by 4 ranks x 2 examples per rank \(global "
+                       r"batch 8\); this run has 2 x 2 = 4\. .*on 2 ranks set "
+                       r"data.examples_per_rank to 4"):  # fmt: skip
+        main(refused)
+    main(argv)
+
+
+def test_a_job_that_lost_half_its_ranks_resumes_on_the_rest(ref, tmp_path, repo_env, capfd):
+    """Item 6. 4 ranks x 2 examples (the reference's global batch of 8 on twice the ranks)
+    are all SIGKILLed after their first checkpoint; the job goes on on 2 ranks. With 2
+    examples per rank (a global batch of 4) it is refused, naming the setting that would
+    allow it; with 4 it resumes: DCP reshards model and optimizer, the loader's position is
+    the global step, and the run ends with the reference's losses and parameters (float64,
+    to 1e-5: another world size sums in another order)."""
+    ckpt = tmp_path / "ckpt"
+    half = Path(_config(tmp_path, "half", examples_per_rank=PER_RANK // 2))
+    common = [*_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    store = launcher_store()
+    four = launch_ranks(_module([*_base(ref, half), *common]), 2 * WORLD, port=store.port,
+                        logdir=tmp_path / "four", env=repo_env, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for(lambda: (ckpt / "step-00000001").is_dir(), timeout=240, procs=four)
+    finally:
+        stop_all(four)
+    killed_at = checkpoint.latest_step(str(ckpt))
+    assert killed_at is not None and killed_at < STEPS
+    refused = [*_base(ref, half), "--checkpoint-dir", str(ckpt)]
+    run_distributed(_resume_on_two_worker, WORLD, refused, [*_base(ref), *common], timeout=200)
+    out, err = capfd.readouterr()
+    assert "(written by 4 ranks, resharded onto 2)" in out
+    assert "took over the lock" in err and "exited" in err
+    records = _assert_same_run(tmp_path / "out", ref, rtol=RTOL_RESHARDED)
+    assert [r["world_size"] for r in records] == [4] * killed_at + [2] * (STEPS - killed_at)
+
+
+# -- item 5: a rank stopped in the dataset write or in a checkpoint is named ---------------
+
+
+def test_a_rank_stopped_in_the_dataset_write_or_in_a_checkpoint_is_named(ref, tmp_path, repo_env):
+    """Item 5. With ``--timeout 8``, rank 1 is SIGSTOPped (1) while rank 0 writes the dataset
+    (rank 1's probe file is there before and after the stop: it is inside the write), (2)
+    inside a checkpoint save (its ``.partial`` directory still there after the stop; else
+    it is continued and the next save is tried). Each time rank 0 exits 1 naming the section
+    (the dataset write; the checkpoint save at step N) and rank 1 as silent; the failed save
+    leaves no partial directory and the earlier checkpoints verify."""
+    timeout, data, ckpt = 8, tmp_path / "data", tmp_path / "ckpt"
+    argv = _module(["--config", str(ref / "cfg.yaml"), "--steps", "30", "--quiet",
+                    "--data-dir", str(data), "--timeout", str(timeout)])  # fmt: skip
+
+    def probe() -> list[str]:
+        return glob.glob(str(data / ".orchmllm-probe-*-1"))
+
+    store = launcher_store()
+    procs = launch_ranks(argv, WORLD, port=store.port, logdir=tmp_path / "write",
+                         env=repo_env, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for(probe, timeout=180, procs=procs)
+        procs[1].send_signal(signal.SIGSTOP)
+        assert probe(), "rank 1 left the dataset write before it was stopped"
+        assert procs[0].wait(timeout=timeout + 60) == 1
+    finally:
+        stop_all(procs)
+    err = (tmp_path / "write" / "err0").read_text()
+    assert "rank 0: dataset write (section 1) failed after" in err, err[-3000:]
+    assert "ranks that did not arrive at dataset write (section 1): [1]" in err, err[-3000:]
+    assert "rank 1: silent for" in err
+
+    def partial() -> list[str]:
+        return glob.glob(str(ckpt / "*.partial"))
+
+    store = launcher_store()
+    ckpt_argv = [*argv, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    procs = launch_ranks(ckpt_argv, WORLD, port=store.port, logdir=tmp_path / "save",
+                         env=repo_env, cwd=ROOT)  # fmt: skip
+    try:
+        while True:
+            wait_for(partial, timeout=180, procs=procs)
+            procs[1].send_signal(signal.SIGSTOP)
+            stopped_in = partial()
+            if stopped_in:
+                break
+            procs[1].send_signal(signal.SIGCONT)  # it had left that save: try the next one
+        step = int(re.search(r"step-(\d+)\.partial", stopped_in[0]).group(1))
+        assert procs[0].wait(timeout=timeout + 60) == 1
+    finally:
+        stop_all(procs)
+    err = (tmp_path / "save" / "err0").read_text()
+    where = f"checkpoint save at step {step} (section"
+    assert f"rank 0: {where}" in err and "failed after" in err, err[-3000:]
+    assert f"ranks that did not arrive at {where}" in err and "rank 1: silent for" in err
+    assert not partial()
+    assert checkpoint.latest_step(str(ckpt)) == step - 1
+    assert all(
+        checkpoint.verify(checkpoint.step_dir(str(ckpt), s)) == []
+        for s in checkpoint.steps(str(ckpt))
+    )
