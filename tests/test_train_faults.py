@@ -334,7 +334,7 @@ def test_a_rank_stopped_in_the_dataset_write_or_in_a_checkpoint_is_named(ref, tm
     """Item 5. With ``--timeout 8``, rank 1 is SIGSTOPped (1) while rank 0 writes the dataset
     (rank 1's probe file is there before and after the stop: it is inside the write), (2)
     inside a checkpoint save (its ``.partial`` directory still there after the stop; else
-    it is continued and the next save is tried). Each time rank 0 exits 1 naming the section
+    it is continued and the next save is tried; two checkpoints exist by then). Each time rank 0 exits 1 naming the section
     (the dataset write; the checkpoint save at step N) and rank 1 as silent; the failed save
     leaves no partial directory and the earlier checkpoints verify."""
     timeout, data, ckpt = 8, tmp_path / "data", tmp_path / "ckpt"
@@ -367,6 +367,7 @@ def test_a_rank_stopped_in_the_dataset_write_or_in_a_checkpoint_is_named(ref, tm
     procs = launch_ranks(ckpt_argv, WORLD, port=store.port, logdir=tmp_path / "save",
                          env=repo_env, cwd=ROOT)  # fmt: skip
     try:
+        wait_for(lambda: (ckpt / "step-00000002").is_dir(), timeout=180, procs=procs)
         while True:
             wait_for(partial, timeout=180, procs=procs)
             procs[1].send_signal(signal.SIGSTOP)
