@@ -247,7 +247,9 @@ class Progress:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         head = f"rank {self.rank}: {where} failed after {elapsed_s:.1f} s: {type(exc).__name__}"
         head += f": {first}" if first else ""
-        self.close(f"failed at {where}: {type(exc).__name__}")
+        self.close(
+            f"failed at {where}: {type(exc).__name__}" + (f": {first[:120]}" if first else "")
+        )
         peers = self._settled([s for s in self.ranks() if s.rank != self.rank])
         missing, lines, died = [], [], False
         for s, dead in peers:

@@ -40,7 +40,7 @@ def test_diagnosis_names_behind_silent_and_finished_ranks_not_failed_peers(store
     assert "rank 2: alive but behind (last entered training step 4" in text
     assert "rank 4: finished the run" in text
     assert "rank 5: silent for 10" in text
-    assert "rank 3: failed at training step 7: RuntimeError (arrived)" in text
+    assert "rank 3: failed at training step 7: RuntimeError: Timed out (arrived)" in text
     assert "rank 1" not in text  # arrived and healthy
     # The exchange stream is judged on its own: everyone entered exchange 8 except the
     # silent rank 5 and the finished rank 4.
