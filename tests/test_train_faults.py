@@ -333,10 +333,10 @@ def test_a_job_that_lost_half_its_ranks_resumes_on_the_rest(ref, tmp_path, repo_
 def test_a_rank_stopped_in_the_dataset_write_or_in_a_checkpoint_is_named(ref, tmp_path, repo_env):
     """Item 5. With ``--timeout 8``, rank 1 is SIGSTOPped (1) while rank 0 writes the dataset
     (rank 1's probe file is there before and after the stop: it is inside the write), (2)
-    inside a checkpoint save (its ``.partial`` directory still there after the stop; else
-    it is continued and the next save is tried; two checkpoints exist by then). Each time rank 0 exits 1 naming the section
-    (the dataset write; the checkpoint save at step N) and rank 1 as silent; the failed save
-    leaves no partial directory and the earlier checkpoints verify."""
+    inside a checkpoint save, two checkpoints in (its ``.partial`` directory still there
+    after the stop; else it is continued and the next save is tried). Each time rank 0 exits
+    1 naming the section (the dataset write; the checkpoint save at step N) and rank 1 as
+    silent; the failed save leaves no partial directory and the earlier checkpoints verify."""
     timeout, data, ckpt = 8, tmp_path / "data", tmp_path / "ckpt"
     argv = _module(["--config", str(ref / "cfg.yaml"), "--steps", "30", "--quiet",
                     "--data-dir", str(data), "--timeout", str(timeout)])  # fmt: skip
