@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, watch
+from orchmllm import checkpoint, compat, host_memory, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import SyntheticConfig, synthetic
@@ -42,7 +42,6 @@ from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.dirlock import DirectoryLock
-from orchmllm.host_memory import resident_mb
 from orchmllm.models import MLLM, build_model, shard_model
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
@@ -468,7 +467,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             "placement": run.placement,
             "plan_s": planned.info.plan_s,
             "prep_s": planned.info.prep_s,
-            **{f"rss_{kind}_mb": mb for kind, mb in resident_mb().items()},
+            **sums.memory(per_rank=args.metrics_per_rank),
             "phases": {
                 name: phase_record(stats, per_rank=args.metrics_per_rank)
                 for name, stats in out.stats.items()
@@ -498,33 +497,46 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
 @dataclass(frozen=True)
 class StepSums:
     """One step's figures summed over the ranks, and each rank's own: ``per_rank[r]`` is
-    (rank r's share of the loss, its target tokens, its gradient shard's squared norm)."""
+    (rank r's share of the loss, its target tokens, its gradient shard's squared norm, its
+    anonymous and its file-backed resident memory in MB: :mod:`orchmllm.host_memory`)."""
 
     loss: float
     tokens: float
     grad_norm: float
     per_rank: list[list[float]]
 
+    def memory(self, *, per_rank: bool) -> dict[str, Any]:
+        """The step record's memory fields: rank 0's and the largest rank's anonymous and
+        file-backed resident MB (and every rank's, when ``per_rank``)."""
+        out: dict[str, Any] = {}
+        for col, kind in ((3, "anon"), (4, "file")):
+            mb = [row[col] for row in self.per_rank]
+            out[f"rss_{kind}_mb"], out[f"rss_{kind}_mb_max"] = mb[0], max(mb)
+            if per_rank:
+                out[f"rss_{kind}_mb_per_rank"] = mb
+        return out
+
 
 def step_sums(run: Run, loss: Tensor, out: LLMBatch) -> StepSums:
-    """Gather every rank's loss share, token count and squared gradient-shard norm (after
-    backward, before the optimizer step; collective). FSDP2's gradient shards are disjoint,
-    so the global gradient norm is the root of the ranks' squared norms summed."""
+    """Gather every rank's loss share, token count, squared gradient-shard norm and resident
+    memory (after backward, before the optimizer step; collective). FSDP2's gradient shards
+    are disjoint, so the global gradient norm is the root of the ranks' squared norms
+    summed."""
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in local if g.numel()]
     grad_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
-    mine = torch.stack(
-        [
-            loss.detach().to(torch.float64).reshape(()),
-            torch.tensor(float(out.lengths.sum()), dtype=torch.float64, device=loss.device),
-            grad_sq.to(loss.device),
-        ]
-    )
+    memory = host_memory.resident_mb()
+    host = [float(out.lengths.sum()), memory.get("anon", np.nan), memory.get("file", np.nan)]
+    tokens, anon_file = torch.tensor(host, dtype=torch.float64, device=loss.device).split([1, 2])
+    mine = torch.cat(
+        [loss.detach().to(torch.float64).reshape(1), tokens, grad_sq.to(loss.device).reshape(1),
+         anon_file]
+    )  # fmt: skip
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(table, mine)
     per_rank = torch.stack(table).cpu()
-    total = per_rank.sum(dim=0).tolist()
+    total = per_rank[:, :3].sum(dim=0).tolist()
     return StepSums(total[0], total[1], float(np.sqrt(total[2])), per_rank.tolist())
 
 
@@ -754,6 +766,7 @@ def main(argv: list[str] | None = None) -> RunningSummary:
     caused the failure.
     """
     args = parse_args(argv)
+    host_memory.bound_native_caches()  # else CPU convolutions cache a kernel per shape
     created, _ = init_distributed(args.timeout)
     try:
         summary, model = train(args)

@@ -46,7 +46,7 @@ PHASES = load_config(TINY).phases
 RTOL = 1e-5
 SCHEMA = {
     "step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases",
-    "rss_anon_mb",
+    "rss_anon_mb", "rss_anon_mb_max", "rss_file_mb", "rss_file_mb_max",
 }  # fmt: skip
 PHASE_SCHEMA = {
     "imbalance_before", "imbalance_after", "load_max_before", "load_max_after", "bytes_intra",
@@ -108,7 +108,8 @@ def _assert_same_training(
         for r in records:
             assert set(r) >= SCHEMA and r["world_size"] == world and r["balance"] == mode
             assert np.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-            assert r["rss_anon_mb"] > 0
+            assert 0 < r["rss_anon_mb"] <= r["rss_anon_mb_max"]
+            assert 0 < r["rss_file_mb"] <= r["rss_file_mb_max"]
             assert tuple(r["phases"]) == phases  # every phase in the metrics, in order
             for name in phases:
                 p = r["phases"][name]
