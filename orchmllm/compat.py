@@ -43,6 +43,7 @@ __all__ = [
     "accepts",
     "available",
     "broadcast",
+    "default_store",
     "fully_shard",
     "is_fsdp_module",
     "leave_process",
@@ -302,6 +303,12 @@ def available(feature: str) -> bool:
     if feature not in _PROBES:
         raise ValueError(f"feature must be one of {sorted(_PROBES)}, got {feature!r}")
     return _PROBES[feature]()
+
+
+def default_store() -> dist.Store:
+    """The key-value store the default process group was built on (private in every torch
+    2.x, ``distributed_c10d._get_default_store``; the one call site in the library)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def leave_process(status: int) -> NoReturn:

@@ -10,6 +10,9 @@ Writes into DIR:
   (the last by default), so the reader sees what the rearrangement did to the slowest rank;
 - ``step_time.png``: step time over steps;
 - ``imbalance.png``: per-phase imbalance (max/mean load) before and after, over steps;
+- ``memory.png``: the largest rank's anonymous and file-backed resident memory over steps, so
+  a leak (anonymous memory that keeps growing) is told apart from the memory-mapped dataset's
+  page cache (file-backed, growing as the epoch reads it); when the records have them;
 - ``summary.txt``: the numbers of :func:`summarize`, also printed.
 
 The input is one JSON object per line, the schema written by ``orchmllm.train``:
@@ -40,6 +43,8 @@ import numpy as np  # noqa: E402
 STEP_FIELDS = ("step", "step_time_s", "tokens_per_s", "world_size", "phases")
 PHASE_FIELDS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
 PER_RANK = ("loads_before", "loads_after")  # optional (train --metrics-per-rank)
+#: The resident memory kinds the trainer records (``rss_<kind>_mb_max``), with their labels.
+MEMORY_KINDS = {"anon": "anonymous (heaps, tensors)", "file": "file-backed (dataset, libraries)"}
 # Encoders first, the LLM last: the order the phases run in a step.
 _PHASE_ORDER = {"vision": 0, "audio": 1, "llm": 2}
 
@@ -297,6 +302,26 @@ def plot_imbalance(records: Sequence[dict[str, Any]], path: str | os.PathLike) -
     plt.close(fig)
 
 
+def has_memory(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether every record has the resident memory ``orchmllm.train`` writes."""
+    return all(f"rss_{kind}_mb_max" in r for r in records for kind in MEMORY_KINDS)
+
+
+def plot_memory(records: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """The largest rank's resident memory per step, one line per kind."""
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for kind, label in MEMORY_KINDS.items():
+        ax.plot(steps, [r[f"rss_{kind}_mb_max"] for r in records], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title("Host memory of the largest rank", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_report(
     metrics: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None
 ) -> dict[str, Any]:
@@ -319,6 +344,9 @@ def write_report(
         plot_loads(chosen, files["loads"])
     plot_step_time(records, files["step_time"])
     plot_imbalance(records, files["imbalance"])
+    if has_memory(records):
+        files["memory"] = out_dir / "memory.png"
+        plot_memory(records, files["memory"])
     summary = summarize(records)
     files["summary"].write_text(format_summary(summary))
     return {**summary, "files": {k: str(v) for k, v in files.items()}}

@@ -22,6 +22,13 @@ processes are started with ``spawn`` and import it)::
 process group (or NCCL, one GPU per rank) and returns each rank's (picklable) result.
 :func:`run_checks` runs several such checks in one set of processes (start-up dominates
 the cost of small checks) and :func:`assert_check_passed` reports each one separately.
+
+Fault tests start the ranks as the launcher does, one process each, and inject faults from
+outside (signals, files): :func:`launcher_store` and :func:`launch_ranks` start them on an
+env:// rendezvous without ``torchrun`` (whose habit of killing every worker when one fails
+would hide each rank's own exit), :func:`torchrun` starts a real ``torchrun`` (restarts),
+:func:`worker_ranks` finds its workers, and :func:`wait_for` polls for a condition while
+checking that no rank ended early.
 Processes the code under test starts (DataLoader workers) use the platform's default start
 method, as under ``torchrun``, not the ``spawn`` used to start the ranks.
 """
@@ -31,11 +38,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -185,3 +196,109 @@ def assert_check_passed(results: list[dict[str, str | None]], name: str) -> None
     errors = {rank: res[name] for rank, res in enumerate(results) if res[name] is not None}
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items()))
+
+
+# -- launching ranks as the launcher does (fault tests) ----------------------------------------
+
+
+def launcher_store() -> dist.TCPStore:
+    """A key-value store as ``torchrun``'s agent holds one (one per launch): the ranks of
+    :func:`launch_ranks` meet on it (``port``)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def launch_ranks(
+    argv: Sequence[str],
+    world_size: int,
+    *,
+    port: int,
+    logdir: Path,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> list[subprocess.Popen]:
+    """``python *argv`` on ``world_size`` local processes as ``torchrun`` starts its workers
+    (env:// rendezvous on the store at ``port``, the agent's store), without torchrun's
+    habit of killing every worker when the first one fails: each rank's own exit is
+    observed. Rank r's stdout and stderr go to ``logdir/out{r}`` and ``logdir/err{r}``."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            **(env if env is not None else os.environ), "OMP_NUM_THREADS": "1",
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }  # fmt: skip
+        with open(logdir / f"out{rank}", "w") as out, open(logdir / f"err{rank}", "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv], cwd=cwd, env=rank_env, stdout=out, stderr=err
+                )
+            )
+    return procs
+
+
+def torchrun(
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    log: Path,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node=nproc --max-restarts=max_restarts *argv``
+    (stdout and stderr, every worker's included, to ``log``)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+        *argv,
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, cwd=cwd, env={**(env if env is not None else os.environ), "OMP_NUM_THREADS": "1"},
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def worker_ranks(parent: int) -> dict[int, int]:
+    """The worker processes a launcher (``torchrun``'s agent, pid ``parent``) runs now, as
+    {RANK: pid}, read from /proc (Linux)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError):
+            continue
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = int(entry)
+    return out
+
+
+def wait_for(
+    predicate: Callable[[], bool], *, timeout: float, procs: Sequence[subprocess.Popen] = ()
+) -> None:
+    """Poll ``predicate`` every 10 ms until it holds; fail (AssertionError) after ``timeout``
+    seconds or as soon as one of ``procs`` ended."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"a process ended early: {dead}"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting"
+        time.sleep(0.01)
+
+
+def stop_all(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill and reap every process of ``procs`` that still runs (also stopped ones)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait()

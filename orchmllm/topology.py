@@ -27,6 +27,11 @@ collected yet) makes gloo join threads that do not exist: the worker hangs or di
 this module is imported, a forked child freezes everything it inherited (``gc.freeze``): it
 collects only the objects it creates, as CPython's documentation recommends for forks.
 
+Restart attempts. Under ``torchrun --max-restarts`` every attempt's workers meet in the same
+key-value store, so the keys of a dead attempt must not be read by the next one:
+:func:`attempt_store` gives each attempt a namespace of its own, and :func:`job_token` names
+the job across its attempts.
+
 Data parallelism is the one axis today. A sequence- or tensor-parallel axis would be another
 group here (built from a device mesh), with ``group`` the data-parallel one the balancer
 moves examples across.
@@ -36,15 +41,22 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["Topology"]
+from orchmllm import compat
+
+__all__ = ["Topology", "attempt_store", "job_token"]
 
 DEFAULT_TIMEOUT_S = 600.0
+_ATTEMPT = "orchmllm/attempt"
+_JOB = "orchmllm/job"
+_POLL_S = 0.01
 
 # A forked child never collects what its parent left (module docstring: "Forked children").
 os.register_at_fork(after_in_child=gc.freeze)
@@ -163,3 +175,65 @@ def _destroy(groups: list[dist.ProcessGroup]) -> None:
         group = groups.pop()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def attempt_store(store: dist.Store, *, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """A view of the launcher's ``store`` that only this launch attempt's processes share
+    (collective: every rank of the attempt calls it once, before building any group on it).
+
+    Why: under ``torchrun`` the workers connect to the elastic agent's TCPStore, which its
+    rendezvous shares with them by default (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``) and keeps
+    for every rendezvous round, and ``init_process_group(store=)``, ``new_group`` and
+    store-based barriers use fixed key names ("0/", "1/", counters). A restarted attempt thus
+    finds the dead attempt's keys: gloo's full-mesh connect reads a dead worker's address
+    ("Connection refused"), counters start from the old values, and the progress watch reads
+    the old ranks' entries. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: each
+    agent counts only the restarts its own workers' failures caused (a node restarted because
+    another one failed counts none), so the count differs between nodes (pytorch#135712).
+
+    So the attempt's rank 0 draws a fresh token and hands it to every other rank under a key
+    that only that rank can know, a nonce it drew itself and published under its rank:
+    whatever a dead attempt left under the same rank, rank 0 answers it too, but nobody waits
+    for that answer. Each rank acknowledges on a counter under the token, and rank 0 returns
+    once all have. Costs a few store round trips per rank at start-up.
+
+    Raises:
+        TimeoutError: some rank did not join within ``timeout`` seconds (rank 0), or rank 0
+            did not answer (the others, from the store's own timeout).
+    """
+    if world_size == 1:
+        return dist.PrefixStore(f"{_ATTEMPT}/{secrets.token_hex(8)}", store)
+    nonce = secrets.token_hex(8)
+    hello = [f"{_ATTEMPT}/hello/{r}" for r in range(1, world_size)]
+    if rank != 0:
+        store.set(hello[rank - 1], nonce)
+        token = store.get(f"{_ATTEMPT}/welcome/{nonce}").decode()
+        store.add(f"{_ATTEMPT}/{token}/joined", 1)
+        return dist.PrefixStore(f"{_ATTEMPT}/{token}", store)
+    token, answered = nonce, set()
+    deadline = time.monotonic() + timeout
+    while store.add(f"{_ATTEMPT}/{token}/joined", 0) < world_size - 1:
+        for value in store.multi_get(hello):  # waits for ranks that never ran before
+            if value not in answered:
+                store.set(f"{_ATTEMPT}/welcome/{value.decode()}", token)
+                answered.add(value)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{world_size - 1 - store.add(f'{_ATTEMPT}/{token}/joined', 0)} of the "
+                f"{world_size - 1} other ranks did not join this attempt within {timeout:.0f} s"
+            )
+        time.sleep(_POLL_S)
+    return dist.PrefixStore(f"{_ATTEMPT}/{token}", store)
+
+
+def job_token() -> str | None:
+    """A token every process of this job shares, the same in each of its restart attempts
+    (None when not distributed): kept at the root of the launcher's store, outside every
+    attempt's namespace. Under ``torchrun`` that store lives as long as the job, so the token
+    tells a job's own earlier attempt from another job (the checkpoint directory's lock)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = compat.default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.compare_set(_JOB, "", secrets.token_hex(8)).decode()

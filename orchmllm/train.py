@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, watch
+from orchmllm import checkpoint, compat, host_memory, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
@@ -38,13 +40,17 @@ from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
+from orchmllm.dirlock import DirectoryLock
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
-from orchmllm.topology import Topology
+from orchmllm.topology import Topology, attempt_store, job_token
+
+NONFINITE = ("stop", "skip")
+
 
 # --------------------------------------------------------------------------------------------
 # command line
@@ -118,6 +124,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="checkpoint every N steps (0: only after the last step); needs --checkpoint-dir",
     )
     p.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep only the newest N checkpoints, deleting older ones once a newer one has "
+        "verified (0: keep all); needs --checkpoint-dir",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=NONFINITE,
+        default="stop",
+        help="a step whose loss or gradient norm is not finite (nan, inf): stop the run with "
+        "an error naming the step and the ranks, before the optimizer step and before any "
+        "checkpoint (stop), or skip the step's update and go on (skip; the step's metrics "
+        "record says skipped)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=300.0,
@@ -135,6 +158,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.checkpoint_every and args.checkpoint_dir is None:
         p.error(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
+    if args.keep_last < 0:
+        p.error(f"--keep-last must be >= 0, got {args.keep_last}")
+    if args.keep_last and args.checkpoint_dir is None:
+        p.error(f"--keep-last {args.keep_last} needs --checkpoint-dir")
     return args
 
 
@@ -147,6 +174,9 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
 
     A group created here also publishes this rank's progress in the launcher's store
     (:mod:`orchmllm.watch`), so a step that times out names the ranks that did not arrive.
+    Both use this launch attempt's own namespace of the store
+    (:func:`orchmllm.topology.attempt_store`): under ``torchrun --max-restarts`` a restarted
+    attempt must not read the keys of the attempt that died.
     Returns (whether we created the group, the device this rank computes on).
     """
     created = False
@@ -154,6 +184,7 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = timedelta(seconds=timeout_s)
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store = attempt_store(store, rank=rank, world_size=world, timeout=timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         watch.install(watch.Progress(store, rank=rank, world_size=world, timeout=timeout_s))
         created = True
@@ -187,10 +218,11 @@ def dataset_location(
 
 def prepare_dataset(cfg: RunConfig, *, num_examples: int, seed: int, data_dir: str | None):
     """Generate the HF dataset once per data directory, then load it on every rank
-    (collective)."""
+    (collective; a section of the job's progress, so a rank that stops meanwhile is named)."""
     syn, path = dataset_location(cfg, num_examples=num_examples, seed=seed, data_dir=data_dir)
-    write_once(path, lambda tmp: save_dataset(syn, cfg.rates, tmp))
-    return load_dataset(path)
+    with watch.section("dataset write"):
+        write_once(path, lambda tmp: save_dataset(syn, cfg.rates, tmp))
+        return load_dataset(path)
 
 
 def write_once(path: str, write: Callable[[str], object]) -> bool:
@@ -315,12 +347,6 @@ def _set_sum_reduction(model: MLLM) -> None:
             compat.set_gradient_sum(module)
 
 
-def _all_reduce_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 @dataclass
 class Run:
     """Everything one training run holds: model, optimizer, orchestrator, data source."""
@@ -397,14 +423,36 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
 
     Each step's record goes to ``--metrics`` as soon as the step ends (rank 0), so memory
     holds only running aggregates however long the run. A step that fails (a collective
-    timed out, a peer failed or left) raises :class:`orchmllm.watch.StepFailed` naming the
-    ranks that did not arrive, when this process publishes its progress (see
-    :func:`init_distributed`). The loader is then abandoned, not closed: closing waits for
-    collectives that cannot complete.
+    timed out, a peer failed, left or died) raises :class:`orchmllm.watch.StepFailed` naming
+    the ranks that did not arrive, when this process publishes its progress (see
+    :func:`init_distributed`); so does a failure in start-up, the dataset write or a
+    checkpoint, each a section of its own. The loader is then abandoned, not closed: closing
+    waits for collectives that cannot complete. A non-finite loss or gradient norm stops the
+    run before the optimizer step (:class:`NonFiniteStep`) or skips the step
+    (``--on-nonfinite skip``). With ``--checkpoint-dir`` the job holds the directory's lock
+    (:func:`orchmllm.checkpoint.claim`) until it ends.
     """
-    run = setup(args)
+    with watch.section("start-up"):
+        run = setup(args)
+    lock = None
+    try:
+        start = 0
+        if args.checkpoint_dir:
+            with watch.section("checkpoint load"):
+                lock = checkpoint.claim(
+                    args.checkpoint_dir, stale_after=args.timeout, job=job_token()
+                )
+                start = resume(run)
+        return _loop(run, start, lock), run.model
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
+    """The steps from ``start`` on (see :func:`train`)."""
+    args = run.args
     world = dist.get_world_size()
-    start = resume(run) if args.checkpoint_dir else 0
     summary = RunningSummary()
     metrics = args.metrics if dist.get_rank() == 0 else None
     if metrics:
@@ -429,27 +477,33 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
         t0 = time.perf_counter()
         try:
             loss, out = forward_backward(run, planned, memory=memory)
+            sums = step_sums(run, loss, out)
+            skipped = check_finite(sums, step=step, on_nonfinite=args.on_nonfinite)
             with memory.phase("optimizer"):
-                run.optim.step()
+                if not skipped:
+                    run.optim.step()
                 run.optim.zero_grad(set_to_none=True)
-            global_loss, n_tokens = _all_reduce_sum(
-                [loss.item(), float(out.lengths.sum())], run.device
-            )
-        except Exception as exc:
+        except NonFiniteStep:  # the same decision on every rank, already named
+            progress.close()
+            run.loader.close()  # every rank consumed this step's batch: closing is safe
+            raise
+        except BaseException as exc:
             _step_failed(exc, "train", t0)
         dt = time.perf_counter() - t0
         record = {
             "step": step,
-            "loss": global_loss,
+            "loss": sums.loss,
+            "grad_norm": sums.grad_norm,
+            "skipped": skipped,
             "step_time_s": dt,
-            "tokens_per_s": n_tokens / dt,
+            "tokens_per_s": sums.tokens / dt,
             "balance": args.balance,
             "world_size": world,
             "ranks_per_node": run.rpn,
             "placement": run.placement,
             "plan_s": planned.info.plan_s,
             "prep_s": planned.info.prep_s,
-            "rss_anon_mb": rss_anon_mb(),
+            **sums.memory(per_rank=args.metrics_per_rank),
             "phases": {
                 name: phase_record(stats, per_rank=args.metrics_per_rank)
                 for name, stats in out.stats.items()
@@ -461,21 +515,97 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
             append_metrics(metrics, record)
         progress.step(
             _progress(record),
-            loss=f"{global_loss:.4f}",
+            loss=f"{sums.loss:.4f}",
             imbalance=f"{record['phases'][LLM]['imbalance_after']:.3f}",
         )
+        del planned, out, loss  # nothing of this step outlives it
         if args.checkpoint_dir and _checkpoint_due(step + 1, run):
-            t0 = time.perf_counter()
-            try:
+            with watch.section(f"checkpoint save at step {step + 1}"):
                 checkpoint.save(
                     args.checkpoint_dir, step + 1, model=run.model, optim=run.optim,
-                    run={"run": _identity(run), "loader": run.loader.state_dict()},
+                    run=_run_state(run), keep_last=args.keep_last, lock=lock,
                 )  # fmt: skip
-            except Exception as exc:
-                _step_failed(exc, "train", t0)
     progress.close()
     run.loader.close()
-    return summary, run.model
+    return summary
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """One step's figures summed over the ranks, and each rank's own: ``per_rank[r]`` is
+    (rank r's share of the loss, its target tokens, its gradient shard's squared norm, its
+    anonymous and its file-backed resident memory in MB: :mod:`orchmllm.host_memory`)."""
+
+    loss: float
+    tokens: float
+    grad_norm: float
+    per_rank: list[list[float]]
+
+    def memory(self, *, per_rank: bool) -> dict[str, Any]:
+        """The step record's memory fields: rank 0's and the largest rank's anonymous and
+        file-backed resident MB (and every rank's, when ``per_rank``)."""
+        out: dict[str, Any] = {}
+        for col, kind in ((3, "anon"), (4, "file")):
+            mb = [row[col] for row in self.per_rank]
+            out[f"rss_{kind}_mb"], out[f"rss_{kind}_mb_max"] = mb[0], max(mb)
+            if per_rank:
+                out[f"rss_{kind}_mb_per_rank"] = mb
+        return out
+
+
+def step_sums(run: Run, loss: Tensor, out: LLMBatch) -> StepSums:
+    """Gather every rank's loss share, token count, squared gradient-shard norm and resident
+    memory (after backward, before the optimizer step; collective). FSDP2's gradient shards
+    are disjoint, so the global gradient norm is the root of the ranks' squared norms
+    summed."""
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in local if g.numel()]
+    grad_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
+    memory = host_memory.resident_mb()
+    host = [float(out.lengths.sum()), memory.get("anon", np.nan), memory.get("file", np.nan)]
+    tokens, anon_file = torch.tensor(host, dtype=torch.float64, device=loss.device).split([1, 2])
+    mine = torch.cat(
+        [loss.detach().to(torch.float64).reshape(1), tokens, grad_sq.to(loss.device).reshape(1),
+         anon_file]
+    )  # fmt: skip
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, mine)
+    per_rank = torch.stack(table).cpu()
+    total = per_rank[:, :3].sum(dim=0).tolist()
+    return StepSums(total[0], total[1], float(np.sqrt(total[2])), per_rank.tolist())
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is not finite (raised on every rank together)."""
+
+
+def check_finite(sums: StepSums, *, step: int, on_nonfinite: str) -> bool:
+    """Whether to skip the step's update: False when its loss and gradient norm are finite.
+    Otherwise raises :class:`NonFiniteStep` naming the step and the ranks whose own loss (or
+    gradient shard) is not finite (``on_nonfinite="stop"``), or returns True (``"skip"``).
+    Every rank decides alike from the same gathered figures."""
+    if on_nonfinite not in NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE}, got {on_nonfinite!r}")
+    if np.isfinite(sums.loss) and np.isfinite(sums.grad_norm):
+        return False
+    table = np.asarray(sums.per_rank)
+    bad_loss = np.flatnonzero(~np.isfinite(table[:, 0])).tolist()
+    bad_grad = np.flatnonzero(~np.isfinite(table[:, 2])).tolist()
+    what = (
+        f"the loss is {sums.loss} (not finite on rank(s) {bad_loss})"
+        if bad_loss
+        else f"the gradient norm is {sums.grad_norm} (not finite on rank(s) {bad_grad})"
+    )
+    if on_nonfinite == "skip":
+        if dist.get_rank() == 0:
+            print(f"training step {step} skipped: {what}", file=sys.stderr, flush=True)
+        return True
+    raise NonFiniteStep(
+        f"rank {dist.get_rank()}: training step {step}: {what}; stopped before the optimizer "
+        "step and before any checkpoint of it was written (--on-nonfinite skip skips such "
+        "steps instead)"
+    )
 
 
 def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
@@ -487,19 +617,6 @@ def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
     if per_rank:
         out["loads_before"], out["loads_after"] = stats["loads_before"], stats["loads_after"]
     return out
-
-
-def rss_anon_mb() -> float | None:
-    """This process's anonymous resident memory (heap, not mapped files) in MB; None where
-    /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 def start_metrics(path: str, *, start: int) -> None:
@@ -580,43 +697,87 @@ def _checkpoint_due(done: int, run: Run) -> bool:
 
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
-    changes the training itself (not the balance mode or placement, which do not)."""
-    a = run.args
+    changes the training itself. Not the balance mode or placement, which do not, nor the
+    world size: the global batch (ranks x examples per rank) stands for it, so a run that
+    keeps it may resume on another number of ranks (see :func:`resume`)."""
+    a, cfg = run.args, run.cfg
+    per_rank_free = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, examples_per_rank=0)
+    )
     return {
-        "config": repr(run.cfg), "steps": run.steps, "precision": run.cfg.recipe.precision,
-        "seed": run.cfg.train.seed if a.seed is None else a.seed,
-        "world_size": dist.get_world_size(),
+        "config": repr(per_rank_free), "steps": run.steps, "precision": cfg.recipe.precision,
+        "seed": cfg.train.seed if a.seed is None else a.seed,
+        "global_batch": dist.get_world_size() * cfg.data.examples_per_rank,
     }  # fmt: skip
 
 
+def _run_state(run: Run) -> dict[str, Any]:
+    """The run state a checkpoint keeps: the run's identity, the layout that wrote it and
+    the loader's position (global steps: the same on any layout of the same global batch)."""
+    layout = {"world_size": dist.get_world_size(), "per_rank": run.cfg.data.examples_per_rank}
+    return {"run": _identity(run), "layout": layout, "loader": run.loader.state_dict()}
+
+
 def resume(run: Run) -> int:
-    """Restore the newest complete checkpoint of ``--checkpoint-dir`` (model, optimizer,
-    loader position, RNG) and return the step to continue at; 0 when there is none.
-    Collective. A checkpoint of another run (config, steps, seed, precision, world size) is
-    refused with a ValueError rather than resumed."""
+    """Restore the newest checkpoint of ``--checkpoint-dir`` that verifies (model, optimizer,
+    loader position, RNG; see :func:`orchmllm.checkpoint.load`) and return the step to
+    continue at; 0 when there is none. Collective.
+
+    A checkpoint of another run (config, steps, seed, precision, global batch) is refused
+    with a ValueError rather than resumed. One written on another number of ranks resumes when the
+    global batch is the same (4 ranks x 8 examples -> 2 x 16): DCP reshards the model and
+    optimizer, and every step's global batch is the same examples (the sampler deals the
+    epoch's permutation to the ranks in turn, so ranks x examples per rank consecutive
+    examples make one step on any layout), so the losses go on as in an uninterrupted run.
+    Otherwise the refusal says which ``data.examples_per_rank`` would allow it."""
     directory = run.args.checkpoint_dir
     loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
     if loaded is None:
         return 0
     step, state = loaded
-    mine = _identity(run)
-    for key, value in state["run"].items():
-        if mine[key] != value:
-            raise ValueError(
-                f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)} was "
-                f"written by another run ({key} {value!r} there, {mine[key]!r} now); "
-                "resume with the same settings or use another directory"
-            )
+    where = f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)}"
+    mine, theirs = _identity(run), state["run"]
+    for key, value in mine.items():
+        if theirs.get(key) == value:
+            continue
+        if key == "global_batch" and "layout" in state:
+            raise ValueError(f"{where} {_layout_refusal(state['layout'], run)}")
+        raise ValueError(
+            f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
+            "now); resume with the same settings or use another directory"
+        )
     run.loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
-        print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}", flush=True)
+        layout = state.get("layout", {})
+        moved = (
+            f" (written by {layout['world_size']} ranks, resharded onto {dist.get_world_size()})"
+            if layout.get("world_size", dist.get_world_size()) != dist.get_world_size()
+            else ""
+        )
+        print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}{moved}")
+        sys.stdout.flush()
     return step
 
 
-def _step_failed(exc: Exception, stream: str, t0: float) -> NoReturn:
+def _layout_refusal(layout: dict[str, int], run: Run) -> str:
+    """Why a checkpoint of another global batch cannot resume here, and what would."""
+    world, per_rank = dist.get_world_size(), run.cfg.data.examples_per_rank
+    batch = layout["world_size"] * layout["per_rank"]
+    head = (
+        f"was written by {layout['world_size']} ranks x {layout['per_rank']} examples per rank "
+        f"(global batch {batch}); this run has {world} x {per_rank} = {world * per_rank}. "
+        "A resumed run must keep the global batch (it decides every step's examples and loss): "
+    )
+    if batch % world == 0:
+        return head + f"on {world} ranks set data.examples_per_rank to {batch // world}"
+    sizes = [w for w in range(1, batch + 1) if batch % w == 0]
+    return head + f"{batch} examples do not split over {world} ranks; use {sizes} ranks"
+
+
+def _step_failed(exc: BaseException, stream: str, t0: float) -> NoReturn:
     """Raise ``exc`` as the diagnosis of the step it ended (see :mod:`orchmllm.watch`)."""
     progress = watch.current()
-    if progress is None:
+    if progress is None or not watch.is_failure(exc):
         raise exc
     raise progress.diagnose(exc, stream=stream, elapsed_s=time.perf_counter() - t0) from exc
 
@@ -641,6 +802,7 @@ def main(argv: list[str] | None = None) -> RunningSummary:
     caused the failure.
     """
     args = parse_args(argv)
+    host_memory.bound_native_caches()  # else CPU convolutions cache a kernel per shape
     created, _ = init_distributed(args.timeout)
     try:
         summary, model = train(args)

@@ -21,6 +21,8 @@ from orchmllm.testing import run_distributed
 
 pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extra
 
+from orchmllm.integrations import transformers as omt  # noqa: E402
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TOL = 1e-5
 
@@ -168,3 +170,45 @@ def test_text_image_and_audio_only_datasets_run_through_the_defaults(tile_runs, 
     assert (loads["vision"] > 0) == (subset == "omni-image")
     assert (loads["audio"] > 0) == (subset == "omni-audio")
     assert _imbalance(full, "llm") < _imbalance(plain, "llm")
+
+
+@pytest.mark.integration
+def test_processor_data_trains_as_plain_with_counts_from_metadata(tmp_path):
+    """``hf_processor_data.py``: records with image and audio files, decoded by real HF
+    processors in DataLoader workers; the balanced loader plans on token counts computed from
+    the files' headers. Every example's planned count equals its processed ``input_ids``
+    length (and the planned patches and frames the processed ones), and the losses are the
+    plain pipeline's."""
+    data = ["--examples", "24", "--batch-size", "4", "--data", str(tmp_path / "records")]
+    runs = {b: [*data, "--balance", b] for b in ("none", "greedy")}
+    per_rank = run_distributed(_runs_worker, 2, "hf_processor_data", runs, timeout=240)
+    assert per_rank[0] == per_rank[1]
+    plain, balanced = per_rank[0]["none"], per_rank[0]["greedy"]
+    assert len(plain) == len(balanced) == 3
+    for run in (plain, balanced):
+        assert sum(r["checked"] for r in run) == 24
+        assert sum(r["mismatches"] for r in run) == 0
+    assert _max_loss_diff(plain, balanced) < TOL
+    spread = [max(r["tokens"]) / np.mean(r["tokens"]) for r in balanced]
+    before = [max(r["tokens"]) / np.mean(r["tokens"]) for r in plain]
+    print(f"hf_processor_data: mean imbalance {np.mean(before):.3f} -> {np.mean(spread):.3f}")
+    assert np.mean(spread) < np.mean(before)
+
+
+def test_processor_data_segments_from_metadata_equal_the_adapters(tmp_path):
+    """Qwen2.5-Omni's rows (images and a clip) from ``hf_processor_data.py``'s processor: the
+    segments computed from the files' headers equal those the model's adapter makes of the
+    decoded, processed row (every item's patches or frames and tokens, in order)."""
+    ex = _example("hf_processor_data")
+    records = ex.write_records(tmp_path, 12, seed=1)
+    processor = ex.Processor([ex.render(r) for r in records])
+    model = ex.build_model(
+        processor.tokenizer, processor.image_processor, processor.feature_extractor, seed=0
+    )
+    adapter = omt.adapter_for(model)
+    counts = ex.metadata_counts(records, processor)
+    assert sum(counts["audio_rows"]) > 0 and sum(counts["vision_rows"]) > 0
+    for record, got in zip(records, counts, strict=True):
+        row = processor(record)
+        assert got["segments"] == adapter.to_example(row)["segments"]
+        assert got["num_tokens"] == len(row["input_ids"])

@@ -51,6 +51,8 @@ FLOORS = {
     "orchmllm.dispatcher": 3,
     "orchmllm.testing": 3,
     "orchmllm.watch": 3,
+    "orchmllm.dirlock": 3,
+    "orchmllm.host_memory": 3,
     "orchmllm.orchestrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,

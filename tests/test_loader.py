@@ -175,6 +175,7 @@ def _move_and_errors_worker(rank, world):
         _errors_worker(rank, world),
         _bad_length_index_worker(rank, world),
         _uneven_exit_worker(rank, world),
+        _failing_dataset_worker(rank, world),
     )
 
 
@@ -536,7 +537,8 @@ def _errors_worker(rank, world):
     except (RuntimeError, PeerFailed) as exc:
         res["collate"] = f"{type(exc).__name__}: {exc}"
     # The same with the collation in DataLoader workers, which plan 2 * 2 steps ahead of
-    # loading: the peers learn of the failure at the next step still to plan.
+    # loading: the peers still learn of the failure at the step that failed (every rank
+    # confirms it loaded its share).
     loader = BalancedDataLoader(
         _dataset(40), batch_size=2, length_column="n_tokens", collate_fn=_FailingCollate(rank),
         options=LoaderOptions(num_workers=2), topology=_own(),
@@ -574,13 +576,83 @@ def test_errors_surface_on_every_rank_without_hanging(move_run):
     assert out[0]["collate"].startswith("PeerFailed")
     assert "collate failed on rank 1" in out[1]["collate_workers"]
     assert out[0]["collate_workers"] == (
-        "PeerFailed: rank(s) [1] failed to prepare step 5; see their logs"
+        "PeerFailed: rank(s) [1] failed to prepare step 0; see their logs"
     )
     for r in out:
         assert "num_replicas differs between ranks: [2, 3]" in r["world"]
 
 
+class _FailsOnRank1:
+    """A map-style dataset whose reads fail on rank 1 from its ``after``-th read on (a
+    corrupt file, a lost mount: on one rank, while the others read fine)."""
+
+    def __init__(self, ds, after: int) -> None:
+        self.ds, self.after, self.reads = ds, after, 0
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if dist.get_rank() == 1 and self.reads > self.after:
+            raise OSError(f"cannot read example {i} on rank 1")
+        return self.ds[i]
+
+
+def _train_on(batches) -> tuple[int, str]:
+    """Steps a training loop (an all-reduce per step, as FSDP's) finished, and how it ended."""
+    steps = 0
+    try:
+        for _ in batches:
+            dist.all_reduce(torch.ones(1))
+            steps += 1
+    except (OSError, PeerFailed) as exc:
+        return steps, f"{type(exc).__name__}: {exc}"
+    return steps, "finished"
+
+
+def _failing_dataset_worker(rank, world):
+    """A dataset that fails on one rank after the plan (index mode loads the balanced
+    indices after the exchange), and one read by the user's own DataLoader, whose
+    BalancedCollator that rank then never calls."""
+    ds = _dataset(24)
+    out = {}
+    loader = BalancedDataLoader(
+        _FailsOnRank1(ds, after=5), batch_size=2, lengths=ds["n_tokens"], collate_fn=_ids,
+        mode="index", topology=_own(),
+    )  # fmt: skip
+    out["index"] = _train_on(loader)
+    # The collator: rank 1's DataLoader raises before the collator is called; it then stays
+    # out of the exchange (as a failed rank does), so the peers' exchange times out.
+    collator = BalancedCollator(_ids, length_column="n_tokens", topology=Topology.build(timeout=3))
+    source = DataLoader(
+        _FailsOnRank1(ds, after=4), batch_size=2, collate_fn=collator,
+        sampler=DistributedSampler(ds, shuffle=False),
+    )  # fmt: skip
+    out["collator"] = _train_on(source)
+    dist.barrier()  # rank 1 waits here for the peers' roll call
+    return out
+
+
 BAD_ID = 13  # its position in a local batch of 4 is below 4, so never 13 itself
+
+
+@pytest.mark.integration
+def test_a_dataset_failing_on_one_rank_is_named_on_every_rank(move_run):
+    """Index mode: a read that fails on rank 1 after the plan fails that step on every rank
+    (rank 1 its own error, the others PeerFailed naming it) before any rank trains on it.
+    The collator: rank 1's own DataLoader fails (the collator never runs there); the peer's
+    exchange then fails, and a roll call names rank 1 as the rank that did not answer."""
+    out = [r[4] for r in move_run]
+    (steps1, err1), (steps0, err0) = out[1]["index"], out[0]["index"]
+    assert err1.startswith("OSError: cannot read example") and steps0 == steps1 >= 1
+    assert err0 == f"PeerFailed: rank(s) [1] failed to prepare step {steps1}; see their logs"
+    assert out[1]["collator"][1].startswith("OSError: cannot read example")
+    steps0, err0 = out[0]["collator"]
+    assert steps0 == out[1]["collator"][0] and err0.startswith(
+        f"PeerFailed: the metadata exchange of step {steps0} failed"
+    )
+    assert "rank(s) [1] did not answer a roll call within 3 s" in err0
 
 
 def _bad_13(example) -> int:

@@ -39,6 +39,8 @@ def _records(rng: np.random.Generator, *, steps: int = 5, world: int = 4) -> lis
                 "balance": "full",
                 "world_size": world,
                 "phases": phases,
+                "rss_anon_mb_max": 500.0 + rng.uniform(-5, 5),
+                "rss_file_mb_max": 200.0 + 50.0 * s,
             }
         )
     return out
@@ -52,7 +54,7 @@ def _write(path, records) -> str:
 def test_writes_nontrivial_pngs_and_summary(tmp_path, rng):
     records = _records(rng)
     result = report.write_report(_write(tmp_path / "m.jsonl", records), tmp_path / "out")
-    for name in ("loads", "step_time", "imbalance"):
+    for name in ("loads", "step_time", "imbalance", "memory"):
         png = tmp_path / "out" / f"{name}.png"
         assert png.stat().st_size > 5000, name
         img = mpimg.imread(png)
@@ -150,16 +152,19 @@ def test_missing_file_and_cli(tmp_path, rng, capsys):
 
 def test_records_without_per_rank_loads(tmp_path, rng):
     """What train writes without --metrics-per-rank: the slowest rank's loads, no arrays.
-    The summary is the same; loads.png (which needs every rank's load) is skipped."""
+    The summary is the same; loads.png (which needs every rank's load) is skipped, and so is
+    memory.png for records without the memory fields."""
     records = _records(rng, steps=4)
     slim = json.loads(json.dumps(records))
     for r in slim:
         for ph in r["phases"].values():
             ph["load_max_before"] = max(ph.pop("loads_before"))
             ph["load_max_after"] = max(ph.pop("loads_after"))
+        del r["rss_file_mb_max"]  # metrics of a trainer that did not record memory
     assert report.summarize(slim) == report.summarize(records)
     result = report.write_report(_write(tmp_path / "m.jsonl", slim), tmp_path / "o")
     assert "loads" not in result["files"] and not (tmp_path / "o" / "loads.png").exists()
+    assert "memory" not in result["files"] and not (tmp_path / "o" / "memory.png").exists()
     assert (tmp_path / "o" / "imbalance.png").stat().st_size > 5000
     del slim[2]["phases"]["llm"]["load_max_after"]
     with pytest.raises(ValueError, match="line 3 phase 'llm': missing field.*load_max_after"):

@@ -1,15 +1,18 @@
-"""Topology: the owner of the process groups, and what a forked child (a DataLoader worker)
-may do with the copies it inherits."""
+"""Topology: the owner of the process groups, what a forked child (a DataLoader worker) may
+do with the copies it inherits, and the store namespace of each restart attempt."""
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from orchmllm import topology  # noqa: F401  (the fork hook is registered on import)
+from orchmllm import topology  # the fork hook is registered on import
 from orchmllm.testing import run_distributed
 
 
@@ -44,3 +47,50 @@ def test_a_forked_child_never_destroys_an_inherited_process_group():
     destructor joins threads the child does not have: the child hangs or crashes (seen as a
     DataLoader worker's "Unexpected segmentation fault"), and this times out."""
     assert run_distributed(_fork_collects_garbage, 2, timeout=30) == [0, 0]
+
+
+def _attempt(port: int, world: int, delays: list[float]) -> list[bool]:
+    """One launch attempt: ``world`` ranks (threads, each with its own store client, as
+    worker processes have), rank r starting after ``delays[r]`` s. Each rank checks whether
+    its own key is already there (left by an earlier attempt), writes it, and waits for every
+    rank's key in the namespace it got. Returns, per rank, whether it saw a stale key."""
+    stale: list[bool] = [False] * world
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            time.sleep(delays[r])
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT)
+            scoped = topology.attempt_store(client, rank=r, world_size=world, timeout=20)
+            stale[r] = scoped.check([f"mine/{r}"])
+            scoped.set(f"mine/{r}", "here")  # as a group's connect writes "0/", counters
+            scoped.wait([f"mine/{q}" for q in range(world)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "an attempt did not finish"
+    return stale
+
+
+_TIMEOUT = timedelta(seconds=20)
+
+
+def test_each_restart_attempt_meets_in_its_own_store_namespace():
+    """Three attempts on one store, as torchrun's agent keeps it across restarts: no rank
+    sees a key of an earlier attempt, and every attempt's ranks meet, whichever rank starts
+    first (rank 0 first reads the dead attempt's ranks' hellos; a late rank still joins)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _attempt(store.port, 3, [0.0, 0.0, 0.0]) == [False] * 3
+    assert _attempt(store.port, 3, [0.0, 0.3, 0.6]) == [False] * 3
+    assert _attempt(store.port, 3, [0.5, 0.0, 0.2]) == [False] * 3
+    # The same writes on the bare store: the second attempt finds the first one's keys.
+    for _ in range(2):
+        seen = store.check(["mine/0"])
+        store.set("mine/0", "here")
+    assert seen

@@ -28,7 +28,7 @@ from orchmllm.data.synthetic import SyntheticConfig, save_dataset
 from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.schema import Modality, register_modality, unregister_modality
 from orchmllm.step_plan import MODES
-from orchmllm.testing import run_distributed
+from orchmllm.testing import launch_ranks, launcher_store, run_distributed, wait_for
 from orchmllm.train import (
     RunningSummary,
     dataset_location,
@@ -46,7 +46,7 @@ PHASES = load_config(TINY).phases
 RTOL = 1e-5
 SCHEMA = {
     "step", "loss", "step_time_s", "tokens_per_s", "balance", "world_size", "phases",
-    "rss_anon_mb",
+    "rss_anon_mb", "rss_anon_mb_max", "rss_file_mb", "rss_file_mb_max",
 }  # fmt: skip
 PHASE_SCHEMA = {
     "imbalance_before", "imbalance_after", "load_max_before", "load_max_after", "bytes_intra",
@@ -116,7 +116,8 @@ def _assert_same_training(
         for r in records:
             assert set(r) >= SCHEMA and r["world_size"] == world and r["balance"] == mode
             assert np.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-            assert r["rss_anon_mb"] > 0
+            assert 0 < r["rss_anon_mb"] <= r["rss_anon_mb_max"]
+            assert 0 < r["rss_file_mb"] <= r["rss_file_mb_max"]
             assert tuple(r["phases"]) == phases  # every phase in the metrics, in order
             for name in phases:
                 p = r["phases"][name]
@@ -404,45 +405,11 @@ def test_write_once_one_writer_per_filesystem(tmp_path):
     assert results[0][3] == ["ds"] and results[2][3] == ["ds"]  # no probe, no temporary left
 
 
-def _launcher_store() -> dist.TCPStore:
-    """The key-value store torchrun's agent would hold (one per launch)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
-def _launch_ranks(tmp_path, argv: list[str], world: int, env: dict, port: int) -> list:
-    """``python -m orchmllm.train`` on ``world`` local processes, as torchrun starts them
-    (env:// rendezvous on the launcher's store at ``port``), without torchrun's habit of
-    killing every worker when the first one fails: here each rank's own exit is observed.
-    Rank r's stdout and stderr go to ``tmp_path/out{r}`` and ``err{r}``."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(world):
-        rank_env = {
-            **env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }  # fmt: skip
-        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "orchmllm.train", *argv],
-                    cwd=ROOT,
-                    env=rank_env,
-                    stdout=out,
-                    stderr=err,
-                )  # fmt: skip
-            )
-    return procs
-
-
-def _wait_for(predicate, *, timeout: float, procs: list) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        dead = [p.args for p in procs if p.poll() is not None]
-        assert not dead, f"a rank ended early: {dead}"
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
+def _launch_ranks(logdir, argv: list[str], world: int, env: dict, port: int) -> list:
+    """``python -m orchmllm.train`` on ``world`` ranks (see orchmllm.testing.launch_ranks)."""
+    return launch_ranks(
+        ["-m", "orchmllm.train", *argv], world, port=port, logdir=logdir, env=env, cwd=ROOT
+    )
 
 
 @pytest.mark.integration
@@ -460,12 +427,12 @@ def test_a_stopped_rank_is_named_by_every_healthy_rank_within_the_timeout(tmp_pa
         cfg, num_examples=steps * world * 2, seed=cfg.train.seed, data_dir=data
     )
     save_dataset(syn, cfg.rates, path)  # ahead: writing it is not what the timeout is about
-    store = _launcher_store()
+    store = launcher_store()
     argv = ["--config", config, "--steps", str(steps), "--data-dir", data,
             "--timeout", str(timeout), "--balance", "full"]  # fmt: skip
     procs = _launch_ranks(tmp_path, argv, world, repo_env, store.port)
     try:
-        _wait_for(lambda: "step    2" in (tmp_path / "out0").read_text(), timeout=180, procs=procs)
+        wait_for(lambda: "step    2" in (tmp_path / "out0").read_text(), timeout=180, procs=procs)
         os.kill(procs[stopped].pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         elapsed = {}
@@ -515,10 +482,10 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_e
     )
     argv = [*base, *(f.format(out) for f in files), "--checkpoint-dir", str(ckpt),
             "--checkpoint-every", "2"]  # fmt: skip
-    store = _launcher_store()
+    store = launcher_store()
     procs = _launch_ranks(tmp_path / "killed", argv, world, repo_env, store.port)
     try:
-        _wait_for(lambda: (ckpt / "step-00000002").is_dir(), timeout=180, procs=procs)
+        wait_for(lambda: (ckpt / "step-00000002").is_dir(), timeout=180, procs=procs)
     finally:
         for p in procs:
             p.kill()
@@ -530,7 +497,7 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path, repo_e
     partial.mkdir(exist_ok=True)
     (partial / ".metadata").write_bytes(b"half")
 
-    store = _launcher_store()
+    store = launcher_store()
     # The resumed run draws rank 0's progress bar (to a file: forced on), from the checkpoint.
     bar_argv = [a for a in argv if a != "--quiet"] + ["--progress", "bar"]
     procs = _launch_ranks(tmp_path / "resume", bar_argv, world, repo_env, store.port)

@@ -6,6 +6,7 @@ named by every healthy one) is in test_train.
 """
 
 import json
+import socket
 import time
 
 import pytest
@@ -39,7 +40,7 @@ def test_diagnosis_names_behind_silent_and_finished_ranks_not_failed_peers(store
     assert "rank 2: alive but behind (last entered training step 4" in text
     assert "rank 4: finished the run" in text
     assert "rank 5: silent for 10" in text
-    assert "rank 3: failed at training step 7: RuntimeError (arrived)" in text
+    assert "rank 3: failed at training step 7: RuntimeError: Timed out (arrived)" in text
     assert "rank 1" not in text  # arrived and healthy
     # The exchange stream is judged on its own: everyone entered exchange 8 except the
     # silent rank 5 and the finished rank 4.
@@ -69,3 +70,59 @@ def test_arrive_reports_to_the_installed_progress_only(store):
         assert json.loads(store.get("orchmllm/progress/0"))["steps"]["exchange"] == 2
     finally:
         watch.install(None)
+
+
+def test_a_dead_peer_is_named_dead_not_arrived(store):
+    """A peer that died arrived at the step (its entry says so, and its heartbeat is still
+    fresh) but its collectives failed at once: one on this host is named dead from its process
+    (gone), one on another host once its heartbeat fails to advance for two intervals."""
+    world, timeout = 4, 2.0  # heartbeat interval 0.2 s
+    me = watch.Progress(store, rank=0, world_size=world, timeout=timeout)
+    alive = watch.Progress(store, rank=1, world_size=world, timeout=timeout)
+    for p in (me, alive):
+        p.arrive("train", 6)
+    now = time.time()
+    for rank, proc in ((2, [socket.gethostname(), 2**22 + 11, 5]), (3, ["node-b", 4242, 9])):
+        entry = {"t": now, "steps": {"train": 6, "exchange": 7, "job": 3}, "state": "running",
+                 "section": "", "proc": proc}  # fmt: skip
+        store.set(f"orchmllm/progress/{rank}", json.dumps(entry))
+    t0 = time.monotonic()
+    err = me.diagnose(RuntimeError("Connection closed by peer"), stream="train", elapsed_s=0.0)
+    waited = time.monotonic() - t0
+    assert err.missing == [2, 3], str(err)
+    text = str(err)
+    assert "ranks that did not arrive at training step 6 or died: [2, 3]" in text
+    assert f"rank 2: dead: its process {2**22 + 11} on {socket.gethostname()} exited" in text
+    assert "rank 3: dead or stopped: no heartbeat for" in text
+    assert "(last entered training step 6 and loader exchange of step 7 and section 3)" in text
+    assert "rank 1" not in text  # alive: its heartbeat advanced
+    assert 0.4 <= waited < 3.0, waited  # two heartbeat intervals and a second, at most
+    alive.close()
+
+
+def test_a_failed_section_is_diagnosed_and_names_it(store):
+    p = watch.Progress(store, rank=0, world_size=2, timeout=60)
+    peer = watch.Progress(store, rank=1, world_size=2, timeout=60)
+    watch.install(p)
+    try:
+        with peer.section("start-up"):
+            pass  # the peer finished start-up and is stuck before the dataset write
+        with (
+            pytest.raises(watch.StepFailed) as err,
+            watch.section("start-up"),
+            watch.section("dataset write"),
+        ):
+            raise RuntimeError("Timed out waiting 20000ms")
+        text = str(err.value)
+        assert text.startswith(
+            "rank 0: dataset write (section 1) failed after 0.0 s: RuntimeError: Timed out"
+        )
+        assert "ranks that did not arrive at dataset write (section 1): [1]" in text
+        behind = "rank 1: alive but behind (last entered training step -1 and loader exchange "
+        assert behind + "of step -1 and section 0 (start-up))" in text
+        with pytest.raises(KeyboardInterrupt), watch.section("checkpoint load"):
+            raise KeyboardInterrupt  # an interrupt is not a failure to diagnose
+    finally:
+        watch.install(None)
+        peer.close()
+    assert watch.is_failure(ValueError()) and not watch.is_failure(SystemExit(1))

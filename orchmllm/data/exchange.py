@@ -9,6 +9,12 @@ instead of moving data by plans that do not match: every rank leaves the step th
 
 Examples travel as pickled bytes in one all-to-all (``comm.move`` on a uint8 buffer), so
 any example type works and the user's collate function runs on the balanced set.
+
+A rank that fails outside the exchange (its DataLoader raised before the collator was called,
+its training step failed, it was killed) cannot tell the others through a header: their
+header exchange fails ("Connection closed by peer", or a timeout). Then every rank that
+noticed takes a roll call in the job's key-value store (:func:`roll_call`) and the error
+names the ranks that did not answer.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm, watch
+from orchmllm import comm, compat, watch
 from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
 from orchmllm.topology import Topology
@@ -32,6 +38,7 @@ from orchmllm.topology import Topology
 OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
 CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
+ROLL_CALL_S = 3.0  # how long a roll call waits for the ranks that are still there
 _INT64 = 8
 
 Planner = Callable[[np.ndarray, np.ndarray, int], Any]
@@ -133,7 +140,19 @@ def gather_step(
     width = max((len(r) for r in rows), default=0)
     agree = {"planner": None if planner is None else planner_signature(planner)}
     mine = [status, len(rows), width, *(comm.fingerprint(v) for v in agree.values())]
-    header = g.all_gather_fixed(mine)
+    try:
+        header = g.all_gather_fixed(mine)
+    except Exception as exc:
+        absent = roll_call(g, step=step)
+        if not absent:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise PeerFailed(
+            f"the metadata exchange of step {step} failed ({type(exc).__name__}: {first}); "
+            f"rank(s) {_ranks(np.asarray(absent))} did not answer a roll call within "
+            f"{min(g.timeout, ROLL_CALL_S):.0f} s: failed, stopped or dead (their own logs say "
+            "why), or busy elsewhere"
+        ) from exc
     bytes_sent = len(mine) * _INT64 * (g.size - 1)
     if error is not None:
         raise error
@@ -154,6 +173,27 @@ def gather_step(
         meta, src = g.all_gather_rows(padded)
         bytes_sent += (2 + int(header[:, 1].max()) * width) * _INT64 * (g.size - 1)
     return Gathered(meta=meta, src=src, status=header[:, 0].copy(), bytes_sent=bytes_sent)
+
+
+def roll_call(g: Group, *, step: int) -> list[int]:
+    """After a failed exchange of ``step``: the ranks of ``g`` that do not say they are there
+    within ``ROLL_CALL_S`` seconds (or the group's timeout, if shorter), by the job's
+    key-value store (the default group's). Every rank whose exchange failed calls it, at
+    about the same time (a dead rank's connections close for everyone at once); a rank
+    that cannot reach the store returns [] (nothing known)."""
+    if not g.distributed:
+        return []
+    try:
+        name = g.group.group_name if g.group is not None else dist.group.WORLD.group_name
+        store = dist.PrefixStore(f"orchmllm/roll-call/{name}/{step}", compat.default_store())
+        store.set(str(g.rank), "here")
+        store.add("count", 1)
+        deadline = time.monotonic() + min(g.timeout, ROLL_CALL_S)
+        while store.add("count", 0) < g.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [r for r in range(g.size) if not store.check([str(r)])]
+    except Exception:  # the store is gone too: nothing to add
+        return []
 
 
 def leave_epoch(g: Group, *, consumed: int, step: int) -> None:

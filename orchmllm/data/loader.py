@@ -732,10 +732,13 @@ class BalancedDataLoader:
         except ex.EpochMismatch as exc:  # a peer's loop left the epoch before this one
             raise self._record(exc, ep.epoch) from None
 
-    def _leave(self, ep: _Epoch, consumed: int) -> None:
-        """The loop left the epoch after ``consumed`` batches and the thread stopped: tell
-        the peers at the next exchange (see :func:`~orchmllm.data.exchange.leave_epoch`)."""
-        if ep.num_steps is not None and ep.next_gather >= ep.num_steps:
+    def _leave(self, ep: _Epoch, step: int, consumed: int) -> None:
+        """The loop left the epoch after ``consumed`` batches and the thread stopped before
+        producing ``step``: tell the peers at the next exchange (see
+        :func:`~orchmllm.data.exchange.leave_epoch`)."""
+        planned = ep.num_steps is not None and ep.next_gather >= ep.num_steps
+        confirming = self.mode == "index" and ep.num_steps is not None and step < ep.num_steps
+        if planned and not confirming:
             return  # every rank's producer ends at num_steps by itself: nothing pending
         try:
             ex.leave_epoch(self._group, consumed=consumed, step=ep.next_gather)
@@ -784,7 +787,17 @@ class BalancedDataLoader:
         assert isinstance(self._reader, sr.MapLoader)
         if ep.loaded is None:
             ep.loaded = self._reader(self._plan_index_steps(ep))
-        batch = self._after_gather(ep, lambda: self._finish(next(ep.loaded)))
+        batch, error = None, None
+        try:
+            batch = self._finish(next(ep.loaded))
+        except Exception as exc:
+            if ep.planning_failed:  # a collective error: raised on every rank already
+                raise
+            error = exc
+        # Index mode loads after the plan: every rank says whether it loaded its share, so a
+        # failure (the dataset or the collate function raised) is raised at this step on
+        # every rank, naming the rank, before any rank trains on the step.
+        ex.gather_step(self._group, [], error=error, step=step)
         gathered, plan, t0, plan_s = ep.planned.popleft()
         meta = gathered.meta[:, 1:]
         info = StepInfo(
@@ -888,7 +901,7 @@ class _EpochIterator(Iterator[Any]):
             return loader._produce(ep, step)
 
         def leave(step: int, consumed: int) -> None:
-            loader._leave(ep, consumed)
+            loader._leave(ep, step, consumed)
 
         self.prefetcher = Prefetcher(
             produce,

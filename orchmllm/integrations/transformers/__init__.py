@@ -24,11 +24,12 @@ YourAdapter)``.
 
 Modules: :mod:`.adapter` (the base class, the registry, packed positions), :mod:`.balanced`
 (:func:`wrap`, :func:`shard`, :class:`BalancedModel`), :mod:`.qwen` and :mod:`.tiles` (the
-adapters), :mod:`.tiny` (tiny models and processor rows of every family, for tests and
-``examples/hf_mllm.py``).
+adapters), :mod:`.lengths` (each example's token counts from its metadata, by the processor's
+rules, before anything is decoded), :mod:`.tiny` (tiny models and processor rows of every
+family, for tests and the examples).
 """
 
-from orchmllm.integrations.transformers import qwen, tiles
+from orchmllm.integrations.transformers import lengths, qwen, tiles
 from orchmllm.integrations.transformers.adapter import (
     ADAPTERS,
     PACKING_ATTENTION,
@@ -60,6 +61,7 @@ __all__ = [
     "Source",
     "adapter_for",
     "item_rope",
+    "lengths",
     "mrope_positions",
     "qwen",
     "register_adapter",

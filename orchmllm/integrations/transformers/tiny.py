@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from orchmllm.schema import IGNORE_INDEX
 
@@ -355,3 +356,20 @@ def collate(rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tenso
         else:
             out[key] = torch.from_numpy(_pad_cat([r[key] for r in rows if key in r]))
     return out
+
+
+def train_tokenizer(
+    texts: Sequence[str], *, specials: Sequence[str], vocab_size: int = 400
+) -> transformers.PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer trained on ``texts`` with the ``tokenizers`` library
+    (nothing downloaded): each of ``specials`` (placeholders, chat markers; the first is also
+    the padding token) is one token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(texts, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[0])

@@ -1,0 +1,253 @@
+"""Token counts from metadata equal what the real HF processors produce.
+
+Each processor is built from its default constructor (nothing downloaded), the tokenizer is
+trained here (``tiny.train_tokenizer``); images and clips are generated, written to files
+and read back by the length functions through their headers only. Every count must be equal:
+patches and tokens per image (Qwen2-VL dynamic resolution, LLaVA's fixed grid), frames and
+tokens per clip (Whisper's feature extractor, Qwen2-Audio's processor), and whole rows'
+``input_ids`` lengths through ``datasets.map``.
+"""
+
+from __future__ import annotations
+
+import wave
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", exc_type=ModuleNotFoundError)
+datasets = pytest.importorskip("datasets")
+Image = pytest.importorskip("PIL.Image")
+
+from orchmllm.integrations.transformers import lengths as L  # noqa: E402
+from orchmllm.integrations.transformers import tiny  # noqa: E402
+from orchmllm.integrations.transformers.tiles import LlavaAdapter  # noqa: E402
+
+SPECIALS = ["<pad>", "<image>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+# (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels.
+SIZES = [(1, 1), (10, 10), (28, 28), (56, 56), (57, 83), (83, 57), (321, 123), (640, 480)]
+SIZES += [(1000, 30), (30, 1000), (1999, 1001)]
+# Samples at 16 kHz: under one hop, hop boundaries, odd, the 30 s cut, beyond it.
+SAMPLES = [1, 159, 160, 161, 8000, 48077, 479_999, 480_000, 480_001, 720_000]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = ["what is in the picture? a cat on a mat.", "listen: the audio says hello"] * 20
+    return tiny.train_tokenizer(texts, specials=SPECIALS)
+
+
+def _image(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def _sizes(n: int = 12, seed: int = 0) -> list[tuple[int, int]]:
+    rng = np.random.default_rng(seed)
+    return SIZES + [tuple(int(v) for v in rng.integers(16, 1500, 2)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def image_files(tmp_path_factory) -> list[tuple[str, tuple[int, int]]]:
+    folder = tmp_path_factory.mktemp("images")
+    out = []
+    for i, (w, h) in enumerate(_sizes()):
+        path = str(folder / f"{i}.png")
+        _image(w, h, seed=i).save(path)
+        out.append((path, (w, h)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"min_pixels": 100 * 28 * 28, "max_pixels": 300 * 28 * 28}, {"patch_size": 16}],
+    ids=["defaults", "budget", "patch16"],
+)
+def test_qwen_image_equals_processor(settings, image_files):
+    processor = transformers.Qwen2VLImageProcessorPil(**settings)
+    rule = L.QwenVision.from_processor(processor)
+    for path, size in image_files:
+        assert L.image_size(path) == size  # the header alone
+        item = rule.image(*L.image_size(path))
+        out = processor(images=[Image.open(path)], return_tensors="np")
+        grid = out["image_grid_thw"][0]
+        assert (item.rows, item.tokens) == (out["pixel_values"].shape[0], grid.prod() // 4), size
+
+
+def test_qwen_video_frames_and_size_rules():
+    """A video's patches: its frames padded to the temporal patch (pure rule), times one
+    frame's grid under the video pixel budget (the image processor resizes by the same rule
+    with the video processor's default budget: the video processor itself needs
+    torchvision, see the next test)."""
+    rule = L.QwenVision()
+    frame = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=rule.video_min_pixels, max_pixels=rule.video_max_pixels
+    )
+    for w, h in [(64, 48), (320, 240), (1280, 720), (100, 700)]:
+        grid = frame(images=[_image(w, h)], return_tensors="np")["image_grid_thw"][0]
+        for frames in (1, 2, 3, 7, 16):
+            item = rule.video(frames, w, h)
+            t = -(-frames // 2)
+            assert item.rows == t * grid[1] * grid[2]
+            assert item.tokens == item.rows // 4
+
+
+def test_qwen_video_equals_video_processor():
+    pytest.importorskip("torchvision")
+    from transformers.video_utils import VideoMetadata
+
+    for sample in (False, True):
+        processor = transformers.Qwen2VLVideoProcessor(do_sample_frames=sample, fps=2)
+        image = transformers.Qwen2VLImageProcessorPil()
+        rule = L.QwenVision.from_processor(image, video_processor=processor)
+        for frames, (w, h), fps in [(5, (140, 100), 10.0), (40, (320, 240), 25.0)]:
+            video = np.random.default_rng(0).integers(0, 255, (frames, h, w, 3), dtype=np.uint8)
+            meta = VideoMetadata(total_num_frames=frames, fps=fps, width=w, height=h)
+            out = processor(videos=[video], video_metadata=[meta], return_tensors="np")
+            item = rule.video(frames, w, h, fps=fps)
+            assert item.rows == out["pixel_values_videos"].shape[0]
+            assert item.tokens == out["video_grid_thw"][0].prod() // 4
+
+
+@pytest.mark.parametrize("crop,strategy,extra", [(True, "default", 1), (False, "full", 0)])
+def test_llava_fixed_grid_equals_processor(crop, strategy, extra, tokenizer, image_files):
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessorPil(do_center_crop=crop),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=extra,
+        image_token="<image>",
+    )
+    count = L.lengths_for(processor, family="llava", columns={"image": "image"})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    for path, _ in image_files:
+        if max(Image.open(path).size) > 1500:
+            continue  # no-crop resizing of huge images is slow and adds nothing
+        row = {"text": "what is in the picture? <image> a cat", "image": path}
+        out = processor(text=[row["text"]], images=[Image.open(path)], return_tensors="np")
+        got = count(row)
+        assert got["num_tokens"] == out["input_ids"].shape[1]
+        assert got["vision_tokens"] == int((out["input_ids"] == image_id).sum())
+        assert got["vision_rows"] == 1
+
+
+def _wav(path: str, samples: int, rate: int = 16000) -> None:
+    data = (np.random.default_rng(samples).standard_normal(samples) * 3000).astype(np.int16)
+    with wave.open(path, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(data.tobytes())
+
+
+def test_whisper_audio_equals_feature_extractor_and_qwen2_audio(tokenizer, tmp_path):
+    fe = transformers.WhisperFeatureExtractor()
+    processor = transformers.Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tokenizer)
+    count = L.lengths_for(processor, family="qwen2-audio", columns={"audio": "audio"})
+    rule = L.WhisperAudio.from_processor(processor)
+    audio_id = tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    for n in SAMPLES:
+        path = str(tmp_path / f"{n}.wav")
+        _wav(path, n)
+        assert L.audio_samples(path, sampling_rate=16000) == n
+        clip = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        feats = fe([clip], sampling_rate=16000, return_attention_mask=True, return_tensors="np")
+        assert feats["input_features"].shape[-1] == rule.padded_frames
+        assert rule.audio(n).rows == feats["attention_mask"].sum()
+        row = {"text": "listen: <|audio_bos|><|AUDIO|><|audio_eos|> hello", "audio": path}
+        out = processor(text=[row["text"]], audio=[clip], return_tensors="np")
+        got = count(row)
+        assert got["audio_tokens"] == int((out["input_ids"] == audio_id).sum()), n
+        assert got["num_tokens"] == out["input_ids"].shape[1]
+        assert got["audio_rows"] == out["feature_attention_mask"].sum()
+    encoder = transformers.WhisperPreTrainedModel._get_feat_extract_output_lengths
+    plain = L.WhisperAudio.from_processor(fe, pool=1)  # Whisper's encoder: its conv stride
+    for n in SAMPLES:
+        frames = torch.tensor(plain.audio(n).rows)
+        assert plain.audio(n).tokens == int(encoder(None, frames))
+    assert L.audio_samples({"duration": 2.5}, sampling_rate=16000) == 40000
+    assert L.audio_samples({"num_samples": 8000, "sampling_rate": 8000}, sampling_rate=16000)
+
+
+def test_dataset_map_adds_counts(tokenizer, image_files):
+    """The row function under ``datasets.map`` (two processes): one column per count, from
+    paths alone, and the row's ``segments`` are the ones the LLaVA adapter makes of the processed
+    row."""
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessorPil(),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
+    rows = [
+        {"text": "a cat " * (i + 1) + "<image> " * k, "images": [p for p, _ in image_files[:k]]}
+        for i, k in enumerate([0, 1, 2, 3])
+    ]
+    ds = datasets.Dataset.from_list(rows)
+    out = ds.map(L.lengths_for(processor, family="llava"), num_proc=2)
+    config = transformers.LlavaConfig(  # the adapter reads the model's config only
+        vision_config=transformers.CLIPVisionConfig(image_size=224, patch_size=14),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    adapter = LlavaAdapter(SimpleNamespace(config=config))
+    for row, got in zip(rows, out, strict=True):
+        images = [Image.open(p) for p in row["images"]] or None
+        processed = processor(text=[row["text"]], images=images, return_tensors="np")
+        assert got["num_tokens"] == processed["input_ids"].shape[1]
+        assert got["vision_tokens"] == got["image_tokens"] == 256 * len(row["images"])
+        ids = processed["input_ids"][0]
+        labels = np.full_like(ids, -100)  # no targets: the adapter checks labels only there
+        pixels = {"pixel_values": processed["pixel_values"]} if images else {}
+        example = adapter.to_example({"input_ids": ids, "labels": labels, **pixels})
+        assert got["segments"] == example["segments"]
+
+
+def test_bad_metadata_names_the_argument(tokenizer):
+    rule = L.QwenVision()
+    with pytest.raises(ValueError, match="width"):
+        rule.image(0, 10)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        rule.image(1000, 2)
+    with pytest.raises(ValueError, match="num_samples"):
+        L.WhisperAudio().audio(-1)
+    with pytest.raises(ValueError, match="an image must be"):
+        L.image_size(3.5)
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessorPil(),
+        tokenizer=tokenizer,
+        patch_size=14,
+        image_token="<image>",
+    )
+    count = L.lengths_for(processor, family="llava")
+    with pytest.raises(ValueError, match="1 image placeholders.*'images' 2 items"):
+        count({"text": "<image>", "images": [(10, 10), (20, 20)]})
+    with pytest.raises(ValueError, match="family must be one of"):
+        L.lengths_for(processor, family="nope")
+
+
+def test_exif_rotation_swaps_the_size(tmp_path):
+    """A JPEG whose EXIF says 'rotate 90': ``load_image`` (what pipelines decode with)
+    transposes it, and the header read says so."""
+    path = str(tmp_path / "rotated.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _image(64, 32).save(path, exif=exif)
+    loaded = transformers.image_utils.load_image(path)
+    assert L.image_size(path) == loaded.size == (32, 64)
+
+
+def test_image_size_of_undecoded_hf_image_column(image_files):
+    """An HF ``Image`` column cast with ``decode=False`` holds ``{"bytes", "path"}``: the size
+    comes from the header of the file or of the bytes."""
+    paths = [p for p, _ in image_files[:4]]
+    ds = datasets.Dataset.from_dict({"image": paths})
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    for value, (path, size) in zip(ds["image"], image_files, strict=False):
+        assert L.image_size(value) == size
+        with open(path, "rb") as f:
+            assert L.image_size({"bytes": f.read(), "path": None}) == size
