@@ -6,11 +6,19 @@ prints, next to the figures the paper's text reports and the ratio between them:
 - Figure 8 decomposed: per model and scale, the largest mini-batch without balancing and with
   OrchMLLM (both from the simulator's memory model, never the paper's settings), the speed-up
   of balancing at the no-balancing mini-batch, the speed-up of the larger mini-batch balancing
-  allows, and their product (the MFU ratio), beside the paper's;
+  allows, and their product (the MFU ratio), beside the paper's; the same decomposition at the
+  paper's mini-batches (65/40/15 -> 80/60/30); at least ``FIG8_STEPS`` sampled steps per seed;
+- Figure 9 from the same cases: LLM tokens per second per GPU, none and full, at both
+  mini-batch settings (the Megatron-LM baseline is not simulated: see the notes);
+- sensitivity: Figure 8 at both settings as every length is scaled (0.5x-3x) and as the audio
+  tasks' share of the mix changes, and the length scale at which Table 2's forward time equals
+  the paper's (a derived figure; the workload stays the config's);
 - Figure 10 (encoder-balancing ablation, 128 GPUs, the paper's ablation mini-batch 75/50/25):
   none, llm, disttrain and full, MFU and peak memory; out-of-memory cases are marked OOM and
   report no MFU;
 - Figure 11 (tailored algorithms vs one algorithm for both encoders, 128 GPUs);
+- Figure 12 (the all-to-all dispatcher vs an all-gather communicator, 128 GPUs): dispatch time,
+  MFU, peak memory, and the largest mini-batch the all-gather fits;
 - Figure 13 (inter-node volume per dispatcher with and without node-wise placement, 128 GPUs);
 - Table 2 (dispatch overhead and forward time vs GPUs, MLLM-10B, mini-batch 60, one seed), with
   the planning time of the real C++ planner and placement solver measured at that scale;
@@ -44,9 +52,11 @@ from orchmllm.recipe import ItemLengths
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import load_block_records, measured_fits
 from orchmllm.sim.emulated import EmulatedSetup
+from orchmllm.sim.step import Cluster
 from orchmllm.sim.sweep import (
     PAPER_MODELS,
     SimModel,
+    audio_share,
     default_steps,
     fitting_minibatches,
     largest_minibatch,
@@ -54,6 +64,7 @@ from orchmllm.sim.sweep import (
     placement_for,
     run_case,
     sample_pool,
+    with_workload,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +78,15 @@ DEFAULTS_RANKS = (2560, 16384)  # the scales the shipped policies are chosen for
 QUICK_DEFAULTS_RANKS = (64,)
 DEFAULTS_TIE = 0.001  # MFU ratios closer than this are a tie (see defaults())
 QUICK_ABLATION_RANKS = 32
+# The sensitivity sweep runs at one hybrid-shard group (the paper's 256 ranks), where a rank's
+# memory is what it is at 2560; every length times these scales, and these audio shares.
+SENSITIVITY_RANKS, QUICK_SENSITIVITY_RANKS = 256, 32
+SENSITIVITY_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+QUICK_SENSITIVITY_SCALES = (0.5, 1.0, 2.0)
+AUDIO_SHARES = (0.1, 0.7)  # beside the config's own (the paper mix: 0.39)
+TABLE2_SCALE_RANKS, QUICK_TABLE2_SCALE_RANKS = (64, 2560), (64,)
 SEEDS, QUICK_SEEDS = 5, 2
+FIG8_STEPS = 3  # sampled steps per seed in Figure 8, at least (see _fig8_steps)
 # The simulator's modes (orchmllm.sim.layout.MODES) in the order the tables show them.
 MODES = ("none", "llm", "disttrain", "full")
 GPU_RESULTS = ROOT / "benchmarks" / "results"
@@ -81,9 +100,14 @@ PAPER = {
     "minibatch_ablation": {"mllm-10b": 75, "mllm-18b": 50, "mllm-84b": 25},
     # OrchMLLM / no balance, 1.5x-2.0x MFU, growing with model size (section 8.1)
     "fig8_mfu_ratio": {"mllm-10b": 1.5, "mllm-84b": 2.0},
+    "fig8_mfu_ratio_range": (1.5, 2.0),
+    # OrchMLLM / no balance, 1.4x-1.9x the training throughput (section 8.1, Figure 9)
+    "fig9_tpt_ratio_range": (1.4, 1.9),
     "fig8_mfu_full_84b_2560": 0.416,
     # llm-only balance on MLLM-84B: OOM at 25, runs at 18 with 24.16% MFU and 62.7 GB
     "fig10_llm_84b": {"oom_at": 25, "max_minibatch": 18, "mfu": 0.2416, "memory_gb": 62.7},
+    # the all-gather communicator on MLLM-84B: OOM at 25, runs at 20 with 25.51% MFU, 61.8 GB
+    "fig12_allgather_84b": {"oom_at": 25, "max_minibatch": 20, "mfu": 0.2551, "memory_gb": 61.8},
     "fig13_reduction_range": (0.436, 0.722),
     "table2_minibatch": 60,
     "table2": {  # GPUs: (overhead ms, forward duration s)
@@ -107,12 +131,25 @@ NOTES = (
     "chunks). Assumed: 6 GB reserved per GPU, 2 us per all-to-all peer.",
     "Mini-batch (Fig. 8): the memory model replays the trainer's step under that recipe "
     "(checked per phase against the CPU allocator by tests/test_memory_measured.py), and "
-    "`python -m orchmllm.plan_memory` prints the same mini-batches. They sit above the "
-    "paper's; the paper gives no breakdown of its trainer's memory, so the sim cannot say "
-    "which terms differ. At those mini-batches ZeRO-3 traffic hides behind compute and the "
-    "only per-step fixed cost is the fitted per-block constant, so a larger mini-batch raises "
-    "almost no MFU: the sim's mini-batch factor is about 1.00 and its Figure 8 ratio is "
-    "balancing alone.",
+    "`python -m orchmllm.plan_memory` prints the same mini-batches. Where they sit above the "
+    "paper's, the likelier cause is the workload, not the memory model: the sensitivity "
+    "table shows the mini-batches falling as every length grows, and Table 2's forward time "
+    "matches the paper's only at a length scale well above 1 (the derived table). The "
+    "workload's lengths are public dataset statistics or labelled assumptions "
+    "(orchmllm/workload_facts.py); none is tuned to the paper, so that scale is reported, "
+    "never used. Where ZeRO-3 traffic hides behind compute the only per-step fixed cost is "
+    "the fitted per-block constant, so a larger mini-batch raises almost no MFU and the "
+    "Figure 8 ratio is balancing alone; where it does not (small mini-batches of a large "
+    "model), the larger mini-batch pays.",
+    "Fig. 9: throughput is LLM tokens per second per GPU, so at one mini-batch its full/none "
+    "ratio is the step-time ratio, as is the MFU's. Megatron-LM (the paper's Figures 8-9 "
+    "baseline, TP 8 with PP 2/4/10) is not simulated: the sim models FSDP data parallelism "
+    "only and has no measured tensor-parallel collectives or pipeline schedule to time it "
+    "with, so any Megatron figure would be invented.",
+    "Fig. 12: the all-gather communicator sends every rank the whole global batch of each "
+    "move, padded to the largest rank's (NCCL gathers equal sizes), timed by NCCL's ring "
+    "bus-bandwidth model at link peak; its receive buffers enter the replayed step at the "
+    "move, so the extra memory counts only where it raises a phase's peak.",
     "MFU (Fig. 8, 10, 11): the sim counts block compute with recompute, ZeRO-3 traffic and "
     "dispatch only; no optimizer step, embeddings, connectors, data loading, kernel gaps or "
     "exposed collective latency, so its MFU is an upper bound.",
@@ -123,8 +160,10 @@ NOTES = (
     "(greedy_stay) reach reductions of the paper's size on the vision and LLM dispatchers, not "
     "on audio (binary_search batches in both rows).",
     "Table 2: the sim's overhead is the all-to-all transfer at link peak plus per-peer latency; "
-    "the paper's also holds copies, assembly and synchronisation. The forward time is lower "
-    "because the synthetic mix carries fewer FLOPs per example and the sim has no overheads.",
+    "the paper's also holds copies, assembly and synchronisation. The forward time is lower: "
+    "the sim has no overheads, and its examples are likely lighter than the paper's (whose "
+    "data the paper does not describe in numbers); the derived table gives the length scale "
+    "that would close the gap if the per-token compute were right.",
 )
 
 
@@ -288,68 +327,145 @@ def speedups(sw: Sweep) -> None:
     )
 
 
-def _fig8_point(
-    sw: Sweep, model: str, d: int, seed: int, prev: dict[str, int] | None
+def _fig8_cases(
+    sw: Sweep,
+    m: SimModel,
+    d: int,
+    seed: int,
+    pools: dict[int, Batch],
+    b0: int,
+    b1: int,
+    *,
+    at: str,
+    found: dict[str, dict[str, Any]] | None = None,
+    figure: str = "fig8_case",
+    tags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One seed of one Figure 8 point: both mini-batches from the memory model under the
-    config's training recipe (``fitting_minibatches``, the search ``python -m
-    orchmllm.plan_memory`` runs, so the two print the same mini-batches), three cases.
+    """The three cases of one Figure 8 point, none at ``b0``, full at ``b0`` and at ``b1``, on
+    one seed's pooled steps (``found``: records the mini-batch search already made), and
+    their decomposition: ``balance`` (full/none at ``b0``, the same work) x ``minibatch``
+    (full at ``b1`` over full at ``b0``) = ``product`` (the MFU ratio), beside each side's
+    LLM tokens per second per GPU (Figure 9). A factor whose cases run out of memory is
+    None."""
+    found = found or {}
+
+    def run(mode: str, b: int) -> dict[str, Any]:
+        return run_case(
+            m, d, mode, examples_per_rank=b, placement=placement_for(mode), steps=len(pools),
+            pools=pools,
+        )  # fmt: skip
+
+    none = found.get("none") or run("none", b0)
+    full0 = run("full", b0)
+    full = found.get("full") or run("full", b1)
+    prefix = "" if at == "own" else f"{at}_"
+    for role, rec in (("none@b_none", none), ("full@b_none", full0), ("full@b_full", full)):
+        rec.update(figure=figure, seed=seed, role=prefix + role, minibatches=at, **(tags or {}))
+        sw.records.append(rec)
+    fits = {k: not r["oom"] for k, r in (("none", none), ("full0", full0), ("full", full))}
+    ends = fits["none"] and fits["full"]
+    out: dict[str, Any] = {"oom": not all(fits.values())}
+    out["mfu_none"] = none["mfu"] if fits["none"] else None
+    out["mfu_full"] = full["mfu"] if fits["full"] else None
+    out["tpt_none"] = none["tokens_per_s_per_gpu"] if fits["none"] else None
+    out["tpt_full"] = full["tokens_per_s_per_gpu"] if fits["full"] else None
+    out["product"] = full["mfu"] / none["mfu"] if ends else None
+    out["tpt_ratio"] = full["tokens_per_s_per_gpu"] / none["tokens_per_s_per_gpu"] if ends else None
+    out["balance"] = full0["mfu"] / none["mfu"] if fits["none"] and fits["full0"] else None
+    out["minibatch"] = full["mfu"] / full0["mfu"] if fits["full0"] and fits["full"] else None
+    return out
+
+
+def _fig8_point(
+    sw: Sweep,
+    m: SimModel,
+    d: int,
+    seed: int,
+    prev: dict[str, int] | None,
+    *,
+    steps: int,
+    figure: str = "fig8_case",
+    tags: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One seed of one Figure 8 point, at the largest mini-batches that fit (``own``: from
+    the memory model under the config's training recipe, by ``fitting_minibatches``, the
+    search ``python -m orchmllm.plan_memory`` runs, so the two print the same mini-batches)
+    and at the paper's (``paper``), on the same ``steps`` pooled steps.
 
     ``prev`` (this seed's mini-batches at the previous scale) only sets where the searches
     start."""
-    m = sw.models[model]
     guesses = {"none": prev["b_none"], "full": prev["b_full"]} if prev else None
     pools, found = fitting_minibatches(
-        m, d, ("none", "full"), seed=seed, steps=_steps_for(d, sw.steps_override), guesses=guesses
+        m, d, ("none", "full"), seed=seed, steps=steps, guesses=guesses
     )
     (b0, none), (b1, full) = found["none"], found["full"]
-    out: dict[str, Any] = {"b_none": b0, "b_full": b1}
+    out: dict[str, Any] = {"b_none": b0, "b_full": b1, "steps": len(pools)}
     if none is None or full is None:
-        out["oom"] = True  # not even one example per rank fits
-        return out
-    full0 = run_case(
-        m, d, "full", examples_per_rank=b0, placement="node", steps=len(pools), pools=pools
-    )
-    for role, rec in (("none@b_none", none), ("full@b_none", full0), ("full@b_full", full)):
-        rec.update(figure="fig8_case", seed=seed, role=role)
-        sw.records.append(rec)
-    out["oom"] = full0["oom"]  # balancing may need more memory than none at b_none
-    out["mfu_none"], out["mfu_full"] = none["mfu"], full["mfu"]
-    out["product"] = full["mfu"] / none["mfu"]
-    if not full0["oom"]:
-        out["balance"] = full0["mfu"] / none["mfu"]  # same work: the step-time ratio
-        out["minibatch"] = full["mfu"] / full0["mfu"]
+        out["own"] = None  # not even one example per rank fits
+    else:
+        out["own"] = _fig8_cases(
+            sw, m, d, seed, pools, b0, b1, at="own", found={"none": none, "full": full},
+            figure=figure, tags=tags,
+        )  # fmt: skip
+    p0, p1 = PAPER["minibatch_none"][m.name], PAPER["minibatch_full"][m.name]
+    out["paper"] = _fig8_cases(sw, m, d, seed, pools, p0, p1, at="paper", figure=figure, tags=tags)
+    return out
+
+
+def _fig8_steps(ranks: int, override: int | None) -> int:
+    """Sampled steps per seed in Figure 8: at least ``FIG8_STEPS`` (one step at 16,384
+    GPUs would make each seed's figure a single draw)."""
+    return override or max(FIG8_STEPS, default_steps(ranks))
+
+
+FACTORS = ("balance", "minibatch", "product", "mfu_none", "mfu_full")
+TPT = ("tpt_none", "tpt_full", "tpt_ratio")
+
+
+def _summary(points: Sequence[dict[str, Any] | None], keys: Sequence[str]) -> dict[str, Any]:
+    """Each key's spread over the seeds where it has a value (None where none has)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [p[key] for p in points if p is not None and p[key] is not None]
+        out[key] = spread(values) if values else None
     return out
 
 
 def figure8(sw: Sweep, ranks: Sequence[int]) -> None:
-    rows, headline = [], ""
+    rows, paper_rows, tpt_rows, headline = [], [], [], ""
     for model in sw.models:
         prev: dict[int, dict[str, int] | None] = dict.fromkeys(sw.seeds)
         for d in ranks:
             points = {}
             for seed in sw.seeds:
-                points[seed] = _fig8_point(sw, model, d, seed, prev[seed])
+                points[seed] = _fig8_point(
+                    sw, sw.models[model], d, seed, prev[seed],
+                    steps=_fig8_steps(d, sw.steps_override),
+                )  # fmt: skip
                 p = points[seed]
                 prev[seed] = p if p["b_none"] and p["b_full"] else None
-            ok = [p for p in points.values() if not p["oom"]]
+            own = [p["own"] for p in points.values()]
+            paper = [p["paper"] for p in points.values()]
             rec: dict[str, Any] = {
                 "figure": "fig8",
                 "model": model,
                 "ranks": d,
                 "seeds": len(sw.seeds),
-                "oom_seeds": len(points) - len(ok),
+                "steps": points[sw.seeds[0]]["steps"],
+                "oom_seeds": sum(o is None or o["oom"] for o in own),
                 "b_none": spread([p["b_none"] for p in points.values()]),
                 "b_full": spread([p["b_full"] for p in points.values()]),
                 "paper_b_none": PAPER["minibatch_none"][model],
                 "paper_b_full": PAPER["minibatch_full"][model],
                 "paper_mfu_ratio": PAPER["fig8_mfu_ratio"].get(model),
+                "paper_mfu_ratio_range": list(PAPER["fig8_mfu_ratio_range"]),
+                **_summary(own, FACTORS + TPT),
+                "at_paper_oom_seeds": sum(p["oom"] for p in paper),
+                **{f"at_paper_{k}": v for k, v in _summary(paper, FACTORS + TPT).items()},
             }
-            for key in ("balance", "minibatch", "product", "mfu_none", "mfu_full"):
-                rec[key] = spread([p[key] for p in ok]) if ok else None
             rec["balance_factor"], rec["minibatch_factor"] = rec["balance"], rec["minibatch"]
             sw.records.append(rec)
-            paper = rec["paper_mfu_ratio"]
+            ratio = rec["paper_mfu_ratio"]
             if model == "mllm-84b" and d == 2560 and rec["mfu_full"]:
                 ref = PAPER["fig8_mfu_full_84b_2560"]
                 rec["paper_mfu_full"] = ref
@@ -358,45 +474,168 @@ def figure8(sw: Sweep, ranks: Sequence[int]) -> None:
                     f"{fmt_spread(rec['mfu_full'])} vs the paper's {ref} (sim/paper "
                     f"{rec['mfu_full']['mean'] / ref:.2f})"
                 )
+            paper_x = ratio if ratio else "1.5-2.0"
             rows.append(
-                [
-                    model,
-                    d,
-                    fmt_spread(rec["b_none"]),
-                    fmt_spread(rec["b_full"]),
-                    f"{rec['paper_b_none']}->{rec['paper_b_full']}",
-                    fmt_spread(rec["balance"]),
-                    fmt_spread(rec["minibatch"]),
-                    fmt_spread(rec["product"]),
-                    paper if paper else "1.5-2.0",
-                    _ratio(rec["product"]["mean"], paper) if rec["product"] else None,
-                    fmt_spread(rec["mfu_none"]),
-                    fmt_spread(rec["mfu_full"]),
-                ]
+                [model, d, fmt_spread(rec["b_none"]), fmt_spread(rec["b_full"])]
+                + [fmt_spread(rec[k]) for k in ("balance", "minibatch", "product")]
+                + [paper_x, _ratio(rec["product"]["mean"], ratio) if rec["product"] else None]
+                + [fmt_spread(rec["mfu_none"]), fmt_spread(rec["mfu_full"])]
             )
+            paper_rows.append(
+                [model, d, f"{rec['paper_b_none']}->{rec['paper_b_full']}"]
+                + [fmt_spread(rec[f"at_paper_{k}"]) for k in ("balance", "minibatch", "product")]
+                + [
+                    paper_x,
+                    _ratio(rec["at_paper_product"]["mean"], ratio)
+                    if rec["at_paper_product"]
+                    else None,
+                ]
+                + [fmt_spread(rec[f"at_paper_{k}"]) for k in ("mfu_none", "mfu_full")]
+            )
+            lo, hi = PAPER["fig9_tpt_ratio_range"]
+            fig9 = {
+                "figure": "fig9",
+                "model": model,
+                "ranks": d,
+                "seeds": len(sw.seeds),
+                "paper_tpt_ratio_range": [lo, hi],
+                **{k: rec[k] for k in TPT},
+                **{f"at_paper_{k}": rec[f"at_paper_{k}"] for k in TPT},
+            }
+            sw.records.append(fig9)
+            tpt_rows.append(
+                [model, d]
+                + [fmt_spread(fig9[k]) for k in TPT]
+                + [fmt_spread(fig9[f"at_paper_{k}"]) for k in TPT]
+                + [f"{lo}-{hi}"]
+            )
+    seeds = len(sw.seeds)
     _table(
-        "Figure 8 decomposed: largest mini-batch per rank from the memory model (none, full), "
-        "speed-up of balancing at the none mini-batch x speed-up of full's larger mini-batch = "
-        f"MFU ratio full/none; mean (min-max) over {len(sw.seeds)} seeds; OOM: not even a "
+        "Figure 8 decomposed, at the largest mini-batch per rank the memory model lets run "
+        "(none, full): speed-up of balancing at the none mini-batch x speed-up of full's larger "
+        f"mini-batch = MFU ratio full/none; mean (min-max) over {seeds} seeds; OOM: not even a "
         "balanced step at the none mini-batch fits",
-        [
-            "model",
-            "GPUs",
-            "b none",
-            "b full",
-            "paper b",
-            "balance x",
-            "mini-batch x",
-            "product x",
-            "paper x",
-            "sim/paper",
-            "MFU none",
-            "MFU full",
-        ],
+        ["model", "GPUs", "b none", "b full", "balance x", "mini-batch x", "product x",
+         "paper x", "sim/paper", "MFU none", "MFU full"],
         rows,
-    )
+    )  # fmt: skip
+    _table(
+        "Figure 8 decomposed, at the paper's mini-batches (none -> full, section 8.1), on the "
+        f"same sampled steps; mean (min-max) over {seeds} seeds; OOM: the simulator's memory "
+        "model does not fit that mini-batch",
+        ["model", "GPUs", "paper b", "balance x", "mini-batch x", "product x", "paper x",
+         "sim/paper", "MFU none", "MFU full"],
+        paper_rows,
+    )  # fmt: skip
+    _table(
+        "Figure 9: LLM tokens per second per GPU (the paper's TPT), none and full and their "
+        f"ratio, at the largest fitting mini-batches and at the paper's; mean (min-max) over "
+        f"{seeds} seeds; the paper's full/none ratio from its text. Megatron-LM: not simulated "
+        "(see the notes)",
+        ["model", "GPUs", "none", "full", "full/none", "none@paper b", "full@paper b",
+         "full/none@paper b", "paper full/none"],
+        tpt_rows,
+    )  # fmt: skip
     if headline:
         print(headline)
+
+
+def table2_scale(sw: Sweep, d: int, *, lo: float = 0.5, hi: float = 4.0) -> dict[str, Any]:
+    """The length scale (:func:`orchmllm.sim.sweep.with_workload`) at which the simulated
+    forward time of Table 2's set-up (MLLM-10B, mini-batch 60, full + node-wise, the first
+    seed's step) equals the paper's at ``d`` GPUs, by bisection on ``log(scale)`` in
+    ``[lo, hi]`` to 1% (the forward time grows with every length). A derived figure: how much
+    heavier the paper's examples would have to be; never used as the workload. ``scale`` is
+    None when the paper's time lies outside the forward times at ``lo`` and ``hi``."""
+    model, b = "mllm-10b", PAPER["table2_minibatch"]
+    base, seed, target = sw.models[model], sw.seeds[0], PAPER["table2"][d][1]
+
+    def forward(scale: float) -> dict[str, Any]:
+        m = with_workload(base, scale=scale)
+        pools = {0: sample_pool(m, d, b, (seed, 0))}  # Table 2's first step at this scale
+        return run_case(m, d, "full", examples_per_rank=b, placement="node", pools=pools)
+
+    at = {lo: forward(lo), hi: forward(hi)}
+    rec: dict[str, Any] = {
+        "figure": "table2_scale", "model": model, "ranks": d, "examples_per_rank": b,
+        "seed": seed, "paper_forward_s": target, "forward_s_at_1": forward(1.0)["forward_s"],
+        "searched": [lo, hi], "scale": None,
+    }  # fmt: skip
+    if at[lo]["forward_s"] <= target <= at[hi]["forward_s"]:
+        while hi / lo > 1.01:
+            mid = float(np.sqrt(lo * hi))
+            at[mid] = forward(mid)
+            lo, hi = (mid, hi) if at[mid]["forward_s"] < target else (lo, mid)
+        scale = float(np.sqrt(lo * hi))
+        match = forward(scale)
+        rec.update(scale=scale, forward_s=match["forward_s"], oom=match["oom"],
+                   peak_memory_gb=match["peak_memory_gb"])  # fmt: skip
+    sw.records.append(rec)
+    return rec
+
+
+SENSITIVITY_KEYS = ("balance", "minibatch", "product")
+
+
+def sensitivity(sw: Sweep, d: int, scales: Sequence[float], table2_ranks: Sequence[int]) -> None:
+    """Figure 8 (both mini-batch settings) as the workload changes: every length times a
+    scale, and the audio tasks' share of the image-or-audio tasks (at scale 1), on the first
+    seed's steps at ``d`` GPUs; then the scale at which Table 2's forward time is the
+    paper's. The shipped workload is scale 1 with the config's mix."""
+    seed, rows = sw.seeds[0], []
+    for model, base in sw.models.items():
+        own = audio_share(base)
+        variants = [(s, None) for s in scales] + [(1.0, a) for a in AUDIO_SHARES if a != own]
+        for scale, share in variants:
+            m = with_workload(base, scale=scale, audio_share=share)
+            tags = {
+                "length_scale": scale,
+                "audio_share": audio_share(m),
+                "varied": "scale" if share is None else "mix",
+            }
+            p = _fig8_point(
+                sw, m, d, seed, None, steps=default_steps(d), figure="sensitivity_case", tags=tags
+            )
+            rec = {
+                "figure": "sensitivity", "model": model, "ranks": d, "seed": seed, **tags,
+                "b_none": p["b_none"], "b_full": p["b_full"],
+                "paper_b_none": PAPER["minibatch_none"][model],
+                "paper_b_full": PAPER["minibatch_full"][model],
+                "paper_mfu_ratio": PAPER["fig8_mfu_ratio"].get(model),
+                **{k: (p["own"] or {}).get(k) for k in SENSITIVITY_KEYS},
+                **{f"at_paper_{k}": p["paper"][k] for k in SENSITIVITY_KEYS},
+                "at_paper_oom": p["paper"]["oom"],
+            }  # fmt: skip
+            sw.records.append(rec)
+            rows.append(
+                [model, scale, f"{rec['audio_share']:.2f}", rec["b_none"], rec["b_full"],
+                 f"{rec['paper_b_none']}->{rec['paper_b_full']}"]
+                + [rec[k] for k in SENSITIVITY_KEYS]
+                + ["OOM" if rec["at_paper_oom"] else "ok"]
+                + [rec[f"at_paper_{k}"] for k in SENSITIVITY_KEYS]
+            )  # fmt: skip
+    _table(
+        f"Sensitivity of Figure 8 to the workload ({d} GPUs, hybrid-shard group "
+        f"{min(d, 256)}; seed {seed}, {default_steps(d)} step(s)): every "
+        "length times a scale, and the audio tasks' share of the tasks with an image or a clip "
+        "(at scale 1); the largest fitting mini-batches and their factors, then the factors at "
+        "the paper's mini-batches (OOM: the memory model does not fit them)",
+        ["model", "scale", "audio share", "b none", "b full", "paper b", "balance x",
+         "mini-batch x", "product x", "paper b mem", "balance x", "mini-batch x", "product x"],
+        rows,
+    )  # fmt: skip
+    if "mllm-10b" not in sw.models:
+        return
+    rows = []
+    for r in (table2_scale(sw, t) for t in table2_ranks):
+        rows.append([r["ranks"], r["forward_s_at_1"], r["paper_forward_s"], r["scale"],
+                     r.get("forward_s"), "OOM" if r.get("oom") else "ok"])  # fmt: skip
+    _table(
+        "Derived, not used: the length scale at which Table 2's forward time (MLLM-10B, "
+        "mini-batch 60, full) equals the paper's ('-': outside the scales searched)",
+        ["GPUs", "forward s at 1", "paper", "scale", "forward s there", "mem"],
+        rows,
+    )
 
 
 def figure10(sw: Sweep, d: int) -> None:
@@ -528,6 +767,64 @@ def figure11(sw: Sweep, d: int) -> None:
         ],
         rows,
     )
+
+
+def figure12(sw: Sweep, d: int) -> None:
+    """OrchMLLM's all-to-all dispatcher against an all-gather communicator (every rank
+    receives the whole global batch of a move, padded to the largest rank's, and keeps its
+    own), both with full balancing and node-wise placement at the ablation mini-batch: the
+    dispatch time, MFU and peak memory; then the largest mini-batch the all-gather fits."""
+    rows, gather = [], Cluster(communicator="all_gather")
+    for model in sw.models:
+        b = PAPER["minibatch_ablation"][model]
+        per: dict[str, list[dict[str, Any]]] = {"all_to_all": [], "all_gather": []}
+        for seed in sw.seeds:
+            for name, cluster in (("all_to_all", None), ("all_gather", gather)):
+                rec = sw.case("fig12", model, d, "full", b, b, seed, placement="node",
+                              cluster=cluster)  # fmt: skip
+                rec["communicator"] = name
+                per[name].append(rec)
+        row: list[Any] = [model, b]
+        for name, recs in per.items():
+            oom = any(r["oom"] for r in recs)
+            summary = {
+                "figure": "fig12_summary", "model": model, "ranks": d, "communicator": name,
+                "examples_per_rank": b, "seeds": len(recs), "oom": oom,
+                "mfu": None if oom else spread([r["mfu"] for r in recs]),
+                "dispatch_ms": spread([r["dispatch_fwd_ms"] + r["dispatch_bwd_ms"] for r in recs]),
+                "peak_memory_gb_max": max(r["peak_memory_gb"] for r in recs),
+            }  # fmt: skip
+            sw.records.append(summary)
+            row += [fmt_spread(summary["dispatch_ms"]), fmt_spread(summary["mfu"]),
+                    f"{summary['peak_memory_gb_max']:.1f}" + (" OOM" if oom else "")]  # fmt: skip
+        found = []
+        for seed in sw.seeds:
+            pools = sw.pools(model, d, 4 * b, seed)
+            bmax, rec = largest_minibatch(
+                sw.models[model], d, "full", pools=pools, placement="node", cluster=gather,
+                guess=b,
+            )  # fmt: skip
+            if rec is not None:
+                rec.update(figure="fig12_max", seed=seed, communicator="all_gather")
+                sw.records.append(rec)
+                found.append((bmax, rec))
+        row.append(fmt_spread(spread([f[0] for f in found])) if found else "OOM")
+        if model == "mllm-84b":
+            row.append(f"{PAPER['fig12_allgather_84b']['max_minibatch']}")
+        else:
+            row.append(None)
+        rows.append(row)
+    ref = PAPER["fig12_allgather_84b"]
+    _table(
+        f"Figure 12 analogue ({d} GPUs, the paper's ablation mini-batch, full + node-wise): "
+        "all-to-all vs all-gather dispatch, forward+backward dispatch ms, MFU and worst peak "
+        f"memory (GB), mean (min-max) over {len(sw.seeds)} seeds; the largest mini-batch the "
+        f"all-gather fits (the paper: MLLM-84B OOM at {ref['oom_at']}, runs at "
+        f"{ref['max_minibatch']} with MFU {ref['mfu']} and {ref['memory_gb']} GB)",
+        ["model", "b", "a2a ms", "a2a MFU", "a2a GB", "gather ms", "gather MFU", "gather GB",
+         "gather max b", "paper max b"],
+        rows,
+    )  # fmt: skip
 
 
 def figure13(sw: Sweep, d: int) -> None:
@@ -875,6 +1172,32 @@ def plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.legend(fontsize=7)
     save(fig, "fig13_internode.png")
 
+    sens = pick("sensitivity")
+    if sens:
+        fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 6), squeeze=False)
+        for j, model in enumerate(models):
+            rs = sorted(
+                (r for r in sens if r["model"] == model and r["varied"] == "scale"),
+                key=lambda r: r["length_scale"],
+            )
+            x = [r["length_scale"] for r in rs]
+            for key, style, at in (
+                ("product", "s-", "own b"),
+                ("at_paper_product", "o--", "paper's b"),
+            ):
+                y = [r[key] if r[key] else np.nan for r in rs]
+                axes[0][j].plot(x, y, style, label=f"full/none at {at}")
+            axes[0][j].set_title(model)
+            axes[0][j].set_ylabel("MFU ratio full/none")
+            axes[0][j].legend(fontsize=7)
+            for key, style in (("b_none", "o--"), ("b_full", "s-")):
+                axes[1][j].plot(x, [r[key] for r in rs], style, label=key)
+                axes[1][j].axhline(rs[0][f"paper_{key}"], color="gray", lw=0.8, ls=style[1:])
+            axes[1][j].set_xlabel("length scale")
+            axes[1][j].set_ylabel("largest mini-batch (gray: paper's)")
+            axes[1][j].legend(fontsize=7)
+        save(fig, "sensitivity.png")
+
     rs = sorted(pick("table2"), key=lambda r: r["ranks"])
     if rs:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -927,7 +1250,36 @@ def defaults(sw: Sweep, ranks: Sequence[int]) -> None:
     )
 
 
-SECTIONS = ("speedup", "fig8", "fig10", "fig11", "fig13", "table2", "validation", "defaults")
+def closing(records: list[dict[str, Any]]) -> list[str]:
+    """The closing note's figures, from this run's records: Figure 8 at the paper's
+    mini-batches (the largest scale up to the paper's 2560) with their spreads, and the
+    length scale at which Table 2's forward time is the paper's."""
+    out = []
+    fig8 = [r for r in records if r.get("figure") == "fig8"]
+    top = max((r["ranks"] for r in fig8 if r["ranks"] <= 2560), default=None)
+    at = [r for r in fig8 if r["ranks"] == top]
+    if at:
+        out.append(
+            f"Figure 8 at {top} GPUs, MFU ratio full/none at the paper's mini-batches: "
+            + "; ".join(f"{r['model']} {fmt_spread(r['at_paper_product'])}" for r in at)
+            + " (at the largest fitting: "
+            + "; ".join(f"{r['model']} {fmt_spread(r['product'])}" for r in at)
+            + "); the paper: 1.5-2.0."
+        )
+    for r in records:
+        if r.get("figure") == "table2_scale":
+            where = f"scale {r['scale']:.2f}" if r["scale"] else "no scale searched"
+            out.append(
+                f"Table 2's forward time at {r['ranks']} GPUs ({r['paper_forward_s']} s; the sim "
+                f"{r['forward_s_at_1']:.3g} s) is matched at length {where} (derived, not used)."
+            )
+    return out
+
+
+SECTIONS = (
+    "speedup", "fig8", "sensitivity", "fig10", "fig11", "fig12", "fig13", "table2", "validation",
+    "defaults",
+)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -981,8 +1333,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections: dict[str, Callable[[], None]] = {
         "speedup": lambda: speedups(sw),
         "fig8": lambda: figure8(sw, args.fig8_ranks or (QUICK_RANKS if args.quick else FIG8_RANKS)),
+        "sensitivity": lambda: sensitivity(
+            sw,
+            QUICK_SENSITIVITY_RANKS if args.quick else SENSITIVITY_RANKS,
+            QUICK_SENSITIVITY_SCALES if args.quick else SENSITIVITY_SCALES,
+            QUICK_TABLE2_SCALE_RANKS if args.quick else TABLE2_SCALE_RANKS,
+        ),
         "fig10": lambda: figure10(sw, ablation),
         "fig11": lambda: figure11(sw, ablation),
+        "fig12": lambda: figure12(sw, ablation),
         "fig13": lambda: figure13(sw, ablation),
         "table2": lambda: table2(sw, ranks),
         "validation": lambda: validation(sw, args.gpu_results),
@@ -994,6 +1353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n== Where the simulation disagrees with the paper, and why")
     for note in NOTES:
         print(f"- {note}")
+    for line in closing(sw.records):
+        print(f"- {line}")
     if not args.no_plots and "fig8" in args.sections:
         written = plots(sw.records, args.out)
         print("\nplots: " + ", ".join(str(p) for p in written))

@@ -102,7 +102,8 @@ def test_the_readme_blocks_are_what_the_committed_json_gives():
 
 def test_a_readme_block_is_rewritten_from_the_records_and_says_when_there_are_none(tmp_path):
     text = "intro\n<!-- results:main-job -->\nold\n<!-- /results:main-job -->\n"
-    text += "<!-- results:gpu -->\n<!-- /results:gpu -->\nend\n"
+    text += "<!-- results:gpu -->\n<!-- /results:gpu -->\n"
+    text += "<!-- results:sim -->\n<!-- /results:sim -->\nend\n"
     empty = results_doc.render_readme(text, tmp_path)
     assert "(no `train_modes.json` record yet)" in empty and "old" not in empty
     assert empty.startswith("intro\n") and empty.endswith("end\n")
@@ -169,7 +170,8 @@ def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
     _write(tmp_path, "train_modes.json", [_train("none", loss=6.25, vision_after=1.5)])
     doc, readme = tmp_path / "results.md", tmp_path / "README.md"
     readme.write_text("<!-- results:main-job -->\n<!-- /results:main-job -->\n"
-                      "<!-- results:gpu -->\n<!-- /results:gpu -->\n")  # fmt: skip
+                      "<!-- results:gpu -->\n<!-- /results:gpu -->\n"
+                      "<!-- results:sim -->\n<!-- /results:sim -->\n")  # fmt: skip
     args = ["--results", str(tmp_path), "--doc", str(doc), "--readme", str(readme)]
     assert results_doc.main([*args, "--check"]) == 1  # no document yet
     assert results_doc.main(args) == 0
@@ -177,3 +179,58 @@ def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
     doc.write_text(doc.read_text().replace("6.2500", "6.2000"))  # a hand edit
     assert results_doc.main([*args, "--check"]) == 1
     assert "run benchmarks/results_doc.py" in capsys.readouterr().out
+
+
+def _s(mean: float) -> dict:
+    return {"mean": mean, "min": mean - 0.01, "max": mean + 0.01, "n": 5}
+
+
+def _sim_records(*, product: float, scale: float) -> list[dict]:
+    """reproduce_paper records: one Figure 8 point with both decompositions, its Figure 9,
+    and Table 2's matching length scale."""
+    fig8 = {
+        "figure": "fig8", "model": "mllm-10b", "ranks": 2560, "seeds": 5, "steps": 3,
+        "b_none": _s(120.0), "b_full": _s(140.0), "paper_b_none": 65, "paper_b_full": 80,
+        "paper_mfu_ratio": 1.5, "mfu_none": _s(0.3), "mfu_full": _s(0.4),
+        **{k: _s(1.2) for k in ("balance", "product", "tpt_ratio")}, "minibatch": _s(1.0),
+        **{f"at_paper_{k}": _s(v) for k, v in (
+            ("balance", product), ("minibatch", 1.0), ("product", product), ("mfu_none", 0.3),
+            ("mfu_full", 0.4), ("tpt_none", 6000.0), ("tpt_full", 7000.0),
+            ("tpt_ratio", product))},
+    }  # fmt: skip
+    fig9 = {
+        "figure": "fig9", "model": "mllm-10b", "ranks": 2560, "seeds": 5,
+        "paper_tpt_ratio_range": [1.4, 1.9],
+        **{k: fig8[k] for k in ("tpt_ratio", "at_paper_tpt_none", "at_paper_tpt_full",
+                                "at_paper_tpt_ratio")},
+        "tpt_none": _s(6000.0), "tpt_full": _s(7000.0),
+    }  # fmt: skip
+    match = {
+        "figure": "table2_scale", "model": "mllm-10b", "ranks": 64, "examples_per_rank": 60,
+        "seed": 0, "paper_forward_s": 3.79, "forward_s_at_1": 1.39, "searched": [0.5, 4.0],
+        "scale": scale, "forward_s": 3.78, "oom": True, "peak_memory_gb": 79.6,
+    }  # fmt: skip
+    return [{**r, **RUN} for r in (fig8, fig9, match)]
+
+
+def test_the_simulators_shortfalls_and_summary_follow_the_records(tmp_path) -> None:
+    """Figure 8 at the paper's mini-batches, Figure 9, the derived length scale and the
+    shortfall list are read from the records: a changed figure changes the text, in
+    docs/results.md and in the README's block alike."""
+    readme = "<!-- results:main-job -->\n<!-- /results:main-job -->\n"
+    readme += "<!-- results:gpu -->\n<!-- /results:gpu -->\n"
+    readme += "<!-- results:sim -->\n<!-- /results:sim -->\n"
+    title = "At cluster scale: the paper's section 8 on the simulator"
+    texts = {}
+    for product, scale in ((1.41, 2.61), (1.52, 2.2)):
+        _write(tmp_path, "reproduce_paper.json", _sim_records(product=product, scale=scale))
+        body = _section(results_doc.render(tmp_path), title)
+        block = results_doc.render_readme(readme, tmp_path)
+        for text in (body, block):
+            assert f"mllm-10b {product:.3g} ({product - 0.01:.3g}-{product + 0.01:.3g})" in text
+        assert f"length scale **{scale:.2f}**" in body and f"× {scale:.2f}, not used" in block
+        assert "Where the simulation falls short of the paper" in body
+        assert "more than the budget" in body  # the matching scale does not fit mini-batch 60
+        assert "| mllm-10b | 2,560 | 65→80 |" in body  # Figure 8 at the paper's mini-batches
+        texts[product] = body
+    assert texts[1.41] != texts[1.52]

@@ -158,6 +158,48 @@ def test_all_to_all_time_is_the_busiest_rank() -> None:
     assert comm.all_to_all_seconds(v, comm.Network(2, 100.0, 10.0, 1e-3)) == pytest.approx(5.003)
 
 
+def test_all_gather_time_is_every_rank_padded_to_the_largest() -> None:
+    """Each rank receives num_ranks - 1 buffers of the largest rank's size over the slowest
+    link of the ring: the network beyond one node, NVLink within one."""
+    net = comm.Network(ranks_per_node=2, bw_intra=100.0, bw_inter=10.0, peer_latency_s=0.0)
+    held = np.array([50.0, 0.0, 20.0, 10.0])
+    assert comm.all_gather_seconds(held, net) == pytest.approx(3 * 50.0 / 10.0)
+    assert comm.all_gather_seconds(held[:2], net) == pytest.approx(50.0 / 100.0)
+    assert comm.all_gather_seconds(held[:1], net) == 0.0
+    v = comm.volumes(
+        np.array([0, 0, 2]), np.array([0, 3, 2]), np.array([5.0, 7.0, 11.0]), num_ranks=4,
+        ranks_per_node=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(v.held, [12.0, 0.0, 11.0, 0.0])  # kept bytes count too
+
+
+def test_all_gather_communicator_costs_time_and_memory() -> None:
+    """The same batch and plan: the all-gather communicator's dispatch takes longer and its
+    gathered receive buffers raise the peak at 128 ranks (they hold the global batch); the
+    compute is the same; an unknown communicator is refused."""
+    from orchmllm.sim.step import Cluster
+    from orchmllm.sim.sweep import load_model, run_case
+
+    model = load_model("mllm-10b")
+    runs = {
+        c: run_case(
+            model,
+            128,
+            "full",
+            examples_per_rank=75,
+            placement="node",
+            cluster=Cluster(communicator=c),
+        )  # fmt: skip
+        for c in ("all_to_all", "all_gather")
+    }
+    a2a, gather = runs["all_to_all"], runs["all_gather"]
+    assert gather["dispatch_fwd_ms"] > 10 * a2a["dispatch_fwd_ms"]
+    assert gather["peak_memory_gb"] > a2a["peak_memory_gb"] + 1.0
+    assert gather["compute_llm_s"] == a2a["compute_llm_s"]
+    with pytest.raises(ValueError, match="communicator"):
+        Cluster(communicator="broadcast")
+
+
 def test_comm_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="dst"):
         comm.volumes(np.array([0]), np.array([4]), np.array([1.0]), num_ranks=4, ranks_per_node=2)
@@ -347,6 +389,34 @@ def test_workload_batches_follow_the_config() -> None:
     nested = a.take(20)
     assert nested.examples_per_rank == 20
     assert nested.of("vision").raw.size <= a.of("vision").raw.size
+
+
+def test_with_workload_scales_every_length_and_sets_the_audio_share() -> None:
+    """Scale 2 doubles each drawn length of the same seed (up to the recipe's rounding and
+    the text cap); an audio share moves weight between the image and the audio tasks only; bad
+    values are refused."""
+    from orchmllm.sim.sweep import audio_share, load_model, sample_pool, with_workload
+
+    model = load_model("mllm-10b")
+    assert with_workload(model) == model
+    one, two = (sample_pool(with_workload(model, scale=s), 4, 200, seed=5) for s in (1.0, 2.0))
+    for name in ("vision", "audio"):
+        a, b = one.of(name).raw, two.of(name).raw
+        np.testing.assert_array_equal(one.of(name).example, two.of(name).example)
+        assert b.sum() / a.sum() == pytest.approx(2.0, rel=0.05)
+    cap = model.data.max_text_tokens  # an example's text stays within the config's cap
+    free = two.text < cap
+    assert np.abs(two.text[free] - 2 * one.text[free]).max() <= 1
+    assert (two.text[~free] == cap).all() and (one.text[~free] * 2 >= cap - 1).all()
+    assert audio_share(model) == pytest.approx((0.25 + 0.10) / 0.90)
+    mixed = with_workload(model, audio_share=0.7)
+    assert audio_share(mixed) == pytest.approx(0.7)
+    mix, base = mixed.data.mix, model.data.mix
+    assert mix["chat"] == base["chat"] and sum(mix.values()) == pytest.approx(sum(base.values()))
+    assert mix["caption"] / mix["vqa"] == pytest.approx(base["caption"] / base["vqa"])
+    for bad in ({"scale": 0.0}, {"audio_share": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            with_workload(model, **bad)
 
 
 def test_calibration_predicts_an_independent_measurement() -> None:

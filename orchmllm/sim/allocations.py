@@ -84,7 +84,12 @@ FEATURES = {
     "sampled_text": "text tokens sampled on the rank",
     "chunk": "tokens of the loss's first chunk, min(tokens, loss_chunk)",
     "chunk2": "tokens of its second chunk (0 with one chunk)",
+    "gathered_raw": "an all-gather communicator's raw rows: ranks x the most any rank sampled",
+    "gathered_merged": "its connector rows: ranks x the most any rank encoded",
+    "gathered_encoded": "its encoded tokens backward: ranks x the most any rank's LLM layout holds",
+    "gathered_text": "its text tokens: ranks x the most any rank sampled",
 }
+COMMUNICATORS = ("all_to_all", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,9 @@ class StepSetup:
         previous_batch: the previous step's ``LLMBatch`` is alive when the step starts (the
             trainer rebinds ``loss, out`` only when the backward has returned); taken to be
             the size of this step's.
+        communicator: how a move runs: ``all_to_all`` (the dispatcher: a rank receives its
+            own items) or ``all_gather`` (the paper's Figure 12 alternative: every rank
+            receives every rank's items, padded to the largest, and keeps its own).
     """
 
     shard_group: int = 1
@@ -137,8 +145,13 @@ class StepSetup:
     fsdp: bool = True
     optimizer: bool = True
     previous_batch: bool = True
+    communicator: str = "all_to_all"
 
     def __post_init__(self) -> None:
+        if self.communicator not in COMMUNICATORS:
+            raise ValueError(
+                f"communicator must be one of {COMMUNICATORS}, got {self.communicator!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.shard_group < 1:
@@ -1032,17 +1045,29 @@ def llm_batch(env: Env) -> None:
         env.held.append(env.tr.new(scaled(tokens, ID_BYTES), "assembly index"))
 
 
-def move(env: Env, x: Act, src: Form, dst: Form, label: str) -> Act:
+def move(
+    env: Env,
+    x: Act,
+    src: Form,
+    dst: Form,
+    label: str,
+    *,
+    gathered: Form,
+    gathered_back: Form | None = None,
+) -> Act:
     """``comm._move_group`` (one native tensor): the send buffer in send order, the receive
     buffer, the result in destination order; backward moves the gradient back the same way.
-    Sizes are per row."""
+    Under an ``all_gather`` communicator the receive buffer holds every rank's rows
+    (``gathered``, backward ``gathered_back``). Sizes are per row."""
+    gather = env.setup.communicator == "all_gather"
     send = env.new(src, f"{label} send")
-    recv = env.new(dst, f"{label} receive")
+    recv = env.new(gathered if gather else dst, f"{label} receive")
     out = env.new(dst, label, tracked=x.tracked)
     env.drop(send, recv)
 
     def run(tr: Trace) -> None:
-        back = [tr.new(dst, f"{label} grad send"), tr.new(src, f"{label} grad receive")]
+        received = gathered_back if gather and gathered_back is not None else src
+        back = [tr.new(dst, f"{label} grad send"), tr.new(received, f"{label} grad receive")]
         env.grad_new(x, f"{label} grad", src)
         tr.drop(*back)
         env.consume(out)
@@ -1077,7 +1102,8 @@ def step(env: Env, recipe: TrainRecipe) -> None:
         x = raws[name]
         if _moved(env, f"{name}.raw"):
             dst = scaled(rows_of(name, "raw"), RAW_BYTES * e.feature_dim)
-            x = move(env, x, x.size, dst, f"{name} raw move")
+            gathered = scaled(rows_of(name, "gathered_raw"), RAW_BYTES * e.feature_dim)
+            x = move(env, x, x.size, dst, f"{name} raw move", gathered=gathered)
         else:  # the sampled tensor itself: the rank's items are the ones it sampled
             x = Act(
                 tr.ref(x.storage), scaled(rows_of(name, "raw"), RAW_BYTES * e.feature_dim), False
@@ -1092,7 +1118,11 @@ def step(env: Env, recipe: TrainRecipe) -> None:
                 scaled(rows_of(name, "merged"), width),
                 scaled(rows_of(name, "encoded"), width),
             )
-            moved = move(env, out, src, dst, f"{name} output move")
+            moved = move(
+                env, out, src, dst, f"{name} output move",
+                gathered=scaled(rows_of(name, "gathered_merged"), width),
+                gathered_back=scaled(rows_of(name, "gathered_encoded"), width),
+            )  # fmt: skip
             env.drop(out)
             out = moved
         env.held.append(tr.ref(out.storage))  # LLMBatch.encoded, held by the trainer
@@ -1101,7 +1131,10 @@ def step(env: Env, recipe: TrainRecipe) -> None:
         text = scaled(rows_of(LLM, "text"), 2 * ID_BYTES)
         sampled = scaled(rows_of(LLM, "sampled_text"), 2 * ID_BYTES)
         wire = env.new(sampled, "text move packed")
-        moved = move(env, Act(wire.storage, sampled, False), sampled, text, "text move")
+        gathered = scaled(rows_of(LLM, "gathered_text"), 2 * ID_BYTES)
+        moved = move(
+            env, Act(wire.storage, sampled, False), sampled, text, "text move", gathered=gathered
+        )
         env.drop(wire)
         env.held.append(tr.new(scaled(rows_of(LLM, "text"), ID_BYTES), "input_ids"))
         env.drop(moved)

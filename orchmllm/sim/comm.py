@@ -70,6 +70,11 @@ class Volumes:
         return float(self.sent_inter.mean()) if self.num_ranks else 0.0
 
     @property
+    def held(self) -> np.ndarray:
+        """Bytes each rank holds before the move (what an all-gather sends from it)."""
+        return self.sent_intra + self.sent_inter + self.kept
+
+    @property
     def moves(self) -> bool:
         """Whether any byte changes rank (else the all-to-all is skipped)."""
         return bool(self.sent_intra.any() or self.sent_inter.any())
@@ -135,3 +140,17 @@ def all_to_all_seconds(vol: Volumes, net: Network) -> float:
     intra = np.maximum(vol.sent_intra, vol.recv_intra) / net.bw_intra
     inter = np.maximum(vol.sent_inter, vol.recv_inter) / net.bw_inter
     return float(np.maximum(intra, inter).max()) + net.peer_latency_s * (vol.num_ranks - 1)
+
+
+def all_gather_seconds(per_rank_bytes: np.ndarray, net: Network) -> float:
+    """Duration of an all-gather of every rank's bytes, padded to the largest (NCCL gathers
+    equal sizes): each rank receives ``num_ranks - 1`` such buffers through a ring whose
+    slowest link bounds it (the network beyond one node, else NVLink), the bus-bandwidth
+    model of NCCL's performance notes (``nccl-tests`` doc/PERFORMANCE.md), plus per-peer
+    latency as for the all-to-all."""
+    b = np.asarray(per_rank_bytes, dtype=np.float64)
+    d = b.size
+    if d <= 1:
+        return 0.0
+    bw = net.bw_inter if d > net.ranks_per_node else net.bw_intra
+    return (d - 1) * float(b.max()) / bw + net.peer_latency_s * (d - 1)

@@ -109,6 +109,12 @@ def _per_rank(values: np.ndarray, dst: np.ndarray, num_ranks: int, how: str) -> 
     return out
 
 
+def _gathered(per_rank: np.ndarray) -> np.ndarray:
+    """What an all-gather of per-rank rows delivers to every rank: all ranks' rows, each
+    padded to the largest (NCCL gathers equal sizes)."""
+    return np.full(per_rank.size, per_rank.size * per_rank.max(initial=0.0))
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """A GPU's memory and the set-up around the trainer's step.
@@ -179,12 +185,20 @@ class MemoryModel:
     # -- per phase ----------------------------------------------------------------------------
 
     def moments(
-        self, config: ModelConfig, recipe: TrainRecipe, *, num_ranks: int, moves=frozenset()
+        self,
+        config: ModelConfig,
+        recipe: TrainRecipe,
+        *,
+        num_ranks: int,
+        moves=frozenset(),
+        communicator: str = "all_to_all",
     ) -> Moments:
-        """The step's replay for this set-up (cached per config, recipe, group and moves)."""
+        """The step's replay for this set-up (cached per config, recipe, group, moves and
+        communicator)."""
         setup = StepSetup(
             shard_group=self.group(num_ranks), device=self.device, moves=frozenset(moves),
             fsdp=self.fsdp, optimizer=self.optimizer, previous_batch=self.previous_batch,
+            communicator=communicator,
         )  # fmt: skip
         key = (repr(config), recipe, setup)
         if key not in _MOMENTS:
@@ -199,10 +213,14 @@ class MemoryModel:
         *,
         num_ranks: int,
         moves=frozenset(),
+        communicator: str = "all_to_all",
     ) -> dict[str, np.ndarray]:
         """Each rank's peak above :meth:`static_bytes` in each phase (forward, backward and,
         with an optimizer, optimizer)."""
-        return self.moments(config, recipe, num_ranks=num_ranks, moves=moves).peaks(features)
+        m = self.moments(
+            config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
+        )
+        return m.peaks(features)
 
     def peak_bytes(
         self,
@@ -212,9 +230,12 @@ class MemoryModel:
         *,
         num_ranks: int,
         moves=frozenset(),
+        communicator: str = "all_to_all",
     ) -> np.ndarray:
         """Each rank's peak over the step: static plus the largest phase peak."""
-        peaks = self.phase_peaks(config, recipe, features, num_ranks=num_ranks, moves=moves)
+        peaks = self.phase_peaks(
+            config, recipe, features, num_ranks=num_ranks, moves=moves, communicator=communicator
+        )
         top = np.max(np.stack(list(peaks.values())), axis=0)
         return self.static_bytes(config, recipe, num_ranks) + top
 
@@ -237,18 +258,22 @@ class MemoryModel:
             longest = _per_rank(pos, dst, d, "max")
             valid = _per_rank(pos, dst, d, "sum")
             rows = n * longest if e.padded else valid
+            sampled = _per_rank(it.raw, src[it.example], d, "sum")
+            merged = _per_rank(it.raw // e.rate.divisor, dst, d, "sum")
+            encoded = _per_rank(it.raw // e.rate.divisor, layout.example[it.example], d, "sum")
             f = {
                 "rows": rows,
                 "input": n * _per_rank(it.raw, dst, d, "max") if e.padded else valid,
                 "raw": _per_rank(it.raw, dst, d, "sum"),
-                "sampled": _per_rank(it.raw, src[it.example], d, "sum"),
+                "sampled": sampled,
                 "valid": valid,
-                "merged": _per_rank(it.raw // e.rate.divisor, dst, d, "sum"),
-                "encoded": _per_rank(
-                    it.raw // e.rate.divisor, layout.example[it.example], d, "sum"
-                ),
+                "merged": merged,
+                "encoded": encoded,
                 "longest": longest,
                 "items": n,
+                "gathered_raw": _gathered(sampled),
+                "gathered_merged": _gathered(merged),
+                "gathered_encoded": _gathered(encoded),
             }
             f["attn_fwd"], f["attn_bwd"] = self._workspace(
                 e.hidden, e.heads, e.padded, rows, longest, n, dt
@@ -260,10 +285,12 @@ class MemoryModel:
         m = config.llm
         n = _per_rank(seq, layout.example, d, "count")
         longest = _per_rank(seq, layout.example, d, "max")
+        sampled_text = _per_rank(batch.text, src, d, "sum")
         f = {
             "tokens": tokens,
             "text": _per_rank(batch.text, layout.example, d, "sum"),
-            "sampled_text": _per_rank(batch.text, src, d, "sum"),
+            "sampled_text": sampled_text,
+            "gathered_text": _gathered(sampled_text),
             "items": n,
             "chunk": np.minimum(tokens, c),
             "chunk2": np.clip(tokens - c, 0, c),

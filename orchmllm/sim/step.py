@@ -31,6 +31,7 @@ from orchmllm.config import ModelConfig, TrainRecipe
 from orchmllm.cost import FORWARD_FRACTION
 from orchmllm.schema import LLM
 from orchmllm.sim import comm
+from orchmllm.sim.allocations import COMMUNICATORS
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, Submodule
 from orchmllm.sim.layout import Layout, llm_pieces, raw_row_bytes
@@ -44,6 +45,21 @@ class Cluster:
     net: comm.Network = field(default_factory=comm.Network)
     memory: MemoryModel = field(default_factory=MemoryModel)
     peak_flops: float = H100_PEAK_FLOPS
+    # how the dispatcher moves items: all_to_all (OrchMLLM's), or all_gather (every rank
+    # receives the whole global batch and keeps its own: the paper's Figure 12 alternative)
+    communicator: str = "all_to_all"
+
+    def __post_init__(self) -> None:
+        if self.communicator not in COMMUNICATORS:
+            raise ValueError(
+                f"communicator must be one of {COMMUNICATORS}, got {self.communicator!r}"
+            )
+
+    def dispatch_seconds(self, vol: comm.Volumes) -> float:
+        """One move's duration under this cluster's communicator."""
+        if self.communicator == "all_gather":
+            return comm.all_gather_seconds(vol.held, self.net)
+        return comm.all_to_all_seconds(vol, self.net)
 
 
 @dataclass(frozen=True)
@@ -175,8 +191,8 @@ def simulate_step(
         useful += m.useful_flops(lengths[phase])
     fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
     # a move where every item stays is skipped by all ranks together (the plan is global)
-    dispatch_fwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in fwd if v.moves)
-    dispatch_bwd = sum(comm.all_to_all_seconds(v, cluster.net) for _, v in bwd if v.moves)
+    dispatch_fwd = sum(cluster.dispatch_seconds(v) for _, v in fwd if v.moves)
+    dispatch_bwd = sum(cluster.dispatch_seconds(v) for _, v in bwd if v.moves)
     step = sum(max(compute[p], fsdp[p]) for p in phases) + dispatch_fwd + dispatch_bwd
     # forward share of a phase: all of a frozen module, a third of a trained one, a quarter of
     # a recomputing one (forward, recomputed forward, backward at 1:1:2; the head counted alike)
@@ -191,7 +207,9 @@ def simulate_step(
     features = mem.rank_features(config, recipe, batch, layout)
     moves = moves_of_layout(batch, layout, config)
     static = mem.static_bytes(config, recipe, d)
-    phases = mem.phase_peaks(config, recipe, features, num_ranks=d, moves=moves)
+    phases = mem.phase_peaks(
+        config, recipe, features, num_ranks=d, moves=moves, communicator=cluster.communicator
+    )
     memory = static + np.max(np.stack(list(phases.values())), axis=0)
     mean = {k: v.mean(keepdims=True) for k, v in features.items()}
     return StepResult(
@@ -208,7 +226,9 @@ def simulate_step(
         peak_memory_bytes=float(memory.max()),
         phase_memory_bytes={p: static + float(v.max()) for p, v in phases.items()},
         balanced_memory_bytes=float(
-            mem.peak_bytes(config, recipe, mean, num_ranks=d, moves=moves)[0]
+            mem.peak_bytes(
+                config, recipe, mean, num_ranks=d, moves=moves, communicator=cluster.communicator
+            )[0]
         ),
         budget_bytes=mem.budget_bytes,
         dispatchers=by_dispatcher(fwd),

@@ -9,6 +9,7 @@ the memory model; :func:`fitting_minibatches` applies it to one seed's sampled s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
+from orchmllm.recipe import TASKS, default_mix
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
 from orchmllm.sim.layout import TAILORED, plan
@@ -49,6 +51,62 @@ def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
     run = load_config(path)
     modules = submodules(run.model, checkpointing=run.recipe.checkpointing > 0)
     return SimModel(path.stem, run.model, run.data, modules, run.recipe)
+
+
+def _requires(task: str, modality: str) -> bool:
+    """Whether every example of ``task`` holds ``modality`` (an optional item does not
+    count: a vqa example's spoken question)."""
+    t = TASKS[task]
+    return any(k == modality for k, _ in t.runs) and modality not in t.optional
+
+
+def _shares(mix: Mapping[str, float]) -> tuple[list[str], list[str]]:
+    image = [t for t in mix if _requires(t, "vision")]
+    audio = [t for t in mix if _requires(t, "audio") and t not in image]
+    return image, audio
+
+
+def audio_share(model: SimModel) -> float:
+    """The audio tasks' share of the weight of the tasks that hold an image or a clip (the
+    paper mix: asr and spoken_qa against caption and vqa; chat holds neither)."""
+    mix = dict(model.data.mix or default_mix())
+    image, audio = _shares(mix)
+    both = sum(mix[t] for t in image + audio)
+    return sum(mix[t] for t in audio) / both if both else 0.0
+
+
+def with_workload(
+    model: SimModel, *, scale: float = 1.0, audio_share: float | None = None
+) -> SimModel:
+    """``model`` drawing a different workload: every length times ``scale`` (on top of the
+    config's own ``data.scale``), and with ``audio_share`` the audio tasks' share of the
+    image-or-audio tasks' weight (:func:`audio_share`), each group keeping its inner
+    proportions and the other tasks their weights. For sensitivity sweeps: the shipped
+    workload is the config's.
+
+    Raises:
+        ValueError: ``scale`` not positive, ``audio_share`` outside [0, 1], or a mix
+            without both an image and an audio task.
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    mix = dict(model.data.mix or default_mix())
+    if audio_share is not None:
+        if not 0.0 <= audio_share <= 1.0:
+            raise ValueError(f"audio_share must be in [0, 1], got {audio_share!r}")
+        image, audio = _shares(mix)
+        w_image, w_audio = sum(mix[t] for t in image), sum(mix[t] for t in audio)
+        if not (w_image > 0 and w_audio > 0):
+            raise ValueError(f"audio_share: the mix {mix} needs an image and an audio task")
+        both = w_image + w_audio
+        for group, weight, share in (
+            (image, w_image, 1 - audio_share),
+            (audio, w_audio, audio_share),
+        ):
+            for t in group:
+                mix[t] = mix[t] / weight * share * both
+    data = dataclasses.replace(model.data, scale=model.data.scale * scale, mix=mix)
+    return dataclasses.replace(model, data=data)
 
 
 def default_steps(num_ranks: int) -> int:
