@@ -102,6 +102,8 @@ class Topology:
             ``RuntimeError``.
         ranks_per_node: consecutive ranks per node (None: unknown, node-wise placement off).
         timeout: seconds any one collective may wait.
+        owned: (constructor only) the groups this topology created, which :meth:`close`
+            destroys; :meth:`build` passes them.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class Topology:
 
     @property
     def meta_group(self) -> dist.ProcessGroup | None:
+        """The gloo metadata group (class docstring); ``RuntimeError`` once closed."""
         if self._closed and self._owns_meta:
             raise RuntimeError("this Topology was closed: its metadata group is destroyed")
         return self._meta_group
@@ -213,7 +216,13 @@ class Topology:
         """Have :meth:`close` call ``close(user)`` first, while ``user`` is alive (it is held
         weakly): an object that talks on the groups from a thread of its own (a loader's
         prefetch thread) stops it there, before the groups go. Users are closed in the order
-        they were registered, the same on every rank."""
+        they were registered, the same on every rank.
+
+        Args:
+            user: the object using this topology (held weakly: a user already collected is
+                not called).
+            close: called as ``close(user)`` by :meth:`close`, before the groups are destroyed.
+        """
         self._users = [(ref, stop) for ref, stop in self._users if ref() is not None]
         self._users.append((weakref.ref(user), close))
 
