@@ -85,6 +85,7 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "output_dir": output_dir,
         "per_device_train_batch_size": args.batch_size,
         "gradient_accumulation_steps": args.grad_accum,
+        "dataloader_num_workers": args.workers,
         "learning_rate": 1e-3,
         "max_steps": max_steps,
         "num_train_epochs": args.epochs,
@@ -119,7 +120,7 @@ def losses(trainer: Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def main(argv: list[str]) -> dict:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
     p.add_argument("--balance", choices=("auto", "none"), default="auto")
@@ -127,13 +128,18 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--max-len", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1, help="-1: --epochs decides")
     p.add_argument("--resume-at", type=int, default=0, help="checkpoint at this step, resume")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: a temporary folder")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_args(argv)
     # One folder for every rank (the checkpoint is saved there): named by the launch's port.
     run = os.environ.get("MASTER_PORT", str(os.getpid()))
     out = args.output_dir or os.path.join(tempfile.gettempdir(), f"orchmllm_trainer_{run}")

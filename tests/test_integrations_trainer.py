@@ -7,7 +7,8 @@ BalancedTrainer, TRL's SFTTrainer and its balanced subclass, log the same per-st
 within 1e-5 (the Trainer logs them in float32) and end with the same parameters; a balanced run
 resumed from its step-3 checkpoint (mid-epoch) logs the rest of the uninterrupted run's losses
 exactly. The same script under ``accelerate launch``, where ``Accelerator.prepare`` passes the
-balanced loader through, gives the plain Trainer's losses too.
+balanced loader through, gives the plain Trainer's losses too. The balanced Trainer run loads in a
+DataLoader worker (the Trainer's ``dataloader_num_workers``), the plain one in the process.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     out = str(tmp_path_factory.mktemp("trainer"))
     runs = {
         "trainer/none": ["--balance", "none"],
-        "trainer/auto": ["--resume-at", "3", "--output-dir", out],
+        "trainer/auto": ["--resume-at", "3", "--output-dir", out, "--workers", "1"],
         "sft/none": ["--trainer", "sft", "--balance", "none"],
         "sft/auto": ["--trainer", "sft"],
     }
@@ -122,18 +123,7 @@ def test_policy_follows_the_collator_layout():
 
 def test_a_per_rank_loss_warns(tmp_path):
     ex = _example()
-    args = ex.argparse.Namespace(
-        balance="auto",
-        trainer="trainer",
-        batch_size=2,
-        grad_accum=1,
-        epochs=1,
-        resume_at=0,
-        dtype="float64",
-        seed=0,
-        examples=8,
-        max_len=16,
-    )
+    args = ex.parse_args(["--examples", "8", "--max-len", "16", "--batch-size", "2"])
     trainer = ex.make_trainer(args, str(tmp_path), max_steps=1)
     trainer.args.average_tokens_across_devices = False
     with pytest.warns(LossNormalisationWarning, match="average_tokens_across_devices=False"):
