@@ -57,10 +57,12 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_dataset(num_examples: int, *, max_len: int, seed: int) -> Dataset:
-    """Tokenised examples with heavy-tailed lengths (as chat and code data have)."""
+    """Tokenised examples with heavy-tailed lengths (as chat and code data have), and an ``id``
+    column the model does not take (the Trainer's ``remove_unused_columns`` drops it)."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(3.0, 0.8, num_examples), 4, max_len).astype(int)
-    return Dataset.from_dict({"input_ids": [rng.integers(1, VOCAB, n).tolist() for n in lengths]})
+    ids = [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "id": list(range(num_examples))})
 
 
 def make_model(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
@@ -116,8 +118,9 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
     return cls(model=model, args=train_args, train_dataset=dataset, data_collator=collator)
 
 
-def losses(trainer: Trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+def losses(trainer: Trainer, key: str = "loss") -> list[float]:
+    """The per-step values of ``key`` the Trainer logged."""
+    return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -158,7 +161,9 @@ def main(argv: list[str]) -> dict:
     record["num_examples"] = trainer.num_examples(loader)
     # accelerate passes the balanced loader through unchanged (it is not a DataLoader)
     record["prepare_keeps_loader"] = trainer.accelerator.prepare(loader) is loader
-    record["last_stats"] = getattr(loader, "last_stats", {})
+    for key in ("balance/imbalance_before", "balance/imbalance_after"):  # logged by orchmllm
+        values = losses(trainer, key)
+        record[key] = sum(values) / len(values) if values else None
     params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])
     record["param_sum"] = float(params.sum())
     return record

@@ -35,6 +35,9 @@ What the mixin keeps of the Trainer, and why it is exact:
 - The policy follows the collator's layout when ``planning`` is not given: padded batches
   (transformers' padding collators, TRL's collator) ``padded_cost``, packed ones
   (``DataCollatorWithFlattening``, TRL's ``padding_free=True``) ``greedy``.
+- Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
+  the policy's cost model) as sampled and as balanced since the previous log
+  (:data:`LOGGED`), so the Trainer's reporters show what balancing does.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ from orchmllm import (
 
 # The policy for each batch layout of the collator (module docstring); None: cannot tell.
 POLICY_FOR_LAYOUT = {"padded": "padded_cost", "packed": "greedy", None: "greedy"}
+# Trainer log key -> the loader's step statistic it averages (module docstring).
+LOGGED = {
+    "balance/imbalance_before": "batch/imbalance_before",
+    "balance/imbalance_after": "batch/imbalance_after",
+}
 
 
 class LossNormalisationWarning(UserWarning):
@@ -76,6 +84,21 @@ def collator_layout(collator: Any) -> str | None:
     if type(collator).__module__.startswith("trl.") and hasattr(collator, "padding_free"):
         return "packed" if collator.padding_free else "padded"
     return collate_layout(collator)
+
+
+class _Recording:
+    """An epoch iterator that keeps each micro-batch's statistics as the Trainer pulls it."""
+
+    def __init__(self, it: Iterator[Any], loader: BalancedDataLoader, sink: list[dict]) -> None:
+        self.it, self.loader, self.sink = it, loader, sink
+
+    def __iter__(self) -> _Recording:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        self.sink.append(self.loader.last_stats)
+        return batch
 
 
 class _Resumed:
@@ -140,6 +163,8 @@ class BalancedTrainerMixin:
         self.balance_length_fn = length_fn
         self.balance_planning = planning
         self.balance_loader_options = loader_options
+        self._balanced: BalancedDataLoader | None = None  # the training loader, once built
+        self._balance_stats: list[dict] = []  # the micro-batches' statistics since the last log
         super().__init__(*args, **kwargs)
         install_resume()
 
@@ -152,13 +177,31 @@ class BalancedTrainerMixin:
         )
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
-        return BalancedDataLoader(
+        self._balanced = BalancedDataLoader(
             loader,
             length_fn=self.balance_length_fn,
             planning=planning,
             sampling=SamplingOptions(seed=seed, drop_last=args.dataloader_drop_last),
             options=self.balance_loader_options,
         )
+        return self._balanced
+
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any):
+        """The Trainer's micro-batches of one step, their balance statistics kept for
+        :meth:`log`."""
+        if self._balanced is not None:
+            epoch_iterator = _Recording(epoch_iterator, self._balanced, self._balance_stats)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the micro-batches' mean imbalance since the last one."""
+        stats, self._balance_stats = self._balance_stats, []
+        if "loss" in logs and stats:
+            for key, stat in LOGGED.items():
+                values = [s[stat] for s in stats if stat in s]
+                if values:
+                    logs[key] = sum(values) / len(values)
+        super().log(logs, *args, **kwargs)
 
     def num_examples(self, dataloader: Any) -> int:
         """The examples of the dataset under a balanced loader (the Trainer's count)."""
