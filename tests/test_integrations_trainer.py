@@ -23,7 +23,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from torch.utils.data import IterableDataset
 
+from orchmllm import BalancedDataLoader
 from orchmllm.testing import run_distributed
 
 pytest.importorskip("trl", exc_type=ModuleNotFoundError)  # the trainer extra
@@ -120,6 +122,23 @@ def test_policy_follows_the_collator_layout():
     assert collator_layout(DataCollatorWithFlattening()) == "packed"
     assert POLICY_FOR_LAYOUT["padded"] == "padded_cost"
     assert POLICY_FOR_LAYOUT[collator_layout(sorted)] == "greedy"  # unknown: packed cost
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return ({"input_ids": list(range(1, 5 + i)), "id": i} for i in range(8))
+
+
+def test_an_iterable_dataset_needs_each_rank_to_read_its_shard(tmp_path):
+    """accelerate dispatches an iterable dataset's batches from rank 0 by default; the
+    balanced loader reads on every rank, so it asks for per-rank shards instead."""
+    ex = _example()
+    trainer = ex.make_trainer(ex.parse_args(["--examples", "8"]), str(tmp_path), max_steps=1)
+    trainer.train_dataset = _Stream()
+    with pytest.raises(ValueError, match="dispatch_batches"):
+        trainer.get_train_dataloader()
+    trainer.accelerator.dataloader_config.dispatch_batches = False  # as accelerator_config sets
+    assert isinstance(trainer.get_train_dataloader(), BalancedDataLoader)
 
 
 def test_a_per_rank_loss_warns(tmp_path):

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import transformers.trainer as hf_trainer
+from accelerate.data_loader import DataLoaderDispatcher
 from transformers import Trainer
 
 from orchmllm import (
@@ -171,6 +172,13 @@ class BalancedTrainerMixin:
     def get_train_dataloader(self) -> BalancedDataLoader:
         """The Trainer's own training loader, its batches balanced before collation."""
         loader = super().get_train_dataloader()
+        if isinstance(loader, DataLoaderDispatcher):  # rank 0 reads, the others receive
+            raise ValueError(
+                "train_dataset is iterable, and accelerate dispatches its batches from rank 0, "
+                "so every rank would read the whole stream: set TrainingArguments("
+                "accelerator_config={'dispatch_batches': False}) (each rank reads its shard), "
+                "or pass a map-style dataset"
+            )
         self._check_loss_normalisation()
         planning = self.balance_planning or PlanningOptions(
             policy=POLICY_FOR_LAYOUT[collator_layout(loader.collate_fn)]
