@@ -5,10 +5,11 @@ gradient accumulation 2, 70 examples over 2 epochs (accelerate's even_batches wr
 batches around, and the last step of an epoch has one micro-batch): the plain Trainer and the
 BalancedTrainer, TRL's SFTTrainer and its balanced subclass, log the same per-step losses
 within 1e-5 (the Trainer logs them in float32) and end with the same parameters; a balanced run
-resumed from its step-3 checkpoint (mid-epoch) logs the rest of the uninterrupted run's losses
-exactly. The same script under ``accelerate launch``, where ``Accelerator.prepare`` passes the
-balanced loader through, gives the plain Trainer's losses too. The balanced Trainer run loads in a
-DataLoader worker (the Trainer's ``dataloader_num_workers``), the plain one in the process.
+resumed from its step-3 or step-7 checkpoint (mid-epoch) logs the rest of the uninterrupted run's
+losses exactly. The same script under ``accelerate launch``, where ``Accelerator.prepare``
+passes the balanced loader through, gives the plain Trainer's losses too. The balanced Trainer
+run loads in a DataLoader worker (the Trainer's ``dataloader_num_workers``), the plain one in the
+process.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def _runs_worker(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    out = str(tmp_path_factory.mktemp("trainer"))
+    out, out7 = (str(tmp_path_factory.mktemp("trainer")) for _ in range(2))
     runs = {
         "trainer/none": ["--balance", "none"],
         "trainer/auto": ["--resume-at", "3", "--output-dir", out, "--workers", "1"],
+        "trainer/resume-at-7": ["--resume-at", "7", "--output-dir", out7],
         "sft/none": ["--trainer", "sft", "--balance", "none"],
         "sft/auto": ["--trainer", "sft"],
     }
@@ -91,9 +93,11 @@ def test_balanced_trainer_trains_like_the_plain_one(runs, trainer):
 
 
 @pytest.mark.integration
-def test_a_resumed_balanced_trainer_continues_the_run_exactly(runs):
-    run = runs["trainer/auto"]
-    assert run["resumed_losses"] == run["losses"][3:]
+@pytest.mark.parametrize(("run", "at"), [("trainer/auto", 3), ("trainer/resume-at-7", 7)])
+def test_a_resumed_balanced_trainer_continues_the_run_exactly(runs, run, at):
+    """Step 3 is mid-way through the first epoch (5 steps), step 7 through the second."""
+    record = runs[run]
+    assert record["resumed_losses"] == record["losses"][at:]
 
 
 @pytest.mark.integration
