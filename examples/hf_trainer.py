@@ -110,7 +110,9 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
             pass
 
         cls = BalancedSFTTrainer if balanced else SFTTrainer
-        sft_args = SFTConfig(**common, max_length=None, packing=False)
+        sft_args = SFTConfig(
+            **common, max_length=None, packing=False, padding_free=args.padding_free
+        )
         return cls(model=model, args=sft_args, train_dataset=dataset, processing_class=tok)
     collator = DataCollatorForLanguageModeling(tok, mlm=False)
     cls = BalancedTrainer if balanced else Trainer  # orchmllm
@@ -132,6 +134,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers")
+    p.add_argument("--padding-free", action="store_true", help="sft: TRL's packed batches")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1, help="-1: --epochs decides")
     p.add_argument("--resume-at", type=int, default=0, help="checkpoint at this step, resume")

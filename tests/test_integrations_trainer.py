@@ -3,8 +3,9 @@
 examples/hf_trainer.py runs on 2 gloo processes (orchmllm.testing, with timeouts), float64,
 gradient accumulation 2, 70 examples over 2 epochs (accelerate's even_batches wraps the last
 batches around, and the last step of an epoch has one micro-batch): the plain Trainer and the
-BalancedTrainer, TRL's SFTTrainer and its balanced subclass, log the same per-step losses
-within 1e-5 (the Trainer logs them in float32) and end with the same parameters; a balanced run
+BalancedTrainer, TRL's SFTTrainer and its balanced subclass (padded, and padding-free), log the
+same per-step losses within 1e-5 (the Trainer logs them in float32) and end with the same
+parameters; a balanced run
 resumed from its step-3 or step-7 checkpoint (mid-epoch) logs the rest of the uninterrupted run's
 losses exactly. The same script under ``accelerate launch``, where ``Accelerator.prepare``
 passes the balanced loader through, gives the plain Trainer's losses too. The balanced Trainer
@@ -69,6 +70,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "trainer/resume-at-7": ["--resume-at", "7", "--output-dir", out7],
         "sft/none": ["--trainer", "sft", "--balance", "none"],
         "sft/auto": ["--trainer", "sft"],
+        "sft/auto-padding-free": ["--trainer", "sft", "--padding-free"],
     }
     return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
 
@@ -79,9 +81,16 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("trainer", ["trainer", "sft"])
-def test_balanced_trainer_trains_like_the_plain_one(runs, trainer):
-    plain, balanced = runs[f"{trainer}/none"], runs[f"{trainer}/auto"]
+@pytest.mark.parametrize(
+    ("plain", "balanced"),
+    [
+        ("trainer/none", "trainer/auto"),
+        ("sft/none", "sft/auto"),
+        ("sft/none", "sft/auto-padding-free"),  # TRL's packed batches: the greedy policy
+    ],
+)
+def test_balanced_trainer_trains_like_the_plain_one(runs, plain, balanced):
+    plain, balanced = runs[plain], runs[balanced]
     assert len(plain["losses"]) == 10  # 2 epochs of 5 steps: the epochs' semantics are kept
     assert _max_diff(plain["losses"], balanced["losses"]) < TOL
     assert balanced["param_sum"] == pytest.approx(plain["param_sum"], abs=1e-6)
