@@ -41,6 +41,7 @@ _LAZY = {
     "SamplingOptions": "orchmllm.data.options",
     "PlanningOptions": "orchmllm.data.options",
     "PlannedBatch": "orchmllm.data.loader",
+    "collate_layout": "orchmllm.data.planners",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
     "global_num_items": "orchmllm.loss",

@@ -20,6 +20,23 @@ time; do not dispatch or plan on the topology while one of its loaders prefetche
 A training loop shares one: the loader gathers and plans in its thread, and
 ``Orchestrator.run`` with the prefetched plan only moves data on the data-parallel group.
 
+Exit. A process that ends with a gloo group alive can abort in interpreter finalisation
+("terminate called without an active exception", SIGABRT, exit -6): when a collective finishes,
+the group's worker thread (``pt_gloo_runloop``) still holds the finished work and its tensors,
+and releasing a tensor that Python created takes the GIL; once finalisation has begun, a thread
+taking the GIL is ended with ``pthread_exit``, whose unwinding through that C++ destructor calls
+``std::terminate``. Any gloo collective in the last milliseconds before exit can do it (a loader
+leaving an epoch when the training loop dropped it mid-way, the last step's metadata gather), so
+the library does not leave its groups to finalisation: an ``atexit`` hook, which runs while other
+threads can still take the GIL, closes every live topology in creation order (the same on every
+rank): first the objects using it (:meth:`Topology.on_close`: the loaders' prefetch threads, which
+may still exchange with their peers), then the groups it created, whose threads the freed group
+joins. No user code has to call anything at exit. A process ended by an uncaught exception
+is left as before: its peers may never reach the collectives a close runs, and a failed rank
+must end at once (so that the launcher stops the others), not wait out the timeout. Groups
+the user created (the default group, a ``group=`` of their own) stay theirs:
+``dist.destroy_process_group()`` at the end of a script ends those cleanly.
+
 Forked children. A DataLoader worker is a fork of its rank, holding copies of every object
 the rank held, process groups among them, but none of their threads. Destroying such a copy
 there (the child's garbage collector finding a group the rank no longer referenced but had not
@@ -39,13 +56,17 @@ moves examples across.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import itertools
 import os
 import secrets
+import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -61,30 +82,64 @@ _POLL_S = 0.01
 # A forked child never collects what its parent left (module docstring: "Forked children").
 os.register_at_fork(after_in_child=gc.freeze)
 
+_BUILT = itertools.count()  # creation order of the live topologies, for the exit hook
+_LIVE: dict[int, weakref.ref[Topology]] = {}
 
-@dataclass
+
 class Topology:
     """The process groups of one data-parallel job, its ranks per node and its timeout.
 
     Build it with :meth:`build` (every rank together); use it as a context manager, call
-    :meth:`close`, or drop it to destroy the groups it created.
+    :meth:`close`, or drop it to destroy the groups it created; at interpreter exit every live
+    topology is closed (module docstring: "Exit").
 
     Attributes:
         group: the data-parallel group examples and encoder outputs move on (None: the
             default group).
         meta_group: a gloo group over the same ranks, separate from ``group`` even when that
             is gloo, so that metadata can be gathered in a background thread while training
-            collectives run (None: not distributed).
+            collectives run (None: not distributed). Reading it after :meth:`close` raises
+            ``RuntimeError``.
         ranks_per_node: consecutive ranks per node (None: unknown, node-wise placement off).
         timeout: seconds any one collective may wait.
-        _owned: the groups :meth:`build` created, which :meth:`close` destroys.
+        owned: (constructor only) the groups this topology created, which :meth:`close`
+            destroys; :meth:`build` passes them.
     """
 
-    group: dist.ProcessGroup | None
-    meta_group: dist.ProcessGroup | None
-    ranks_per_node: int | None
-    timeout: float
-    _owned: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        meta_group: dist.ProcessGroup | None,
+        ranks_per_node: int | None,
+        timeout: float,
+        owned: list[dist.ProcessGroup] | None = None,
+    ) -> None:
+        self.group = group
+        self._meta_group = meta_group
+        self.ranks_per_node = ranks_per_node
+        self.timeout = timeout
+        self._owned = owned if owned is not None else []  # the groups close() destroys
+        self._owns_meta = meta_group is not None and meta_group in self._owned
+        self._users: list[tuple[weakref.ref, Callable[[Any], None]]] = []  # see on_close
+        self._closed = False
+        key = next(_BUILT)
+        _LIVE[key] = weakref.ref(self)
+        # A dropped topology frees its group (and leaves the exit hook's table); at exit the
+        # hook closes it instead, users first (weakref's own exit pass would run before it).
+        weakref.finalize(self, _drop, key, self._owned).atexit = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Topology(group={self.group!r}, meta_group={self._meta_group!r}, "
+            f"ranks_per_node={self.ranks_per_node!r}, timeout={self.timeout!r})"
+        )
+
+    @property
+    def meta_group(self) -> dist.ProcessGroup | None:
+        """The gloo metadata group (class docstring); ``RuntimeError`` once closed."""
+        if self._closed and self._owns_meta:
+            raise RuntimeError("this Topology was closed: its metadata group is destroyed")
+        return self._meta_group
 
     @classmethod
     def build(
@@ -140,9 +195,7 @@ class Topology:
             raise ValueError(
                 f"meta_group must be a gloo group, got backend {dist.get_backend(meta_group)!r}"
             )
-        topology = cls(group, meta_group, ranks_per_node, float(timeout), owned)
-        weakref.finalize(topology, _destroy, owned)  # a dropped topology frees its group
-        return topology
+        return cls(group, meta_group, ranks_per_node, float(timeout), owned)
 
     @property
     def distributed(self) -> bool:
@@ -159,15 +212,65 @@ class Topology:
         """The number of ranks in ``group`` (1 when not distributed)."""
         return dist.get_world_size(self.group) if self.distributed else 1
 
+    def on_close(self, user: Any, close: Callable[[Any], None]) -> None:
+        """Have :meth:`close` call ``close(user)`` first, while ``user`` is alive (it is held
+        weakly): an object that talks on the groups from a thread of its own (a loader's
+        prefetch thread) stops it there, before the groups go. Users are closed in the order
+        they were registered, the same on every rank.
+
+        Args:
+            user: the object using this topology (held weakly: a user already collected is
+                not called).
+            close: called as ``close(user)`` by :meth:`close`, before the groups are destroyed.
+        """
+        self._users = [(ref, stop) for ref, stop in self._users if ref() is not None]
+        self._users.append((weakref.ref(user), close))
+
     def close(self) -> None:
-        """Destroy the groups this topology created (idempotent; every rank calls it)."""
-        _destroy(self._owned)
+        """Close the objects using this topology (:meth:`on_close`), then destroy the groups it
+        created and let them go, which joins their threads (idempotent; collective: every rank
+        calls it, at the same point)."""
+        users, self._users = self._users, []
+        try:
+            for ref, stop in users:
+                user = ref()
+                if user is not None:
+                    stop(user)
+        finally:
+            self._closed = True
+            if self._owns_meta:
+                self._meta_group = None  # the last reference: freeing it joins gloo's threads
+            _destroy(self._owned)
 
     def __enter__(self) -> Topology:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drop(key: int, owned: list[dist.ProcessGroup]) -> None:
+    _LIVE.pop(key, None)
+    _destroy(owned)
+
+
+@atexit.register
+def _close_live_topologies() -> None:
+    """The exit hook (module docstring: "Exit"): close every live topology, oldest first;
+    the first error is raised once all are closed. Nothing is closed when an uncaught exception
+    ends the interpreter (Python records it in ``sys.last_value`` before running the hooks)."""
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    errors = []
+    for key in sorted(_LIVE):
+        topology = _LIVE.pop(key)()
+        try:
+            if topology is not None:
+                topology.close()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def _destroy(groups: list[dist.ProcessGroup]) -> None:

@@ -19,7 +19,7 @@ TIMEOUT = 20.0
 
 
 def test_gather_pads_rows_and_counts_nothing_sent_alone():
-    g = ex.Group(None, timeout=5)
+    g = ex.Group(Topology.build(timeout=5))
     out = ex.gather_step(g, [[3, 1], [4]])
     np.testing.assert_array_equal(out.meta, [[3, 1], [4, ex.PAD]])
     np.testing.assert_array_equal(out.src, [0, 0])
@@ -27,13 +27,13 @@ def test_gather_pads_rows_and_counts_nothing_sent_alone():
 
 
 def test_gather_reraises_own_error():
-    g = ex.Group(None, timeout=5)
+    g = ex.Group(Topology.build(timeout=5))
     with pytest.raises(KeyError, match="mine"):
         ex.gather_step(g, None, error=KeyError("mine"))
 
 
 def test_move_examples_roundtrip_any_python_object():
-    g = ex.Group(None, timeout=5)
+    g = ex.Group(Topology.build(timeout=5))
     examples = [{"a": np.arange(k), "b": "x" * k} for k in (3, 0, 5)]
     blobs = ex.serialize(examples)
     plan = Rearrangement.from_assignment([0, 0, 0], [0, 0, 0], num_ranks=1)
@@ -44,7 +44,7 @@ def test_move_examples_roundtrip_any_python_object():
 
 
 def test_balance_step_checks_planner_output():
-    g = ex.Group(None, timeout=5)
+    g = ex.Group(Topology.build(timeout=5))
 
     def prepare():
         return [{"n": 1}], [[1]]
@@ -82,7 +82,7 @@ def _examples(rank: int) -> list[dict]:
 
 
 def _w_planner_mismatch(rank: int, world: int):
-    g = ex.Group.metadata(Topology.build(timeout=TIMEOUT))  # as the loader talks
+    g = ex.Group(Topology.build(timeout=TIMEOUT))  # as the loader talks
 
     def prepare():
         examples = _examples(rank)

@@ -4,16 +4,25 @@ do with the copies it inherits, and the store namespace of each restart attempt.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from orchmllm import topology  # the fork hook is registered on import
 from orchmllm.testing import run_distributed
+from orchmllm.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Cycle:
@@ -94,3 +103,64 @@ def test_each_restart_attempt_meets_in_its_own_store_namespace():
         seen = store.check(["mine/0"])
         store.set("mine/0", "here")
     assert seen
+
+
+def _threads() -> int:
+    # All of them, not those named pt_gloo: a new thread is named only once it has started.
+    return len(os.listdir("/proc/self/task"))
+
+
+def _close_stops_users_then_frees_the_group(rank: int, world: int) -> list:
+    before = _threads()
+    topo = Topology.build(timeout=30)
+    group = weakref.ref(topo.meta_group)
+    opened = _threads() - before
+    events = []
+
+    class User:  # talks on the group until closed, as a loader's prefetch thread does
+        def stop(self) -> None:
+            t = torch.tensor([rank])
+            dist.all_reduce(t, group=topo.meta_group)
+            events.append(("stopped", int(t)))
+
+    user, gone = User(), User()
+    topo.on_close(user, User.stop)
+    topo.on_close(gone, User.stop)
+    del gone  # held weakly: a user already dropped is not called
+    topo.close()
+    events.append(("group freed", group() is None))
+    deadline = time.monotonic() + 5  # a joined thread can linger in /proc for a moment
+    while _threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    events.append(("threads left", _threads() - before))
+    with pytest.raises(RuntimeError, match="closed"):
+        topo.meta_group  # noqa: B018
+    topo.close()  # idempotent
+    return [opened > 0, *events]
+
+
+@pytest.mark.integration
+def test_close_stops_its_users_then_frees_its_group():
+    """Closing a topology runs its users' close first (a collective on the group, still
+    open), then destroys its gloo group and lets it go: the group's threads are joined there,
+    not left to interpreter finalisation (orchmllm.topology: "Exit")."""
+    expected = [True, ("stopped", 1), ("group freed", True), ("threads left", 0)]
+    assert run_distributed(_close_stops_users_then_frees_the_group, 2, timeout=60) == [expected] * 2
+
+
+@pytest.mark.integration
+def test_a_finished_job_exits_zero_every_time():
+    """tests/exit_job.py: 16 runs of a 2-rank job that iterates a balanced loader (a DataLoader
+    worker, an epoch left mid-way) and simply ends. Without the exit hook many processes die of
+    SIGABRT in finalisation (``python -m tests.exit_job --runs 30 --without-hook``); with it
+    every one exits 0."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.exit_job", "--runs", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["exit_codes"] == {"0": 32}, (result, out.stderr[-2000:])

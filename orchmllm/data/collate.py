@@ -106,7 +106,7 @@ class BalancedCollator:
         self.planner = plan.planner or BalancePlanner(policy=plan.policy, cost=plan.cost)
         warn_on_layout_mismatch(self.collate_fn, self.planner)
         self.topology = topology if topology is not None else Topology.build()
-        self._group = ex.Group.metadata(self.topology)
+        self._group = ex.Group(self.topology)
         self.step = 0
         self.last_step: ex.StepInfo | None = None
         self.last_stats: dict[str, float] = {}

@@ -66,21 +66,17 @@ class Gathered:
 class Group:
     """The CPU group the loader talks on, or a single process without torch.distributed."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, timeout: float) -> None:
-        self.group = group
-        self.timeout = timeout
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology  # held: dropping a topology destroys the groups it created
+        self.timeout = topology.timeout
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.size = dist.get_world_size(group) if self.distributed else 1
-        self.topology: Topology | None = None
+        self.rank = dist.get_rank(topology.meta_group) if self.distributed else 0
+        self.size = dist.get_world_size(topology.meta_group) if self.distributed else 1
 
-    @classmethod
-    def metadata(cls, topology: Topology) -> Group:
-        """The topology's gloo metadata group, with its timeout; the group holds the topology
-        (dropping a topology destroys the groups it created)."""
-        g = cls(topology.meta_group, timeout=topology.timeout)
-        g.topology = topology
-        return g
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """Read from the topology at each use, never kept: closing the topology frees it."""
+        return self.topology.meta_group
 
     def all_gather_fixed(self, vec: Sequence[int]) -> np.ndarray:
         arr = np.asarray(vec, dtype=np.int64).reshape(1, -1)

@@ -422,7 +422,7 @@ class BalancedDataLoader:
         budget = max_tokens_per_rank
         self.planner = planner if budget is None else _WithinBudget(planner, budget)
         self.topology = topology if topology is not None else Topology.build()
-        self._group = ex.Group.metadata(self.topology)
+        self._group = ex.Group(self.topology)
         self.num_replicas = _num_replicas(source, self.sampling, self._group)
         self._lengths = self._known_lengths(lengths)
         if budget is not None and self._lengths is not None:
@@ -600,6 +600,8 @@ class BalancedDataLoader:
         self._handshake()
         it = _EpochIterator(self, self._begin(self.epoch, self._step))
         self._active = weakref.ref(it)
+        # Closed before the topology's groups go, at exit too (orchmllm.topology: "Exit").
+        self.topology.on_close(it, _EpochIterator.close)
         return it
 
     def close(self) -> None:

@@ -94,6 +94,15 @@ def collate_layout(collate_fn: Callable[[list], Any]) -> str | None:
     ``my_collate.orchmllm_layout = "padded"``); Hugging Face's collators are known by class
     (``KNOWN_COLLATE_LAYOUTS``). Anything else is not guessed: a batch's tensors alone do not
     say whether the zeros in them are padding.
+
+    Args:
+        collate_fn: the collate function (or collator object) that builds the batches.
+
+    Returns:
+        ``"padded"``, ``"packed"``, or None when the layout is not known.
+
+    Raises:
+        ValueError: ``collate_fn.orchmllm_layout`` is not one of :data:`LAYOUTS`.
     """
     declared = getattr(collate_fn, "orchmllm_layout", None)
     if declared is not None:

@@ -1,0 +1,178 @@
+"""A ``transformers.Trainer`` script (or TRL's ``SFTTrainer``), balanced by OrchMLLM.
+
+    torchrun --nproc_per_node=2 examples/hf_trainer.py                    # balanced
+    torchrun --nproc_per_node=2 examples/hf_trainer.py --balance none     # the plain Trainer
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --trainer sft
+
+The model is a tiny ``LlamaForCausalLM`` with random weights and the tokenizer a word-level one
+built here (nothing is downloaded; on CPU the ranks talk gloo, under accelerate too); the
+examples have heavy-tailed lengths and the collator pads (transformers'
+``DataCollatorForLanguageModeling``, or TRL's). From the plain script to the balanced one, one
+line changes (marked ``# orchmllm``)::
+
+    - trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+    + trainer = BalancedTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+
+plus its import; for TRL, a two-line subclass (``class BalancedSFTTrainer(BalancedTrainerMixin,
+SFTTrainer): pass``). The Trainer already normalises the loss by the target tokens of all ranks
+and micro-steps, so nothing else changes, and both runs print the same losses.
+
+``--resume-at K`` saves a checkpoint at step K and trains a second Trainer from it: its losses
+are the rest of the first run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import (
+    DataCollatorForLanguageModeling,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
+
+from orchmllm.integrations.trainer import BalancedTrainer, BalancedTrainerMixin  # orchmllm
+
+VOCAB = 64
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``VOCAB`` words ``w0 w1 ...`` (id 0 pads)."""
+    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="w1")
+
+
+def make_dataset(num_examples: int, *, max_len: int, seed: int) -> Dataset:
+    """Tokenised examples with heavy-tailed lengths (as chat and code data have), and an ``id``
+    column the model does not take (the Trainer's ``remove_unused_columns`` drops it)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(3.0, 0.8, num_examples), 4, max_len).astype(int)
+    ids = [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "id": list(range(num_examples))})
+
+
+def make_model(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -> Trainer:
+    balanced = args.balance != "none"
+    tok = make_tokenizer()
+    common = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": args.batch_size,
+        "gradient_accumulation_steps": args.grad_accum,
+        "dataloader_num_workers": args.workers,
+        "learning_rate": 1e-3,
+        "max_steps": max_steps,
+        "num_train_epochs": args.epochs,
+        "logging_steps": 1,
+        "save_strategy": "steps" if args.resume_at else "no",
+        "save_steps": args.resume_at or 500,
+        "report_to": [],
+        "use_cpu": not torch.cuda.is_available(),
+        "dataloader_pin_memory": False,
+        "data_seed": args.seed,
+        "seed": args.seed,
+        "disable_tqdm": True,
+    }
+    model = make_model(getattr(torch, args.dtype), args.seed)
+    dataset = make_dataset(args.examples, max_len=args.max_len, seed=args.seed)
+    if args.trainer == "sft":
+        from trl import SFTConfig, SFTTrainer  # the sft run only: TRL is optional
+
+        class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):  # orchmllm
+            pass
+
+        cls = BalancedSFTTrainer if balanced else SFTTrainer
+        sft_args = SFTConfig(
+            **common, max_length=None, packing=False, padding_free=args.padding_free
+        )
+        return cls(model=model, args=sft_args, train_dataset=dataset, processing_class=tok)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    cls = BalancedTrainer if balanced else Trainer  # orchmllm
+    train_args = TrainingArguments(**common)
+    return cls(model=model, args=train_args, train_dataset=dataset, data_collator=collator)
+
+
+def losses(trainer: Trainer, key: str = "loss") -> list[float]:
+    """The per-step values of ``key`` the Trainer logged."""
+    return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
+    p.add_argument("--balance", choices=("auto", "none"), default="auto")
+    p.add_argument("--examples", type=int, default=70)
+    p.add_argument("--max-len", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers")
+    p.add_argument("--padding-free", action="store_true", help="sft: TRL's packed batches")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=-1, help="-1: --epochs decides")
+    p.add_argument("--resume-at", type=int, default=0, help="checkpoint at this step, resume")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default=None, help="default: a temporary folder")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_args(argv)
+    # One folder for every rank (the checkpoint is saved there): named by the launch's port.
+    run = os.environ.get("MASTER_PORT", str(os.getpid()))
+    out = args.output_dir or os.path.join(tempfile.gettempdir(), f"orchmllm_trainer_{run}")
+    if dist.is_initialized():  # started inside a process group (orchmllm.testing)
+        shared = [out]
+        dist.broadcast_object_list(shared, src=0)
+        out = shared[0]
+    trainer = make_trainer(args, out, max_steps=args.max_steps)
+    trainer.train()
+    record = {"losses": losses(trainer), "balanced": args.balance != "none"}
+    if args.resume_at:
+        resumed = make_trainer(args, out, max_steps=args.max_steps)
+        resumed.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{args.resume_at}"))
+        record["resumed_losses"] = losses(resumed)[args.resume_at :]  # after the restored ones
+    loader = trainer.callback_handler.train_dataloader
+    record["num_examples"] = trainer.num_examples(loader)
+    # accelerate passes the balanced loader through unchanged (it is not a DataLoader)
+    record["prepare_keeps_loader"] = trainer.accelerator.prepare(loader) is loader
+    for key in ("balance/imbalance_before", "balance/imbalance_after"):  # logged by orchmllm
+        values = losses(trainer, key)
+        record[key] = sum(values) / len(values) if values else None
+    params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])
+    record["param_sum"] = float(params.sum())
+    return record
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1:])
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result))

@@ -1,0 +1,238 @@
+"""A ``transformers.Trainer`` (or TRL's ``SFTTrainer``) whose training batches are balanced.
+
+A Trainer script becomes balanced by its import and its class (``pip install -e ".[hf]"``)::
+
+    from orchmllm.integrations.trainer import BalancedTrainer
+
+    trainer = BalancedTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+
+and a TRL script by a two-line subclass::
+
+    from orchmllm.integrations.trainer import BalancedTrainerMixin
+
+    class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer): pass
+
+What the mixin keeps of the Trainer, and why it is exact:
+
+- The Trainer's own loader is wrapped, not replaced (:meth:`get_train_dataloader`): its
+  sampler, data seed, workers, pinning, ``drop_last``, column removal and collator stay as the
+  Trainer built them, and so do its epoch semantics (accelerate shards the batches and, with
+  ``even_batches``, wraps the last ones around). Each micro-batch is then balanced before it is
+  collated; gradient accumulation pulls balanced micro-batches one by one, so each of them is
+  balanced on its own and every rank runs the same number.
+- The loss: with ``average_tokens_across_devices`` (the default) and a model that takes
+  ``num_items_in_batch`` (every causal LM in transformers; or a ``compute_loss_func``), the
+  Trainer divides the summed loss by the count of target tokens over all ranks and all
+  micro-steps of the step, a count that balancing does not change, so the gradients equal an
+  unbalanced run's. Do not add the README's ``global_num_items`` lines to a Trainer: it already
+  normalises. Otherwise each rank averages its own tokens and balancing would reweight them;
+  the mixin warns (:class:`LossNormalisationWarning`).
+- Resuming from a checkpoint: the Trainer skips the batches an interrupted epoch trained
+  through accelerate's ``skip_first_batches``, which needs a ``DataLoader``; for a balanced
+  loader it resumes through :meth:`~orchmllm.BalancedDataLoader.load_state_dict` instead, which
+  skips the sampled batches without loading them (installed once, by the first mixin built:
+  :func:`install_resume`).
+- The policy follows the collator's layout when ``planning`` is not given: padded batches
+  (transformers' padding collators, TRL's collator) ``padded_cost``, packed ones
+  (``DataCollatorWithFlattening``, TRL's ``padding_free=True``) ``greedy``.
+- Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
+  the policy's cost model) as sampled and as balanced since the previous log
+  (:data:`LOGGED`), so the Trainer's reporters show what balancing does.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import transformers.trainer as hf_trainer
+from accelerate.data_loader import DataLoaderDispatcher
+from transformers import Trainer
+
+from orchmllm import (
+    BalancedDataLoader,
+    LoaderOptions,
+    PlanningOptions,
+    SamplingOptions,
+    collate_layout,
+)
+
+# The policy for each batch layout of the collator (module docstring); None: cannot tell.
+POLICY_FOR_LAYOUT = {"padded": "padded_cost", "packed": "greedy", None: "greedy"}
+# Trainer log key -> the loader's step statistic it averages (module docstring).
+LOGGED = {
+    "balance/imbalance_before": "batch/imbalance_before",
+    "balance/imbalance_after": "batch/imbalance_after",
+}
+
+
+class LossNormalisationWarning(UserWarning):
+    """The Trainer averages the loss per rank, so balancing changes each example's weight."""
+
+
+def input_length(example: dict) -> int:
+    """The default length of a training example: its ``input_ids`` count."""
+    return len(example["input_ids"])
+
+
+def collator_layout(collator: Any) -> str | None:
+    """``"padded"``, ``"packed"`` or None for a Trainer's collator: the one the Trainer wraps
+    to remove columns, TRL's language-modelling collator by its ``padding_free`` flag, else
+    :func:`orchmllm.collate_layout`."""
+    collator = getattr(collator, "data_collator", collator)  # transformers' RemoveColumnsCollator
+    if type(collator).__module__.startswith("trl.") and hasattr(collator, "padding_free"):
+        return "packed" if collator.padding_free else "padded"
+    return collate_layout(collator)
+
+
+class _Recording:
+    """An epoch iterator that keeps each micro-batch's statistics as the Trainer pulls it."""
+
+    def __init__(self, it: Iterator[Any], loader: BalancedDataLoader, sink: list[dict]) -> None:
+        self.it, self.loader, self.sink = it, loader, sink
+
+    def __iter__(self) -> _Recording:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        self.sink.append(self.loader.last_stats)
+        return batch
+
+
+class _Resumed:
+    """What the Trainer gets from ``skip_first_batches`` for a balanced loader: the loader,
+    resumed ``skip`` batches into whichever epoch the Trainer sets next."""
+
+    def __init__(self, loader: BalancedDataLoader, skip: int) -> None:
+        self.loader, self.skip = loader, skip
+        self.set_epoch(loader.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        state = {"epoch": epoch, "step": self.skip, "seed": self.loader.sampling.seed}
+        self.loader.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def install_resume() -> None:
+    """Let the Trainer's resume skip a balanced loader's batches (module docstring): its
+    ``skip_first_batches`` is wrapped once; any other loader goes to accelerate's as before."""
+    original = hf_trainer.skip_first_batches
+    if getattr(original, "balanced_resume", False):
+        return
+
+    @functools.wraps(original)
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, BalancedDataLoader):
+            return _Resumed(dataloader, num_batches)
+        return original(dataloader, num_batches)
+
+    skip_first_batches.balanced_resume = True
+    hf_trainer.skip_first_batches = skip_first_batches
+
+
+class BalancedTrainerMixin:
+    """Mix in before a ``transformers.Trainer`` class (``Trainer``, TRL's ``SFTTrainer``...):
+    its training batches are balanced across data-parallel ranks (module docstring).
+
+    Args (keyword-only, before the Trainer's own):
+        length_fn: ``length_fn(example) -> int``, an example's cost unit (tokens), read from the
+            dataset rows the Trainer's loader yields (after column removal). Default:
+            :func:`input_length`.
+        planning: an ``orchmllm.PlanningOptions`` (None: the policy for the collator's
+            layout, :data:`POLICY_FOR_LAYOUT`).
+        loader_options: an ``orchmllm.LoaderOptions`` (prefetch, metrics...); the workers
+            are the Trainer's (``dataloader_num_workers``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        length_fn: Callable[[Any], int] = input_length,
+        planning: PlanningOptions | None = None,
+        loader_options: LoaderOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Prefixed: a Trainer subclass has many attributes of its own.
+        self.balance_length_fn = length_fn
+        self.balance_planning = planning
+        self.balance_loader_options = loader_options
+        self._balanced: BalancedDataLoader | None = None  # the training loader, once built
+        self._balance_stats: list[dict] = []  # the micro-batches' statistics since the last log
+        super().__init__(*args, **kwargs)
+        install_resume()
+
+    def get_train_dataloader(self) -> BalancedDataLoader:
+        """The Trainer's own training loader, its batches balanced before collation."""
+        loader = super().get_train_dataloader()
+        if isinstance(loader, DataLoaderDispatcher):  # rank 0 reads, the others receive
+            raise ValueError(
+                "train_dataset is iterable, and accelerate dispatches its batches from rank 0, "
+                "so every rank would read the whole stream: set TrainingArguments("
+                "accelerator_config={'dispatch_batches': False}) (each rank reads its shard), "
+                "or pass a map-style dataset"
+            )
+        self._check_loss_normalisation()
+        planning = self.balance_planning or PlanningOptions(
+            policy=POLICY_FOR_LAYOUT[collator_layout(loader.collate_fn)]
+        )
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        self._balanced = BalancedDataLoader(
+            loader,
+            length_fn=self.balance_length_fn,
+            planning=planning,
+            sampling=SamplingOptions(seed=seed, drop_last=args.dataloader_drop_last),
+            options=self.balance_loader_options,
+        )
+        return self._balanced
+
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any):
+        """The Trainer's micro-batches of one step, their balance statistics kept for
+        :meth:`log`."""
+        if self._balanced is not None:
+            epoch_iterator = _Recording(epoch_iterator, self._balanced, self._balance_stats)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the micro-batches' mean imbalance since the last one."""
+        stats, self._balance_stats = self._balance_stats, []
+        if "loss" in logs and stats:
+            for key, stat in LOGGED.items():
+                values = [s[stat] for s in stats if stat in s]
+                if values:
+                    logs[key] = sum(values) / len(values)
+        super().log(logs, *args, **kwargs)
+
+    def num_examples(self, dataloader: Any) -> int:
+        """The examples of the dataset under a balanced loader (the Trainer's count)."""
+        while isinstance(dataloader, _Resumed | BalancedDataLoader):
+            resumed = isinstance(dataloader, _Resumed)
+            dataloader = dataloader.loader if resumed else dataloader.source
+        return super().num_examples(dataloader)
+
+    def _check_loss_normalisation(self) -> None:
+        if self.args.average_tokens_across_devices and (
+            self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        ):
+            return
+        warnings.warn(
+            "the Trainer averages the loss over each rank's own tokens (average_tokens_across_"
+            f"devices={self.args.average_tokens_across_devices}, model takes num_items_in_batch: "
+            f"{self.model_accepts_loss_kwargs}), so balancing changes the examples' weights: "
+            "set average_tokens_across_devices=True and use a model whose forward takes "
+            "num_items_in_batch, or pass a compute_loss_func",
+            LossNormalisationWarning,
+            stacklevel=3,
+        )
+
+
+class BalancedTrainer(BalancedTrainerMixin, Trainer):
+    """``transformers.Trainer`` with balanced training batches (:class:`BalancedTrainerMixin`)."""

@@ -1,0 +1,163 @@
+"""orchmllm.integrations.trainer: a balanced Trainer trains exactly like the plain one.
+
+examples/hf_trainer.py runs on 2 gloo processes (orchmllm.testing, with timeouts), float64,
+gradient accumulation 2, 70 examples over 2 epochs (accelerate's even_batches wraps the last
+batches around, and the last step of an epoch has one micro-batch): the plain Trainer and the
+BalancedTrainer, TRL's SFTTrainer and its balanced subclass (padded, and padding-free), log the
+same per-step losses within 1e-5 (the Trainer logs them in float32) and end with the same
+parameters; a balanced run
+resumed from its step-3 or step-7 checkpoint (mid-epoch) logs the rest of the uninterrupted run's
+losses exactly. The same script under ``accelerate launch``, where ``Accelerator.prepare``
+passes the balanced loader through, gives the plain Trainer's losses too. The balanced Trainer
+run loads in a DataLoader worker (the Trainer's ``dataloader_num_workers``), the plain one in the
+process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from torch.utils.data import IterableDataset
+
+from orchmllm import BalancedDataLoader
+from orchmllm.testing import run_distributed
+
+pytest.importorskip("trl", exc_type=ModuleNotFoundError)  # the trainer extra
+
+from transformers import DataCollatorWithFlattening  # noqa: E402  (after the extra's check)
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
+
+from orchmllm.integrations.trainer import (  # noqa: E402
+    POLICY_FOR_LAYOUT,
+    LossNormalisationWarning,
+    collator_layout,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+TOL = 1e-5
+COMMON = ["--dtype", "float64", "--grad-accum", "2", "--examples", "70", "--epochs", "2"]
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hf_trainer", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs_worker(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
+    main = _example().main
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Trainer's and DDP's advice, not under test
+        return {key: main([*COMMON, *argv]) for key, argv in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    out, out7 = (str(tmp_path_factory.mktemp("trainer")) for _ in range(2))
+    runs = {
+        "trainer/none": ["--balance", "none"],
+        "trainer/auto": ["--resume-at", "3", "--output-dir", out, "--workers", "1"],
+        "trainer/resume-at-7": ["--resume-at", "7", "--output-dir", out7],
+        "sft/none": ["--trainer", "sft", "--balance", "none"],
+        "sft/auto": ["--trainer", "sft"],
+        "sft/auto-padding-free": ["--trainer", "sft", "--padding-free"],
+    }
+    return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("plain", "balanced"),
+    [
+        ("trainer/none", "trainer/auto"),
+        ("sft/none", "sft/auto"),
+        ("sft/none", "sft/auto-padding-free"),  # TRL's packed batches: the greedy policy
+    ],
+)
+def test_balanced_trainer_trains_like_the_plain_one(runs, plain, balanced):
+    plain, balanced = runs[plain], runs[balanced]
+    assert len(plain["losses"]) == 10  # 2 epochs of 5 steps: the epochs' semantics are kept
+    assert _max_diff(plain["losses"], balanced["losses"]) < TOL
+    assert balanced["param_sum"] == pytest.approx(plain["param_sum"], abs=1e-6)
+    assert balanced["balanced"] and not plain["balanced"]
+    assert balanced["num_examples"] == plain["num_examples"] == 70
+    # the logged mean imbalance of the micro-batches (the policy's padded cost) drops
+    assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
+    assert plain["balance/imbalance_before"] is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("run", "at"), [("trainer/auto", 3), ("trainer/resume-at-7", 7)])
+def test_a_resumed_balanced_trainer_continues_the_run_exactly(runs, run, at):
+    """Step 3 is mid-way through the first epoch (5 steps), step 7 through the second."""
+    record = runs[run]
+    assert record["resumed_losses"] == record["losses"][at:]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="no accelerate launcher")
+def test_under_accelerate_launch(runs):
+    """``accelerate launch`` starts the ranks (gloo on CPU); ``Accelerator.prepare`` returns the
+    balanced loader itself."""
+    out = subprocess.run(
+        ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", str(EXAMPLE), *COMMON],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["prepare_keeps_loader"]
+    assert _max_diff(record["losses"], runs["trainer/none"]["losses"]) < TOL
+
+
+def test_policy_follows_the_collator_layout():
+    assert collator_layout(DataCollatorForLanguageModeling(pad_token_id=0)) == "padded"
+    packed = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    assert collator_layout(packed) == "packed"
+    assert collator_layout(DataCollatorWithFlattening()) == "packed"
+    assert POLICY_FOR_LAYOUT["padded"] == "padded_cost"
+    assert POLICY_FOR_LAYOUT[collator_layout(sorted)] == "greedy"  # unknown: packed cost
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return ({"input_ids": list(range(1, 5 + i)), "id": i} for i in range(8))
+
+
+def test_an_iterable_dataset_needs_each_rank_to_read_its_shard(tmp_path):
+    """accelerate dispatches an iterable dataset's batches from rank 0 by default; the
+    balanced loader reads on every rank, so it asks for per-rank shards instead."""
+    ex = _example()
+    trainer = ex.make_trainer(ex.parse_args(["--examples", "8"]), str(tmp_path), max_steps=1)
+    trainer.train_dataset = _Stream()
+    with pytest.raises(ValueError, match="dispatch_batches"):
+        trainer.get_train_dataloader()
+    trainer.accelerator.dataloader_config.dispatch_batches = False  # as accelerator_config sets
+    assert isinstance(trainer.get_train_dataloader(), BalancedDataLoader)
+
+
+def test_a_per_rank_loss_warns(tmp_path):
+    ex = _example()
+    args = ex.parse_args(["--examples", "8", "--max-len", "16", "--batch-size", "2"])
+    trainer = ex.make_trainer(args, str(tmp_path), max_steps=1)
+    trainer.args.average_tokens_across_devices = False
+    with pytest.warns(LossNormalisationWarning, match="average_tokens_across_devices=False"):
+        trainer.get_train_dataloader()
