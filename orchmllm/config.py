@@ -372,13 +372,23 @@ class BalanceConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Attributes: steps, lr (AdamW), seed (model and data; >= 0)."""
+    """The training loop's settings (the trainer's ``--steps``, ``--seed`` and
+    ``--grad-accum`` override them).
+
+    Attributes:
+        steps: optimizer steps.
+        lr: AdamW's learning rate.
+        seed: model and data seed (>= 0).
+        grad_accum: micro-steps per optimizer step, each a balanced step of
+            ``data.examples_per_rank`` examples per rank (:func:`orchmllm.data.accumulate`).
+    """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed",)
 
     steps: int = 10
     lr: float = 1.0e-3
     seed: int = 0
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         if not is_integer(self.seed) or self.seed < 0:
