@@ -842,7 +842,9 @@ def resume(run: Run) -> int:
             f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
             "now); resume with the same settings or use another directory"
         )
-    run.loader.load_state_dict(loader_position(state["loader"], step, run.cfg.train.grad_accum))
+    run.loader.load_state_dict(
+        loader_position(state["loader"], step, grad_accum=run.cfg.train.grad_accum)
+    )
     if dist.get_rank() == 0:
         layout = state.get("layout", {})
         moved = (
@@ -855,7 +857,7 @@ def resume(run: Run) -> int:
     return step
 
 
-def loader_position(state: dict[str, int], step: int, grad_accum: int) -> dict[str, int]:
+def loader_position(state: dict[str, int], step: int, *, grad_accum: int) -> dict[str, int]:
     """The loader state that resumes optimizer step ``step`` with ``grad_accum`` micro-steps
     each: the checkpoint's (epoch, seed), at micro-step ``step * grad_accum``. The run's data
     is one epoch of exactly its steps, so that is where the loader stood at the end of
