@@ -1,8 +1,8 @@
 """Gradient accumulation over a balanced loader: ``grad_accum`` micro-steps per optimizer step.
 
-Each micro-step is a balanced step of its own: the loader samples, plans and moves it like any
-other step, so each micro-batch is balanced before it is computed (balancing K micro-batches
-as one would need all of them in memory at once). Grouping the loader's steps K at a time
+Each micro-step's forward and backward synchronise the ranks (FSDP2's collectives), so each
+must be balanced on its own: the loader samples, plans and moves it like any other step.
+Grouping the loader's steps K at a time
 keeps the step count equal on every rank because the loader gives every rank the same
 number of micro-batches per epoch; when K does not divide them, the epoch's last group is
 shorter, on every rank alike.
