@@ -381,6 +381,10 @@ class TrainConfig:
         seed: model and data seed (>= 0).
         grad_accum: micro-steps per optimizer step, each a balanced step of
             ``data.examples_per_rank`` examples per rank (:func:`orchmllm.data.accumulate`).
+        sync_micro_steps: with ``grad_accum > 1``, reduce-scatter the gradients after every
+            micro-step (memory of one micro-step), or, when false, only after the last: one
+            reduce-scatter a step, but between micro-steps every rank holds the whole model's
+            unsharded gradients (for a model small next to its accelerator's memory).
     """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed",)
@@ -389,6 +393,7 @@ class TrainConfig:
     lr: float = 1.0e-3
     seed: int = 0
     grad_accum: int = 1
+    sync_micro_steps: bool = True
 
     def __post_init__(self) -> None:
         if not is_integer(self.seed) or self.seed < 0:

@@ -573,13 +573,17 @@ def accumulate_gradients(
     by the global target count of the whole group (known from the plans before the first
     forward), so the summed gradients are one step's over all the group's examples.
 
-    Returns this rank's share of the step's loss (summed over the micro-steps, detached),
-    its LLM tokens, and each micro-step's per-phase statistics. With ``--memory-report``
-    each micro-step but the last writes its line here (the last one's holds the optimizer).
+    Gradients are reduce-scattered after every micro-step, or only after the last one
+    (``train.sync_micro_steps: false``). Returns this rank's share of the step's loss (summed
+    over the micro-steps, detached), its LLM tokens, and each micro-step's per-phase
+    statistics. With ``--memory-report`` each micro-step but the last writes its line here
+    (the last one's holds the optimizer).
     """
     denom = max(sum(p.plan.num_targets for p in group), 1)
     total, tokens, stats = None, 0.0, []
     for m, planned in enumerate(group):
+        if not run.cfg.train.sync_micro_steps:
+            compat.set_gradient_sync(run.model, m == len(group) - 1)
         loss, out = forward_backward(run, planned, denom=denom, memory=memory)
         total = loss.detach() if total is None else total + loss.detach()
         tokens += float(out.lengths.sum())
@@ -782,7 +786,8 @@ def _checkpoint_due(done: int, run: Run) -> bool:
 
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
-    changes the training itself. Not the balance mode or placement, which do not, nor the
+    changes the training itself. Not the balance mode, placement or gradient sync, which do
+    not, nor the
     world size, examples per rank or micro-steps: the global batch (ranks x examples per rank
     x micro-steps) stands for them, so a run that keeps it may resume on another number of
     ranks or micro-steps (see :func:`resume`)."""
@@ -790,7 +795,7 @@ def _identity(run: Run) -> dict[str, Any]:
     layout_free = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, examples_per_rank=0),
-        train=dataclasses.replace(cfg.train, grad_accum=0),
+        train=dataclasses.replace(cfg.train, grad_accum=0, sync_micro_steps=True),
     )
     return {
         "config": repr(layout_free), "steps": run.steps, "precision": cfg.recipe.precision,

@@ -324,10 +324,13 @@ def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
         _assert_same_training(tmp_path / name, 2, 2, phases)
 
 
-def _accumulation_worker(rank: int, world: int, tmp_path: str, n2: str, n4: str, steps: int):
-    """K=2 micro-steps of 2 examples per rank (balanced, checkpointed every 2 steps, and
-    unbalanced), K=1 with 4 examples; then K=1 resumes from the K=2 run's step-2 checkpoint,
-    after a run of another global batch is refused it."""
+def _accumulation_worker(
+    rank: int, world: int, tmp_path: str, n2: str, n2_late: str, n4: str, steps: int
+):
+    """K=2 micro-steps of 2 examples per rank (balanced, checkpointed every 2 steps;
+    unbalanced; gradients reduce-scattered after the last micro-step only), K=1 with 4; then
+    K=1 resumes from the K=2 run's step-2 checkpoint, after a run of another global batch is
+    refused it."""
     torch.set_num_threads(1)
     ckpt = os.path.join(tmp_path, "ckpt")
 
@@ -340,6 +343,7 @@ def _accumulation_worker(rank: int, world: int, tmp_path: str, n2: str, n4: str,
 
     run("k2", n2, "full", "--grad-accum", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2")
     run("k2none", n2, "none", "--grad-accum", "2")
+    run("k2late", n2_late, "full", "--grad-accum", "2")
     run("k1", n4, "full")
     dist.barrier()
     if rank == 0:  # back to the middle of the K=2 run
@@ -359,21 +363,23 @@ def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
     """2 gloo ranks, float64. The sampler deals the epoch's permutation to the ranks in turn,
     so K=2 micro-steps of n examples per rank cover the same global examples as one step of
     2n: the two train alike (losses and parameters to 1e-5), and balancing each micro-step
-    (``full``) trains like ``none``. Metrics are per optimizer step: the LLM tokens of a step
+    (``full``) trains like ``none``, and so does reducing gradients once a step instead of
+    every micro-step. Metrics are per optimizer step: the LLM tokens of a step
     are the K=1 step's. Checkpoints count optimizer steps: a K=2 checkpoint at step 2 resumes
     as K=1 x 2n (the same global batch) at micro-step 2 and ends as the K=1 run."""
     steps = 4
     n2 = _config(tmp_path, "n2", examples_per_rank=2)
     n4 = _config(tmp_path, "n4", examples_per_rank=4)
-    run_distributed(_accumulation_worker, 2, str(tmp_path), n2, n4, steps, timeout=200)
-    (k2, k2_params), (none, none_params), (k1, k1_params) = (
-        _load(tmp_path, name) for name in ("k2", "k2none", "k1")
+    n2_late = _config(tmp_path, "n2_late", train={"sync_micro_steps": False}, examples_per_rank=2)
+    run_distributed(_accumulation_worker, 2, str(tmp_path), n2, n2_late, n4, steps, timeout=200)
+    (k2, k2_params), (none, none_params), (late, late_params), (k1, k1_params) = (
+        _load(tmp_path, name) for name in ("k2", "k2none", "k2late", "k1")
     )
     resumed, resumed_params = _load(tmp_path, "resumed")
     assert [r["step"] for r in k2] == [r["step"] for r in k1] == list(range(steps))
     assert [r["step"] for r in resumed] == [2, 3]
     assert {r["micro_steps"] for r in k2 + none} == {2} and {r["micro_steps"] for r in k1} == {1}
-    for records, params in ((none, none_params), (k1, k1_params)):
+    for records, params in ((none, none_params), (late, late_params), (k1, k1_params)):
         np.testing.assert_allclose([r["loss"] for r in k2], [r["loss"] for r in records], rtol=RTOL)
         for name, p in params.items():
             torch.testing.assert_close(k2_params[name], p, rtol=RTOL, atol=1e-9, msg=name)
