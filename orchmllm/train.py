@@ -787,10 +787,9 @@ def _checkpoint_due(done: int, run: Run) -> bool:
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
     changes the training itself. Not the balance mode, placement or gradient sync, which do
-    not, nor the
-    world size, examples per rank or micro-steps: the global batch (ranks x examples per rank
-    x micro-steps) stands for them, so a run that keeps it may resume on another number of
-    ranks or micro-steps (see :func:`resume`)."""
+    not, nor the world size, examples per rank or micro-steps: the global batch (ranks x
+    examples per rank x micro-steps) stands for them, so a run that keeps it may resume on
+    another number of ranks or micro-steps (see :func:`resume`)."""
     a, cfg = run.args, run.cfg
     layout_free = dataclasses.replace(
         cfg,
