@@ -37,6 +37,7 @@ _LAZY = {
     "LLMBatch": "orchmllm.orchestrator",
     "Encoded": "orchmllm.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
+    "accumulate": "orchmllm.data.accumulation",
     "LoaderOptions": "orchmllm.data.options",
     "SamplingOptions": "orchmllm.data.options",
     "PlanningOptions": "orchmllm.data.options",

@@ -157,6 +157,12 @@ def set_gradient_sum(module: object) -> None:
     force_sum(True)
 
 
+def set_gradient_sync(module: object, enabled: bool) -> None:
+    """Whether the backward of ``module`` and its FSDP submodules reduce-scatters gradients
+    (False: they accumulate unsharded on each rank until a backward with it True)."""
+    _method(module, "set_requires_gradient_sync")(enabled)
+
+
 def set_reduce_scatter_unused_params(module: object, enabled: bool = True) -> bool:
     """Reduce-scatter zeros for parameters that got no gradient, where torch can.
 

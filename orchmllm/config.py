@@ -372,13 +372,28 @@ class BalanceConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Attributes: steps, lr (AdamW), seed (model and data; >= 0)."""
+    """The training loop's settings (the trainer's ``--steps``, ``--seed`` and
+    ``--grad-accum`` override them).
+
+    Attributes:
+        steps: optimizer steps.
+        lr: AdamW's learning rate.
+        seed: model and data seed (>= 0).
+        grad_accum: micro-steps per optimizer step, each a balanced step of
+            ``data.examples_per_rank`` examples per rank (:func:`orchmllm.data.accumulate`).
+        sync_micro_steps: with ``grad_accum > 1``, reduce-scatter the gradients after every
+            micro-step (memory of one micro-step), or, when false, only after the last: one
+            reduce-scatter a step, but between micro-steps every rank holds the whole model's
+            unsharded gradients (for a model small next to its accelerator's memory).
+    """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed",)
 
     steps: int = 10
     lr: float = 1.0e-3
     seed: int = 0
+    grad_accum: int = 1
+    sync_micro_steps: bool = True
 
     def __post_init__(self) -> None:
         if not is_integer(self.seed) or self.seed < 0:

@@ -6,6 +6,12 @@
 LLM phase (the pre-balancing ablation of the paper), ``full`` balances every phase (OrchMLLM).
 The loss is normalised by the global number of target tokens, so the three give the same
 gradients: rebalancing changes which rank computes an example, never the result.
+
+With ``--grad-accum K`` (``train.grad_accum``) an optimizer step is K micro-steps, each a
+balanced step of ``data.examples_per_rank`` examples per rank, and the loss is normalised by
+the target tokens of all K micro-steps on all ranks: the update equals one step over the K
+micro-batches' examples. Steps, checkpoints, ``--checkpoint-every`` and the metrics count
+optimizer steps.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from orchmllm import checkpoint, compat, host_memory, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
+from orchmllm.data.accumulation import accumulate
 from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
 from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
@@ -64,6 +71,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run config YAML (keys: configs/tiny.yaml, defaults: orchmllm/config.py)",
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="K",
+        help="override train.grad_accum: K balanced micro-steps per optimizer step, the loss "
+        "normalised over the targets of all K on all ranks",
+    )
     p.add_argument("--seed", type=int, default=None, help="override train.seed (model and data)")
     p.add_argument("--balance", choices=MODES, default="full")
     p.add_argument(
@@ -85,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="PATH",
         help="write one JSON line per step: rank 0's peak CUDA memory in the forward, backward "
-        "and optimizer step, and the step's batch (orchmllm.phase_memory)",
+        "and optimizer step, and the step's batch (orchmllm.phase_memory); with --grad-accum "
+        "one line per micro-step, the optimizer's in the last",
     )
     p.add_argument(
         "--precision", choices=PRECISIONS, default=None, help="override recipe.precision"
@@ -101,7 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loss-chunk", type=int, default=None, metavar="N", help="override recipe.loss_chunk"
     )
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
-    p.add_argument("--prefetch", type=int, default=1, help="steps planned ahead (0: inline)")
+    p.add_argument(
+        "--prefetch", type=int, default=1, help="optimizer steps planned ahead (0: inline)"
+    )
     p.add_argument(
         "--progress",
         choices=PROGRESS,
@@ -152,6 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.grad_accum is not None and args.grad_accum < 1:
+        p.error(f"--grad-accum must be >= 1, got {args.grad_accum}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.checkpoint_every < 0:
@@ -277,8 +297,12 @@ def write_once(path: str, write: Callable[[str], object]) -> bool:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """The config file with the command line's overrides of its recipe."""
+    """The config file with the command line's overrides of its recipe and micro-steps."""
     cfg = load_config(args.config)
+    if args.grad_accum is not None:
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, grad_accum=args.grad_accum)
+        )
     overrides = {
         name: value
         for name, value in (
@@ -311,11 +335,14 @@ def make_orchestrator(
     return Orchestrator(options, topology=topology)
 
 
-def step_forward(orch: Orchestrator, planned: PlannedBatch, *, recipe: TrainRecipe, device):
-    """The whole multimodal forward of one step, run inside the FSDP root call.
+def step_forward(
+    orch: Orchestrator, planned: PlannedBatch, *, recipe: TrainRecipe, device, denom: int
+):
+    """The whole multimodal forward of one (micro-)step, run inside the FSDP root call.
 
     Returns this rank's share of the loss (summed over its targets in the recipe's loss
-    chunks, divided by the global target count) and the orchestrator's LLM batch (metrics).
+    chunks, divided by ``denom``: the global target count of the optimizer step, all its
+    micro-steps) and the orchestrator's LLM batch (metrics).
     """
     batch = planned.batch.to(device)
     dtype = compute_dtype(recipe)
@@ -331,7 +358,7 @@ def step_forward(orch: Orchestrator, planned: PlannedBatch, *, recipe: TrainReci
             embeds,
             out.lengths,
             out.targets,
-            denom=max(out.num_targets, 1),
+            denom=denom,
             loss_chunk=recipe.loss_chunk,
         )
         return loss, out
@@ -372,9 +399,9 @@ def setup(args: argparse.Namespace) -> Run:
     world = dist.get_world_size()
     _, device = init_distributed(args.timeout)
     rpn = ranks_per_node(cfg, world)
-    per_rank = cfg.data.examples_per_rank
+    per_rank, accum = cfg.data.examples_per_rank, cfg.train.grad_accum
     dataset = prepare_dataset(
-        cfg, num_examples=steps * world * per_rank, seed=seed, data_dir=args.data_dir
+        cfg, num_examples=steps * accum * world * per_rank, seed=seed, data_dir=args.data_dir
     )
     # The process groups, built once: the loader plans on the gloo metadata group in its
     # background thread while training collectives run on the default group.
@@ -386,14 +413,16 @@ def setup(args: argparse.Namespace) -> Run:
         topology=topology,
         dtype=compute_dtype(cfg.recipe),
     )
-    # Samples like a DistributedSampler; plans each step in a background thread ahead of it
-    # (a time-limited ILP placement on rank 0 alone, broadcast: see agreement.agreed_plan).
+    # Samples like a DistributedSampler; plans each micro-step in a background thread ahead
+    # of it (a time-limited ILP placement on rank 0 alone, broadcast: see
+    # agreement.agreed_plan). A step takes its K micro-steps at once (their target count
+    # normalises each), so the thread plans --prefetch whole steps ahead.
     loader = orchestrated_loader(
         dataset,
         orch,
         batch_size=per_rank,
         sampling=SamplingOptions(seed=seed),
-        options=LoaderOptions(prefetch=args.prefetch),
+        options=LoaderOptions(prefetch=args.prefetch * accum),
         topology=topology,
     )
     model = build_model(cfg.model, seed=seed, dtype=storage_dtype(cfg.recipe), device=device)
@@ -404,15 +433,21 @@ def setup(args: argparse.Namespace) -> Run:
 
 
 def forward_backward(
-    run: Run, planned: PlannedBatch, *, memory: PhaseMemory | None = None
+    run: Run,
+    planned: PlannedBatch,
+    *,
+    denom: int | None = None,
+    memory: PhaseMemory | None = None,
 ) -> tuple[Tensor, LLMBatch]:
-    """One step's forward over all phases and its backward (gradients reduce-scattered),
-    each measured by ``memory`` when given."""
+    """One (micro-)step's forward over all phases and its backward (gradients
+    reduce-scattered, added to those of the step's earlier micro-steps), each measured by
+    ``memory`` when given. ``denom``: the global target count the loss is divided by (None:
+    this micro-step's own)."""
     memory = memory or PhaseMemory(None, run.device)
+    denom = max(planned.plan.num_targets if denom is None else denom, 1)
+    forward = step_forward(run.orch, planned, recipe=run.cfg.recipe, device=run.device, denom=denom)
     with memory.phase("forward"):
-        loss, out = run.model(
-            step_forward(run.orch, planned, recipe=run.cfg.recipe, device=run.device)
-        )
+        loss, out = run.model(forward)
     with memory.phase("backward"):
         loss.backward()
     return loss, out
@@ -458,7 +493,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
     if metrics:
         start_metrics(metrics, start=start)
     memory = PhaseMemory(args.memory_report if dist.get_rank() == 0 else None, run.device)
-    batches = iter(run.loader)
+    groups = accumulate(run.loader, grad_accum=run.cfg.train.grad_accum)
     progress = StepProgress(
         total=run.steps,
         initial=start,
@@ -468,7 +503,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
     for step in range(start, run.steps):
         t0 = time.perf_counter()
         try:
-            planned = next(batches)
+            group = next(groups)  # the step's micro-steps, planned
         except StopIteration:
             break
         except Exception as exc:
@@ -476,8 +511,8 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         watch.arrive("train", step)
         t0 = time.perf_counter()
         try:
-            loss, out = forward_backward(run, planned, memory=memory)
-            sums = step_sums(run, loss, out)
+            loss, tokens, micro_stats = accumulate_gradients(run, group, step=step, memory=memory)
+            sums = step_sums(run, loss, tokens)
             skipped = check_finite(sums, step=step, on_nonfinite=args.on_nonfinite)
             with memory.phase("optimizer"):
                 if not skipped:
@@ -501,16 +536,17 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             "world_size": world,
             "ranks_per_node": run.rpn,
             "placement": run.placement,
-            "plan_s": planned.info.plan_s,
-            "prep_s": planned.info.prep_s,
+            "micro_steps": len(group),
+            "plan_s": sum(p.info.plan_s for p in group),
+            "prep_s": sum(p.info.prep_s for p in group),
             **sums.memory(per_rank=args.metrics_per_rank),
             "phases": {
                 name: phase_record(stats, per_rank=args.metrics_per_rank)
-                for name, stats in out.stats.items()
+                for name, stats in step_phase_stats(micro_stats).items()
             },
         }
         summary.add(record)
-        memory.end_step(step, planned.plan)
+        memory.end_step(step, group[-1].plan)
         if metrics:
             append_metrics(metrics, record)
         progress.step(
@@ -518,7 +554,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             loss=f"{sums.loss:.4f}",
             imbalance=f"{record['phases'][LLM]['imbalance_after']:.3f}",
         )
-        del planned, out, loss  # nothing of this step outlives it
+        del group, loss  # nothing of this step outlives it
         if args.checkpoint_dir and _checkpoint_due(step + 1, run):
             with watch.section(f"checkpoint save at step {step + 1}"):
                 checkpoint.save(
@@ -528,6 +564,58 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
     progress.close()
     run.loader.close()
     return summary
+
+
+def accumulate_gradients(
+    run: Run, group: list[PlannedBatch], *, step: int, memory: PhaseMemory
+) -> tuple[Tensor, float, list[dict[str, dict]]]:
+    """Forward and backward of every micro-step of optimizer step ``step``, each loss divided
+    by the global target count of the whole group (known from the plans before the first
+    forward), so the summed gradients are one step's over all the group's examples.
+
+    Gradients are reduce-scattered after every micro-step, or only after the last one
+    (``train.sync_micro_steps: false``). Returns this rank's share of the step's loss (summed
+    over the micro-steps, detached), its LLM tokens, and each micro-step's per-phase
+    statistics. With ``--memory-report`` each micro-step but the last writes its line here
+    (the last one's holds the optimizer).
+    """
+    denom = max(sum(p.plan.num_targets for p in group), 1)
+    total, tokens, stats = None, 0.0, []
+    for m, planned in enumerate(group):
+        if not run.cfg.train.sync_micro_steps:
+            compat.set_gradient_sync(run.model, m == len(group) - 1)
+        loss, out = forward_backward(run, planned, denom=denom, memory=memory)
+        total = loss.detach() if total is None else total + loss.detach()
+        tokens += float(out.lengths.sum())
+        stats.append(out.stats)
+        if m < len(group) - 1:
+            memory.end_step(step, planned.plan)
+        del loss, out  # one micro-step's activations and outputs at a time
+    return total, tokens, stats
+
+
+def step_phase_stats(micro: list[dict[str, dict]]) -> dict[str, dict]:
+    """One optimizer step's per-phase statistics from its micro-steps' (one micro-step: its
+    own, unchanged). Each micro-step waits for its slowest rank, so a phase's
+    ``load_max_before``/``after`` is the sum of the micro-steps' slowest loads and its
+    imbalance that sum over the sum of their mean loads; per-rank loads, bytes, items and
+    planning times add up."""
+    if len(micro) == 1:
+        return micro[0]
+    out = {}
+    for name in micro[0]:
+        parts = [m[name] for m in micro]
+        merged = {
+            key: sum(p[key] for p in parts) for key in parts[0] if not key.startswith("loads_")
+        }
+        for when in ("before", "after"):
+            loads = np.asarray([p[f"loads_{when}"] for p in parts], dtype=np.float64)
+            slowest, mean = float(loads.max(axis=1).sum()), float(loads.mean(axis=1).sum())
+            merged[f"loads_{when}"] = loads.sum(axis=0).tolist()
+            merged[f"load_max_{when}"] = slowest
+            merged[f"imbalance_{when}"] = slowest / mean if mean > 0 else 1.0
+        out[name] = merged
+    return out
 
 
 @dataclass(frozen=True)
@@ -553,17 +641,17 @@ class StepSums:
         return out
 
 
-def step_sums(run: Run, loss: Tensor, out: LLMBatch) -> StepSums:
+def step_sums(run: Run, loss: Tensor, tokens: float) -> StepSums:
     """Gather every rank's loss share, token count, squared gradient-shard norm and resident
-    memory (after backward, before the optimizer step; collective). FSDP2's gradient shards
-    are disjoint, so the global gradient norm is the root of the ranks' squared norms
-    summed."""
+    memory (after the step's last backward, before the optimizer step; collective). FSDP2's
+    gradient shards are disjoint, so the global gradient norm is the root of the ranks'
+    squared norms summed."""
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in local if g.numel()]
     grad_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
     memory = host_memory.resident_mb()
-    host = [float(out.lengths.sum()), memory.get("anon", np.nan), memory.get("file", np.nan)]
+    host = [tokens, memory.get("anon", np.nan), memory.get("file", np.nan)]
     tokens, anon_file = torch.tensor(host, dtype=torch.float64, device=loss.device).split([1, 2])
     mine = torch.cat(
         [loss.detach().to(torch.float64).reshape(1), tokens, grad_sq.to(loss.device).reshape(1),
@@ -610,10 +698,11 @@ def check_finite(sums: StepSums, *, step: int, on_nonfinite: str) -> bool:
 
 def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
     """A phase's metrics for the step record: scalars (imbalance, the slowest rank's load
-    before and after, bytes, planning time), plus every rank's load when ``per_rank``."""
+    before and after, bytes, planning time), plus every rank's load when ``per_rank``
+    (summed over micro-steps: :func:`step_phase_stats`)."""
     out = {k: v for k, v in stats.items() if k not in ("loads_before", "loads_after")}
-    out["load_max_before"] = max(stats["loads_before"])
-    out["load_max_after"] = max(stats["loads_after"])
+    out.setdefault("load_max_before", max(stats["loads_before"]))
+    out.setdefault("load_max_after", max(stats["loads_after"]))
     if per_rank:
         out["loads_before"], out["loads_after"] = stats["loads_before"], stats["loads_after"]
     return out
@@ -697,24 +786,33 @@ def _checkpoint_due(done: int, run: Run) -> bool:
 
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
-    changes the training itself. Not the balance mode or placement, which do not, nor the
-    world size: the global batch (ranks x examples per rank) stands for it, so a run that
-    keeps it may resume on another number of ranks (see :func:`resume`)."""
+    changes the training itself. Not the balance mode, placement or gradient sync, which do
+    not, nor the world size, examples per rank or micro-steps: the global batch (ranks x
+    examples per rank x micro-steps) stands for them, so a run that keeps it may resume on
+    another number of ranks or micro-steps (see :func:`resume`)."""
     a, cfg = run.args, run.cfg
-    per_rank_free = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, examples_per_rank=0)
+    layout_free = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, examples_per_rank=0),
+        train=dataclasses.replace(cfg.train, grad_accum=0, sync_micro_steps=True),
     )
     return {
-        "config": repr(per_rank_free), "steps": run.steps, "precision": cfg.recipe.precision,
+        "config": repr(layout_free), "steps": run.steps, "precision": cfg.recipe.precision,
         "seed": cfg.train.seed if a.seed is None else a.seed,
-        "global_batch": dist.get_world_size() * cfg.data.examples_per_rank,
+        "global_batch": dist.get_world_size() * cfg.data.examples_per_rank
+        * cfg.train.grad_accum,
     }  # fmt: skip
 
 
 def _run_state(run: Run) -> dict[str, Any]:
     """The run state a checkpoint keeps: the run's identity, the layout that wrote it and
-    the loader's position (global steps: the same on any layout of the same global batch)."""
-    layout = {"world_size": dist.get_world_size(), "per_rank": run.cfg.data.examples_per_rank}
+    the loader's position (micro-steps of the layout that wrote it: see
+    :func:`loader_position`)."""
+    layout = {
+        "world_size": dist.get_world_size(),
+        "per_rank": run.cfg.data.examples_per_rank,
+        "grad_accum": run.cfg.train.grad_accum,
+    }
     return {"run": _identity(run), "layout": layout, "loader": run.loader.state_dict()}
 
 
@@ -724,12 +822,14 @@ def resume(run: Run) -> int:
     continue at; 0 when there is none. Collective.
 
     A checkpoint of another run (config, steps, seed, precision, global batch) is refused
-    with a ValueError rather than resumed. One written on another number of ranks resumes when the
-    global batch is the same (4 ranks x 8 examples -> 2 x 16): DCP reshards the model and
-    optimizer, and every step's global batch is the same examples (the sampler deals the
-    epoch's permutation to the ranks in turn, so ranks x examples per rank consecutive
-    examples make one step on any layout), so the losses go on as in an uninterrupted run.
-    Otherwise the refusal says which ``data.examples_per_rank`` would allow it."""
+    with a ValueError rather than resumed. One written on another number of ranks or
+    micro-steps resumes when the global batch is the same (4 ranks x 8 examples -> 2 x 16,
+    or 2 x 8 x 2 micro-steps): DCP reshards the model and optimizer, and every step's global
+    batch is the same examples (the sampler deals the epoch's permutation to the ranks in
+    turn, so ranks x examples per rank consecutive examples make one micro-step, and K
+    consecutive micro-steps one step, on any layout), so the losses go on as in an
+    uninterrupted run. Otherwise the refusal says which ``data.examples_per_rank`` would
+    allow it."""
     directory = run.args.checkpoint_dir
     loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
     if loaded is None:
@@ -746,7 +846,9 @@ def resume(run: Run) -> int:
             f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
             "now); resume with the same settings or use another directory"
         )
-    run.loader.load_state_dict(state["loader"])
+    run.loader.load_state_dict(
+        loader_position(state["loader"], step, grad_accum=run.cfg.train.grad_accum)
+    )
     if dist.get_rank() == 0:
         layout = state.get("layout", {})
         moved = (
@@ -759,19 +861,36 @@ def resume(run: Run) -> int:
     return step
 
 
+def loader_position(state: dict[str, int], step: int, *, grad_accum: int) -> dict[str, int]:
+    """The loader state that resumes optimizer step ``step`` with ``grad_accum`` micro-steps
+    each: the checkpoint's (epoch, seed), at micro-step ``step * grad_accum``. The run's data
+    is one epoch of exactly its steps, so that is where the loader stood at the end of
+    ``step``, on any layout of the same global batch."""
+    return {**state, "step": step * grad_accum}
+
+
 def _layout_refusal(layout: dict[str, int], run: Run) -> str:
     """Why a checkpoint of another global batch cannot resume here, and what would."""
     world, per_rank = dist.get_world_size(), run.cfg.data.examples_per_rank
-    batch = layout["world_size"] * layout["per_rank"]
+    accum, theirs = run.cfg.train.grad_accum, layout.get("grad_accum", 1)
+    batch = layout["world_size"] * layout["per_rank"] * theirs
+    written = f" x {theirs} micro-steps" if theirs > 1 else ""
+    here, with_accum = (f" x {accum}", f" (with grad_accum {accum})") if accum > 1 else ("", "")
     head = (
-        f"was written by {layout['world_size']} ranks x {layout['per_rank']} examples per rank "
-        f"(global batch {batch}); this run has {world} x {per_rank} = {world * per_rank}. "
-        "A resumed run must keep the global batch (it decides every step's examples and loss): "
+        f"was written by {layout['world_size']} ranks x {layout['per_rank']} examples per rank"
+        f"{written} (global batch {batch}); this run has {world} x {per_rank}{here} = "
+        f"{world * per_rank * accum}. A resumed run must keep the global batch (it decides "
+        "every step's examples and loss): "
     )
-    if batch % world == 0:
-        return head + f"on {world} ranks set data.examples_per_rank to {batch // world}"
+    if batch % (world * accum) == 0:
+        return head + (
+            f"on {world} ranks set data.examples_per_rank to {batch // (world * accum)}{with_accum}"
+        )
     sizes = [w for w in range(1, batch + 1) if batch % w == 0]
-    return head + f"{batch} examples do not split over {world} ranks; use {sizes} ranks"
+    over, unit = (f"{world} ranks x {accum} micro-steps", "ranks x micro-steps")
+    if accum == 1:
+        over, unit = f"{world} ranks", "ranks"
+    return head + f"{batch} examples do not split over {over}; use {sizes} {unit}"
 
 
 def _step_failed(exc: BaseException, stream: str, t0: float) -> NoReturn:

@@ -1,6 +1,9 @@
 """The prefetch thread: same results as synchronous, errors surface, close is deterministic."""
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -120,3 +123,31 @@ def test_on_close_is_skipped_at_the_end_and_its_error_surfaces_in_close(depth):
     next(p)
     with pytest.raises(RuntimeError, match="loop left after 1"):
         p.close()
+
+
+# A prefetcher still running when the interpreter shuts down, collected only when its holder's
+# module is cleared: there, after the module's own ``os`` is gone (the order in which a script
+# that ends on an exception drops a loader it kept).
+_AT_SHUTDOWN = textwrap.dedent(
+    """
+    import time
+    import orchmllm.data.prefetch as pf
+    pf.zz_kept = pf.Prefetcher(lambda step: time.sleep(0.01) or step, depth=1)
+    next(pf.zz_kept)
+    raise RuntimeError("the user's error")
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_prefetcher_collected_at_interpreter_shutdown_prints_only_the_real_error(repo_env):
+    proc = subprocess.run(
+        [sys.executable, "-c", _AT_SHUTDOWN],
+        env=repo_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "RuntimeError: the user's error" in proc.stderr
+    assert "Exception ignored" not in proc.stderr and "getpid" not in proc.stderr, proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,10 +56,16 @@ PHASE_SCHEMA = {
 
 
 def _config(
-    tmp_path, name: str, balance: dict | None = None, model: dict | None = None, **data
+    tmp_path,
+    name: str,
+    balance: dict | None = None,
+    model: dict | None = None,
+    train: dict | None = None,
+    **data,
 ) -> str:
     """configs/tiny.yaml with some sections changed: a config of a few lines over a base."""
     raw = {"base": str(ROOT / TINY), "model": model or {}, "data": data, "balance": balance or {}}
+    raw["train"] = train or {}
     path = os.path.join(tmp_path, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
@@ -317,11 +324,95 @@ def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
         _assert_same_training(tmp_path / name, 2, 2, phases)
 
 
+def _accumulation_worker(
+    rank: int, world: int, tmp_path: str, n2: str, n2_late: str, n4: str, steps: int
+):
+    """K=2 micro-steps of 2 examples per rank (balanced, checkpointed every 2 steps;
+    unbalanced; gradients reduce-scattered after the last micro-step only), K=1 with 4; then
+    K=1 resumes from the K=2 run's step-2 checkpoint, after a run of another global batch is
+    refused it."""
+    torch.set_num_threads(1)
+    ckpt = os.path.join(tmp_path, "ckpt")
+
+    def run(name: str, config: str, mode: str, *extra: str) -> None:
+        out = os.path.join(tmp_path, name)
+        main(
+            _argv(config, tmp_path, mode, steps, *extra, "--metrics-per-rank", "--timeout",
+                  "60", "--metrics", f"{out}.jsonl", "--save", f"{out}.pt")
+        )  # fmt: skip
+
+    run("k2", n2, "full", "--grad-accum", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2")
+    run("k2none", n2, "none", "--grad-accum", "2")
+    run("k2late", n2_late, "full", "--grad-accum", "2")
+    run("k1", n4, "full")
+    dist.barrier()
+    if rank == 0:  # back to the middle of the K=2 run
+        shutil.rmtree(checkpoint.step_dir(ckpt, steps))
+    dist.barrier()
+    refusal = (
+        r"was written by 2 ranks x 2 examples per rank x 2 micro-steps \(global batch 8\); "
+        r"this run has 2 x 4 x 2 = 16\. .*set data.examples_per_rank to 2 \(with grad_accum 2\)"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        run("refused", n4, "full", "--grad-accum", "2", "--checkpoint-dir", ckpt)
+    run("resumed", n4, "full", "--checkpoint-dir", ckpt)
+
+
+@pytest.mark.integration
+def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
+    """2 gloo ranks, float64. The sampler deals the epoch's permutation to the ranks in turn,
+    so K=2 micro-steps of n examples per rank cover the same global examples as one step of
+    2n: the two train alike (losses and parameters to 1e-5), and balancing each micro-step
+    (``full``) trains like ``none``, and so does reducing gradients once a step instead of
+    every micro-step. Metrics are per optimizer step: the LLM tokens of a step
+    are the K=1 step's. Checkpoints count optimizer steps: a K=2 checkpoint at step 2 resumes
+    as K=1 x 2n (the same global batch) at micro-step 2 and ends as the K=1 run."""
+    steps = 4
+    n2 = _config(tmp_path, "n2", examples_per_rank=2)
+    n4 = _config(tmp_path, "n4", examples_per_rank=4)
+    n2_late = _config(tmp_path, "n2_late", train={"sync_micro_steps": False}, examples_per_rank=2)
+    run_distributed(_accumulation_worker, 2, str(tmp_path), n2, n2_late, n4, steps, timeout=200)
+    (k2, k2_params), (none, none_params), (late, late_params), (k1, k1_params) = (
+        _load(tmp_path, name) for name in ("k2", "k2none", "k2late", "k1")
+    )
+    resumed, resumed_params = _load(tmp_path, "resumed")
+    assert [r["step"] for r in k2] == [r["step"] for r in k1] == list(range(steps))
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert {r["micro_steps"] for r in k2 + none} == {2} and {r["micro_steps"] for r in k1} == {1}
+    for records, params in ((none, none_params), (late, late_params), (k1, k1_params)):
+        np.testing.assert_allclose([r["loss"] for r in k2], [r["loss"] for r in records], rtol=RTOL)
+        for name, p in params.items():
+            torch.testing.assert_close(k2_params[name], p, rtol=RTOL, atol=1e-9, msg=name)
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in k1[2:]], rtol=RTOL)
+    for name, p in k1_params.items():
+        torch.testing.assert_close(resumed_params[name], p, rtol=RTOL, atol=1e-9, msg=name)
+    for a, b in zip(k2, k1, strict=True):
+        llm_a, llm_b = a["phases"]["llm"], b["phases"]["llm"]
+        assert sum(llm_a["loads_before"]) == sum(llm_b["loads_before"]) > 0
+        assert sum(llm_a["loads_after"]) == pytest.approx(sum(llm_a["loads_before"]))
+        assert llm_a["imbalance_after"] <= llm_a["imbalance_before"]
+        # A step's slowest load is its micro-steps' slowest summed: >= any rank's total.
+        assert llm_a["load_max_before"] >= max(llm_a["loads_before"])
+        assert llm_b["load_max_before"] == max(llm_b["loads_before"])
+    # Balancing did something, so the equalities above are not vacuous.
+    assert np.mean([r["phases"]["llm"]["imbalance_after"] for r in k2]) < np.mean(
+        [r["phases"]["llm"]["imbalance_before"] for r in k2]
+    )
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--balance", "everything"])
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--steps", "0"])
+    for bad in ("0", "-1", "2.5"):
+        with pytest.raises(SystemExit):
+            parse_args(["--config", TINY, "--grad-accum", bad])
+    for bad in (0, 2.5, "2"):
+        with pytest.raises(
+            ValueError, match=f"train.grad_accum must be a positive integer, got {bad!r}"
+        ):
+            load_config(_config(tmp_path, "bad", train={"grad_accum": bad}))
     for bad in (["--timeout", "0"], ["--checkpoint-every", "2"],
                 ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"]):  # fmt: skip
         with pytest.raises(SystemExit):

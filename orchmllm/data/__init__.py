@@ -28,6 +28,7 @@ _LAZY = {  # name -> the module of orchmllm.data that defines it, imported on fi
     "build_dataset": "synthetic",
     "generate_example": "synthetic",
     "BalancedDataLoader": "loader",
+    "accumulate": "accumulation",
     "LoaderOptions": "options",
     "SamplingOptions": "options",
     "PlanningOptions": "options",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,9 +170,13 @@ class Prefetcher(Generic[T], Iterator[T]):
         if error is not None:
             raise error
 
-    def __del__(self) -> None:
+    def __del__(self, _getpid=os.getpid, _finalizing=sys.is_finalizing) -> None:
         # Dropped mid-way: stop as close() would, but never in a process forked from this
         # one (a DataLoader worker): on_close may run a collective on the parent's sockets.
-        if not getattr(self, "_ended", True) and os.getpid() == self._pid:
-            with contextlib.suppress(Exception):
-                self.close()
+        # Nor at interpreter shutdown: module globals may be gone by then (hence the two
+        # functions bound as defaults), the daemon thread can no longer run to let close()
+        # finish, and it ends with the process anyway.
+        if _finalizing() or getattr(self, "_ended", True) or _getpid() != self._pid:
+            return
+        with contextlib.suppress(Exception):
+            self.close()
