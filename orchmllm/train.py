@@ -504,8 +504,11 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         t0 = time.perf_counter()
         try:
             group = next(groups)  # the step's micro-steps, planned
-        except StopIteration:
-            break
+        except StopIteration:  # the data is sized for --steps: running out is a bug, not an end
+            raise RuntimeError(
+                f"the data ran out at step {step} of {run.steps} (--steps): the dataset holds "
+                f"fewer examples than steps x ranks x examples_per_rank x grad_accum"
+            ) from None
         except Exception as exc:
             _step_failed(exc, "exchange", t0)
         watch.arrive("train", step)
