@@ -44,7 +44,9 @@ from transformers import (
     TrainingArguments,
 )
 
+from orchmllm.integrations import transformers as omt  # orchmllm (--model: a VLM)
 from orchmllm.integrations.trainer import BalancedTrainer, BalancedTrainerMixin  # orchmllm
+from orchmllm.integrations.transformers import tiny
 
 VOCAB = 64
 
@@ -100,8 +102,22 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "data_seed": args.seed,
         "seed": args.seed,
         "disable_tqdm": True,
+        # a VLM's plain batches may leave its tower unused on a rank (DDP must allow it)
+        "ddp_find_unused_parameters": args.model != "llama",
     }
-    model = make_model(getattr(torch, args.dtype), args.seed)
+    dtype = getattr(torch, args.dtype)
+    if args.model != "llama":  # a tiny VLM of an adapted family, its processor's rows
+        model = tiny.build_model(args.model, seed=args.seed, dtype=dtype)
+        dataset = tiny.make_rows(args.model, model, args.examples, seed=args.seed)
+        # transformers marks Qwen2-VL and Qwen2.5-VL accepts_loss_kwargs=False, so the plain
+        # Trainer would average each rank's micro-batch mean; this plain run takes the mean
+        # over the targets of all ranks and micro-steps, as the balanced Trainer always does.
+        model.accepts_loss_kwargs = True
+        model = omt.wrap(model) if balanced else model  # orchmllm
+        cls = BalancedTrainer if balanced else Trainer  # orchmllm
+        train_args = TrainingArguments(**common)
+        return cls(model=model, args=train_args, train_dataset=dataset, data_collator=tiny.collate)
+    model = make_model(dtype, args.seed)
     dataset = make_dataset(args.examples, max_len=args.max_len, seed=args.seed)
     if args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer  # the sft run only: TRL is optional
@@ -128,6 +144,10 @@ def losses(trainer: Trainer, key: str = "loss") -> list[float]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
+    p.add_argument(
+        "--model", choices=("llama", *tiny.FAMILIES), default="llama",
+        help="llama: a text model; else a tiny VLM (Trainer only), balanced by its adapter",
+    )  # fmt: skip
     p.add_argument("--balance", choices=("auto", "none"), default="auto")
     p.add_argument("--examples", type=int, default=70)
     p.add_argument("--max-len", type=int, default=96)
@@ -164,9 +184,10 @@ def main(argv: list[str]) -> dict:
     record["num_examples"] = trainer.num_examples(loader)
     # accelerate passes the balanced loader through unchanged (it is not a DataLoader)
     record["prepare_keeps_loader"] = trainer.accelerator.prepare(loader) is loader
-    for key in ("balance/imbalance_before", "balance/imbalance_after"):  # logged by orchmllm
-        values = losses(trainer, key)
-        record[key] = sum(values) / len(values) if values else None
+    phase = "" if args.model == "llama" else "llm/"  # a VLM logs each phase's
+    for metric in ("imbalance_before", "imbalance_after"):  # logged by orchmllm
+        values = losses(trainer, f"balance/{phase}{metric}")
+        record[f"balance/{metric}"] = sum(values) / len(values) if values else None
     params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])
     record["param_sum"] = float(params.sum())
     return record
