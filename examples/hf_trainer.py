@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/hf_trainer.py                    # balanced
     torchrun --nproc_per_node=2 examples/hf_trainer.py --balance none     # the plain Trainer
     accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --trainer sft
+    torchrun --nproc_per_node=2 examples/hf_trainer.py --model qwen2.5-vl  # a VLM, its adapter
 
 The model is a tiny ``LlamaForCausalLM`` with random weights and the tokenizer a word-level one
 built here (nothing is downloaded; on CPU the ranks talk gloo, under accelerate too); the
@@ -16,6 +17,18 @@ line changes (marked ``# orchmllm``)::
 plus its import; for TRL, a two-line subclass (``class BalancedSFTTrainer(BalancedTrainerMixin,
 SFTTrainer): pass``). The Trainer already normalises the loss by the target tokens of all ranks
 and micro-steps, so nothing else changes, and both runs print the same losses.
+
+``--model`` names a vision-language family instead (a tiny model of
+``orchmllm.integrations.transformers.tiny.FAMILIES`` and its processor's rows: images, videos
+and audio mixed; the collator is ``tiny.collate``). The balanced script also wraps the model in
+its adapter, so its towers and language model are balanced phase by phase::
+
+    + model = omt.wrap(model)
+
+The plain run sets ``model.accepts_loss_kwargs = True`` (transformers marks Qwen2-VL and
+Qwen2.5-VL False, and their plain Trainer would then average each rank's micro-batch mean), so
+that it too takes the mean over the targets of all ranks and micro-steps; DDP wraps the model
+in both runs.
 
 ``--resume-at K`` saves a checkpoint at step K and trains a second Trainer from it: its losses
 are the rest of the first run's.

@@ -12,6 +12,11 @@ and a TRL script by a two-line subclass::
 
     class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer): pass
 
+A vision-language model goes in through its adapter, its towers and language model balanced
+phase by phase (``orchmllm.integrations.transformers``)::
+
+    trainer = BalancedTrainer(model=omt.wrap(model), args=args, train_dataset=rows, ...)
+
 What the mixin keeps of the Trainer, and why it is exact:
 
 - The Trainer's own loader is wrapped, not replaced (:meth:`get_train_dataloader`): its
@@ -35,9 +40,22 @@ What the mixin keeps of the Trainer, and why it is exact:
 - The policy follows the collator's layout when ``planning`` is not given: padded batches
   (transformers' padding collators, TRL's collator) ``padded_cost``, packed ones
   (``DataCollatorWithFlattening``, TRL's ``padding_free=True``) ``greedy``.
+- An adapted VLM (a ``BalancedModel``, from ``omt.wrap``): the Trainer's loader is wrapped by
+  the model's own (:meth:`~orchmllm.integrations.transformers.BalancedModel.loader`: the
+  adapter collates the processor's rows and every phase's plan is made ahead), each
+  micro-batch reaches the model as ``{"batch": planned}`` through the Trainer's own
+  ``compute_loss``, and ``num_items_in_batch`` is the plans' target count summed over the
+  step's micro-batches: the plain Trainer's count of shifted labels over all ranks, known
+  without a collective. The model divides by it and the Trainer scales by the world size
+  (``average_tokens_across_devices``, required), so the gradients are a plain run's under
+  DDP, which the Trainer wraps the model in as usual. Column removal keeps the HF model's
+  inputs. transformers marks some VLMs (Qwen2-VL, Qwen2.5-VL) ``accepts_loss_kwargs=False``:
+  their plain Trainer averages each rank's micro-batch mean, which balancing would reweight,
+  so a balanced run equals their plain run with ``model.accepts_loss_kwargs = True`` (the
+  mixin warns).
 - Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
-  the policy's cost model) as sampled and as balanced since the previous log
-  (:data:`LOGGED`), so the Trainer's reporters show what balancing does.
+  the policy's cost model) as sampled and as balanced since the previous log, per phase for a
+  VLM (:func:`log_key`), so the Trainer's reporters show what balancing does.
 """
 
 from __future__ import annotations
