@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -145,6 +146,25 @@ def test_an_adapted_vlm_trains_like_the_plain_trainer(vlm_runs, model):
     assert balanced["num_examples"] == plain["num_examples"] == 30
     # the language model's logged mean imbalance (its tokens per rank) drops
     assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
+
+
+@pytest.mark.integration
+def test_an_adapted_vlm_under_torchrun(vlm_runs):
+    """torchrun starts the ranks, and ``TrainingArguments`` starts ``torch.distributed`` after
+    the example wrapped the model: the Trainer rebuilds the orchestrator's groups."""
+    argv = [*VLM_COMMON, "--model", "qwen2.5-vl"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [*run, str(EXAMPLE), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert _max_diff(record["losses"], vlm_runs["qwen2.5-vl/none"]["losses"]) < TOL
 
 
 @pytest.mark.integration

@@ -75,8 +75,10 @@ from transformers import Trainer
 from orchmllm import (
     BalancedDataLoader,
     LoaderOptions,
+    Orchestrator,
     PlanningOptions,
     SamplingOptions,
+    Topology,
     collate_layout,
 )
 from orchmllm.integrations.transformers import BalancedModel
@@ -270,7 +272,15 @@ class BalancedTrainerMixin:
         return self.model if isinstance(self.model, BalancedModel) else None
 
     def _prepare_adapted(self, vlm: BalancedModel) -> None:
-        """Column removal and the loss checks for an adapted VLM (module docstring)."""
+        """Column removal and the loss checks for an adapted VLM (module docstring); its
+        orchestrator's groups rebuilt if it was wrapped before ``TrainingArguments`` started
+        ``torch.distributed`` (its topology then has no groups of its own)."""
+        topology = vlm.orchestrator.topology
+        if topology.distributed and topology.meta_group is None:
+            topology = Topology.build(
+                ranks_per_node=topology.ranks_per_node, timeout=topology.timeout
+            )
+            vlm.orchestrator = Orchestrator(vlm.orchestrator.options, topology=topology)
         if self._signature_columns is None:
             # column removal keeps what the HF model takes, not what the wrapper's forward does
             params = inspect.signature(vlm.model.forward).parameters
