@@ -174,7 +174,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: a temporary folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model != "llama" and args.trainer != "trainer":
+        p.error(f"--model {args.model} runs in the Trainer only, got --trainer {args.trainer}")
+    return args
 
 
 def main(argv: list[str]) -> dict:
