@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/hf_trainer.py                    # balanced
     torchrun --nproc_per_node=2 examples/hf_trainer.py --balance none     # the plain Trainer
     accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --trainer sft
+    torchrun --nproc_per_node=2 examples/hf_trainer.py --model qwen2.5-vl  # a VLM, its adapter
 
 The model is a tiny ``LlamaForCausalLM`` with random weights and the tokenizer a word-level one
 built here (nothing is downloaded; on CPU the ranks talk gloo, under accelerate too); the
@@ -16,6 +17,18 @@ line changes (marked ``# orchmllm``)::
 plus its import; for TRL, a two-line subclass (``class BalancedSFTTrainer(BalancedTrainerMixin,
 SFTTrainer): pass``). The Trainer already normalises the loss by the target tokens of all ranks
 and micro-steps, so nothing else changes, and both runs print the same losses.
+
+``--model`` names a vision-language family instead (a tiny model of
+``orchmllm.integrations.transformers.tiny.FAMILIES`` and its processor's rows: images, videos
+and audio mixed; the collator is ``tiny.collate``). The balanced script also wraps the model in
+its adapter, so its towers and language model are balanced phase by phase::
+
+    + model = omt.wrap(model)
+
+The plain run sets ``model.accepts_loss_kwargs = True`` (transformers marks Qwen2-VL and
+Qwen2.5-VL False, and their plain Trainer would then average each rank's micro-batch mean), so
+that it too takes the mean over the targets of all ranks and micro-steps; DDP wraps the model
+in both runs.
 
 ``--resume-at K`` saves a checkpoint at step K and trains a second Trainer from it: its losses
 are the rest of the first run's.
@@ -44,7 +57,9 @@ from transformers import (
     TrainingArguments,
 )
 
+from orchmllm.integrations import transformers as omt  # orchmllm (--model: a VLM)
 from orchmllm.integrations.trainer import BalancedTrainer, BalancedTrainerMixin  # orchmllm
+from orchmllm.integrations.transformers import tiny
 
 VOCAB = 64
 
@@ -100,8 +115,22 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "data_seed": args.seed,
         "seed": args.seed,
         "disable_tqdm": True,
+        # a VLM's plain batches may leave its tower unused on a rank (DDP must allow it)
+        "ddp_find_unused_parameters": args.model != "llama",
     }
-    model = make_model(getattr(torch, args.dtype), args.seed)
+    dtype = getattr(torch, args.dtype)
+    if args.model != "llama":  # a tiny VLM of an adapted family, its processor's rows
+        model = tiny.build_model(args.model, seed=args.seed, dtype=dtype)
+        dataset = tiny.make_rows(args.model, model, args.examples, seed=args.seed)
+        # transformers marks Qwen2-VL and Qwen2.5-VL accepts_loss_kwargs=False, so the plain
+        # Trainer would average each rank's micro-batch mean; this plain run takes the mean
+        # over the targets of all ranks and micro-steps, as the balanced Trainer always does.
+        model.accepts_loss_kwargs = True
+        model = omt.wrap(model) if balanced else model  # orchmllm
+        cls = BalancedTrainer if balanced else Trainer  # orchmllm
+        train_args = TrainingArguments(**common)
+        return cls(model=model, args=train_args, train_dataset=dataset, data_collator=tiny.collate)
+    model = make_model(dtype, args.seed)
     dataset = make_dataset(args.examples, max_len=args.max_len, seed=args.seed)
     if args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer  # the sft run only: TRL is optional
@@ -128,6 +157,10 @@ def losses(trainer: Trainer, key: str = "loss") -> list[float]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
+    p.add_argument(
+        "--model", choices=("llama", *tiny.FAMILIES), default="llama",
+        help="llama: a text model; else a tiny VLM (Trainer only), balanced by its adapter",
+    )  # fmt: skip
     p.add_argument("--balance", choices=("auto", "none"), default="auto")
     p.add_argument("--examples", type=int, default=70)
     p.add_argument("--max-len", type=int, default=96)
@@ -141,7 +174,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: a temporary folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model != "llama" and args.trainer != "trainer":
+        p.error(f"--model {args.model} runs in the Trainer only, got --trainer {args.trainer}")
+    return args
 
 
 def main(argv: list[str]) -> dict:
@@ -164,9 +200,10 @@ def main(argv: list[str]) -> dict:
     record["num_examples"] = trainer.num_examples(loader)
     # accelerate passes the balanced loader through unchanged (it is not a DataLoader)
     record["prepare_keeps_loader"] = trainer.accelerator.prepare(loader) is loader
-    for key in ("balance/imbalance_before", "balance/imbalance_after"):  # logged by orchmllm
-        values = losses(trainer, key)
-        record[key] = sum(values) / len(values) if values else None
+    phase = "" if args.model == "llama" else "llm/"  # a VLM logs each phase's
+    for metric in ("imbalance_before", "imbalance_after"):  # logged by orchmllm
+        values = losses(trainer, f"balance/{phase}{metric}")
+        record[f"balance/{metric}"] = sum(values) / len(values) if values else None
     params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])
     record["param_sum"] = float(params.sum())
     return record

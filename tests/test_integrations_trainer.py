@@ -11,6 +11,13 @@ losses exactly. The same script under ``accelerate launch``, where ``Accelerator
 passes the balanced loader through, gives the plain Trainer's losses too. The balanced Trainer
 run loads in a DataLoader worker (the Trainer's ``dataloader_num_workers``), the plain one in the
 process.
+
+An adapted VLM (``omt.wrap(model)`` in the same BalancedTrainer; tiny Qwen2.5-VL and LLaVA with
+random weights, their processors' rows, images and videos mixed) gives the plain Trainer's
+per-step losses within 1e-5 too (float64, gradient accumulation 2, 30 examples over 2 epochs,
+DDP in both), ends with the same parameters, and resumes exactly. transformers marks Qwen2.5-VL
+``accepts_loss_kwargs=False``, so its plain run sets it True: the plain Trainer then takes the
+mean over the targets of all ranks and micro-steps, as the balanced one always does.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -27,11 +35,12 @@ from types import ModuleType
 import pytest
 from torch.utils.data import IterableDataset
 
-from orchmllm import BalancedDataLoader
+from orchmllm import BalancedDataLoader, PlannedBatch
 from orchmllm.testing import run_distributed
 
 pytest.importorskip("trl", exc_type=ModuleNotFoundError)  # the trainer extra
 
+from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402  (after the extra's check)
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
 
@@ -58,7 +67,7 @@ def _runs_worker(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
     main = _example().main
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Trainer's and DDP's advice, not under test
-        return {key: main([*COMMON, *argv]) for key, argv in runs.items()}
+        return {key: main(argv) for key, argv in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +81,23 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "sft/auto": ["--trainer", "sft"],
         "sft/auto-padding-free": ["--trainer", "sft", "--padding-free"],
     }
+    runs = {key: [*COMMON, *argv] for key, argv in runs.items()}
+    return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
+
+
+VLMS = ("qwen2.5-vl", "llava")
+VLM_COMMON = ["--dtype", "float64", "--grad-accum", "2", "--batch-size", "2"]
+VLM_COMMON += ["--examples", "30", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def vlm_runs(tmp_path_factory) -> dict[str, dict]:
+    runs = {}
+    for model in VLMS:
+        runs[f"{model}/none"] = [*VLM_COMMON, "--model", model, "--balance", "none"]
+        runs[f"{model}/auto"] = [*VLM_COMMON, "--model", model]
+    out = str(tmp_path_factory.mktemp("vlm"))
+    runs["qwen2.5-vl/auto"] += ["--resume-at", "3", "--output-dir", out]
     return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
 
 
@@ -107,6 +133,44 @@ def test_a_resumed_balanced_trainer_continues_the_run_exactly(runs, run, at):
     """Step 3 is mid-way through the first epoch (5 steps), step 7 through the second."""
     record = runs[run]
     assert record["resumed_losses"] == record["losses"][at:]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model", VLMS)
+def test_an_adapted_vlm_trains_like_the_plain_trainer(vlm_runs, model):
+    plain, balanced = vlm_runs[f"{model}/none"], vlm_runs[f"{model}/auto"]
+    # 30 examples, 2 ranks x 2 micro-batches of 2: 4 steps an epoch (the last wraps around)
+    assert len(plain["losses"]) == 8
+    assert _max_diff(plain["losses"], balanced["losses"]) < TOL
+    assert balanced["param_sum"] == pytest.approx(plain["param_sum"], abs=1e-6)
+    assert balanced["num_examples"] == plain["num_examples"] == 30
+    # the language model's logged mean imbalance (its tokens per rank) drops
+    assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
+
+
+@pytest.mark.integration
+def test_an_adapted_vlm_under_torchrun(vlm_runs):
+    """torchrun starts the ranks, and ``TrainingArguments`` starts ``torch.distributed`` after
+    the example wrapped the model: the Trainer rebuilds the orchestrator's groups."""
+    argv = [*VLM_COMMON, "--model", "qwen2.5-vl"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [*run, str(EXAMPLE), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert _max_diff(record["losses"], vlm_runs["qwen2.5-vl/none"]["losses"]) < TOL
+
+
+@pytest.mark.integration
+def test_a_resumed_vlm_trainer_continues_the_run_exactly(vlm_runs):
+    record = vlm_runs["qwen2.5-vl/auto"]
+    assert record["resumed_losses"] == record["losses"][3:]
 
 
 @pytest.mark.integration
@@ -160,4 +224,41 @@ def test_a_per_rank_loss_warns(tmp_path):
     trainer = ex.make_trainer(args, str(tmp_path), max_steps=1)
     trainer.args.average_tokens_across_devices = False
     with pytest.warns(LossNormalisationWarning, match="average_tokens_across_devices=False"):
+        trainer.get_train_dataloader()
+
+
+def _vlm_trainer(tmp_path, model="qwen2.5-vl", *argv, **args):
+    ex = _example()
+    argv = ["--model", model, "--examples", "4", "--batch-size", "2", *argv]
+    trainer = ex.make_trainer(ex.parse_args(argv), str(tmp_path), max_steps=1)
+    vars(trainer.args).update(args)
+    return trainer
+
+
+def test_an_adapted_vlm_keeps_its_models_columns_and_the_plain_count(tmp_path):
+    """Column removal keeps what the HF model takes (not the wrapper's ``batch``), and a
+    step's micro-batches come planned, their target count the plain Trainer's (LLaVA: every
+    row has the same fields, as a ``datasets.Dataset``'s rows do)."""
+    trainers = [_vlm_trainer(tmp_path, "llava", *argv) for argv in ([], ["--balance", "none"])]
+    rows = [{**r, "id": i} for i, r in enumerate(trainers[0].train_dataset)]
+    steps = []
+    for trainer in trainers:
+        trainer.train_dataset = Dataset.from_list(rows).with_format("torch")
+        loader = trainer.get_train_dataloader()
+        steps.append(trainer.get_batch_samples(iter(loader), 2, "cpu"))
+    (balanced, balanced_count), (plain, plain_count) = steps
+    assert len(balanced) == len(plain) == 2
+    assert all(isinstance(b["batch"], PlannedBatch) for b in balanced)
+    assert int(balanced_count) == int(plain_count) > 0
+    kept = trainers[0]._balanced.source.dataset.column_names
+    assert "id" not in kept and {"input_ids", "labels", "pixel_values"} <= set(kept)
+
+
+def test_an_adapted_vlm_needs_the_global_token_count(tmp_path):
+    trainer = _vlm_trainer(tmp_path, average_tokens_across_devices=False)
+    with pytest.raises(ValueError, match="average_tokens_across_devices=True"):
+        trainer.get_train_dataloader()
+    trainer = _vlm_trainer(tmp_path)
+    trainer.model.model.accepts_loss_kwargs = False  # as transformers marks Qwen2.5-VL
+    with pytest.warns(LossNormalisationWarning, match="accepts_loss_kwargs=False"):
         trainer.get_train_dataloader()

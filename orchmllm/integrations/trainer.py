@@ -12,6 +12,11 @@ and a TRL script by a two-line subclass::
 
     class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer): pass
 
+A vision-language model goes in through its adapter, its towers and language model balanced
+phase by phase (``orchmllm.integrations.transformers``)::
+
+    trainer = BalancedTrainer(model=omt.wrap(model), args=args, train_dataset=rows, ...)
+
 What the mixin keeps of the Trainer, and why it is exact:
 
 - The Trainer's own loader is wrapped, not replaced (:meth:`get_train_dataloader`): its
@@ -35,18 +40,34 @@ What the mixin keeps of the Trainer, and why it is exact:
 - The policy follows the collator's layout when ``planning`` is not given: padded batches
   (transformers' padding collators, TRL's collator) ``padded_cost``, packed ones
   (``DataCollatorWithFlattening``, TRL's ``padding_free=True``) ``greedy``.
+- An adapted VLM (a ``BalancedModel``, from ``omt.wrap``): the Trainer's loader is wrapped by
+  the model's own (:meth:`~orchmllm.integrations.transformers.BalancedModel.loader`: the
+  adapter collates the processor's rows and every phase's plan is made ahead), each
+  micro-batch reaches the model as ``{"batch": planned}`` through the Trainer's own
+  ``compute_loss``, and ``num_items_in_batch`` is the plans' target count summed over the
+  step's micro-batches: the plain Trainer's count of shifted labels over all ranks, known
+  without a collective. The model divides by it and the Trainer scales by the world size
+  (``average_tokens_across_devices``, required), so the gradients are a plain run's under
+  DDP, which the Trainer wraps the model in as usual. Column removal keeps the HF model's
+  inputs. transformers marks some VLMs (Qwen2-VL, Qwen2.5-VL) ``accepts_loss_kwargs=False``:
+  their plain Trainer averages each rank's micro-batch mean, which balancing would reweight,
+  so a balanced run equals their plain run with ``model.accepts_loss_kwargs = True`` (the
+  mixin warns).
 - Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
-  the policy's cost model) as sampled and as balanced since the previous log
-  (:data:`LOGGED`), so the Trainer's reporters show what balancing does.
+  the policy's cost model) as sampled and as balanced since the previous log, per phase for a
+  VLM (:func:`log_key`), so the Trainer's reporters show what balancing does.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import transformers.trainer as hf_trainer
 from accelerate.data_loader import DataLoaderDispatcher
 from transformers import Trainer
@@ -54,22 +75,33 @@ from transformers import Trainer
 from orchmllm import (
     BalancedDataLoader,
     LoaderOptions,
+    Orchestrator,
     PlanningOptions,
     SamplingOptions,
+    Topology,
     collate_layout,
 )
+from orchmllm.integrations.transformers import BalancedModel
 
 # The policy for each batch layout of the collator (module docstring); None: cannot tell.
 POLICY_FOR_LAYOUT = {"padded": "padded_cost", "packed": "greedy", None: "greedy"}
-# Trainer log key -> the loader's step statistic it averages (module docstring).
-LOGGED = {
-    "balance/imbalance_before": "batch/imbalance_before",
-    "balance/imbalance_after": "batch/imbalance_after",
-}
+# The loader's step statistics (``<phase>/<metric>``) each logged step averages (module docstring).
+LOGGED_METRICS = ("imbalance_before", "imbalance_after")
+TEXT_PHASE = "batch"  # the text loader's one phase, logged without its name
 
 
 class LossNormalisationWarning(UserWarning):
     """The Trainer averages the loss per rank, so balancing changes each example's weight."""
+
+
+def log_key(stat: str) -> str | None:
+    """The Trainer's log key of a loader statistic ``<phase>/<metric>``: ``balance/<metric>``
+    for the text loader's batch, ``balance/<phase>/<metric>`` for an adapted VLM's phases
+    (``vision``, ``audio``, ``llm``...); None for a statistic that is not logged."""
+    phase, _, metric = stat.rpartition("/")
+    if metric not in LOGGED_METRICS or not phase:
+        return None
+    return f"balance/{metric}" if phase == TEXT_PHASE else f"balance/{phase}/{metric}"
 
 
 def input_length(example: dict) -> int:
@@ -171,6 +203,9 @@ class BalancedTrainerMixin:
 
     def get_train_dataloader(self) -> BalancedDataLoader:
         """The Trainer's own training loader, its batches balanced before collation."""
+        vlm = self._adapted_model()
+        if vlm is not None:
+            self._prepare_adapted(vlm)
         loader = super().get_train_dataloader()
         if isinstance(loader, DataLoaderDispatcher):  # rank 0 reads, the others receive
             raise ValueError(
@@ -179,17 +214,23 @@ class BalancedTrainerMixin:
                 "accelerator_config={'dispatch_batches': False}) (each rank reads its shard), "
                 "or pass a map-style dataset"
             )
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        sampling = SamplingOptions(seed=seed, drop_last=args.dataloader_drop_last)
+        if vlm is not None:  # the adapter collates; every phase is planned ahead
+            self._balanced = vlm.loader(
+                loader, sampling=sampling, options=self.balance_loader_options
+            )
+            return self._balanced
         self._check_loss_normalisation()
         planning = self.balance_planning or PlanningOptions(
             policy=POLICY_FOR_LAYOUT[collator_layout(loader.collate_fn)]
         )
-        args = self.args
-        seed = args.data_seed if args.data_seed is not None else args.seed
         self._balanced = BalancedDataLoader(
             loader,
             length_fn=self.balance_length_fn,
             planning=planning,
-            sampling=SamplingOptions(seed=seed, drop_last=args.dataloader_drop_last),
+            sampling=sampling,
             options=self.balance_loader_options,
         )
         return self._balanced
@@ -199,15 +240,23 @@ class BalancedTrainerMixin:
         :meth:`log`."""
         if self._balanced is not None:
             epoch_iterator = _Recording(epoch_iterator, self._balanced, self._balance_stats)
-        return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._adapted_model() is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        # An adapted VLM's planned batches: the count of their targets over every rank and
+        # micro-step is in their plans (the plain Trainer's count of shifted labels).
+        planned = list(itertools.islice(epoch_iterator, num_batches))
+        targets = sum(p.plan.num_targets for p in planned)
+        num_items = torch.tensor(targets, device=device) if planned else None
+        return [{"batch": p} for p in planned], num_items
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the micro-batches' mean imbalance since the last one."""
         stats, self._balance_stats = self._balance_stats, []
         if "loss" in logs and stats:
-            for key, stat in LOGGED.items():
-                values = [s[stat] for s in stats if stat in s]
-                if values:
+            for stat in dict.fromkeys(k for s in stats for k in s):
+                key = log_key(stat)
+                if key is not None:
+                    values = [s[stat] for s in stats if stat in s]
                     logs[key] = sum(values) / len(values)
         super().log(logs, *args, **kwargs)
 
@@ -217,6 +266,40 @@ class BalancedTrainerMixin:
             resumed = isinstance(dataloader, _Resumed)
             dataloader = dataloader.loader if resumed else dataloader.source
         return super().num_examples(dataloader)
+
+    def _adapted_model(self) -> BalancedModel | None:
+        """The Trainer's model when it is an adapted VLM (``omt.wrap(model)``), else None."""
+        return self.model if isinstance(self.model, BalancedModel) else None
+
+    def _prepare_adapted(self, vlm: BalancedModel) -> None:
+        """Column removal and the loss checks for an adapted VLM (module docstring); its
+        orchestrator's groups rebuilt if it was wrapped before ``TrainingArguments`` started
+        ``torch.distributed`` (its topology then has no groups of its own)."""
+        topology = vlm.orchestrator.topology
+        if topology.distributed and topology.meta_group is None:
+            topology = Topology.build(
+                ranks_per_node=topology.ranks_per_node, timeout=topology.timeout
+            )
+            vlm.orchestrator = Orchestrator(vlm.orchestrator.options, topology=topology)
+        if self._signature_columns is None:
+            # column removal keeps what the HF model takes, not what the wrapper's forward does
+            params = inspect.signature(vlm.model.forward).parameters
+            self._signature_columns = [*params, "label", "label_ids", *self.label_names]
+        if not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "an adapted model divides its loss by the targets of all ranks, so the Trainer "
+                "must scale it by the world size: set average_tokens_across_devices=True, got "
+                "False"
+            )
+        if not getattr(vlm.model, "accepts_loss_kwargs", True):
+            warnings.warn(
+                f"{type(vlm.model).__name__} sets accepts_loss_kwargs=False, so a plain Trainer "
+                "averages each rank's micro-batch mean; balanced, the loss is the mean over the "
+                "targets of all ranks and micro-steps, as a plain Trainer's is with "
+                "model.accepts_loss_kwargs = True",
+                LossNormalisationWarning,
+                stacklevel=3,
+            )
 
     def _check_loss_normalisation(self) -> None:
         if self.args.average_tokens_across_devices and (

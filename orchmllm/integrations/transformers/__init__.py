@@ -12,6 +12,10 @@ A plain data-parallel script becomes balanced in a few lines::
             loss = model(batch).loss * world_size   # normalised over every rank's targets
             loss.backward()
 
+In a ``transformers.Trainer``, pass the wrapped model to
+``orchmllm.integrations.trainer.BalancedTrainer(model=omt.wrap(model), ...)``: it uses
+:meth:`BalancedModel.loader` and the Trainer's own loss normalisation (DDP, no sharding needed).
+
 ``dataset`` holds the processor's rows (one example each: ``input_ids`` with placeholders,
 ``labels``, ``pixel_values``, ...), as a plain ``DataLoader`` would read them. The adapter is
 chosen by the model's class (:data:`ADAPTERS`). A family without one needs an :class:`Adapter`

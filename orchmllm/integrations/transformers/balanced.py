@@ -19,14 +19,15 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from transformers.utils import ModelOutput
 
 import orchmllm
 from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
 
 
 @dataclass
-class BalancedOutput:
-    """What :meth:`BalancedModel.forward` returns.
+class BalancedOutput(ModelOutput):
+    """What :meth:`BalancedModel.forward` returns (a ``ModelOutput``, as the Trainer expects).
 
     Attributes:
         loss: this rank's share of the global mean loss (its targets' summed loss over the
@@ -37,9 +38,9 @@ class BalancedOutput:
             phases' statistics).
     """
 
-    loss: torch.Tensor
-    logits: torch.Tensor
-    batch: orchmllm.LLMBatch
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    batch: orchmllm.LLMBatch | None = None
 
 
 class BalancedModel(nn.Module):
@@ -58,6 +59,9 @@ class BalancedModel(nn.Module):
             computed in the last step, for reporting balance.
     """
 
+    # The Trainer passes num_items_in_batch to forward (its count over micro-steps and ranks).
+    accepts_loss_kwargs = True
+
     def __init__(
         self, model: nn.Module, adapter: Adapter, orchestrator: orchmllm.Orchestrator
     ) -> None:
@@ -71,13 +75,16 @@ class BalancedModel(nn.Module):
         self,
         dataset: Any,
         *,
-        batch_size: int,
+        batch_size: int | None = None,
         sampling: orchmllm.SamplingOptions | None = None,
         options: orchmllm.LoaderOptions | None = None,
     ) -> orchmllm.BalancedDataLoader:
         """The balanced loader over ``dataset``'s processor rows (each turned into orchmllm's
         schema by the adapter): it samples like ``DistributedSampler`` and plans each step
-        ahead in a background thread. Iterate it and pass each batch to this model."""
+        ahead in a background thread. Iterate it and pass each batch to this model.
+
+        ``dataset`` may be a ``DataLoader`` (a Trainer's): its sampler, batches and workers are
+        kept, its collate function is replaced by the adapter's, and ``batch_size`` is None."""
         return orchmllm.orchestrated_loader(
             dataset,
             self.orchestrator,
@@ -88,7 +95,12 @@ class BalancedModel(nn.Module):
             topology=self.orchestrator.topology,
         )
 
-    def forward(self, batch: orchmllm.PlannedBatch | list) -> BalancedOutput:
+    def forward(
+        self,
+        batch: orchmllm.PlannedBatch | list,
+        *,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> BalancedOutput:
         """One step's forward on this rank.
 
         A collective on the orchestrator's groups: every rank calls it together.
@@ -96,6 +108,9 @@ class BalancedModel(nn.Module):
         Args:
             batch: a batch of :meth:`loader` (planned ahead), or this rank's processor rows
                 (planned now; without ``torch.distributed`` the one process plans alone).
+            num_items_in_batch: the count of prediction targets the summed loss is divided by
+                (None: the step's, over all ranks). A ``transformers.Trainer`` passes its count
+                over every rank and micro-step of a gradient accumulation.
 
         Returns:
             The :class:`BalancedOutput`.
@@ -125,12 +140,14 @@ class BalancedModel(nn.Module):
         ).last_hidden_state
         logits = model.get_output_embeddings()(hidden)
         self.loads["llm"] = int(out.lengths.sum())
+        if num_items_in_batch is None:
+            num_items_in_batch = out.num_targets  # over all ranks
         loss = model.loss_function(
             logits=logits,
             labels=None,
             shift_labels=out.targets[None],  # the orchestrator's targets are shifted already
             vocab_size=logits.shape[-1],
-            num_items_in_batch=out.num_targets,  # over all ranks
+            num_items_in_batch=num_items_in_batch,
         )
         return BalancedOutput(loss, logits, out)
 
