@@ -373,7 +373,7 @@ std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
 // the same rules (with binary searches) and the same float operations.
 void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-            int64_t max_steps, double floor, int64_t* dst) {
+            int64_t max_steps, double floor, int64_t* dst, bool wide = true) {
     Extremes extremes(load);
     std::unique_ptr<RankLists> lists;  // built on the first step that needs them
     const int64_t d = static_cast<int64_t>(load.size());
@@ -419,7 +419,7 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
         if (h == l || count[h] <= 1 || load[h] <= floor) break;
         if (!lists) lists = std::make_unique<RankLists>(items, rank_at, count);
         Step best = pair_step(h, l);
-        if (best.i < 0 && d <= kWideRanks) {
+        if (best.i < 0 && wide && d <= kWideRanks) {
             partners.clear();
             for (int64_t r = 0; r < d; ++r)
                 if (r != h && r != l && load[r] < load[h]) partners.push_back(r);
@@ -676,7 +676,7 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 }  // namespace
 
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps, bool* proven) {
+         int64_t max_steps, bool* proven, bool exact) {
     if (proven != nullptr) *proven = false;
     const auto& items = sort_items(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
@@ -702,10 +702,10 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         while (live > 0 && items.key[live - 1] == 0.0) --live;
     const double unit = weight_unit(items.key.data(), live);
     const double floor = makespan_floor(items.key.data(), live, num_ranks, unit);
-    refine(items, rank_at, load, count, cap, max_steps, floor, dst);
+    refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
     double best = *std::max_element(load.begin(), load.end());
     if (!(best > floor) || num_ranks < 2) {
-        if (proven != nullptr) *proven = true;
+        if (proven != nullptr) *proven = !(best > floor);
         return;
     }
     Sorted<double> part;  // the live items, in sorted order
@@ -713,7 +713,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     part.key.assign(items.key.begin(), items.key.begin() + live);
     std::vector<int64_t> at(static_cast<size_t>(live));
     // Exact where it is cheap: the branch and bound from the plan in hand (exact.hpp).
-    if (live <= kExactItems) {
+    if (exact && live <= kExactItems) {
         for (int64_t k = 0; k < live; ++k) at[k] = dst[part.index[k]];
         const ExactOutcome outcome =
             improve_exact(part.key.data(), live, num_ranks, cap, floor, kExactNodes, at.data());
@@ -733,7 +733,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     const auto consider = [&]() {
         tally(part, plan.data(), load, count, at);
         if (*std::max_element(count.begin(), count.end()) > cap) return;
-        refine(part, at, load, count, cap, max_steps, floor, plan.data());
+        refine(part, at, load, count, cap, max_steps, floor, plan.data(), exact);
         const double m = *std::max_element(load.begin(), load.end());
         if (m < best) {
             best = m;

@@ -51,8 +51,10 @@ constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
 constexpr int kMultifitRounds = 24;
 constexpr int64_t kExactItems = 64;
 constexpr int64_t kExactNodes = int64_t{1} << 17;
+// `exact` = false leaves the exact search and the wider partners out (greedy_stay's reference
+// makespan, movement.cpp).
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps = 0, bool* proven = nullptr);
+         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the

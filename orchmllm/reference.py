@@ -183,9 +183,7 @@ def ref_lpt(
         return done(True)
     if live <= _core.EXACT_ITEMS:
         plan = np.array([dst[i] for i in part], dtype=np.int64)
-        plan, proven, _ = _core.improve_exact(
-            np.array(xs), d, cap, floor, _core.EXACT_NODES, plan
-        )
+        plan, proven, _ = _core.improve_exact(np.array(xs), d, cap, floor, _core.EXACT_NODES, plan)
         for i, r in zip(part, plan.tolist(), strict=True):
             dst[i] = r
         if proven:
