@@ -166,7 +166,7 @@ class Search {
 };
 
 
-// Bin completion (Korf 2002) for up to 64 items, on the decision "do the items fit d ranks of
+// Bin completion (Korf 2002) for up to 64 integer weights, on the decision "do the items fit d ranks of
 // capacity C": ranks are filled one at a time, each taking the heaviest item left and then a
 // maximal set of the others (no item left fits in what stays free), sets of least waste first.
 // The waste a plan may leave, d*C minus the total, is tiny near the mean, so few sets qualify.
@@ -174,7 +174,7 @@ class Search {
 class Completion {
   public:
     Completion(const double* x, int64_t m, int64_t d, int64_t cap, int64_t node_limit)
-        : x_(x), m_(m), d_(d), cap_(cap), node_limit_(node_limit), bin_(m, 0), trial_(m, 0) {
+        : x_(x), m_(m), d_(d), cap_(cap), node_limit_(node_limit), trial_(m, 0) {
         total_ = 0.0;
         for (int64_t k = 0; k < m; ++k) total_ += x[k];
     }
@@ -257,7 +257,7 @@ class Completion {
         const int64_t lightest = outside ? 63 - __builtin_clzll(outside) : -1;
         const bool full = count >= count_room_ || lightest < 0 || x_[lightest] > free;
         if (full) {
-            if (free <= waste_) sets_.push_back({sum, mask});
+            if (free <= waste_ && !dominated(outside, mask, free)) sets_.push_back({sum, mask});
             return;
         }
         double prev = -1.0;
@@ -274,9 +274,40 @@ class Completion {
         }
     }
 
+    // Dominance (Martello and Toth): when an item left out is heavier than one item of the set
+    // (or, without a binding cap, exactly as heavy as two or three of them together) and fits
+    // in their place, any plan through this set maps to one through the swapped set, which is
+    // fuller, so this set need not be searched. Swaps only ever make a set fuller (or, at equal
+    // weight, hold fewer items), so an undominated set always remains.
+    bool dominated(uint64_t outside, uint64_t mask, double free) const {
+        if (outside == 0) return false;
+        int64_t in[64], k = 0;
+        for (uint64_t t = mask; t; t &= t - 1) in[k++] = __builtin_ctzll(t);
+        // Some item left out weighs in [sum, sum + free], more than sum unless `several`.
+        const auto swap_in = [&](double sum, bool several) {
+            for (uint64_t t = outside; t; t &= t - 1) {
+                const double w = x_[__builtin_ctzll(t)];  // heaviest first
+                if (w < sum) return false;
+                if (w <= sum + free && (w > sum || several)) return true;
+            }
+            return false;
+        };
+        const bool multi = cap_ >= m_;
+        for (int64_t a = 0; a < k; ++a) {
+            if (swap_in(x_[in[a]], false)) return true;
+            if (!multi) continue;
+            for (int64_t b = a + 1; b < k; ++b) {
+                if (swap_in(x_[in[a]] + x_[in[b]], true)) return true;
+                for (int64_t c = b + 1; c < k; ++c)
+                    if (swap_in(x_[in[a]] + x_[in[b]] + x_[in[c]], true)) return true;
+            }
+        }
+        return false;
+    }
+
     const double* x_;
     int64_t m_, d_, cap_, node_limit_, nodes_ = 0;
-    std::vector<int64_t> bin_, trial_;
+    std::vector<int64_t> trial_;
     std::vector<Set> sets_;
     std::unordered_set<uint64_t> failed_;  // sets of items left that fit no plan
     double total_ = 0.0, capacity_ = 0.0, room_ = 0.0, waste_ = 0.0;
@@ -286,11 +317,13 @@ class Completion {
 
 ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
                            int64_t node_limit, int64_t* plan) {
-    if (m > 64) return Search(x, m, d, cap, floor, node_limit, plan).run();
+    // Bin completion counts waste as d*C minus the total, exact only for integer weights; on
+    // fractional ones (cost models) a rounding could refute the capacity a plan fills exactly.
+    const double unit = weight_unit(x, m);
+    if (m > 64 || unit == 0.0) return Search(x, m, d, cap, floor, node_limit, plan).run();
     std::vector<double> load(d, 0.0);
     for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
     double best = m ? *std::max_element(load.begin(), load.end()) : 0.0;
-    const double unit = weight_unit(x, m);
     // Capacities below lo hold no plan; one at best does. Try the floor, then bisect.
     double lo = floor;
     Completion search(x, m, d, cap, node_limit);
@@ -298,8 +331,7 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
     for (int round = 0; lo < best && round < 128; ++round) {
         double c = lo;
         if (round > 0) {
-            const double top = unit > 0.0 ? best - unit : std::nextafter(best, -HUGE_VAL);
-            c = unit > 0.0 ? lo + std::floor((top - lo) / (2 * unit)) * unit : lo + (top - lo) / 2;
+            c = lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
         }
         const int found = search.decide(c, trial.data());
         if (found < 0) break;
@@ -309,7 +341,7 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
             best = *std::max_element(load.begin(), load.end());
             std::copy(trial.begin(), trial.end(), plan);
         } else {
-            lo = unit > 0.0 ? c + unit : std::nextafter(c, HUGE_VAL);
+            lo = c + unit;
         }
     }
     if (!(lo < best)) return {true, search.nodes()};
