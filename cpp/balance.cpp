@@ -678,17 +678,20 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps, bool* proven, bool exact) {
     if (proven != nullptr) *proven = false;
+    if (n > 0 && (w[0] > 0.0 || max_steps > 0) &&
+        std::all_of(w, w + n, [&](double x) { return x == w[0]; })) {
+        // All alike: the sorted order is the input order (ties by index) and LPT deals the
+        // items out in rounds of num_ranks, which meets any cap that fits them: the optimum,
+        // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
+        for (int64_t k = 0; k < n; ++k) dst[k] = k % num_ranks;
+        if (proven != nullptr) *proven = max_steps > 0;
+        return;
+    }
     const auto& items = sort_items(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
     if (max_steps <= 0) {
         fill_least_loaded(items, 0, load, count, cap, dst);
-        return;
-    }
-    if (n > 0 && items.key[0] == items.key[n - 1]) {
-        // All alike: LPT deals them out in rounds of num_ranks, the optimum.
-        for (int64_t k = 0; k < n; ++k) dst[items.index[k]] = k % num_ranks;
-        if (proven != nullptr) *proven = true;
         return;
     }
     thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
