@@ -24,19 +24,19 @@ video, 30 s audio with a hard cap, all-equal, 70% zeros, 10% 16k-128k documents)
 against the plain-Python LPT, Karmarkar-Karp and MULTIFIT references, verl's equal-count
 Karmarkar-Karp (its algorithm as ``orchmllm.reference.ref_karmarkar_karp(equal_counts=True)``,
 written from the description, not verl's code), prtpy's LPT, KK, MULTIFIT and complete greedy
-search with a 1 s limit (up to 16 x 8; skipped with a note when prtpy is missing) and
-numberpartitioning's greedy and KK (likewise), and the exact optimum where greedy's plan is not
-proven optimal: the same branch and bound with ``EXACT_CHECK_NODES`` (within the exact size),
-else HiGHS (scipy MILP, 10 s limit, up to ``HIGHS_MAX_CELLS``; not under ``--quick``). Targets:
-greedy worse than a peer on 0 instances; proven optimal on every instance within the exact size
-(at most ``_core.EXACT_ITEMS`` non-zero items); plan time (CPU, balance() as a user calls it) at
-most 10x numpy's argsort at every size, max over distributions. Also greedy_stay's moved tokens
-against the exact minimum at the makespan it reaches at 4, 8 and 16 ranks (a scipy HiGHS MILP;
-target: max ratio <= 1.2). Scale (skipped under ``--quick``): greedy alone and greedy +
-``placement="auto"`` at 16,384 ranks x 60 items on every distribution, repeated, as ratios to
-numpy's faster argsort (quicksort or stable) of the same lengths in the same run (targets:
-greedy <= 2x; the whole ``placement="auto"`` call under 100 ms, the max over repeats and
-distributions; its median is printed too).
+search with a 1 s limit (0.05 s under ``--quick``; up to 16 x 8; skipped with a note when prtpy
+is missing) and numberpartitioning's greedy and KK (likewise), and the exact optimum where
+greedy's plan is not proven optimal: the same branch and bound with ``EXACT_CHECK_NODES``
+(within the exact size), else HiGHS (scipy MILP, 10 s limit, up to ``HIGHS_MAX_CELLS``; not
+under ``--quick``). Targets: greedy worse than a peer on 0 instances; proven optimal on every
+instance within the exact size (at most ``_core.EXACT_ITEMS`` non-zero items); plan time (CPU,
+balance() as a user calls it) at most 10x numpy's argsort at every size, max over distributions.
+Also greedy_stay's moved tokens against the exact minimum at the makespan it reaches at 4, 8 and
+16 ranks (a scipy HiGHS MILP; target: max ratio <= 1.2). Scale (skipped under ``--quick``):
+greedy alone and greedy + ``placement="auto"`` at 16,384 ranks x 60 items on every distribution,
+repeated, as ratios to numpy's faster argsort (quicksort or stable) of the same lengths in the
+same run (targets: greedy <= 2x; the whole ``placement="auto"`` call under 100 ms, the max over
+repeats and distributions; its median is printed too).
 Wrapper: ``balance()`` at 8 ranks x 4 items against its C++ core alone, timed in alternating
 rounds (target: at most 10 us more).
 
@@ -383,8 +383,9 @@ def _per_call_us(fn, budget_s: float = 0.02, rounds: int = 3) -> float:
     return best * 1e6
 
 
-def _peer_tools():
-    """The installed peer packages' partitioners: name -> fn(lengths list, d) -> max load."""
+def _peer_tools(cga_limit_s: float):
+    """The installed peer packages' partitioners: name -> fn(lengths list, d) -> max load;
+    complete greedy search stops after ``cga_limit_s`` seconds."""
     tools = {}
     try:
         from prtpy import objectives, outputtypes, partition
@@ -400,8 +401,9 @@ def _peer_tools():
         tools["prtpy_lpt"] = partial(prtpy_sums, greedy)
         tools["prtpy_kk"] = partial(prtpy_sums, kk)
         tools["prtpy_multifit"] = partial(prtpy_sums, multifit)
-        tools["cga_1s"] = partial(prtpy_sums, anytime, objective=objectives.MinimizeLargestSum,
-                                  time_limit=CGA_LIMIT_S)  # fmt: skip
+        tools[f"cga_{cga_limit_s:g}s"] = partial(
+            prtpy_sums, anytime, objective=objectives.MinimizeLargestSum, time_limit=cga_limit_s
+        )
     except ImportError:
         print("  note: prtpy is not installed: its LPT, KK, MULTIFIT and complete greedy "
               "search are skipped (pip install prtpy)")  # fmt: skip
@@ -444,11 +446,17 @@ def highs_min_makespan(lengths: np.ndarray, d: int, upper: float) -> tuple[float
 
 
 def peer_cases(
-    sizes, dists, seed: int, user: dict[str, np.ndarray], *, highs_max_cells: int = HIGHS_MAX_CELLS
+    sizes,
+    dists,
+    seed: int,
+    user: dict[str, np.ndarray],
+    *,
+    highs_max_cells: int = HIGHS_MAX_CELLS,
+    cga_limit_s: float = CGA_LIMIT_S,
 ) -> list[dict]:
     """Per instance: greedy's max load, proof and plan time against every peer's max load, the
     exact optimum (HiGHS) where greedy's is not proven, and numpy's argsort time."""
-    tools = _peer_tools()
+    tools = _peer_tools(cga_limit_s)
     records = []
     for d, per in sizes:
         for dist in dists:
@@ -470,7 +478,7 @@ def peer_cases(
             rec["multifit_max_load"] = _max_load(lengths, ref_multifit(w.tolist(), order, d, n), d)
             items = lengths.tolist()
             for name, fn in tools.items():
-                if name == "cga_1s" and n > CGA_MAX_ITEMS:
+                if name.startswith("cga_") and n > CGA_MAX_ITEMS:
                     continue
                 if name.startswith(("prtpy", "np_")) and n > 1024:
                     continue  # pure Python: seconds per plan beyond this
@@ -889,7 +897,9 @@ def main(argv: list[str] | None = None) -> None:
         audio = audio_cases((8, 64, 512), (16, 60), args.seed, draws=5)
     records = run_cases(ranks, per_ranks, variants, ref_cases, args.seed)
     if args.quick:
-        peers = peer_cases(QUICK_PEER_SIZES, dists, args.seed, user, highs_max_cells=0)
+        peers = peer_cases(
+            QUICK_PEER_SIZES, dists, args.seed, user, highs_max_cells=0, cga_limit_s=0.05
+        )
         moves = movement_cases((8,), (4,), args.seed)
         moves += movement_cases((8,), (4,), args.seed, ranks_per_node=4)
         scale = []
