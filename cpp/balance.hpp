@@ -52,7 +52,7 @@ constexpr int kMultifitRounds = 24;
 constexpr int64_t kExactItems = 64;
 constexpr int64_t kExactNodes = int64_t{1} << 17;
 // `exact` = false leaves the exact search and the wider partners out (greedy_stay's reference
-// makespan, movement.cpp).
+// makespan on small instances, movement.cpp).
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps = 0, bool* proven = nullptr, bool exact = true);
 
