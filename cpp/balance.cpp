@@ -711,6 +711,11 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         if (proven != nullptr) *proven = !(best > floor);
         return;
     }
+    // Past every candidate's limit (the exact search's, KK's and MULTIFIT's), the refined LPT
+    // plan stands: no copies of a million items for candidates that will not run.
+    if (live > kExactItems && live * num_ranks > kPortfolioKkWork &&
+        live > kPortfolioMultifitItems)
+        return;
     Sorted<double> part;  // the live items, in sorted order
     part.index.assign(items.index.begin(), items.index.begin() + live);
     part.key.assign(items.key.begin(), items.key.begin() + live);
