@@ -7,6 +7,7 @@
 #endif
 
 #include "balance.hpp"
+#include "exact.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -361,26 +362,28 @@ std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
 }
 
 // Local search after LPT: while the heaviest rank h can shed load, apply the best single move
-// or swap of one item between h and the lightest rank l that lowers max(load h, load l) below
-// the old load of h. The pair's maximum is smallest when the weight moving from h to l is
-// nearest to half the gap, so a move considers the items of h nearest to half the gap and a
-// swap of item i the items of l nearest to w_i - half (one two-pointer walk for all i). At most
-// `max_steps` steps, each O(items on h and l + log d); the Python reference follows the same
-// rules (with binary searches) and the same float operations.
+// or swap of one item between h and a partner rank p that lowers max(load h, load p) below the
+// old load of h, until h is at the floor. The partner is the lightest rank; when no step with
+// it helps, the next kWidePartners lightest in (load, rank) order, the first that admits a step
+// (on at most kWideRanks ranks). The
+// pair's maximum is smallest when the weight moving from h to p is nearest to half the gap, so
+// a move considers the items of h nearest to half the gap and a swap of item i the items of p
+// nearest to w_i - half (one two-pointer walk for all i). At most `max_steps` steps, each
+// O(items on the two ranks + log d) (times the partners tried); the Python reference follows
+// the same rules (with binary searches) and the same float operations.
 void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-            int64_t max_steps, int64_t* dst) {
+            int64_t max_steps, double floor, int64_t* dst, bool wide = true) {
     Extremes extremes(load);
     std::unique_ptr<RankLists> lists;  // built on the first step that needs them
-    for (int64_t step = 0; step < max_steps; ++step) {
-        const int64_t h = extremes.heaviest(), l = extremes.lightest();
-        // A lone item on h cannot leave it without making l at least as heavy.
-        if (h == l || count[h] <= 1) break;
-        if (!lists) lists = std::make_unique<RankLists>(items, rank_at, count);
+    const int64_t d = static_cast<int64_t>(load.size());
+    std::vector<int64_t> partners;
+    // The best step between h and p, or one with i < 0.
+    const auto pair_step = [&](int64_t h, int64_t p) {
         const Entry* hs = lists->data(h);
-        const Entry* ls = lists->data(l);
-        const size_t kh = lists->size(h), kl = lists->size(l);
-        const double lh = load[h], ll = load[l], half = (lh - ll) * 0.5;
+        const Entry* ls = lists->data(p);
+        const size_t kh = lists->size(h), kl = lists->size(p);
+        const double lh = load[h], ll = load[p], half = (lh - ll) * 0.5;
         Step best{lh, -1, -1, 0, 0};  // improving steps only: m < load of h
         const auto consider = [&](double m, size_t a, int64_t j, size_t b) {
             const int64_t i = hs[a].index;
@@ -388,7 +391,7 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             if (m < best.m || (tie && std::tie(i, j) < std::tie(best.i, best.j)))
                 best = {m, i, j, a, b};
         };
-        if (count[l] < cap) {
+        if (count[p] < cap) {
             const auto [above, below] = around(hs, kh, half);
             for (const size_t a : {above, below})
                 if (a < kh && hs[a].w > 0) consider(std::max(lh - hs[a].w, ll + hs[a].w), a, -1, 0);
@@ -406,7 +409,38 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
                 consider(std::max((lh - wi) + wj, (ll - wj) + wi), a, ls[b].index, b);
             }
         }
+        return best;
+    };
+    for (int64_t step = 0; step < max_steps; ++step) {
+        const int64_t h = extremes.heaviest();
+        int64_t l = extremes.lightest();
+        // A lone item on h cannot leave it without making its partner at least as heavy; no
+        // plan goes below the floor.
+        if (h == l || count[h] <= 1 || load[h] <= floor) break;
+        if (!lists) lists = std::make_unique<RankLists>(items, rank_at, count);
+        Step best = pair_step(h, l);
+        if (best.i < 0 && wide && d <= kWideRanks) {
+            partners.clear();
+            for (int64_t r = 0; r < d; ++r)
+                if (r != h && r != l && load[r] < load[h]) partners.push_back(r);
+            const auto lighter = [&](int64_t a, int64_t b) {
+                return load[a] < load[b] || (load[a] == load[b] && a < b);
+            };
+            const size_t tried = std::min<size_t>(partners.size(), kWidePartners);
+            std::partial_sort(partners.begin(), partners.begin() + tried, partners.end(), lighter);
+            partners.resize(tried);
+            for (const int64_t p : partners) {
+                best = pair_step(h, p);
+                if (best.i >= 0) {
+                    l = p;
+                    break;
+                }
+            }
+        }
         if (best.i < 0) break;
+        const Entry* hs = lists->data(h);
+        const Entry* ls = lists->data(l);
+        const double lh = load[h], ll = load[l];
         const Entry moved = hs[best.at_h];
         lists->erase(h, best.at_h);
         dst[moved.index] = l;
@@ -595,26 +629,24 @@ bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound
     return true;
 }
 
-// MULTIFIT: bisection on the bin capacity of first_fit, from max(total/d, heaviest) (no plan
-// is lighter) to max(2 total/d, heaviest) (FFD always fits there without a count cap), at
-// most kMultifitRounds rounds (`integral`: all weights are integers). Writes the plan of the smallest capacity that fit; false when
-// none did (a tight count cap).
-bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, bool integral, int64_t* dst) {
-    double total = 0.0;
-    for (const double x : items.key) total += x;
-    const double heaviest = items.key.empty() ? 0.0 : items.key[0];
-    double lo = std::max(total / static_cast<double>(d), heaviest);
-    double hi = std::max(2.0 * total / static_cast<double>(d), heaviest);
+// MULTIFIT where it can still win: bisection on the bin capacity of first_fit from the floor
+// (no plan is lighter) up to `top`, the heaviest load that would beat the plan in hand, at most
+// kMultifitRounds rounds; with integer weights (`unit` > 0, their divisor) capacities are
+// multiples of unit, so the search ends once no multiple lies between the bounds. Writes the
+// plan of the smallest capacity that fit; false when none did.
+bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, double floor, double top,
+              double unit, int64_t* dst) {
     thread_local std::vector<double> tree;
     thread_local std::vector<int64_t> count, trial;
     trial.resize(items.index.size());
-    bool found = false;
+    double lo = floor, hi = top;
+    if (!(lo <= hi)) return false;
     if (first_fit(items, d, cap, lo, tree, count, dst)) return true;
-    // Integer weights give integer loads, so first_fit at c and at floor(c) agree: once
-    // hi - lo < 1 no capacity in between can give another plan.
+    bool found = false;
     for (int round = 0; round < kMultifitRounds; ++round) {
-        const double mid = round == 0 ? hi : lo + (hi - lo) / 2;
-        if (round > 0 && (!(mid > lo && mid < hi) || (integral && hi - lo < 1.0))) break;
+        double mid = round == 0 ? hi : lo + (hi - lo) / 2;
+        if (unit > 0.0 && round > 0) mid = lo + std::floor((hi - lo) / (2 * unit)) * unit;
+        if (round > 0 && !(mid > lo && mid < hi)) break;
         if (first_fit(items, d, cap, mid, tree, count, trial.data())) {
             hi = mid;
             std::copy(trial.begin(), trial.end(), dst);
@@ -644,7 +676,17 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 }  // namespace
 
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps) {
+         int64_t max_steps, bool* proven, bool exact) {
+    if (proven != nullptr) *proven = false;
+    if (n > 0 && (w[0] > 0.0 || max_steps > 0) &&
+        std::all_of(w, w + n, [&](double x) { return x == w[0]; })) {
+        // All alike: the sorted order is the input order (ties by index) and LPT deals the
+        // items out in rounds of num_ranks, which meets any cap that fits them: the optimum,
+        // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
+        for (int64_t k = 0; k < n; ++k) dst[k] = k % num_ranks;
+        if (proven != nullptr) *proven = max_steps > 0;
+        return;
+    }
     const auto& items = sort_items(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
@@ -655,41 +697,71 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
     rank_at.resize(static_cast<size_t>(n));
     fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data());
-    refine(items, rank_at, load, count, cap, max_steps, dst);
-    // The portfolio: KK and MULTIFIT, each refined, replace LPT's plan only when strictly
-    // lighter (ties keep the earlier candidate: LPT, KK, MULTIFIT), and only while LPT is
-    // above the lower bound max(total/d, heaviest) and the instance is small enough.
-    const bool try_kk = n * num_ranks <= kPortfolioKkWork;
-    if (n < 2 || num_ranks < 2 || !(try_kk || n <= kPortfolioMultifitItems)) return;
+    // The items that matter: without a binding cap, zero-length items change no load, so every
+    // step below plans the others (a prefix of the sorted order) and the zeros stay where LPT
+    // put them.
+    int64_t live = n;
+    if (cap >= n)
+        while (live > 0 && items.key[live - 1] == 0.0) --live;
+    const double unit = weight_unit(items.key.data(), live);
+    const double floor = makespan_floor(items.key.data(), live, num_ranks, unit);
+    refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
     double best = *std::max_element(load.begin(), load.end());
-    double total = 0.0;
-    for (const double x : items.key) total += x;
-    // No plan is lighter than the mean, the heaviest item, or the (d+1)-th heaviest with the
-    // d-th (two of the d+1 heaviest share a rank); integer weights give integer loads.
-    double bound = std::max(total / static_cast<double>(num_ranks), items.key[0]);
-    if (n > num_ranks) bound = std::max(bound, items.key[num_ranks - 1] + items.key[num_ranks]);
-    const bool integral = std::all_of(items.key.begin(), items.key.end(),
-                                      [](double x) { return x == std::floor(x); });
-    if (integral) bound = std::ceil(bound);
-    if (!(best > bound)) return;
-    std::vector<int64_t> plan(static_cast<size_t>(n));
+    if (!(best > floor) || num_ranks < 2) {
+        if (proven != nullptr) *proven = !(best > floor);
+        return;
+    }
+    // Past every candidate's limit (the exact search's, KK's and MULTIFIT's), the refined LPT
+    // plan stands: no copies of a million items for candidates that will not run.
+    if (live > kExactItems && live * num_ranks > kPortfolioKkWork &&
+        live > kPortfolioMultifitItems)
+        return;
+    Sorted<double> part;  // the live items, in sorted order
+    part.index.assign(items.index.begin(), items.index.begin() + live);
+    part.key.assign(items.key.begin(), items.key.begin() + live);
+    std::vector<int64_t> at(static_cast<size_t>(live));
+    // Exact where it is cheap: the branch and bound from the plan in hand (exact.hpp).
+    if (exact && live <= kExactItems) {
+        for (int64_t k = 0; k < live; ++k) at[k] = dst[part.index[k]];
+        const ExactOutcome outcome =
+            improve_exact(part.key.data(), live, num_ranks, cap, floor, kExactNodes, at.data());
+        for (int64_t k = 0; k < live; ++k) dst[part.index[k]] = at[k];
+        if (outcome.proven) {
+            if (proven != nullptr) *proven = true;
+            return;
+        }
+        std::fill(load.begin(), load.end(), 0.0);
+        for (int64_t k = 0; k < live; ++k) load[at[k]] += part.key[k];
+        best = *std::max_element(load.begin(), load.end());
+    }
+    // The portfolio: KK and MULTIFIT, each refined, replace the plan only when strictly
+    // lighter (ties keep the earlier candidate), while it is above the floor and within their
+    // work limits, counted in live items.
+    std::vector<int64_t> plan(dst, dst + n);
     const auto consider = [&]() {
-        tally(items, plan.data(), load, count, rank_at);
+        tally(part, plan.data(), load, count, at);
         if (*std::max_element(count.begin(), count.end()) > cap) return;
-        refine(items, rank_at, load, count, cap, max_steps, plan.data());
+        refine(part, at, load, count, cap, max_steps, floor, plan.data(), exact);
         const double m = *std::max_element(load.begin(), load.end());
         if (m < best) {
             best = m;
-            std::copy(plan.begin(), plan.end(), dst);
+            for (const int64_t i : part.index) dst[i] = plan[i];
         }
     };
-    if (try_kk) {
-        karmarkar_karp(w, n, num_ranks, false, plan.data());
+    if (live * num_ranks <= kPortfolioKkWork) {
+        std::vector<int64_t> ids(part.index.begin(), part.index.end()), kk(live);
+        std::sort(ids.begin(), ids.end());  // KK's ties break by index: keep their order
+        std::vector<double> x(static_cast<size_t>(live));
+        for (int64_t k = 0; k < live; ++k) x[k] = w[ids[k]];
+        karmarkar_karp(x.data(), live, num_ranks, false, kk.data());
+        for (int64_t k = 0; k < live; ++k) plan[ids[k]] = kk[k];
         consider();
     }
-    if (best > bound && n <= kPortfolioMultifitItems &&
-        multifit(items, num_ranks, cap, integral, plan.data()))
+    const double top = unit > 0.0 ? best - unit : std::nextafter(best, -HUGE_VAL);
+    if (best > floor && live <= kPortfolioMultifitItems &&
+        multifit(part, num_ranks, cap, floor, top, unit, plan.data()))
         consider();
+    if (proven != nullptr) *proven = !(best > floor);
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

@@ -32,18 +32,29 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // item between the heaviest and the lightest rank that lowers the heavier of the two below the
 // old maximum (stops when none does); never raises the maximum load.
 //
-// With max_steps > 0 it is a portfolio (the default `greedy`): refined LPT, then, on small
-// instances, Karmarkar-Karp (n * num_ranks <= kPortfolioKkWork) and MULTIFIT (n <=
-// kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit decreasing),
-// each refined the same way; the lightest maximum load wins, ties to the earlier candidate.
-// A candidate is skipped once the best so far reaches the lower bound max(total / num_ranks,
-// heaviest, d-th + (d+1)-th heaviest), rounded up for integer weights; with integer weights
-// MULTIFIT's bisection stops once the capacities differ by < 1.
+// With max_steps > 0 it is a portfolio (the default `greedy`): refined LPT (its local search
+// stops at the floor, exact.hpp's makespan_floor); then, while the plan is above the floor,
+// the exact branch and bound (exact.hpp) on at most kExactItems items within kExactNodes
+// search nodes; then Karmarkar-Karp (items * num_ranks <= kPortfolioKkWork) and MULTIFIT
+// (items <= kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit
+// decreasing between the floor and the plan in hand), each refined the same way; the lightest
+// maximum load wins, ties to the earlier candidate. Without a binding cap (cap >= n) every
+// step after LPT plans only the items of non-zero weight, and the limits count those alone:
+// zero-length items change no load and stay where LPT put them. All items equal: item k of
+// the sorted order goes to rank k mod num_ranks, LPT's own plan, at once. `proven` (when
+// given): the plan reached the floor or the exact search finished, so no plan is lighter.
+// refine() tries every partner rank, not only the lightest, up to this many ranks.
+constexpr int64_t kWideRanks = 1024;
+constexpr size_t kWidePartners = 8;
 constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
 constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
 constexpr int kMultifitRounds = 24;
+constexpr int64_t kExactItems = 64;
+constexpr int64_t kExactNodes = int64_t{1} << 17;
+// `exact` = false leaves the exact search and the wider partners out (greedy_stay's reference
+// makespan on small instances, movement.cpp).
 void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps = 0);
+         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the

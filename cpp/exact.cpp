@@ -1,7 +1,7 @@
-// The exact smallest makespan of additive weights on identical ranks under an item cap, for
-// small instances (orchmllm/exact.py): depth-first branch and bound over the items, heaviest
-// first. Bounded by a count of search nodes, never a clock, so every rank reaches the same
-// answer; deterministic: ranks are tried in index order, ties keep the first plan found.
+// The exact smallest makespan (exact.hpp): the branch and bound the default `greedy` runs on
+// small instances (balance.cpp) and orchmllm/exact.py exposes for the cap search of balance().
+#include "exact.hpp"
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -10,102 +10,353 @@
 #include <cstdint>
 #include <numeric>
 #include <stdexcept>
+#include <unordered_set>
 #include <vector>
 
+#include "balance.hpp"
 #include "numpy_arrays.hpp"
 
 namespace py = pybind11;
 
+namespace orch {
+
+double weight_unit(const double* x, int64_t m) {
+    uint64_t g = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        if (!(x[i] >= 0.0 && x[i] < 0x1p53 && x[i] == std::floor(x[i]))) return 0.0;
+        // Once the divisor is 1 only integrality is left to check: a division per item costs
+        // a third of greedy's time at a million lengths.
+        if (g != 1) g = std::gcd(g, static_cast<uint64_t>(x[i]));
+    }
+    return static_cast<double>(g);
+}
+
+double makespan_floor(const double* x, int64_t m, int64_t d, double unit) {
+    if (m == 0) return 0.0;
+    double total = 0.0;
+    for (int64_t i = 0; i < m; ++i) total += x[i];
+    double floor = std::max(total / static_cast<double>(d), x[0]);
+    // Among the k*d + 1 heaviest items some rank holds k + 1, at least the k + 1 lightest of
+    // them. Only a few k matter: the bound falls towards the mean as k grows.
+    constexpr int64_t kWindows = 8;
+    for (int64_t k = 1; k <= kWindows && k * d + 1 <= m; ++k) {
+        double sum = 0.0;
+        for (int64_t j = k * d - k; j <= k * d; ++j) sum += x[j];
+        floor = std::max(floor, sum);
+    }
+    if (unit > 0.0) floor = std::ceil(floor / unit) * unit;
+    return floor;
+}
+
 namespace {
 
+// Depth-first over the items, heaviest first: item k goes to each rank it fits on below the
+// best plan's busiest rank, least loaded first. A branch ends when the room left under that
+// limit on ranks that can still take the lightest item is less than the weight left, or the
+// ranks have fewer free slots than items left; when the least-loaded rank with room for every
+// item left takes them all within the limit (a plan at once); and, without a binding cap, an
+// item that fills a rank exactly to the limit goes only there (any plan under the limit can
+// swap that rank's later items with it).
 class Search {
   public:
-    Search(const double* w, int64_t n, int64_t d, int64_t cap, int64_t node_limit)
-        : w_(w), n_(n), d_(d), cap_(cap), node_limit_(node_limit), order_(n), load_(d, 0.0),
-          count_(d, 0), at_(n, 0), best_at_(n, 0), rest_(n + 1, 0.0) {
-        std::iota(order_.begin(), order_.end(), 0);
-        std::stable_sort(order_.begin(), order_.end(),
-                         [&](int64_t a, int64_t b) { return w_[a] > w_[b]; });
-        for (int64_t k = n - 1; k >= 0; --k) rest_[k] = rest_[k + 1] + w_[order_[k]];
-        bool integral = true;
-        for (int64_t i = 0; i < n; ++i) integral = integral && w_[i] == std::floor(w_[i]);
-        // No plan beats the mean or the heaviest item (rounded up for integer weights).
-        floor_ = std::max(rest_[0] / static_cast<double>(d), n ? w_[order_[0]] : 0.0);
-        if (integral) floor_ = std::ceil(floor_);
-        lpt_start();
+    Search(const double* x, int64_t m, int64_t d, int64_t cap, double floor, int64_t node_limit,
+           int64_t* plan)
+        : x_(x), m_(m), d_(d), cap_(cap), floor_(floor), node_limit_(node_limit), plan_(plan),
+          unit_(weight_unit(x, m)), load_(d, 0.0), count_(d, 0), at_(m, 0), rest_(m + 1, 0.0),
+          cand_(static_cast<size_t>(m * d)) {
+        for (int64_t k = m - 1; k >= 0; --k) rest_[k] = rest_[k + 1] + x[k];
+        std::vector<double> load(d, 0.0);
+        for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
+        best_ = m ? *std::max_element(load.begin(), load.end()) : 0.0;
+        limit_ = below(best_);
     }
 
-    // Searches below the LPT plan; true when the plan kept is optimal.
-    bool run() {
-        if (best_ > floor_) dive(0, 0.0);
-        return nodes_ <= node_limit_ || best_ <= floor_;
-    }
-
-    std::vector<int64_t> dst() const {
-        std::vector<int64_t> out(n_);
-        for (int64_t k = 0; k < n_; ++k) out[order_[k]] = best_at_[k];
-        return out;
+    ExactOutcome run() {
+        if (m_ > 0 && best_ > floor_) dive(0, 0.0);
+        return {nodes_ <= node_limit_ || best_ <= floor_, nodes_};
     }
 
   private:
-    // The starting plan: each item, heaviest first, to the least-loaded rank with room (LPT).
-    void lpt_start() {
-        for (int64_t k = 0; k < n_; ++k) {
-            int64_t r = -1;
-            for (int64_t q = 0; q < d_; ++q)
-                if (count_[q] < cap_ && (r < 0 || load_[q] < load_[r])) r = q;
-            best_at_[k] = r;
-            load_[r] += w_[order_[k]];
-            ++count_[r];
-        }
-        best_ = *std::max_element(load_.begin(), load_.end());
-        std::fill(load_.begin(), load_.end(), 0.0);
-        std::fill(count_.begin(), count_.end(), 0);
+    // The heaviest load a strictly lighter plan may have.
+    double below(double best) const {
+        return unit_ > 0.0 ? best - unit_ : std::nextafter(best, -HUGE_VAL);
+    }
+    bool done() const { return nodes_ > node_limit_ || best_ <= floor_; }
+
+    void keep(double top) {
+        best_ = top;
+        limit_ = below(top);
+        std::copy(at_.begin(), at_.end(), plan_);
     }
 
     void dive(int64_t k, double top) {
-        if (++nodes_ > node_limit_ || best_ <= floor_) return;
-        if (k == n_) {
-            best_ = top;
-            best_at_ = at_;
+        if (++nodes_ > node_limit_) return;
+        if (k == m_) {
+            keep(top);
             return;
         }
-        // Every rank must end below the best plan's busiest: the ranks with room must hold
-        // what is left in the space under it, and have a slot for each item left.
-        double space = 0.0;
-        int64_t slots = 0;
+        const double lightest = x_[m_ - 1], rest = rest_[k];
+        double room = 0.0;
+        int64_t slots = 0, sink = -1;
         for (int64_t r = 0; r < d_; ++r) {
             if (count_[r] >= cap_) continue;
-            space += best_ - load_[r];
+            const double free = limit_ - load_[r];
+            if (free >= lightest) room += free;
             slots += cap_ - count_[r];
+            if (count_[r] + (m_ - k) <= cap_ && (sink < 0 || load_[r] < load_[sink])) sink = r;
         }
-        if (space <= rest_[k] || slots < n_ - k) return;
-        const double x = w_[order_[k]];
+        if (room < rest || slots < m_ - k) return;
+        if (sink >= 0 && load_[sink] + rest <= limit_) {
+            for (int64_t j = k; j < m_; ++j) at_[j] = sink;
+            keep(std::max(top, load_[sink] + rest));
+            return;
+        }
+        const double w = x_[k];
+        int64_t* cand = cand_.data() + k * d_;
+        int64_t size = 0;
         for (int64_t r = 0; r < d_; ++r) {
-            if (count_[r] >= cap_ || load_[r] + x >= best_) continue;
-            // Ranks in the same state as an earlier one lead to mirror images of its plans.
-            bool seen = false;
-            for (int64_t q = 0; q < r && !seen; ++q)
-                seen = load_[q] == load_[r] && count_[q] == count_[r];
+            if (count_[r] >= cap_ || load_[r] + w > limit_) continue;
+            bool seen = false;  // a rank in the same state leads to mirror images of its plans
+            for (int64_t t = 0; t < size && !seen; ++t)
+                seen = load_[cand[t]] == load_[r] && count_[cand[t]] == count_[r];
             if (seen) continue;
-            load_[r] += x;
-            ++count_[r];
-            at_[k] = r;
-            dive(k + 1, std::max(top, load_[r]));
-            load_[r] -= x;
-            --count_[r];
-            if (nodes_ > node_limit_ || best_ <= floor_) return;
+            int64_t t = size++;  // insertion by (load, rank)
+            while (t > 0 && load_[cand[t - 1]] > load_[r]) {
+                cand[t] = cand[t - 1];
+                --t;
+            }
+            cand[t] = r;
+        }
+        int64_t first = -1;  // a perfect fit, tried alone while the limit stays
+        if (cap_ >= m_)
+            for (int64_t t = 0; t < size && first < 0; ++t)
+                if (load_[cand[t]] + w == limit_) first = t;
+        if (first >= 0) {
+            const double limit = limit_;
+            place(k, cand[first], top);
+            if (done() || limit_ == limit) return;
+        }
+        for (int64_t t = 0; t < size; ++t) {
+            if (t == first || load_[cand[t]] + w > limit_) continue;
+            place(k, cand[t], top);
+            if (done()) return;
         }
     }
 
-    const double* w_;
-    int64_t n_, d_, cap_, node_limit_, nodes_ = 0;
-    std::vector<int64_t> order_;
+    void place(int64_t k, int64_t r, double top) {
+        const double w = x_[k];
+        load_[r] += w;
+        ++count_[r];
+        at_[k] = r;
+        dive(k + 1, std::max(top, load_[r]));
+        load_[r] -= w;
+        --count_[r];
+    }
+
+    const double* x_;
+    int64_t m_, d_, cap_;
+    double floor_;
+    int64_t node_limit_;
+    int64_t* plan_;
+    double unit_;
     std::vector<double> load_;
-    std::vector<int64_t> count_, at_, best_at_;
-    std::vector<double> rest_;  // rest_[k]: weight of items k.. in search order
-    double floor_ = 0.0, best_ = 0.0;
+    std::vector<int64_t> count_, at_;
+    std::vector<double> rest_;  // rest_[k]: weight of items k.. (sorted order)
+    std::vector<int64_t> cand_;  // candidate ranks, d per depth
+    double best_ = 0.0, limit_ = 0.0;
+    int64_t nodes_ = 0;
 };
+
+
+// Bin completion (Korf 2002) for up to 64 integer weights, on the decision "do the items fit d ranks of
+// capacity C": ranks are filled one at a time, each taking the heaviest item left and then a
+// maximal set of the others (no item left fits in what stays free), sets of least waste first.
+// The waste a plan may leave, d*C minus the total, is tiny near the mean, so few sets qualify.
+// The smallest C is found from the floor up: C = floor, then bisection below the best plan.
+class Completion {
+  public:
+    Completion(const double* x, int64_t m, int64_t d, int64_t cap, int64_t node_limit)
+        : x_(x), m_(m), d_(d), cap_(cap), node_limit_(node_limit), trial_(m, 0) {
+        total_ = 0.0;
+        for (int64_t k = 0; k < m; ++k) total_ += x[k];
+    }
+    int64_t nodes() const { return nodes_; }
+    bool out_of_nodes() const { return nodes_ > node_limit_; }
+
+    // 1: a plan within capacity c (in plan), 0: none exists, -1: out of nodes.
+    int decide(double c, int64_t* plan) {
+        capacity_ = c;
+        failed_.clear();
+        const uint64_t all = m_ == 64 ? ~uint64_t{0} : (uint64_t{1} << m_) - 1;
+        const int found = fill(0, all, d_ * c - total_);
+        if (found == 1) std::copy(trial_.begin(), trial_.end(), plan);
+        return found;
+    }
+
+  private:
+    struct Set {
+        double sum;
+        uint64_t mask;
+    };
+
+    int fill(int64_t b, uint64_t left, double waste) {
+        if (left == 0) return 1;
+        if (b == d_ || waste < 0.0) return 0;
+        if (++nodes_ > node_limit_) return -1;
+        // The ranks are alike, so what is left decides alone; equal weights are taken lowest
+        // position first, so equal sets of weights left are equal masks.
+        if (failed_.count(left) || !could_fit(left, d_ - b)) return 0;
+        const int64_t first = __builtin_ctzll(left);  // the heaviest item left
+        const uint64_t rest = left & (left - 1);
+        sets_.clear();
+        room_ = capacity_ - x_[first];
+        waste_ = waste;
+        count_room_ = cap_ - 1;
+        collect(rest, 0, 0.0, 0, 0);
+        if (out_of_nodes()) return -1;
+        // Least waste first, ties by the set of lower positions (the heavier items).
+        std::vector<Set> sets(sets_.begin(), sets_.end());
+        std::sort(sets.begin(), sets.end(), [](const Set& a, const Set& b) {
+            return a.sum > b.sum || (a.sum == b.sum && a.mask < b.mask);
+        });
+        for (const Set& s : sets) {
+            const uint64_t taken = s.mask | (uint64_t{1} << first);
+            for (uint64_t t = taken; t; t &= t - 1) trial_[__builtin_ctzll(t)] = b;
+            const int found = fill(b + 1, left & ~taken, waste - (room_of(first) - s.sum));
+            if (found != 0) return found;
+        }
+        failed_.insert(left);
+        return 0;
+    }
+    // The floor's argument on what is left: among the k*bins + 1 heaviest items left, k + 1
+    // share a rank, so the k + 1 lightest of them must fit together.
+    bool could_fit(uint64_t left, int64_t bins) const {
+        int64_t seen = 0;
+        double window[4] = {0.0, 0.0, 0.0, 0.0};  // the last 4 heaviest seen
+        for (uint64_t t = left; t; t &= t - 1) {
+            const double w = x_[__builtin_ctzll(t)];
+            window[seen & 3] = w;
+            ++seen;
+            for (int64_t k = 1; k <= 3; ++k) {
+                if (seen != k * bins + 1) continue;
+                double sum = 0.0;
+                for (int64_t j = 0; j <= k; ++j) sum += window[(seen - 1 - j) & 3];
+                if (sum > capacity_) return false;
+            }
+            if (seen > 3 * bins) break;
+        }
+        return true;
+    }
+    double room_of(int64_t first) const { return capacity_ - x_[first]; }
+
+    // Sets of the items in `pool` from position `from` on, added to `mask` (sum, count):
+    // the maximal ones whose waste fits, each once even when weights repeat.
+    void collect(uint64_t pool, int64_t from, double sum, int64_t count, uint64_t mask) {
+        if (++nodes_ > node_limit_) return;
+        const double free = room_ - sum;
+        // Maximal: no item of the pool outside the set fits in what stays free.
+        const uint64_t outside = pool & ~mask;
+        const int64_t lightest = outside ? 63 - __builtin_clzll(outside) : -1;
+        const bool full = count >= count_room_ || lightest < 0 || x_[lightest] > free;
+        if (full) {
+            if (free <= waste_ && !dominated(outside, mask, free)) sets_.push_back({sum, mask});
+            return;
+        }
+        double prev = -1.0;
+        double reach = 0.0;  // weight of the pool's items from position p on
+        for (uint64_t t = pool >> from; t; t &= t - 1) reach += x_[from + __builtin_ctzll(t)];
+        for (uint64_t t = pool & (~uint64_t{0} << from); t; t &= t - 1) {
+            const int64_t p = __builtin_ctzll(t);
+            if (sum + reach < room_ - waste_) return;  // even every item left leaves too much
+            reach -= x_[p];
+            if (x_[p] == prev || x_[p] > free) continue;
+            prev = x_[p];
+            collect(pool, p + 1, sum + x_[p], count + 1, mask | (uint64_t{1} << p));
+            if (out_of_nodes()) return;
+        }
+    }
+
+    // Dominance (Martello and Toth): when an item left out is heavier than one item of the set
+    // (or, without a binding cap, exactly as heavy as two or three of them together) and fits
+    // in their place, any plan through this set maps to one through the swapped set, which is
+    // fuller, so this set need not be searched. Swaps only ever make a set fuller (or, at equal
+    // weight, hold fewer items), so an undominated set always remains.
+    bool dominated(uint64_t outside, uint64_t mask, double free) const {
+        if (outside == 0) return false;
+        int64_t in[64], k = 0;
+        for (uint64_t t = mask; t; t &= t - 1) in[k++] = __builtin_ctzll(t);
+        // Some item left out weighs in [sum, sum + free], more than sum unless `several`.
+        const auto swap_in = [&](double sum, bool several) {
+            for (uint64_t t = outside; t; t &= t - 1) {
+                const double w = x_[__builtin_ctzll(t)];  // heaviest first
+                if (w < sum) return false;
+                if (w <= sum + free && (w > sum || several)) return true;
+            }
+            return false;
+        };
+        const bool multi = cap_ >= m_;
+        for (int64_t a = 0; a < k; ++a) {
+            if (swap_in(x_[in[a]], false)) return true;
+            if (!multi) continue;
+            for (int64_t b = a + 1; b < k; ++b) {
+                if (swap_in(x_[in[a]] + x_[in[b]], true)) return true;
+                for (int64_t c = b + 1; c < k; ++c)
+                    if (swap_in(x_[in[a]] + x_[in[b]] + x_[in[c]], true)) return true;
+            }
+        }
+        return false;
+    }
+
+    const double* x_;
+    int64_t m_, d_, cap_, node_limit_, nodes_ = 0;
+    std::vector<int64_t> trial_;
+    std::vector<Set> sets_;
+    std::unordered_set<uint64_t> failed_;  // sets of items left that fit no plan
+    double total_ = 0.0, capacity_ = 0.0, room_ = 0.0, waste_ = 0.0;
+    int64_t count_room_ = 0;
+};
+}  // namespace
+
+ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
+                           int64_t node_limit, int64_t* plan) {
+    // Bin completion counts waste as d*C minus the total, exact only for integer weights; on
+    // fractional ones (cost models) a rounding could refute the capacity a plan fills exactly.
+    const double unit = weight_unit(x, m);
+    if (m > 64 || unit == 0.0) return Search(x, m, d, cap, floor, node_limit, plan).run();
+    std::vector<double> load(d, 0.0);
+    for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
+    double best = m ? *std::max_element(load.begin(), load.end()) : 0.0;
+    // Capacities below lo hold no plan; one at best does. Try the floor, then bisect.
+    double lo = floor;
+    Completion search(x, m, d, cap, node_limit);
+    std::vector<int64_t> trial(m);
+    for (int round = 0; lo < best && round < 128; ++round) {
+        double c = lo;
+        if (round > 0) {
+            c = lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
+        }
+        const int found = search.decide(c, trial.data());
+        if (found < 0) break;
+        if (found == 1) {
+            std::fill(load.begin(), load.end(), 0.0);
+            for (int64_t k = 0; k < m; ++k) load[trial[k]] += x[k];
+            best = *std::max_element(load.begin(), load.end());
+            std::copy(trial.begin(), trial.end(), plan);
+        } else {
+            lo = c + unit;
+        }
+    }
+    if (!(lo < best)) return {true, search.nodes()};
+    // Out of nodes: the budget's rest goes to the item-by-item search from the best plan (the
+    // order of a complete greedy search), above the floor the bisection has proven.
+    const int64_t left = std::max<int64_t>(node_limit - search.nodes(), 0);
+    const ExactOutcome items = Search(x, m, d, cap, lo, left, plan).run();
+    return {items.proven, search.nodes() + items.nodes};
+}
+
+}  // namespace orch
+
+namespace {
 
 py::tuple min_makespan(orch::F64 weights, int64_t num_ranks, int64_t max_items,
                        int64_t node_limit) {
@@ -115,23 +366,67 @@ py::tuple min_makespan(orch::F64 weights, int64_t num_ranks, int64_t max_items,
     for (int64_t i = 0; i < n; ++i)
         if (!(weights.data()[i] >= 0) || !std::isfinite(weights.data()[i]))
             throw std::invalid_argument("min_makespan: weights must be finite and >= 0");
-    std::vector<int64_t> out;
-    bool proven;
+    std::vector<int64_t> out(n);
+    orch::ExactOutcome outcome;
     {
         py::gil_scoped_release release;
-        Search search(weights.data(), n, num_ranks, max_items, node_limit);
-        proven = search.run();
-        out = search.dst();
+        // Heaviest first, ties by index; the start is longest-processing-time under the cap.
+        std::vector<int64_t> order(n);
+        orch::order_desc(weights.data(), n, order.data());
+        std::vector<double> x(n), load(num_ranks, 0.0);
+        std::vector<int64_t> count(num_ranks, 0), plan(n);
+        for (int64_t k = 0; k < n; ++k) {
+            x[k] = weights.data()[order[k]];
+            int64_t r = -1;
+            for (int64_t q = 0; q < num_ranks; ++q)
+                if (count[q] < max_items && (r < 0 || load[q] < load[r])) r = q;
+            plan[k] = r;
+            load[r] += x[k];
+            ++count[r];
+        }
+        const double floor = orch::makespan_floor(x.data(), n, num_ranks, orch::weight_unit(x.data(), n));
+        outcome = orch::improve_exact(x.data(), n, num_ranks, max_items, floor, node_limit,
+                                      plan.data());
+        for (int64_t k = 0; k < n; ++k) out[order[k]] = plan[k];
     }
-    return py::make_tuple(orch::to_array(out), proven);
+    return py::make_tuple(orch::to_array(out), outcome.proven, outcome.nodes);
+}
+
+py::tuple improve_exact_py(orch::F64 x, int64_t num_ranks, int64_t max_items, double floor,
+                           int64_t node_limit, orch::I64 plan) {
+    const int64_t n = x.size();
+    if (num_ranks < 1 || max_items < 1 || max_items * num_ranks < n)
+        throw std::invalid_argument("improve_exact: max_items * num_ranks must cover the items");
+    orch::check_range(plan, n, num_ranks, "improve_exact: plan");
+    for (int64_t k = 0; k + 1 < n; ++k)
+        if (!(x.data()[k] >= x.data()[k + 1]))
+            throw std::invalid_argument("improve_exact: weights must be sorted descending");
+    std::vector<int64_t> out(plan.data(), plan.data() + n);
+    orch::ExactOutcome outcome;
+    {
+        py::gil_scoped_release release;
+        outcome = orch::improve_exact(x.data(), n, num_ranks, max_items, floor, node_limit,
+                                      out.data());
+    }
+    return py::make_tuple(orch::to_array(out), outcome.proven, outcome.nodes);
 }
 
 }  // namespace
 
 void register_exact(py::module_& m) {
+    m.attr("EXACT_ITEMS") = orch::kExactItems;
+    m.attr("EXACT_NODES") = orch::kExactNodes;
+    m.def("makespan_floor", [](orch::F64 x, int64_t d) {
+        return orch::makespan_floor(x.data(), x.size(), d, orch::weight_unit(x.data(), x.size()));
+    }, py::arg("sorted_weights"), py::arg("num_ranks"),
+          "The floor no plan goes below (exact.hpp), on weights sorted descending.");
+    m.def("improve_exact", &improve_exact_py, py::arg("sorted_weights"), py::arg("num_ranks"),
+          py::arg("max_items"), py::arg("floor"), py::arg("node_limit"), py::arg("plan"),
+          "(plan, proven, nodes): `plan` (rank per sorted position) improved by the exact "
+          "search within node_limit nodes; proven: no lighter plan exists.");
     m.def("min_makespan", &min_makespan, py::arg("weights"), py::arg("num_ranks"),
           py::arg("max_items"), py::arg("node_limit"),
-          "(rank per item, proven): the lightest busiest rank of non-negative weights on "
+          "(rank per item, proven, nodes): the lightest busiest rank of non-negative weights on "
           "num_ranks ranks with at most max_items items each; proven: it is the minimum (else "
-          "the best within node_limit search nodes).");
+          "the best within node_limit search nodes); nodes: search nodes visited.");
 }

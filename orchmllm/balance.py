@@ -49,7 +49,7 @@ from orchmllm.placement import (
     movement_lower_bound,
     place_batches,
 )
-from orchmllm.policies import Policy, get_policy, plan_dst
+from orchmllm.policies import Planned, Policy, get_policy, plan_dst, plan_policy
 from orchmllm.stats import LazyStats, lower_bound, plan_stats
 from orchmllm.validate import (
     check_caps,
@@ -90,6 +90,9 @@ class Assignment:
             (max/mean load), ``gap_to_lb`` (max load / max(mean load, costliest single
             item)); with ``src`` also ``imbalance_before``, ``tokens_moved``, ``tokens_kept``;
             with a cap ``caps_steered`` (1.0 when a fallback replaced the policy's plan); for
+            the refined ``greedy``/``greedy_cost`` ``proven_optimal`` (1.0 when no plan has a
+            lighter busiest rank under the policy's cost: the plan reached the floor, or the
+            exact search finished within its node budget); for
             ``greedy_stay`` ``tokens_moved_lower_bound``; with placement the placement
             statistics.
     """
@@ -199,11 +202,13 @@ def balance(
         refine=refine,
         backend=backend,
     )
-    dst = _plan(req)
-    known: dict[str, float] = {}
+    dst, planned = _plan(req)
+    known: dict[str, float] = dict(planned)
     if req.caps.max_items is not None or req.caps.max_load is not None:
         steered = _steer_caps(req, dst)
         known["caps_steered"] = float(steered is not dst)
+        if steered is not dst:
+            known.pop("proven_optimal", None)  # a fallback's plan: no proof carried over
         dst = steered
     loads = req.cost.loads(req.lengths, dst, req.num_ranks)
     if req.placement != "none":
@@ -241,9 +246,10 @@ def _default_greedy(lengths: Any, num_ranks: Any) -> Assignment | None:
     fast = _core.greedy_lengths(lengths, num_ranks, REFINE_STEPS_PER_RANK * num_ranks)
     if fast is None:
         return None
-    dst, loads = fast
+    dst, loads, proven = fast
     job = (lengths, None, dst, loads, None, num_ranks, _PACKED)
-    return Assignment(dst=dst, loads=loads, stats=LazyStats(partial(plan_stats, *job)))
+    known = {"proven_optimal": float(proven)}
+    return Assignment(dst=dst, loads=loads, stats=LazyStats(partial(plan_stats, *job), known))
 
 
 class _Caps(NamedTuple):
@@ -342,9 +348,9 @@ def _check_cost(cost: CostModel | None, policy: Policy) -> CostModel:
     return cost
 
 
-def _plan(req: _Request) -> np.ndarray:
-    """The requested policy's plan, under the item cap."""
-    return plan_dst(
+def _plan(req: _Request) -> Planned:
+    """The requested policy's plan, under the item cap, and its own statistics."""
+    return plan_policy(
         req.policy.name,
         req.lengths,
         req.num_ranks,

@@ -40,5 +40,5 @@ def min_makespan(weights: np.ndarray, num_ranks: int, *, max_items: int) -> Exac
     item, rounded up for integer weights), which proves the plan optimal at once.
     """
     w = np.ascontiguousarray(weights, dtype=np.float64)
-    dst, proven = _core.min_makespan(w, int(num_ranks), int(max_items), EXACT_NODE_LIMIT)
+    dst, proven, _ = _core.min_makespan(w, int(num_ranks), int(max_items), EXACT_NODE_LIMIT)
     return ExactMakespan(np.asarray(dst, dtype=np.int64), bool(proven))

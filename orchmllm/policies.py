@@ -88,9 +88,11 @@ __all__ = [
     "REGISTRY",
     "Policy",
     "PolicyInput",
+    "Planned",
     "default_cost",
     "get_policy",
     "plan_dst",
+    "plan_policy",
     "register_policy",
     "unregister_policy",
 ]
@@ -175,12 +177,21 @@ def _keep(job: PolicyInput) -> np.ndarray:
     return job.src.copy()
 
 
-def _lpt_lengths(fn: Callable, job: PolicyInput) -> np.ndarray:
-    return fn(job.lengths.astype(np.float64), job.num_ranks, job.max_items, job.steps)
+def _portfolio(fn: Callable, weights: np.ndarray, job: PolicyInput) -> Any:
+    """LPT alone, or with steps the portfolio, which also says whether its plan is proven
+    optimal (``proven_optimal`` in the statistics)."""
+    if job.steps <= 0:
+        return fn(weights, job.num_ranks, job.max_items, 0)
+    dst, proven = fn(weights, job.num_ranks, job.max_items, job.steps, True)
+    return dst, {"proven_optimal": float(proven)}
 
 
-def _lpt_costs(fn: Callable, job: PolicyInput) -> np.ndarray:
-    return fn(job.cost.item_costs(job.lengths), job.num_ranks, job.max_items, job.steps)
+def _lpt_lengths(fn: Callable, job: PolicyInput) -> Any:
+    return _portfolio(fn, job.lengths.astype(np.float64), job)
+
+
+def _lpt_costs(fn: Callable, job: PolicyInput) -> Any:
+    return _portfolio(fn, job.cost.item_costs(job.lengths), job)
 
 
 def _tolerance_window(fn: Callable, job: PolicyInput) -> np.ndarray:
@@ -432,7 +443,20 @@ def _checked_plan(name: str, fn: Callable, job: PolicyInput) -> np.ndarray:
 # running a policy
 
 
-def plan_dst(
+class Planned(NamedTuple):
+    """A policy's plan: ``dst`` (int64 ``(n,)``) and the statistics the policy itself knows
+    (``proven_optimal`` for the refined ``greedy``/``greedy_cost`` portfolio)."""
+
+    dst: np.ndarray
+    stats: Mapping[str, float]
+
+
+def plan_dst(policy: str, lengths: np.ndarray, d: int, **options: Any) -> np.ndarray:
+    """:func:`plan_policy`'s ``dst`` alone (same arguments)."""
+    return plan_policy(policy, lengths, d, **options).dst
+
+
+def plan_policy(
     policy: str,
     lengths: np.ndarray,
     d: int,
@@ -444,8 +468,8 @@ def plan_dst(
     ranks_per_node: int | None = None,
     refine: bool = True,
     backend: str = "cpp",
-) -> np.ndarray:
-    """The policy's ``dst`` alone, on inputs :func:`orchmllm.balance` has validated (int64
+) -> Planned:
+    """The policy's plan alone, on inputs :func:`orchmllm.balance` has validated (int64
     lengths, a cost of the policy's kind, ``cap * d >= n``). The benchmark times the C++ core
     against the Python reference here, without the validation and statistics both share.
 
@@ -462,17 +486,20 @@ def plan_dst(
         backend: ``python`` runs the policy's reference where it has one.
 
     Returns:
-        int64 ``(n,)``: the destination rank of every item. An empty batch plans nothing;
-        all-zero lengths carry no load, so a policy that does not need ``src`` does not run:
-        item ``i`` goes to rank ``i % d``.
+        :class:`Planned`: the destination rank of every item and the policy's own
+        statistics. An empty batch plans nothing; all-zero lengths carry no load, so a policy
+        that does not need ``src`` does not run: item ``i`` goes to rank ``i % d``.
     """
     record = get_policy(policy)
     n = lengths.size
     if n == 0:
-        return np.zeros(0, dtype=np.int64)
+        return Planned(np.zeros(0, dtype=np.int64), {})
     if not record.needs_src and np.count_nonzero(lengths) == 0:
-        return np.arange(n, dtype=np.int64) % d  # nothing to balance: deal out by count
+        # nothing to balance: deal out by count
+        return Planned(np.arange(n, dtype=np.int64) % d, {})
     steps = REFINE_STEPS_PER_RANK * d if refine and record.refined else 0
     fn = record.reference if backend == "python" and record.reference else record.fn
     job = PolicyInput(lengths, d, cost, cap, steps, tolerance, src, ranks_per_node)
-    return np.asarray(fn(job), dtype=np.int64)
+    out = fn(job)
+    dst, stats = out if isinstance(out, tuple) else (out, {})
+    return Planned(np.asarray(dst, dtype=np.int64), stats)

@@ -54,7 +54,27 @@ def _around(neg: list[float], target: float) -> list[int]:
     return above + ([below] if below < len(neg) else [])
 
 
-def _refine(w, order, dst, load, count, cap, max_steps) -> None:
+def _pair_step(w, lists, load, count, cap, h, p) -> tuple | None:
+    """The best move or swap between ranks h and p that lowers the pair's maximum below h's
+    load: (new max of the pair, item leaving h, item leaving p or -1), or None."""
+    lh, ll = load[h], load[p]
+    half = (lh - ll) * 0.5
+    hs, ls = lists[h], lists[p]
+    neg_h, neg_l = [-w[i] for i in hs], [-w[j] for j in ls]
+    steps = []
+    if count[p] < cap:
+        moves = [hs[a] for a in _around(neg_h, half)]
+        steps += [(max(lh - w[i], ll + w[i]), i, -1) for i in moves if w[i] > 0]
+    for i in hs:
+        partners = [ls[b] for b in _around(neg_l, w[i] - half)]
+        steps += [
+            (max((lh - w[i]) + w[j], (ll - w[j]) + w[i]), i, j) for j in partners if w[j] < w[i]
+        ]
+    steps = [s for s in steps if s[0] < lh]
+    return min(steps) if steps else None
+
+
+def _refine(w, order, dst, load, count, cap, max_steps, floor=-math.inf) -> None:
     d = len(load)
     lists = [[] for _ in range(d)]  # per rank, weight descending then index ascending
     for i in order:
@@ -62,25 +82,24 @@ def _refine(w, order, dst, load, count, cap, max_steps) -> None:
     for _ in range(max_steps):
         h = max(range(d), key=lambda r: (load[r], -r))
         l = min(range(d), key=lambda r: (load[r], r))
-        if h == l or count[h] <= 1:
+        if h == l or count[h] <= 1 or load[h] <= floor:
             break
+        step = _pair_step(w, lists, load, count, cap, h, l)
+        if step is None and d <= _core.REFINE_WIDE_RANKS:
+            others = sorted(
+                (r for r in range(d) if r not in (h, l) and load[r] < load[h]),
+                key=lambda r: (load[r], r),
+            )
+            for p in others[: _core.REFINE_WIDE_PARTNERS]:
+                step = _pair_step(w, lists, load, count, cap, h, p)
+                if step is not None:
+                    l = p
+                    break
+        if step is None:
+            break
+        _, i, j = step
         lh, ll = load[h], load[l]
-        half = (lh - ll) * 0.5
         hs, ls = lists[h], lists[l]
-        neg_h, neg_l = [-w[i] for i in hs], [-w[j] for j in ls]
-        steps = []  # (new max of the pair, item leaving h, item leaving l or -1)
-        if count[l] < cap:
-            moves = [hs[a] for a in _around(neg_h, half)]
-            steps += [(max(lh - w[i], ll + w[i]), i, -1) for i in moves if w[i] > 0]
-        for i in hs:
-            partners = [ls[b] for b in _around(neg_l, w[i] - half)]
-            steps += [
-                (max((lh - w[i]) + w[j], (ll - w[j]) + w[i]), i, j) for j in partners if w[j] < w[i]
-            ]
-        steps = [s for s in steps if s[0] < lh]
-        if not steps:
-            break
-        _, i, j = min(steps)
         hs.remove(i)
         dst[i] = l
         if j < 0:
@@ -95,54 +114,141 @@ def _refine(w, order, dst, load, count, cap, max_steps) -> None:
         bisect.insort(ls, i, key=lambda k: (-w[k], k))
 
 
-def ref_lpt(weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0) -> np.ndarray:
+def _weight_unit(x: list[float]) -> float:
+    """The greatest common divisor of the weights when all are integers in [0, 2**53), else
+    0.0 (cpp/exact.cpp)."""
+    g = 0
+    for v in x:
+        if not (0.0 <= v < 2.0**53 and v == math.floor(v)):
+            return 0.0
+        g = math.gcd(g, int(v))
+    return float(g)
+
+
+def _makespan_floor(x: list[float], d: int, unit: float) -> float:
+    """No plan is lighter (cpp/exact.cpp): the mean, the heaviest item, and for k = 1..8 the
+    k + 1 lightest of the k*d + 1 heaviest items; rounded up to a multiple of ``unit``."""
+    if not x:
+        return 0.0
+    total = 0.0
+    for v in x:
+        total += v
+    floor = max(total / d, x[0])
+    k = 1
+    while k <= 8 and k * d + 1 <= len(x):
+        window = 0.0
+        for v in x[k * d - k : k * d + 1]:
+            window += v
+        floor = max(floor, window)
+        k += 1
+    return math.ceil(floor / unit) * unit if unit > 0 else floor
+
+
+def ref_lpt(
+    weights: np.ndarray, num_ranks: int, cap: int, max_steps: int = 0, with_proof: bool = False
+):
     """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
-    refined LPT, then on small instances refined KK and MULTIFIT, the lightest maximum load
-    winning, ties to the earlier candidate; candidates stop once one reaches the lower bound
-    (mean, heaviest item, d-th plus (d+1)-th heaviest; rounded up for integer weights)."""
+    refined LPT; without a binding cap, the steps after it plan only the items of non-zero
+    weight; on at most ``_core.EXACT_ITEMS`` of them the exact search (``_core.improve_exact``,
+    which has no Python twin: tests check it against brute force); then refined KK and MULTIFIT
+    within their limits, the lightest maximum load winning, ties to the earlier candidate;
+    every step stops at the floor. ``with_proof``: ``(dst, proven)``."""
     w = [float(x) for x in weights]
     n, d = len(w), num_ranks
     dst = [0] * n
     load, count, order = [0.0] * d, [0] * d, _desc(w)
     _fill_least_loaded(w, order, load, count, cap, dst)
+
+    def done(proven: bool):
+        out = np.array(dst, dtype=np.int64)
+        return (out, proven) if with_proof else out
+
     if max_steps <= 0:
-        return np.array(dst, dtype=np.int64)
-    _refine(w, order, dst, load, count, cap, max_steps)
+        return done(False)
+    if n and w[order[0]] == w[order[-1]]:  # all alike: LPT's rounds are optimal
+        for k, i in enumerate(order):
+            dst[i] = k % d
+        return done(True)
+    live = n
+    if cap >= n:
+        while live > 0 and w[order[live - 1]] == 0.0:
+            live -= 1
+    part = order[:live]
+    xs = [w[i] for i in part]
+    unit = _weight_unit(xs)
+    floor = _makespan_floor(xs, d, unit)
+    _refine(w, order, dst, load, count, cap, max_steps, floor)
     best = max(load)
-    total = 0.0
-    for i in order:
-        total += w[i]
-    if n < 2 or d < 2:
-        return np.array(dst, dtype=np.int64)
-    bound = max(total / d, w[order[0]])
-    if n > d:
-        bound = max(bound, w[order[d - 1]] + w[order[d]])
-    integral = all(x == math.floor(x) for x in w)
-    if integral:
-        bound = math.ceil(bound)
-    if not best > bound:
-        return np.array(dst, dtype=np.int64)
-    candidates = []
-    if n * d <= _core.PORTFOLIO_KK_WORK:
-        candidates.append(lambda: [int(r) for r in ref_karmarkar_karp(weights, d, False)])
-    if n <= _core.PORTFOLIO_MULTIFIT_ITEMS:
-        candidates.append(lambda: ref_multifit(w, order, d, cap))
-    for make in candidates:
-        if not best > bound:
-            break
-        plan = make()
-        if plan is None:
-            continue
+    if not best > floor or d < 2:
+        return done(True)
+    if live <= _core.EXACT_ITEMS:
+        plan = np.array([dst[i] for i in part], dtype=np.int64)
+        plan, proven, _ = _core.improve_exact(np.array(xs), d, cap, floor, _core.EXACT_NODES, plan)
+        for i, r in zip(part, plan.tolist(), strict=True):
+            dst[i] = r
+        if proven:
+            return done(True)
+        load = [0.0] * d
+        for i in part:
+            load[dst[i]] += w[i]
+        best = max(load)
+
+    def consider(plan: list[int]) -> None:
+        nonlocal best
         load, count = [0.0] * d, [0] * d
-        for i in order:
+        for i in part:
             load[plan[i]] += w[i]
             count[plan[i]] += 1
         if max(count) > cap:
-            continue
-        _refine(w, order, plan, load, count, cap, max_steps)
+            return
+        _refine(w, part, plan, load, count, cap, max_steps, floor)
         if max(load) < best:
-            best, dst = max(load), plan
-    return np.array(dst, dtype=np.int64)
+            best = max(load)
+            for i in part:
+                dst[i] = plan[i]
+
+    if live * d <= _core.PORTFOLIO_KK_WORK:
+        ids = sorted(part)
+        kk = ref_karmarkar_karp(np.array([w[i] for i in ids]), d, False).tolist()
+        plan = list(dst)
+        for i, r in zip(ids, kk, strict=True):
+            plan[i] = r
+        consider(plan)
+    top = best - unit if unit > 0 else math.nextafter(best, -math.inf)
+    if best > floor and live <= _core.PORTFOLIO_MULTIFIT_ITEMS:
+        plan = _multifit_below(w, part, d, cap, floor, top, unit)
+        if plan is not None:
+            full = list(dst)
+            for i in part:
+                full[i] = plan[i]
+            consider(full)
+    return done(not best > floor)
+
+
+def _multifit_below(w, order, d, cap, floor, top, unit) -> list[int] | None:
+    """The portfolio's MULTIFIT (cpp/balance.cpp): bisection on first-fit decreasing's
+    capacity from the floor up to ``top`` (a plan lighter than the one in hand), capacities
+    multiples of ``unit`` when it is > 0."""
+    lo, hi = floor, top
+    if not lo <= hi:
+        return None
+    found = _first_fit(w, order, d, cap, lo)
+    if found is not None:
+        return found
+    for rounds in range(_core.MULTIFIT_ROUNDS):
+        mid = hi if rounds == 0 else lo + (hi - lo) / 2
+        if unit > 0 and rounds > 0:
+            mid = lo + math.floor((hi - lo) / (2 * unit)) * unit
+        if rounds > 0 and not lo < mid < hi:
+            break
+        plan = _first_fit(w, order, d, cap, mid)
+        if plan is not None:
+            hi, found = mid, plan
+        elif rounds == 0:
+            return None
+        else:
+            lo = mid
+    return found
 
 
 def _first_fit(w, order, d, cap, bound) -> list[int] | None:

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchmllm import _core
 from orchmllm.cost import CostModel
 from orchmllm.exact import min_makespan
 from tests.conftest import brute_force_min_load
@@ -32,6 +33,25 @@ def test_min_makespan_handles_fractional_weights_and_no_items():
     assert found.proven and np.bincount(found.dst, weights=w, minlength=2).max() == 1.75
     empty = min_makespan(np.zeros(0), 4, max_items=1)
     assert empty.proven and empty.dst.size == 0
+    # A cost model's weights: the optimum fills one rank to a sum that float rounding of a
+    # capacity-minus-total waste count would refute; the proven value is the brute-force one.
+    quad = CostModel("packed", alpha=3.5e-4, beta=3.0e-8)
+    lengths = np.array([1, 2, 6, 7, 36, 37])
+    found = min_makespan(quad.item_costs(lengths), 2, max_items=6)
+    best = brute_force_min_load(lengths, 2, quad, 6)
+    assert found.proven and quad.loads(lengths, found.dst, 2).max() == pytest.approx(
+        best, rel=1e-12
+    )
+
+
+def test_min_makespan_proves_a_hard_integer_instance():
+    """32 Qwen2-VL patch counts on 8 ranks: the optimum (13,684) sits 12 above the floor and
+    longest-processing-time's plan above it; the proof needs dominance among the rank sets."""
+    w = np.array([5084, 5032, 5016, 4992, 4992, 4988, 4988, 4988, 4968, 4960, 4960, 4920, 4884,
+                  4884, 4620, 4488, 4000, 3456, 2912, 2808, 2520, 2024, 2000, 1836, 1656, 1280,
+                  1232, 1216, 1200, 960, 900, 600], dtype=np.float64)  # fmt: skip
+    dst, proven, _ = _core.min_makespan(w, 8, 32, 1 << 22)
+    assert proven and np.bincount(dst, weights=w, minlength=8).max() == 13684
 
 
 def test_min_makespan_without_a_proof_still_returns_a_capped_plan():

@@ -1,0 +1,34 @@
+// The exact smallest makespan of additive weights on identical ranks under an item cap: a
+// depth-first branch and bound over the items, heaviest first, bounded by a count of search
+// nodes, never a clock, so every rank that plans reaches the same answer.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace orch {
+
+// No plan is lighter than this: the mean load, the heaviest item, and for every k >= 1 the
+// k + 1 lightest of the k*d + 1 heaviest items (k + 1 of them share a rank); with integer
+// weights rounded up to a multiple of `unit` (their greatest common divisor, else 0).
+// `x`: m weights sorted descending.
+double makespan_floor(const double* x, int64_t m, int64_t d, double unit);
+
+// The greatest common divisor of the weights when all are non-negative integers below 2^53
+// (the step every load moves by), else 0.
+double weight_unit(const double* x, int64_t m);
+
+struct ExactOutcome {
+    bool proven;    // no plan under the cap has a lighter busiest rank
+    int64_t nodes;  // search nodes visited
+};
+
+// Improves `plan` (rank per sorted position, a plan that meets the cap) to the lightest plan
+// under the cap, searching at most `node_limit` nodes. `x`: m weights sorted descending;
+// `floor`: a lower bound (makespan_floor). Ranks are tried least loaded first, ties by index,
+// ranks in the same (load, count) state as one tried are skipped; a plan replaces the one
+// kept only when strictly lighter. Deterministic.
+ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
+                           int64_t node_limit, int64_t* plan);
+
+}  // namespace orch
