@@ -1,6 +1,6 @@
 """A ``transformers.Trainer`` (or TRL's ``SFTTrainer``) whose training batches are balanced.
 
-A Trainer script becomes balanced by its import and its class (``pip install -e ".[hf]"``)::
+A Trainer script becomes balanced by its import and its class (``pip install -e ".[trainer]"``)::
 
     from orchmllm.integrations.trainer import BalancedTrainer
 
