@@ -39,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import orchmllm
-from orchmllm.compat import leave_process
 from orchmllm.integrations.transformers import lengths as omlen
 from orchmllm.integrations.transformers import tiny
 from orchmllm.schema import IGNORE_INDEX
@@ -298,6 +297,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    # Not part of balancing: a process that used gloo can abort at exit after finishing.
-    leave_process(0)
+    main(sys.argv[1:])  # the library closes its loaders and groups at exit: nothing to call
