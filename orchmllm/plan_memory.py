@@ -17,6 +17,10 @@ a GPU:
 - the worst rank's predicted peak per phase (forward, backward, optimizer step) at the
   config's ``examples_per_rank`` and at the largest that fits.
 
+With ``train.grad_accum`` > 1 the replay is one micro-step; the sharded gradients held between
+micro-steps (:meth:`~orchmllm.sim.memory.MemoryModel.held_gradient_bytes`) come out of the
+budget (with ``sync_micro_steps: false`` the unsharded ones are not modelled: it says so).
+
 The memory model (:mod:`orchmllm.sim.memory`) replays the trainer's step op by op and is
 checked against the allocator on CPU; ``--reserve`` GB per GPU stand for the CUDA context,
 NCCL's buffers and fragmentation, which it does not model.
@@ -76,8 +80,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     # default: one node (the config's ranks per node, 8 when unset)
     ranks = args.gpus or load_config(args.config).balance.ranks_per_node or 8
     group = args.shard_group or ranks
+    train = load_config(args.config).train
+    memory = MemoryModel(shard_group=group)
+    held = memory.held_gradient_bytes(model.config, model.recipe, ranks)
+    # gradients held between micro-steps: out of every phase's budget (the replay has none)
+    held = held if train.grad_accum > 1 and train.sync_micro_steps else 0.0
     memory = MemoryModel(
-        gpu_bytes=args.gpu_memory * GB, reserve_bytes=args.reserve * GB, shard_group=group
+        gpu_bytes=args.gpu_memory * GB, reserve_bytes=args.reserve * GB + held, shard_group=group
     )
     cluster = Cluster(memory=memory)
     total, trained = memory.parameters(model.config)
@@ -90,6 +99,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": total,
         "trained_parameters": trained,
         "static_gb": memory.static_bytes(model.config, model.recipe, ranks) / GB,
+        "train": train,
+        "held_gradients_gb": held / GB,
         "largest": {m: [] for m in MODES},
         "peaks": {},
     }
@@ -141,6 +152,16 @@ def report(record: dict[str, Any]) -> str:
             cells = " ".join(f"{rec[f'{p}_memory_gb']:>10.2f}" for p in PHASES)
             label = f"{b} ({which})"
             lines.append(f"  {mode:<5} {label:>14} {cells}")
+    train = record["train"]
+    if train.grad_accum > 1:  # the replay is one micro-step (MemoryModel.held_gradient_bytes)
+        lines.append(
+            f"grad_accum {train.grad_accum}: the sharded gradients held between micro-steps, "
+            f"{record['held_gradients_gb']:.2f} GB per GPU, are taken from the budget; the peaks "
+            "above are one micro-step's"
+            if train.sync_micro_steps
+            else f"grad_accum {train.grad_accum}, sync_micro_steps false: the unsharded "
+            "gradients held between micro-steps are NOT counted; leave room for them"
+        )
     return "\n".join(lines)
 
 

@@ -34,6 +34,26 @@ def test_prints_the_peak_per_phase_and_the_largest_minibatch_that_fits(capsys) -
     assert record["largest"]["full"][0] >= record["largest"]["none"][0]
 
 
+def test_gradients_held_between_micro_steps_come_out_of_the_budget(tmp_path, capsys) -> None:
+    """With ``train.grad_accum`` > 1 the sharded gradients live across micro-steps, which the
+    one-micro-step replay does not hold: they are taken from the budget, so the largest
+    mini-batch can only shrink, and the report says so."""
+    argv = ["--gpu-memory", "80", "--gpus", "16"]
+    one = plan_memory.main(["--config", CONFIG, *argv])
+    accumulated = tmp_path / "accumulated.yaml"
+    accumulated.write_text(f"base: {CONFIG}\ntrain: {{grad_accum: 4}}\n")
+    four = plan_memory.main(["--config", str(accumulated), *argv])
+    out = capsys.readouterr().out
+    held = four["held_gradients_gb"]
+    # fp32 gradients of the trained parameters, sharded over the 16 GPUs
+    assert held == pytest.approx(4 * four["trained_parameters"] / 16 / 1e9)
+    assert four["budget_gb"] == pytest.approx(one["budget_gb"] - held)
+    assert one["held_gradients_gb"] == 0.0
+    for mode in ("none", "full"):
+        assert four["largest"][mode][0] <= one["largest"][mode][0]
+    assert f"grad_accum 4: the sharded gradients held between micro-steps, {held:.2f} GB" in out
+
+
 def test_bad_arguments_are_rejected(capsys) -> None:
     for argv, name in (
         (["--config", CONFIG, "--gpus", "0"], "--gpus"),

@@ -182,6 +182,16 @@ class MemoryModel:
         state = 2 * dt.master * trained if self.optimizer else 0
         return (dt.master * total + state) / self.group(num_ranks)
 
+    def held_gradient_bytes(
+        self, config: ModelConfig, recipe: TrainRecipe, num_ranks: int
+    ) -> float:
+        """What gradient accumulation adds to every phase after its first micro-step (sync
+        every micro-step, the trainer's default): the sharded gradients of the trained
+        parameters, reduce-scattered in the master dtype, live until the optimizer step. The
+        step's replay does not hold them (it is one micro-step)."""
+        _, trained = self.parameters(config)
+        return float(Dtypes.of(recipe.precision).master * trained / self.group(num_ranks))
+
     # -- per phase ----------------------------------------------------------------------------
 
     def moments(
