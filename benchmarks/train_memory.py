@@ -170,6 +170,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.config and (k := load_config(args.config).train.grad_accum) > 1:
+        # the trainer's memory report has a line per micro-step, the optimizer's on the last
+        ap.error(f"--config: train.grad_accum must be 1 here (one step, one report), got {k}")
     return args
 
 
