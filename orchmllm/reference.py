@@ -151,8 +151,9 @@ def ref_lpt(
     refined LPT; without a binding cap, the steps after it plan only the items of non-zero
     weight; on at most ``_core.EXACT_ITEMS`` of them the exact search (``_core.improve_exact``,
     which has no Python twin: tests check it against brute force); then refined KK (past its
-    work limit its equal-counts variant, within its own) and MULTIFIT within their limits, the lightest maximum load winning, ties to the earlier candidate;
-    every step stops at the floor. ``with_proof``: ``(dst, proven)``."""
+    work limit its equal-counts variant, within its own) and MULTIFIT within their limits,
+    the lightest maximum load winning, ties to the earlier candidate; every step stops at the
+    floor. ``with_proof``: ``(dst, proven)``."""
     w = [float(x) for x in weights]
     n, d = len(w), num_ranks
     dst = [0] * n
