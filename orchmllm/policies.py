@@ -19,9 +19,9 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
 - With ``refine=True`` both are a portfolio (C++ ``lpt``, reference
   ``orchmllm.reference.ref_lpt``): refined LPT always; refined Karmarkar-Karp when items x
   ranks <= ``_core.PORTFOLIO_KK_WORK`` (2^20), above that its equal-counts variant (verl's)
-  when items <= ``_core.PORTFOLIO_KK_EQUAL_ITEMS`` (32,768); refined MULTIFIT (bisection on
+  when items <= ``_core.PORTFOLIO_KK_EQUAL_ITEMS`` (8,192); refined MULTIFIT (bisection on
   first-fit decreasing, at most ``_core.MULTIFIT_ROUNDS`` rounds) when items <=
-  ``_core.PORTFOLIO_MULTIFIT_ITEMS`` (32,768). The lightest maximum load wins, ties in that
+  ``_core.PORTFOLIO_MULTIFIT_ITEMS`` (8,192). The lightest maximum load wins, ties in that
   order; the others are skipped once the best reaches the lower bound (mean, heaviest item,
   d-th + (d+1)-th heaviest). So on every instance up to those sizes the default is never worse
   than LPT, KK or MULTIFIT; above them it is refined LPT, which keeps 983,040 items within
