@@ -714,7 +714,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     // Past every candidate's limit (the exact search's, KK's and MULTIFIT's), the refined LPT
     // plan stands: no copies of a million items for candidates that will not run.
     if (live > kExactItems && live * num_ranks > kPortfolioKkWork &&
-        live > kPortfolioMultifitItems)
+        live > kPortfolioKkEqualItems && live > kPortfolioMultifitItems)
         return;
     Sorted<double> part;  // the live items, in sorted order
     part.index.assign(items.index.begin(), items.index.begin() + live);
@@ -748,12 +748,16 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
             for (const int64_t i : part.index) dst[i] = plan[i];
         }
     };
-    if (live * num_ranks <= kPortfolioKkWork) {
+    // KK on every item where its work allows; past that, its equal-counts variant (rows of
+    // num_ranks items differenced: O(items log ranks), about LPT's own cost) up to
+    // kPortfolioKkEqualItems.
+    const bool full_kk = live * num_ranks <= kPortfolioKkWork;
+    if (full_kk || live <= kPortfolioKkEqualItems) {
         std::vector<int64_t> ids(part.index.begin(), part.index.end()), kk(live);
         std::sort(ids.begin(), ids.end());  // KK's ties break by index: keep their order
         std::vector<double> x(static_cast<size_t>(live));
         for (int64_t k = 0; k < live; ++k) x[k] = w[ids[k]];
-        karmarkar_karp(x.data(), live, num_ranks, false, kk.data());
+        karmarkar_karp(x.data(), live, num_ranks, !full_kk, kk.data());
         for (int64_t k = 0; k < live; ++k) plan[ids[k]] = kk[k];
         consider();
     }

@@ -35,7 +35,8 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // With max_steps > 0 it is a portfolio (the default `greedy`): refined LPT (its local search
 // stops at the floor, exact.hpp's makespan_floor); then, while the plan is above the floor,
 // the exact branch and bound (exact.hpp) on at most kExactItems items within kExactNodes
-// search nodes; then Karmarkar-Karp (items * num_ranks <= kPortfolioKkWork) and MULTIFIT
+// search nodes; then Karmarkar-Karp (items * num_ranks <= kPortfolioKkWork; above that its
+// equal-counts variant, items <= kPortfolioKkEqualItems) and MULTIFIT
 // (items <= kPortfolioMultifitItems, at most kMultifitRounds bisection rounds of first-fit
 // decreasing between the floor and the plan in hand), each refined the same way; the lightest
 // maximum load wins, ties to the earlier candidate. Without a binding cap (cap >= n) every
@@ -45,9 +46,10 @@ void order_desc(const double* w, int64_t n, int64_t* order);
 // given): the plan reached the floor or the exact search finished, so no plan is lighter.
 // refine() tries every partner rank, not only the lightest, up to this many ranks.
 constexpr int64_t kWideRanks = 1024;
-constexpr size_t kWidePartners = 8;
+constexpr size_t kWidePartners = 32;
 constexpr int64_t kPortfolioKkWork = int64_t{1} << 20;
-constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 12;
+constexpr int64_t kPortfolioKkEqualItems = int64_t{1} << 13;
+constexpr int64_t kPortfolioMultifitItems = int64_t{1} << 13;
 constexpr int kMultifitRounds = 24;
 constexpr int64_t kExactItems = 64;
 constexpr int64_t kExactNodes = int64_t{1} << 17;

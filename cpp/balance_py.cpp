@@ -38,6 +38,7 @@ Ints run(const Array<T>& input, Fn fn) {
 void register_balance(py::module_& m) {
     // The portfolio's size limits, read by the Python reference (orchmllm/balance.py).
     m.attr("PORTFOLIO_KK_WORK") = orch::kPortfolioKkWork;
+    m.attr("PORTFOLIO_KK_EQUAL_ITEMS") = orch::kPortfolioKkEqualItems;
     m.attr("PORTFOLIO_MULTIFIT_ITEMS") = orch::kPortfolioMultifitItems;
     m.attr("MULTIFIT_ROUNDS") = orch::kMultifitRounds;
     m.attr("REFINE_WIDE_RANKS") = orch::kWideRanks;

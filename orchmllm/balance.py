@@ -22,6 +22,13 @@ packed instances, else the lightest plan found and the floor no plan goes below.
 ``identity`` moves nothing, so its caps are checked. ``stats["caps_steered"]`` says whether a
 fallback replaced the policy's plan.
 
+Never worse than the input: with ``src``, a plan of a ``never_worse`` policy (every built-in
+but ``identity``) whose busiest rank is heavier under the policy's cost than the source
+layout's is replaced by the source layout where that meets the caps (and ``kk_equal``'s
+equal counts); ``stats["kept_source"]`` says so. ``imbalance_after`` and
+``imbalance_before`` divide by each layout's own mean, which differs for padded costs, so
+only the maxima compare.
+
 Edges: lengths must fit int64 and ``num_ranks`` is at most ``MAX_RANKS``; all-zero lengths
 carry no load to balance, so the policies that ignore ``src`` deal them out by count (item
 ``i`` to rank ``i % num_ranks``), while those that plan from ``src`` (``identity``,
@@ -94,7 +101,10 @@ class Assignment:
             lighter busiest rank under the policy's cost: the plan reached the floor, or the
             exact search finished within its node budget); for
             ``greedy_stay`` ``tokens_moved_lower_bound``; with placement the placement
-            statistics.
+            statistics; with ``src`` (a ``never_worse`` policy: every built-in but
+            ``identity``) ``kept_source`` (1.0 when
+            the source layout, feasible and with a strictly lighter busiest rank, replaced
+            the policy's plan: balancing never returns a plan slower than the input).
     """
 
     dst: np.ndarray
@@ -211,6 +221,11 @@ def balance(
             known.pop("proven_optimal", None)  # a fallback's plan: no proof carried over
         dst = steered
     loads = req.cost.loads(req.lengths, dst, req.num_ranks)
+    if req.src is not None and req.policy.never_worse:
+        dst, loads, kept = _no_worse_than_source(req, dst, loads)
+        known["kept_source"] = float(kept)
+        if kept:
+            known.pop("proven_optimal", None)
     if req.placement != "none":
         dst, loads, placed = _place(req, dst, loads)
         known.update(placed)
@@ -381,6 +396,28 @@ def _place(
     permuted[np.asarray(placed.perm, dtype=np.int64)] = loads
     stats = {k: float(v) for k, v in placed.stats.items()}
     return np.asarray(placed.dst, dtype=np.int64), permuted, stats
+
+
+def _no_worse_than_source(
+    req: _Request, dst: np.ndarray, loads: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The plan, or the source layout (every item stays) where that is feasible and its
+    busiest rank is strictly lighter under the policy's cost, so balancing never makes the
+    slowest rank slower than not balancing. Feasible: within the caps, and with the policy's
+    own count rule (``equal_counts``: ``n // d`` or ``n // d + 1`` items per rank). Returns
+    ``(dst, loads, kept)``, ``kept`` True when the source layout was returned."""
+    lengths, src, d, caps = req.lengths, req.src, req.num_ranks, req.caps
+    before = req.cost.loads(lengths, src, d)
+    if not before.max(initial=0.0) < loads.max(initial=0.0):
+        return dst, loads, False
+    counts = np.bincount(src, minlength=d)
+    if int(counts.max(initial=0)) > caps.items:
+        return dst, loads, False
+    if caps.max_load is not None and float(before.max()) > caps.max_load:
+        return dst, loads, False
+    if req.policy.equal_counts and int(counts.max() - counts.min()) > 1:
+        return dst, loads, False
+    return src.copy(), before, True
 
 
 def _movement_bound(req: _Request, dst: np.ndarray) -> float:

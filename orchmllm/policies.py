@@ -18,9 +18,10 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   exactly.
 - With ``refine=True`` both are a portfolio (C++ ``lpt``, reference
   ``orchmllm.reference.ref_lpt``): refined LPT always; refined Karmarkar-Karp when items x
-  ranks <= ``_core.PORTFOLIO_KK_WORK`` (2^20); refined MULTIFIT (bisection on first-fit
-  decreasing, at most ``_core.MULTIFIT_ROUNDS`` rounds) when items <=
-  ``_core.PORTFOLIO_MULTIFIT_ITEMS`` (4096). The lightest maximum load wins, ties in that
+  ranks <= ``_core.PORTFOLIO_KK_WORK`` (2^20), above that its equal-counts variant (verl's)
+  when items <= ``_core.PORTFOLIO_KK_EQUAL_ITEMS`` (8,192); refined MULTIFIT (bisection on
+  first-fit decreasing, at most ``_core.MULTIFIT_ROUNDS`` rounds) when items <=
+  ``_core.PORTFOLIO_MULTIFIT_ITEMS`` (8,192). The lightest maximum load wins, ties in that
   order; the others are skipped once the best reaches the lower bound (mean, heaviest item,
   d-th + (d+1)-th heaviest). So on every instance up to those sizes the default is never worse
   than LPT, KK or MULTIFIT; above them it is refined LPT, which keeps 983,040 items within
@@ -152,6 +153,12 @@ class Policy:
             broadcast).
         needs_src: it plans from where the items are: ``src`` is required, and it plans
             all-zero lengths too (the built-ins leave them where they are).
+        equal_counts: every rank gets ``n // d`` or ``n // d + 1`` items (``kk_equal``); the
+            source layout replaces a heavier plan (``orchmllm.balance``) only when it has
+            such counts too.
+        never_worse: with ``src``, a plan whose busiest rank is heavier than the source
+            layout's is replaced by the source layout where that is feasible (every built-in
+            but ``identity``; a registered policy only when it asks).
     """
 
     name: str
@@ -162,6 +169,8 @@ class Policy:
     refined: bool = False
     deterministic: bool = True
     needs_src: bool = False
+    equal_counts: bool = False
+    never_worse: bool = False
 
     @property
     def cost_kind(self) -> str:
@@ -225,7 +234,7 @@ def _stay(job: PolicyInput) -> np.ndarray:
 
 
 def _builtin(name: str, call: Callable, cpp: Callable, ref: Callable, **facts: bool) -> Policy:
-    return Policy(name, partial(call, cpp), partial(call, ref), **facts)
+    return Policy(name, partial(call, cpp), partial(call, ref), never_worse=True, **facts)
 
 
 _REGISTRY: dict[str, Policy] = {
@@ -261,11 +270,12 @@ _REGISTRY: dict[str, Policy] = {
             partial(_karmarkar_karp, equal_counts=True),
             _core.karmarkar_karp,
             ref_karmarkar_karp,
+            equal_counts=True,
         ),
         _builtin(
             "padded_cost", _padded, _core.padded_cost, ref_padded_cost, padded=True, capped=True
         ),
-        Policy("greedy_stay", _stay, needs_src=True),
+        Policy("greedy_stay", _stay, needs_src=True, never_worse=True),
     )
 }
 _BUILTINS = frozenset(_REGISTRY)
@@ -352,6 +362,7 @@ def register_policy(
     capped: bool = False,
     deterministic: bool = True,
     needs_src: bool = False,
+    never_worse: bool = False,
 ) -> Policy:
     """Add a policy written in Python alone: from then on ``name`` is accepted wherever a
     policy is (``orchmllm.balance``, ``EncoderPhase``, ``StepOptions``, ``BatchDispatcher``,
@@ -376,6 +387,8 @@ def register_policy(
             itself; False: one rank computes it and broadcasts it.
         needs_src: it plans from where the items are: ``job.src`` is always given
             (``orchmllm.balance`` requires ``src=``), and all-zero lengths are its to plan.
+        never_worse: with ``src``, ``orchmllm.balance`` returns the source layout instead
+            of a plan whose busiest rank is heavier, where the source layout meets the caps.
 
     Returns:
         The :class:`Policy` record, now in :data:`REGISTRY`.
@@ -392,6 +405,7 @@ def register_policy(
         "capped": capped,
         "deterministic": deterministic,
         "needs_src": needs_src,
+        "never_worse": never_worse,
     }
     for fact, value in facts.items():
         if not isinstance(value, bool):

@@ -150,9 +150,10 @@ def ref_lpt(
     """LPT; with ``max_steps > 0`` the refined portfolio of ``greedy`` (see ``cpp/balance.hpp``):
     refined LPT; without a binding cap, the steps after it plan only the items of non-zero
     weight; on at most ``_core.EXACT_ITEMS`` of them the exact search (``_core.improve_exact``,
-    which has no Python twin: tests check it against brute force); then refined KK and MULTIFIT
-    within their limits, the lightest maximum load winning, ties to the earlier candidate;
-    every step stops at the floor. ``with_proof``: ``(dst, proven)``."""
+    which has no Python twin: tests check it against brute force); then refined KK (past its
+    work limit its equal-counts variant, within its own) and MULTIFIT within their limits,
+    the lightest maximum load winning, ties to the earlier candidate; every step stops at the
+    floor. ``with_proof``: ``(dst, proven)``."""
     w = [float(x) for x in weights]
     n, d = len(w), num_ranks
     dst = [0] * n
@@ -207,9 +208,10 @@ def ref_lpt(
             for i in part:
                 dst[i] = plan[i]
 
-    if live * d <= _core.PORTFOLIO_KK_WORK:
+    full_kk = live * d <= _core.PORTFOLIO_KK_WORK
+    if full_kk or live <= _core.PORTFOLIO_KK_EQUAL_ITEMS:
         ids = sorted(part)
-        kk = ref_karmarkar_karp(np.array([w[i] for i in ids]), d, False).tolist()
+        kk = ref_karmarkar_karp(np.array([w[i] for i in ids]), d, not full_kk).tolist()
         plan = list(dst)
         for i, r in zip(ids, kk, strict=True):
             plan[i] = r
