@@ -68,6 +68,7 @@ class LlavaAdapter(Adapter):
         meta: Mapping[str, torch.Tensor],
     ) -> orchmllm.Encoded:
         out = model.model.get_image_features(pixel_values=self.tiles(rows), return_dict=True)
+        # per tile (a list, or a [tiles, tokens, hidden] tensor as InternVL's): tiles in order
         return orchmllm.Encoded(torch.cat(list(out.pooler_output)))
 
 
@@ -92,17 +93,6 @@ class InternVLAdapter(LlavaAdapter):
             )
         parts = np.split(pixels, np.cumsum(tiles)[:-1])
         return [Item(p, {}, len(p) * self.tokens_per_tile()) for p in parts]
-
-    def encode(
-        self,
-        model: nn.Module,
-        phase: str,
-        rows: torch.Tensor,
-        lengths: torch.Tensor,
-        meta: Mapping[str, torch.Tensor],
-    ) -> orchmllm.Encoded:
-        out = model.model.get_image_features(pixel_values=self.tiles(rows), return_dict=True)
-        return orchmllm.Encoded(out.pooler_output.flatten(0, 1))
 
 
 class LlavaOnevisionAdapter(LlavaAdapter):
