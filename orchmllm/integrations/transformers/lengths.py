@@ -377,6 +377,11 @@ FAMILIES: dict[str, Callable[[Any], Rules]] = {
 processor's own settings). Add a family with an entry here."""
 
 
+# Where a row keeps its text and each kind's items, unless told otherwise.
+TEXT_COLUMN = "text"
+ITEM_COLUMNS = {"image": "images", "video": "videos", "audio": "audios"}
+
+
 @dataclass(frozen=True)
 class MetadataLengths:
     """A row's token counts from its metadata: a ``datasets.map`` function.
@@ -406,10 +411,8 @@ class MetadataLengths:
 
     rules: Rules
     tokenizer: Any
-    text_column: str = "text"
-    columns: Mapping[str, str] = field(
-        default_factory=lambda: {"image": "images", "video": "videos", "audio": "audios"}
-    )
+    text_column: str = TEXT_COLUMN
+    columns: Mapping[str, str] = field(default_factory=lambda: dict(ITEM_COLUMNS))
 
     def values(self, row: Mapping[str, Any], kind: str) -> list:
         """The row's items of ``kind`` (its column's list; a missing or None column: none)."""
@@ -456,18 +459,26 @@ def _segments(found: list[tuple[int, str, ItemLength]], length: int) -> list[lis
     return out
 
 
-def lengths_for(processor: Any, *, family: str, **kwargs: Any) -> MetadataLengths:
+def lengths_for(
+    processor: Any,
+    *,
+    family: str,
+    text_column: str = TEXT_COLUMN,
+    columns: Mapping[str, str] = ITEM_COLUMNS,
+) -> MetadataLengths:
     """The ``datasets.map`` function counting a row's tokens as ``processor`` would.
 
     Args:
         processor: the family's HF processor (its tokenizer and item processors' settings
             are read; nothing is run).
         family: a key of :data:`FAMILIES`.
-        kwargs: :class:`MetadataLengths`'s ``text_column`` and ``columns``.
+        text_column: the row's text.
+        columns: item kind -> the column holding that kind's items.
 
     Raises:
         ValueError: an unknown ``family``.
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    return MetadataLengths(FAMILIES[family](processor), processor.tokenizer, **kwargs)
+    rules = FAMILIES[family](processor)
+    return MetadataLengths(rules, processor.tokenizer, text_column, dict(columns))
