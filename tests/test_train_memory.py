@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import ROOT, load_script
+
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -32,3 +34,15 @@ def test_quick_cpu_records(run_benchmark):
         assert bwd["predicted_bytes"] > opt["predicted_bytes"]
         assert fwd["predicted_bytes"] > opt["predicted_bytes"]
     assert "memory model counts" in run.stdout
+
+
+def test_a_config_with_gradient_accumulation_is_refused(tmp_path, capsys):
+    """Its report has a line per micro-step, the optimizer's on the last only: refused by name
+    before the trainer starts."""
+    train_memory = load_script(ROOT / "benchmarks" / "train_memory.py")
+    config = tmp_path / "accumulated.yaml"
+    config.write_text(f"base: {ROOT / 'configs' / 'tiny.yaml'}\ntrain: {{grad_accum: 2}}\n")
+    with pytest.raises(SystemExit):
+        train_memory.parse_args(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert "train.grad_accum must be 1 here (one step, one report), got 2" in err
