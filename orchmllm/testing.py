@@ -2,7 +2,8 @@
 
 Public helper for users and for this project's own tests and benchmarks: a bug in a
 collective (a rank that never joins, a size mismatch) fails within ``timeout`` seconds
-instead of hanging CI, and each rank's traceback is reported.
+instead of hanging CI, and each rank's traceback is reported: a failing rank's exception, or
+for a run that hangs, the stacks of every thread of every rank still running at ``timeout``.
 
 Example (a test module; the worker must be defined at module level, because the
 processes are started with ``spawn`` and import it)::
@@ -35,6 +36,7 @@ method, as under ``torchrun``, not the ``spawn`` used to start the ranks.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -87,6 +89,10 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
+    # A rank still running at the timeout writes where each of its threads is: the report
+    # of a hang (run_distributed reads it before killing the rank).
+    stacks = open(os.path.join(workdir, f"stacks_{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(timeout, file=stacks)
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
@@ -96,6 +102,8 @@ def _worker(
             f.write(traceback.format_exc())
         raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
         dist.destroy_process_group()
     # Done and recorded: leave before interpreter finalisation can abort a check that passed.
     leave_process(0)
@@ -139,6 +147,7 @@ def run_distributed(
                     raise TimeoutError(
                         f"{getattr(fn, '__name__', fn)} did not finish on {world_size} "
                         f"processes within {timeout:.0f}s (+{startup_s:.0f}s start-up)"
+                        + _hung_stacks(workdir, world_size)
                     )
         except mp.ProcessRaisedException as exc:
             errors = []
@@ -158,6 +167,17 @@ def run_distributed(
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _hung_stacks(workdir: str, world_size: int) -> str:
+    """The thread stacks the hung ranks wrote at their timeout (see ``_worker``)."""
+    report = []
+    for rank in range(world_size):
+        path = os.path.join(workdir, f"stacks_{rank}.txt")
+        if os.path.exists(path) and os.path.getsize(path):
+            with open(path) as f:
+                report.append(f"--- rank {rank}, its threads at the timeout ---\n{f.read()}")
+    return "".join(f"\n{part}" for part in report)
 
 
 def _run_checks_worker(

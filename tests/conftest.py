@@ -22,6 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATION = "integration"
 
+# Tests never reach the network: the Hugging Face libraries' hub lookups and telemetry (TRL's
+# trainers send it from a thread, its request without a timeout) are off here and in every
+# process the tests start. Set before any test module imports those libraries.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
 
 @contextlib.contextmanager
 def recording_process_starts(started: list[str]) -> Iterator[None]:

@@ -82,7 +82,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "sft/auto-padding-free": ["--trainer", "sft", "--padding-free"],
     }
     runs = {key: [*COMMON, *argv] for key, argv in runs.items()}
-    return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
+    return run_distributed(_runs_worker, 2, runs, timeout=150)[0]
 
 
 VLMS = ("qwen2.5-vl", "llava")
@@ -98,7 +98,7 @@ def vlm_runs(tmp_path_factory) -> dict[str, dict]:
         runs[f"{model}/auto"] = [*VLM_COMMON, "--model", model]
     out = str(tmp_path_factory.mktemp("vlm"))
     runs["qwen2.5-vl/auto"] += ["--resume-at", "3", "--output-dir", out]
-    return run_distributed(_runs_worker, 2, runs, timeout=300)[0]
+    return run_distributed(_runs_worker, 2, runs, timeout=150)[0]
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -182,7 +182,7 @@ def test_under_accelerate_launch(runs):
         ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", str(EXAMPLE), *COMMON],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

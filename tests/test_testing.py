@@ -1,5 +1,7 @@
 """The multi-process helper itself: results come back per rank, failures and hangs surface."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +28,11 @@ def _hang(rank: int, world_size: int) -> None:
         dist.barrier()  # rank 1 never joins
 
 
+def _stuck_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(120)  # stuck outside any collective: only the harness's deadline ends it
+
+
 def test_results_per_rank():
     out = run_distributed(_all_reduce_rank, 3, 10, timeout=30)
     assert out == [33, 33, 33]
@@ -39,3 +46,12 @@ def test_worker_error_surfaces_with_traceback():
 def test_hang_fails_within_timeout():
     with pytest.raises((TimeoutError, RuntimeError)):
         run_distributed(_hang, 2, timeout=5)
+
+
+def test_a_hung_rank_is_reported_with_its_stack():
+    with pytest.raises(TimeoutError) as info:
+        run_distributed(_stuck_on_rank_one, 2, timeout=3, startup_s=15)
+    report = str(info.value)
+    assert "rank 1, its threads at the timeout" in report
+    assert "_stuck_on_rank_one" in report
+    assert "rank 0, its threads" not in report  # rank 0 finished: nothing to report
