@@ -604,9 +604,11 @@ namespace {
 // First-fit decreasing into bins of capacity `bound`: every item, heaviest first, to the
 // lowest rank whose load plus the item stays within `bound` and that has room for one more.
 // A min-tree over the loads (full ranks hold +inf) finds that rank in one walk down, since
-// load + w <= bound is monotone in load. Returns false when some item fits nowhere.
+// load + w <= bound is monotone in load. at[k]: the rank of sorted position k (items.index may
+// name items far past the positions: the portfolio's live items). Returns false when some item
+// fits nowhere.
 bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound,
-               std::vector<double>& tree, std::vector<int64_t>& count, int64_t* dst) {
+               std::vector<double>& tree, std::vector<int64_t>& count, int64_t* at) {
     size_t size = 1;
     while (size < static_cast<size_t>(d)) size <<= 1;
     const double inf = std::numeric_limits<double>::infinity();
@@ -621,7 +623,7 @@ bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound
         size_t node = 1;
         while (node < size) node = 2 * node + !(tree[2 * node] + x <= bound);
         const size_t r = node - size;
-        dst[items.index[k]] = static_cast<int64_t>(r);
+        at[k] = static_cast<int64_t>(r);
         tree[node] = ++count[r] >= cap ? inf : tree[node] + x;
         for (node >>= 1; node >= 1; node >>= 1)
             tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
@@ -633,15 +635,21 @@ bool first_fit(const Sorted<double>& items, int64_t d, int64_t cap, double bound
 // (no plan is lighter) up to `top`, the heaviest load that would beat the plan in hand, at most
 // kMultifitRounds rounds; with integer weights (`unit` > 0, their divisor) capacities are
 // multiples of unit, so the search ends once no multiple lies between the bounds. Writes the
-// plan of the smallest capacity that fit; false when none did.
+// plan of the smallest capacity that fit (dst[items.index[k]]); false when none did.
 bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, double floor, double top,
               double unit, int64_t* dst) {
     thread_local std::vector<double> tree;
-    thread_local std::vector<int64_t> count, trial;
+    thread_local std::vector<int64_t> count, trial;  // trial: ranks by sorted position
     trial.resize(items.index.size());
+    const auto keep = [&]() {
+        for (size_t k = 0; k < trial.size(); ++k) dst[items.index[k]] = trial[k];
+    };
     double lo = floor, hi = top;
     if (!(lo <= hi)) return false;
-    if (first_fit(items, d, cap, lo, tree, count, dst)) return true;
+    if (first_fit(items, d, cap, lo, tree, count, trial.data())) {
+        keep();
+        return true;
+    }
     bool found = false;
     for (int round = 0; round < kMultifitRounds; ++round) {
         double mid = round == 0 ? hi : lo + (hi - lo) / 2;
@@ -649,7 +657,7 @@ bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, double floor,
         if (round > 0 && !(mid > lo && mid < hi)) break;
         if (first_fit(items, d, cap, mid, tree, count, trial.data())) {
             hi = mid;
-            std::copy(trial.begin(), trial.end(), dst);
+            keep();
             found = true;
         } else {
             if (round == 0) return false;

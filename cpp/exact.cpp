@@ -263,9 +263,12 @@ class Completion {
             return;
         }
         double prev = -1.0;
+        // The pool's positions from `from` on: none past 63 (a shift by 64 is undefined, and on
+        // x86 shifts by 0: it read past x_ and revisited the set's own items).
+        const uint64_t later = from < 64 ? pool & (~uint64_t{0} << from) : 0;
         double reach = 0.0;  // weight of the pool's items from position p on
-        for (uint64_t t = pool >> from; t; t &= t - 1) reach += x_[from + __builtin_ctzll(t)];
-        for (uint64_t t = pool & (~uint64_t{0} << from); t; t &= t - 1) {
+        for (uint64_t t = later; t; t &= t - 1) reach += x_[__builtin_ctzll(t)];
+        for (uint64_t t = later; t; t &= t - 1) {
             const int64_t p = __builtin_ctzll(t);
             if (sum + reach < room_ - waste_) return;  // even every item left leaves too much
             reach -= x_[p];

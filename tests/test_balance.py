@@ -114,6 +114,21 @@ def test_cpp_matches_reference_on_workloads(dist):
         )
 
 
+def test_portfolio_multifit_with_zero_lengths_first_matches_reference():
+    """Without a binding cap the portfolio plans only the non-zero items, whose indices here
+    all lie past their count (65 zeros first). MULTIFIT once wrote its trial plans by item index
+    into scratch sized by that count: a heap overflow that aborted the process (SIGABRT), at
+    once or in a later call. On a fresh thread its scratch starts empty, so the overflow could
+    not land in room left by earlier calls; MULTIFIT's plan wins on this draw."""
+    rng = np.random.default_rng(115)
+    lengths = np.concatenate([np.zeros(65, dtype=np.int64), rng.integers(1, 5000, size=65)])
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(balance, lengths, 5, "greedy_cost", cost=QUAD).result()
+    b = balance(lengths, 5, "greedy_cost", cost=QUAD, backend="python")
+    np.testing.assert_array_equal(a.dst, b.dst)
+    assert a.loads.max() == b.loads.max()
+
+
 @pytest.mark.parametrize("tolerance", [0.0, 0.01, 0.3])
 def test_greedy_tolerance_tree_matches_reference_with_wide_windows(tolerance):
     # Short lengths on many ranks: most ranks sit inside the window, sums tie often.

@@ -69,6 +69,23 @@ def test_min_makespan_without_a_proof_still_returns_a_capped_plan():
     assert np.bincount(found.dst, weights=w, minlength=8).max() <= load.max()
 
 
+def test_min_makespan_on_64_items_takes_the_last_position_within_bounds():
+    """64 integer weights fill bin completion's 64-bit item mask; a rank's set that takes
+    position 63 once shifted the mask by 64 (undefined: on x86 it read past the weights and
+    revisited the set's own items; ASAN and UBSAN flagged this draw). The plan stays at or
+    above the floor and no heavier than longest-processing-time's."""
+    rng = np.random.default_rng(7)
+    d = int(rng.integers(2, 9))
+    w = rng.integers(1, int(rng.choice([5, 50, 1000])), size=64).astype(np.float64)
+    found = min_makespan(w, d, max_items=64)
+    loads = np.bincount(found.dst, weights=w, minlength=d)
+    assert loads.max() >= _core.makespan_floor(np.sort(w)[::-1].copy(), d)
+    lpt = np.zeros(d)
+    for x in np.sort(w)[::-1]:
+        lpt[np.argmin(lpt)] += x
+    assert loads.max() <= lpt.max()
+
+
 def test_min_makespan_refuses_bad_input():
     with pytest.raises(ValueError, match="max_items"):
         min_makespan(np.ones(5), 2, max_items=2)
