@@ -106,6 +106,9 @@ py::tuple grouped_sums(I64 row, I64 col, I64 weight, int64_t num_rows, int64_t n
 // node, and not moved (rank r lives on node r / ranks_per_node).
 py::tuple traffic(I64 lengths, I64 src, I64 dst, int64_t num_ranks, int64_t ranks_per_node) {
     const int64_t n = lengths.size();
+    if (ranks_per_node < 1)
+        throw py::value_error("traffic: ranks_per_node must be >= 1, got " +
+                              std::to_string(ranks_per_node));
     check_range(src, n, num_ranks, "traffic: src");
     check_range(dst, n, num_ranks, "traffic: dst");
     std::vector<int64_t> sent(num_ranks, 0), recv(num_ranks, 0);

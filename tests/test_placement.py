@@ -115,6 +115,14 @@ def test_capacitated_assignment_rejects_bad_csr():
         _core.capacitated_assignment(np.array([0, 1]), np.array([0]), np.array([0]), 1, 1)
 
 
+def test_traffic_rejects_ranks_per_node_below_one():
+    """The core divides by it: zero is refused by name, not a division by zero."""
+    ones = np.ones(2, dtype=np.int64)
+    src = np.array([0, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="ranks_per_node must be >= 1, got 0"):
+        _core.traffic(ones, src, src, 2, 0)
+
+
 def test_capacitated_assignment_refuses_profits_that_would_overflow():
     """Potentials are int64 sums of profits: a total above 2**58 is refused, not wrapped."""
     indptr, cols = np.array([0, 1, 2]), np.array([0, 1])
