@@ -192,6 +192,7 @@ def main(argv: list[str]) -> dict:
     trainer = make_trainer(args, out, max_steps=args.max_steps)
     trainer.train()
     record = {"losses": losses(trainer), "balanced": args.balance != "none"}
+    record["total_flos"] = trainer.state.total_flos
     if args.resume_at:
         resumed = make_trainer(args, out, max_steps=args.max_steps)
         resumed.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{args.resume_at}"))

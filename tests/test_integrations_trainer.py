@@ -144,6 +144,8 @@ def test_an_adapted_vlm_trains_like_the_plain_trainer(vlm_runs, model):
     assert _max_diff(plain["losses"], balanced["losses"]) < TOL
     assert balanced["param_sum"] == pytest.approx(plain["param_sum"], abs=1e-6)
     assert balanced["num_examples"] == plain["num_examples"] == 30
+    # FLOPs from the planned sequences' tokens: counted, and no more than the padded batches'
+    assert 0 < balanced["total_flos"] <= plain["total_flos"]
     # the language model's logged mean imbalance (its tokens per rank) drops
     assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
 

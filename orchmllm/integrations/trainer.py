@@ -76,6 +76,7 @@ from orchmllm import (
     BalancedDataLoader,
     LoaderOptions,
     Orchestrator,
+    PlannedBatch,
     PlanningOptions,
     SamplingOptions,
     Topology,
@@ -248,6 +249,17 @@ class BalancedTrainerMixin:
         targets = sum(p.plan.num_targets for p in planned)
         num_items = torch.tensor(targets, device=device) if planned else None
         return [{"batch": p} for p in planned], num_items
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The Trainer's FLOPs estimate (6 x tokens x non-embedding parameters) for an adapted
+        VLM's planned batch: the tokens are this rank's LLM sequences after balancing (the
+        plain Trainer counts its padded ``input_ids``, so a balanced run reports no more)."""
+        vlm = self._adapted_model()
+        planned = inputs.get("batch") if vlm is not None else None
+        if not isinstance(planned, PlannedBatch) or planned.assembly is None:
+            return super().floating_point_ops(inputs)
+        tokens = int(planned.assembly.lengths.sum())
+        return 6 * tokens * vlm.model.num_parameters(exclude_embeddings=True)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the micro-batches' mean imbalance since the last one."""
