@@ -646,6 +646,8 @@ def step_plan_cases(
     wall time includes waiting for a core, the CPU time does not)."""
     model = load_model(STEP_PLAN_MODEL)
     rows, src = segment_rows(sample_pool(model, d, per, seed))
+    # the five columns training's local_metadata gathers: no item states its LLM tokens
+    rows = np.column_stack([rows, np.full(rows.shape[0], -1, dtype=np.int64)])
     base = step_options(
         "full", config=model.config, modules=model.modules, placement="none",
         ranks_per_node=ranks_per_node, policies=None,

@@ -486,6 +486,12 @@ def _balance_phase(
     return dst, stats
 
 
+def _places(options: StepOptions, num_ranks: int) -> bool:
+    """Whether a balanced phase's batches are placed: a method, and more than one node."""
+    rpn = options.ranks_per_node
+    return options.placement != "none" and rpn is not None and num_ranks > rpn
+
+
 def _placed(
     dst: np.ndarray,
     *,
@@ -500,15 +506,13 @@ def _placed(
     """``dst`` with its batches permuted over the ranks to keep ``volume_bytes`` (pieces
     moving from ``volume_src`` to the batch ``volume_dst``) inside nodes; unchanged when
     placement is off, the cluster is one node, or the phase is not balanced."""
-    rpn = options.ranks_per_node
-    off = options.placement == "none" or rpn is None or num_ranks <= rpn
-    if off or not balanced or not volume_bytes.size:
+    if not (_places(options, num_ranks) and balanced and volume_bytes.size):
         return dst
     t0 = time.perf_counter()
     units = np.ceil(np.asarray(volume_bytes, dtype=np.float64) / PLACEMENT_UNIT_BYTES)
     p = place_batches(
         units.astype(np.int64), volume_src, volume_dst, num_ranks=num_ranks,
-        ranks_per_node=rpn, method=options.placement,
+        ranks_per_node=options.ranks_per_node, method=options.placement,
     )  # fmt: skip
     stats.update({k: float(v) for k, v in p.stats.items()})
     stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
@@ -662,18 +666,21 @@ def plan_step(
     done = _side_by_side(jobs, parallel=parallel)
     llm_dst, llm_stats = done.pop("llm")
     items = done  # phase name -> (segment indices, encoder move, stats)
-    enc_bytes = options.encoded_token_bytes or options.text_token_bytes
-    piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
-    piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
-    piece_bytes = [text_len * options.text_token_bytes] + [
-        seg_len[sel] * enc_bytes for sel, _, _ in items.values()
-    ]
-    piece_ex = np.concatenate(piece_ex)
-    llm_dst = _placed(
-        llm_dst, volume_bytes=np.concatenate(piece_bytes), volume_src=np.concatenate(piece_src),
-        volume_dst=llm_dst[piece_ex], options=options, num_ranks=num_ranks,
-        balanced=options.mode != "none", stats=llm_stats,
-    )  # fmt: skip
+    if options.mode != "none" and _places(options, num_ranks):
+        # the LLM move's pieces: each example's text from its sampling rank, each encoded
+        # item from its encoder rank (built only where a placement weighs them)
+        enc_bytes = options.encoded_token_bytes or options.text_token_bytes
+        piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
+        piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
+        piece_bytes = [text_len * options.text_token_bytes] + [
+            seg_len[sel] * enc_bytes for sel, _, _ in items.values()
+        ]
+        piece_ex = np.concatenate(piece_ex)
+        llm_dst = _placed(
+            llm_dst, volume_bytes=np.concatenate(piece_bytes),
+            volume_src=np.concatenate(piece_src), volume_dst=llm_dst[piece_ex], options=options,
+            num_ranks=num_ranks, balanced=True, stats=llm_stats,
+        )  # fmt: skip
 
     # The LLM move and each phase's move to the LLM layout, side by side again.
     to_llm = partial(
