@@ -36,7 +36,10 @@ Also greedy_stay's moved tokens against the exact minimum at the makespan it rea
 greedy alone and greedy + ``placement="auto"`` at 16,384 ranks x 60 items on every distribution,
 repeated, as ratios to numpy's faster argsort (quicksort or stable) of the same lengths in the
 same run (targets: greedy <= 2x; the whole ``placement="auto"`` call under 100 ms, the max over
-repeats and distributions; its median is printed too).
+repeats and distributions; its median is printed too); and the whole step plan, ``plan_step``
+at 16,384 ranks x 15 examples of mllm-10b's mix (two encoders and the LLM, every phase
+balanced), with StepOptions' default placement and training's (``orchmllm.config``), wall
+time over repeats (target: the max under 100 ms; ``step_plan_cases``).
 Wrapper: ``balance()`` at 8 ranks x 4 items against its C++ core alone, timed in alternating
 rounds (target: at most 10 us more).
 
@@ -52,6 +55,7 @@ text); each instance draws from them with replacement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from functools import partial
@@ -61,11 +65,15 @@ import numpy as np
 
 from orchmllm import _core
 from orchmllm.balance import balance
+from orchmllm.config import BalanceConfig
 from orchmllm.cost import CostModel, fit_packed, fit_padded, load_calibration
 from orchmllm.placement import REFINE_STEPS_PER_RANK
 from orchmllm.policies import PADDED_POLICIES, POLICIES, plan_dst
 from orchmllm.provenance import write_records
 from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
+from orchmllm.sim.layout import segment_rows, step_options
+from orchmllm.sim.sweep import load_model, sample_pool
+from orchmllm.step_plan import StepOptions, plan_step
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
 # H100 block at hidden 1280, fitted on the packaged measurement: the quadratic objective.
@@ -90,6 +98,7 @@ TARGET_MAX = {
     "scale_greedy_over_argsort_max": 2.0,  # greedy against argsort at 16,384 x 60
     "scale_placement_ms_max": 100.0,  # placement="auto" at 16,384 x 60
     "scale_auto_ms_max": 100.0,  # the whole balance(placement="auto") call, max over repeats
+    "scale_plan_step_ms_max": 100.0,  # plan_step at 16,384 ranks x 15 examples, max over repeats
     "greedy_worse_than_peer": 0.0,  # instances where some peer's max load is lighter
     "unproven_in_exact_size": 0.0,  # instances within the exact size not proven optimal
     "peer_greedy_over_argsort_max": 10.0,  # plan time over argsort, every size from 8 x 2
@@ -618,6 +627,63 @@ def scale_cases(
     return records
 
 
+# plan_step's scale case: a model with two encoders (vision, audio) and the LLM, and the
+# placements it runs with: StepOptions' default and training's (orchmllm.config).
+STEP_PLAN_MODEL = "mllm-10b"
+STEP_PLAN_PLACEMENTS = tuple(dict.fromkeys((StepOptions(()).placement, BalanceConfig().placement)))
+
+
+def step_plan_cases(
+    seed: int, d: int = 16_384, per: int = 15, reps: int = 7, ranks_per_node: int = 8
+) -> list[dict]:
+    """``plan_step`` at ``d`` ranks x ``per`` examples of the ``STEP_PLAN_MODEL`` data mix,
+    every phase balanced (``mode="full"``, the tailored policies and calibrated costs the
+    simulator plans with), once per placement of ``STEP_PLAN_PLACEMENTS``.
+
+    Wall time, not CPU time: above ``PARALLEL_MIN_SEGMENTS`` the phases plan in threads, and
+    the step waits for the slowest. One untimed call first, then ``reps`` timed ones; the
+    process's CPU time over the same calls is recorded beside it (on a shared machine the
+    wall time includes waiting for a core, the CPU time does not)."""
+    model = load_model(STEP_PLAN_MODEL)
+    rows, src = segment_rows(sample_pool(model, d, per, seed))
+    # the five columns training's local_metadata gathers: no item states its LLM tokens
+    rows = np.column_stack([rows, np.full(rows.shape[0], -1, dtype=np.int64)])
+    base = step_options(
+        "full", config=model.config, modules=model.modules, placement="none",
+        ranks_per_node=ranks_per_node, policies=None,
+    )  # fmt: skip
+    records = []
+    for placement in STEP_PLAN_PLACEMENTS:
+        options = dataclasses.replace(base, placement=placement)
+        plan = partial(plan_step, rows, src, options, num_ranks=d)
+        plan()
+        wall, cpu = [], []
+        for _ in range(reps):
+            w0, c0 = time.perf_counter(), time.process_time()
+            plan()
+            wall.append((time.perf_counter() - w0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+        records.append(
+            {
+                "policy": "step_plan",
+                "placement": placement,
+                "model": STEP_PLAN_MODEL,
+                "ranks": d,
+                "per_rank": per,
+                "ranks_per_node": ranks_per_node,
+                "segments": int(rows.shape[0]),
+                "plan_ms_max": max(wall),
+                "plan_ms_median": float(np.median(wall)),
+                "plan_ms_min": min(wall),
+                "plan_cpu_ms_median": float(np.median(cpu)),
+            }
+        )
+        print(f"  step plan {placement:5s} {d} x {per} ({rows.shape[0]} segments): median"
+              f" {np.median(wall):.1f} ms, max {max(wall):.1f} ms over {reps} runs (CPU median"
+              f" {np.median(cpu):.1f} ms)", flush=True)  # fmt: skip
+    return records
+
+
 def _fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -684,8 +750,28 @@ def peer_summary(peers: list[dict]) -> dict[str, float]:
     return summary
 
 
+def step_plan_summary(steps: list[dict]) -> dict[str, float]:
+    """plan_step's target at 16,384 ranks (the max over placements and repeats), printed
+    met/not met with each placement's median and max."""
+    summary: dict[str, float] = {}
+    for r in steps:
+        summary[f"scale_plan_step_{r['placement']}_ms_max"] = r["plan_ms_max"]
+        summary[f"scale_plan_step_{r['placement']}_ms_median"] = r["plan_ms_median"]
+    summary["scale_plan_step_ms_max"] = max(r["plan_ms_max"] for r in steps)
+    bound = TARGET_MAX["scale_plan_step_ms_max"]
+    ok = "met" if summary["scale_plan_step_ms_max"] <= bound else "NOT met"
+    figures = ", ".join(
+        f"{r['placement']}: max {r['plan_ms_max']:.0f} ms, median {r['plan_ms_median']:.0f} ms"
+        for r in steps
+    )
+    r = steps[0]
+    print(f"  target plan_step <= {bound:g} ms at {r['ranks']:,} ranks ({r['model']},"
+          f" {r['per_rank']} examples per rank): {ok} ({figures})")  # fmt: skip
+    return summary
+
+
 def report_targets(
-    peers: list[dict], moves: list[dict], scale: list[dict], wrapper: dict
+    peers: list[dict], moves: list[dict], scale: list[dict], steps: list[dict], wrapper: dict
 ) -> dict[str, float]:
     """The issue-16 targets: printed met/not met, returned for the JSON summary."""
     summary: dict[str, float] = {"wrapper_overhead_us": wrapper["overhead_us"]}
@@ -749,6 +835,8 @@ def report_targets(
               f" {'met' if p <= p_max else 'NOT met'}"
               f" (max {p:.0f} ms, {summary['scale_greedy_auto_over_argsort_max']:.1f}x argsort"
               " with greedy)")  # fmt: skip
+    if steps:
+        summary.update(step_plan_summary(steps))
     return summary
 
 
@@ -908,19 +996,21 @@ def main(argv: list[str] | None = None) -> None:
         )
         moves = movement_cases((8,), (4,), args.seed)
         moves += movement_cases((8,), (4,), args.seed, ranks_per_node=4)
-        scale = []
+        scale, steps = [], []
     else:
         peers = peer_cases(PEER_SIZES, dists, args.seed, user)
         moves = movement_cases((4, 8, 16), (4, 6, 8), args.seed)
         moves += movement_cases((8,), (4, 6, 8), args.seed, ranks_per_node=4)
         scale = scale_cases(args.seed, dists, user)
+        steps = step_plan_cases(args.seed)
     summary = report(records, audio, quick=args.quick)
     wrapper = wrapper_overhead(args.seed)
-    summary.update(report_targets(peers, moves, scale, wrapper))
+    summary.update(report_targets(peers, moves, scale, steps, wrapper))
     for kind, targets in (("max", TARGET_MAX), ("min", TARGET_MIN)):
         summary.update({f"target_{kind}_{k}": v for k, v in targets.items() if k in summary})
     if args.json:
-        out = records + audio + peers + moves + scale + [wrapper, {"policy": "summary", **summary}]
+        out = records + audio + peers + moves + scale + steps
+        out += [wrapper, {"policy": "summary", **summary}]
         write_records(args.json, out)
 
 

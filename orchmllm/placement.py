@@ -376,7 +376,9 @@ def _assign_nodes(v: _Volumes, max_settled: int) -> tuple[np.ndarray, int]:
 def _assign_ranks(v: _Volumes, node_of: np.ndarray) -> np.ndarray:
     """Rank per batch inside its node, maximising the tokens that do not move at all (exact)."""
     d = v.d
-    local = node_of[v.batch] == v.src_node  # edges (batch, rank on the batch's node)
+    # edges (batch, rank on the batch's node); gathered by index, which costs a fraction of
+    # three boolean-mask gathers
+    local = np.flatnonzero(node_of[v.batch] == v.src_node)
     csr = _core.grouped_sums(v.batch[local], v.src[local], v.l[local], d, d)
     perm, _ = _core.capacitated_assignment(*csr, d, 1)
     perm = np.asarray(perm, dtype=np.int64)

@@ -325,13 +325,17 @@ def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndar
         ``int64 (segments,)``, in row order.
     """
     lengths = rows[:, RAW].copy()
+    kinds = rows[:, KIND]
+    # Index arrays, not boolean masks: a masked gather and scatter over every segment costs
+    # several times the division itself.
     for p in phases:
         if p.divisor > 1:  # integer division only where it changes something
-            of_phase = rows[:, KIND] == p.kind
-            lengths[of_phase] //= p.divisor
+            at = np.flatnonzero(kinds == p.kind)
+            lengths[at] //= p.divisor
     if rows.shape[1] > TOKENS:
-        stated = rows[:, TOKENS] >= 0
-        lengths[stated] = rows[stated, TOKENS]
+        tokens = rows[:, TOKENS]
+        at = np.flatnonzero(tokens >= 0)
+        lengths[at] = tokens[at]
     return lengths
 
 
@@ -455,17 +459,20 @@ def _balance_phase(
     faster than the sampled layout's is replaced by the sampled layout (nothing moves).
     """
     t0 = time.perf_counter()
-    if balanced and lengths.size:
-        a = balance(
-            lengths, num_ranks, policy, src=src, cost=_policy_cost(policy, cost),
-            ranks_per_node=ranks_per_node,
-        )  # fmt: skip
-        dst = np.asarray(a.dst, dtype=np.int64)
-    else:
-        dst = src.copy()
     model = cost or default_cost(policy)
     before = model.loads(lengths, src, num_ranks)
-    after = model.loads(lengths, dst, num_ranks)
+    if balanced and lengths.size:
+        optimised = _policy_cost(policy, cost)
+        a = balance(
+            lengths, num_ranks, policy, src=src, cost=optimised, ranks_per_node=ranks_per_node
+        )
+        dst = np.asarray(a.dst, dtype=np.int64)
+        # balance() measured its plan with the cost it optimised: the same loads when that
+        # is the phase's model
+        same = (optimised or default_cost(policy)) == model
+        after = a.loads if same else model.loads(lengths, dst, num_ranks)
+    else:
+        dst, after = src.copy(), before
     if after.max() >= before.max():  # never move for a plan that is no better than staying
         dst, after = src.copy(), before
     stats = {
@@ -477,6 +484,12 @@ def _balance_phase(
         "items": int(lengths.size),
     }
     return dst, stats
+
+
+def _places(options: StepOptions, num_ranks: int) -> bool:
+    """Whether a balanced phase's batches are placed: a method, and more than one node."""
+    rpn = options.ranks_per_node
+    return options.placement != "none" and rpn is not None and num_ranks > rpn
 
 
 def _placed(
@@ -493,15 +506,13 @@ def _placed(
     """``dst`` with its batches permuted over the ranks to keep ``volume_bytes`` (pieces
     moving from ``volume_src`` to the batch ``volume_dst``) inside nodes; unchanged when
     placement is off, the cluster is one node, or the phase is not balanced."""
-    rpn = options.ranks_per_node
-    off = options.placement == "none" or rpn is None or num_ranks <= rpn
-    if off or not balanced or not volume_bytes.size:
+    if not (_places(options, num_ranks) and balanced and volume_bytes.size):
         return dst
     t0 = time.perf_counter()
     units = np.ceil(np.asarray(volume_bytes, dtype=np.float64) / PLACEMENT_UNIT_BYTES)
     p = place_batches(
         units.astype(np.int64), volume_src, volume_dst, num_ranks=num_ranks,
-        ranks_per_node=rpn, method=options.placement,
+        ranks_per_node=options.ranks_per_node, method=options.placement,
     )  # fmt: skip
     stats.update({k: float(v) for k, v in p.stats.items()})
     stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
@@ -519,30 +530,29 @@ def _side_by_side(jobs: dict[str, Callable[[], Any]], *, parallel: bool) -> dict
 
 
 def _encoder_phase(
-    phase: EncoderPhase, rows: np.ndarray, src: np.ndarray, options: StepOptions, *,
-    num_ranks: int,
+    phase: EncoderPhase, sel: np.ndarray, raw: np.ndarray, src: np.ndarray,
+    options: StepOptions, *, num_ranks: int,
 ) -> tuple[np.ndarray, Rearrangement, dict]:  # fmt: skip
-    """One encoder phase's segments, their move to the encoder layout and its statistics."""
+    """One encoder phase's segments ``sel`` (raw rows ``raw``, sampled on ``src``), their
+    move to the encoder layout and its statistics."""
     full = options.mode == "full"
-    sel = np.flatnonzero(rows[:, KIND] == phase.kind)
-    raw = rows[sel, RAW]
     enc_dst, stats = _balance_phase(
-        raw // phase.stride, src[sel], num_ranks=num_ranks, policy=phase.policy,
+        raw // phase.stride, src, num_ranks=num_ranks, policy=phase.policy,
         cost=phase.cost, balanced=full, ranks_per_node=options.ranks_per_node,
     )  # fmt: skip
     enc_dst = _placed(
-        enc_dst, volume_bytes=raw * phase.row_bytes, volume_src=src[sel], volume_dst=enc_dst,
+        enc_dst, volume_bytes=raw * phase.row_bytes, volume_src=src, volume_dst=enc_dst,
         options=options, num_ranks=num_ranks, balanced=full, stats=stats,
     )  # fmt: skip
-    return sel, Rearrangement.from_assignment(src[sel], enc_dst, num_ranks=num_ranks), stats
+    return sel, Rearrangement.from_assignment(src, enc_dst, num_ranks=num_ranks), stats
 
 
 def _phase_plan(
     phase: EncoderPhase, sel: np.ndarray, encoder: Rearrangement, stats: dict, *,
-    rows: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray, llm_dst: np.ndarray,
+    seg_raw: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray, llm_dst: np.ndarray,
 ) -> PhasePlan:  # fmt: skip
     """A phase's plan once the LLM layout is known: its outputs go where their examples go."""
-    item_ex, raw, encoded = seg_example[sel], rows[sel, RAW], seg_len[sel]
+    item_ex, raw, encoded = seg_example[sel], seg_raw[sel], seg_len[sel]
     lifted = Rearrangement.from_assignment(
         encoder.src_rank, llm_dst[item_ex], num_ranks=encoder.num_ranks
     )
@@ -593,11 +603,12 @@ def plan_step(
     if src.size != rows.shape[0]:
         raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
     phases = options.phases
-    known = rows[:, KIND] == TEXT
-    for p in phases:
-        known |= rows[:, KIND] == p.kind
-    if not known.all():
-        unknown = sorted(set(rows[~known, KIND].tolist()))
+    kinds = rows[:, KIND].copy()  # contiguous: every phase compares it
+    is_text = kinds == TEXT
+    sels = {p.name: np.flatnonzero(kinds == p.kind) for p in phases}
+    if np.count_nonzero(is_text) + sum(sel.size for sel in sels.values()) != kinds.size:
+        known = is_text | np.isin(kinds, [p.kind for p in phases])
+        unknown = sorted(set(kinds[~known].tolist()))
         raise ValueError(f"rows has segment kinds {unknown} with no phase")
     if np.any(np.diff(src) < 0):
         raise ValueError("src must be non-decreasing (rows in rank order)")
@@ -623,10 +634,9 @@ def plan_step(
         )
     n_ex = first.size
     example_src = src[first]
-    kinds = rows[:, KIND]
     seg_len = segment_lengths(rows, phases)
-    is_text = kinds == TEXT
-    text_rows = np.where(is_text, rows[:, RAW], 0)
+    raw = rows[:, RAW].copy()
+    text_rows = np.where(is_text, raw, 0)
     text_len = np.bincount(seg_example, weights=text_rows, minlength=n_ex).astype(np.int64)
     seq_len = np.bincount(seg_example, weights=seg_len, minlength=n_ex).astype(np.int64)
     if np.any(seq_len == 0):
@@ -640,8 +650,12 @@ def plan_step(
     # The encoder phases and the LLM phase's balancing are independent; the LLM placement then
     # weighs where the encoder outputs are.
     jobs = {
-        p.name: partial(_encoder_phase, p, rows, src, options, num_ranks=num_ranks) for p in phases
-    }
+        p.name: partial(
+            _encoder_phase, p, sels[p.name], raw[sels[p.name]], src[sels[p.name]], options,
+            num_ranks=num_ranks,
+        )
+        for p in phases
+    }  # fmt: skip
     jobs["llm"] = partial(
         _balance_phase, seq_len, example_src, num_ranks=num_ranks, policy=options.llm_policy,
         cost=options.llm_cost, balanced=options.mode != "none",
@@ -652,22 +666,25 @@ def plan_step(
     done = _side_by_side(jobs, parallel=parallel)
     llm_dst, llm_stats = done.pop("llm")
     items = done  # phase name -> (segment indices, encoder move, stats)
-    enc_bytes = options.encoded_token_bytes or options.text_token_bytes
-    piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
-    piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
-    piece_bytes = [text_len * options.text_token_bytes] + [
-        seg_len[sel] * enc_bytes for sel, _, _ in items.values()
-    ]
-    piece_ex = np.concatenate(piece_ex)
-    llm_dst = _placed(
-        llm_dst, volume_bytes=np.concatenate(piece_bytes), volume_src=np.concatenate(piece_src),
-        volume_dst=llm_dst[piece_ex], options=options, num_ranks=num_ranks,
-        balanced=options.mode != "none", stats=llm_stats,
-    )  # fmt: skip
+    if options.mode != "none" and _places(options, num_ranks):
+        # the LLM move's pieces: each example's text from its sampling rank, each encoded
+        # item from its encoder rank (built only where a placement weighs them)
+        enc_bytes = options.encoded_token_bytes or options.text_token_bytes
+        piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
+        piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
+        piece_bytes = [text_len * options.text_token_bytes] + [
+            seg_len[sel] * enc_bytes for sel, _, _ in items.values()
+        ]
+        piece_ex = np.concatenate(piece_ex)
+        llm_dst = _placed(
+            llm_dst, volume_bytes=np.concatenate(piece_bytes),
+            volume_src=np.concatenate(piece_src), volume_dst=llm_dst[piece_ex], options=options,
+            num_ranks=num_ranks, balanced=True, stats=llm_stats,
+        )  # fmt: skip
 
     # The LLM move and each phase's move to the LLM layout, side by side again.
     to_llm = partial(
-        _phase_plan, rows=rows, seg_example=seg_example, seg_len=seg_len, llm_dst=llm_dst
+        _phase_plan, seg_raw=raw, seg_example=seg_example, seg_len=seg_len, llm_dst=llm_dst
     )
     jobs = {p.name: partial(to_llm, p, *items[p.name]) for p in phases}
     jobs["llm"] = partial(Rearrangement.from_assignment, example_src, llm_dst, num_ranks=num_ranks)
@@ -683,7 +700,7 @@ def plan_step(
         text_len=text_len,
         seq_len=seq_len,
         seg_example=seg_example,
-        seg_kind=kinds.copy(),
+        seg_kind=kinds,
         seg_len=seg_len,
         seg_item=seg_item,
         seg_text_offset=seg_text_offset,

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from orchmllm import step_plan
+from orchmllm.cost import CostModel
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.orchestrator import LocalBatch
+from orchmllm.policies import default_cost
 from orchmllm.schema import IGNORE_INDEX
 from orchmllm.step_plan import (
     MODES,
@@ -186,3 +188,31 @@ def test_item_records_are_declared_checked_and_optional():
         step_plan.ItemField("grid", dtype="float32")
     with pytest.raises(ValueError, match="distinct names"):
         dataclasses.replace(PHASES[0], fields=(grid, grid))
+
+
+@pytest.mark.parametrize("costs", ["default", "own_kind", "other_kind"])
+def test_phase_loads_are_the_phase_cost_of_the_plan(costs):
+    """Each phase's ``loads_before``/``loads_after`` are its cost model's loads of the sampled
+    and the planned layout, whether the policy optimised that model (the default or one of its
+    kind) or balanced its own default (a model of the other kind)."""
+    world = 8
+    rows, src = gathered(payload_batches(world))
+    packed, padded = CostModel("packed", alpha=2.0, beta=0.01), CostModel("padded", beta=0.5)
+    own = {"greedy": packed, "binary_search": padded}
+    other = {"greedy": padded, "binary_search": packed}
+    pick = {"default": {}, "own_kind": own, "other_kind": other}[costs]
+    phases = tuple(dataclasses.replace(p, cost=pick.get(p.policy)) for p in PHASES)
+    options = StepOptions(phases, llm_cost=pick.get("greedy"))
+    plan = plan_step(rows, src, options, num_ranks=world)
+    stats = plan.stats()
+    llm_model = options.llm_cost or default_cost("greedy")
+    moves = {"llm": (plan.seq_len, plan.llm, llm_model)}
+    for p in phases:
+        pp = plan.phases[p.name]
+        moves[p.name] = (pp.raw // p.stride, pp.encoder, p.cost or default_cost(p.policy))
+    for name, (lengths, move, model) in moves.items():
+        before = model.loads(lengths, move.src_rank, world)
+        after = model.loads(lengths, move.dst_rank, world)
+        assert stats[name]["loads_before"] == before.tolist(), name
+        assert stats[name]["loads_after"] == after.tolist(), name
+        assert max(stats[name]["loads_after"]) <= max(stats[name]["loads_before"]), name
