@@ -257,6 +257,23 @@ def balance_bench(recs: Records) -> list[str]:
                 ),
             ]
         )
+    steps = where(recs, policy="step_plan")
+    if steps:
+        first = steps[0]
+        rows.append(
+            [
+                f"`plan_step` at {first['ranks']:,} ranks × {first['per_rank']} examples "
+                f"({first['model']}, every phase) ≤ {s['target_max_scale_plan_step_ms_max']:g} ms",
+                "; ".join(
+                    f"placement `{r['placement']}`: max {r['plan_ms_max']:.0f} ms, median "
+                    f"{r['plan_ms_median']:.0f} ms"
+                    for r in steps
+                ),
+                verdict(
+                    s["scale_plan_step_ms_max"], at_most=s["target_max_scale_plan_step_ms_max"]
+                ),
+            ]
+        )
     lines += table(["target", "measured", ""], rows)
     if scale:
         lines += [
