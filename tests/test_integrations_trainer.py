@@ -15,7 +15,8 @@ process.
 An adapted VLM (``omt.wrap(model)`` in the same BalancedTrainer; tiny Qwen2.5-VL and LLaVA with
 random weights, their processors' rows, images and videos mixed) gives the plain Trainer's
 per-step losses within 1e-5 too (float64, gradient accumulation 2, 30 examples over 2 epochs,
-DDP in both), ends with the same parameters, and resumes exactly. transformers marks Qwen2.5-VL
+DDP in both), ends with the same parameters, and resumes exactly, under ``torchrun`` and
+``accelerate launch`` too. transformers marks Qwen2.5-VL
 ``accepts_loss_kwargs=False``, so its plain run sets it True: the plain Trainer then takes the
 mean over the targets of all ranks and micro-steps, as the balanced one always does.
 """
@@ -150,14 +151,24 @@ def test_an_adapted_vlm_trains_like_the_plain_trainer(vlm_runs, model):
     assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
 
 
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                 "--nproc_per_node=2"],
+    "accelerate": ["accelerate", "launch", "--multi_gpu", "--num_processes", "2"],
+}  # fmt: skip
+
+
 @pytest.mark.integration
-def test_an_adapted_vlm_under_torchrun(vlm_runs):
-    """torchrun starts the ranks, and ``TrainingArguments`` starts ``torch.distributed`` after
-    the example wrapped the model: the Trainer rebuilds the orchestrator's groups."""
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_an_adapted_vlm_under_a_launcher(vlm_runs, launcher):
+    """The launcher starts the ranks, and ``TrainingArguments`` starts ``torch.distributed``
+    after the example wrapped the model: the Trainer rebuilds the orchestrator's groups
+    (``accelerate launch``: gloo on CPU, and ``Accelerator.prepare`` keeps the loader)."""
+    if shutil.which(LAUNCHERS[launcher][0]) is None:
+        pytest.skip(f"no {launcher} launcher")
     argv = [*VLM_COMMON, "--model", "qwen2.5-vl"]
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     out = subprocess.run(
-        [*run, str(EXAMPLE), *argv],
+        [*LAUNCHERS[launcher], str(EXAMPLE), *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -166,6 +177,7 @@ def test_an_adapted_vlm_under_torchrun(vlm_runs):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["prepare_keeps_loader"]
     assert _max_diff(record["losses"], vlm_runs["qwen2.5-vl/none"]["losses"]) < TOL
 
 
