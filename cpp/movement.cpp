@@ -485,8 +485,8 @@ std::vector<int64_t> movement_aware(const double* w, const int64_t* src, int64_t
     // keep-set search's plan is the minimum of the weight moved; where it runs out, or with
     // nodes (which it does not weigh), the item search's beats the best so far or is empty.
     // Every pair of ranks re-splits its items before the searches (a lighter incumbent
-    // prunes more of the item search: 16 ranks x 6 librispeech lengths, 1.27x less moved) and
-    // after them, whatever wins.
+    // prunes more of the item search: balance_bench's 16 ranks x 6 LibriSpeech lengths move
+    // 14,235 tokens, 17,663 without) and after them, whatever wins.
     if (best_moved > 0.0 && num_ranks <= kKeepSearchMaxRanks) {
         stay.resplit_pairs(best);
         best_moved = stay.moved(best);
