@@ -155,10 +155,10 @@ namespace {
 class ItemSearch {
   public:
     ItemSearch(const double* w, const int64_t* src, int64_t n, int64_t d, int64_t c,
-               double limit, int64_t max_nodes)
-        : w_(w), src_(src), n_(n), d_(d), c_(c), limit_(limit), budget_(max_nodes), order_(n),
+               double limit)
+        : w_(w), src_(src), n_(n), d_(d), c_(c), limit_(limit), order_(n),
           own_(d), sums_(d), next_(d, 0), rest_(d, 0.0), load_(d, 0.0), need_(d, 0.0),
-          dst_(n, -1), ranks_(n * d) {
+          dst_(n, -1), ranks_(n * d), key_(d) {
         for (int64_t i = 0; i < n; ++i) order_[i] = i;
         std::sort(order_.begin(), order_.end(),
                   [&](int64_t a, int64_t b) { return w[a] != w[b] ? w[a] > w[b] : a < b; });
@@ -184,19 +184,29 @@ class ItemSearch {
         build_fill();
     }
 
-    // A plan moving less than `incumbent`, or empty.
-    std::vector<int64_t> run(double incumbent) {
+    // A plan moving less than `incumbent`, or empty: max_nodes search nodes in the stay-first
+    // order, then, unless that search ended within them, as many in the bound-first order
+    // from the best plan it found (see Order).
+    std::vector<int64_t> run(double incumbent, int64_t max_nodes) {
         best_ = incumbent;
         double bound = 0.0;
         for (int64_t r = 0; r < d_; ++r) bound += (need_[r] = must_shed(r));
-        dive(0, 0.0, bound);
+        for (const Order order : {Order::kStayFirst, Order::kBoundFirst}) {
+            order_kind_ = order;
+            budget_ = max_nodes;
+            dive(0, 0.0, bound);
+            if (budget_ >= 0) break;  // searched to the end: nothing moves less
+        }
         return found_;
     }
 
   private:
     // Lightest weight rank r's undecided own items can shed to bring it under the limit.
-    double must_shed(int64_t r) const {
-        const double excess = load_[r] + rest_[r] - limit_;
+    double must_shed(int64_t r) const { return must_shed_at(r, load_[r]); }
+
+    // The same, were rank r to hold `load` instead of what it holds now.
+    double must_shed_at(int64_t r, double load) const {
+        const double excess = load + rest_[r] - limit_;
         if (excess <= 0.0) return 0.0;
         const std::vector<double>& s = sums_[r][next_[r]];
         const auto it = std::lower_bound(s.begin(), s.end(), excess);
@@ -216,22 +226,11 @@ class ItemSearch {
         const double x = w_[i];
         rest_[s] -= x;
         ++next_[s];
-        // Stay first, then the other ranks cheapest first (with nodes: the item's own node),
-        // fullest first among those (best fit), ties by rank.
         int64_t* const to = &ranks_[t * d_];
-        int64_t count = 0;
-        to[count++] = s;
-        for (int64_t q = 0; q < d_; ++q)
-            if (q != s && load_[q] + x <= limit_) to[count++] = q;
-        std::sort(to + 1, to + count, [&](int64_t a, int64_t b) {
-            const double ca = cost(i, a), cb = cost(i, b);
-            if (ca != cb) return ca < cb;
-            return load_[a] != load_[b] ? load_[a] > load_[b] : a < b;
-        });
+        const int64_t count = order_choices(t, to);
         const double need_s = need_[s];
         for (int64_t k = 0; k < count; ++k) {
             const int64_t q = to[k];
-            if (load_[q] + x > limit_) continue;
             const double need_q = need_[q];
             load_[q] += x;
             need_[s] = must_shed(s);
@@ -247,6 +246,54 @@ class ItemSearch {
         }
         rest_[s] += x;
         --next_[s];
+    }
+
+    // The order in which the search tries the ranks for an item. kStayFirst: stay, then the
+    // other ranks cheapest first (with nodes: the item's own node). kBoundFirst: the child's
+    // bound first, the weight the move costs plus how much more its source and its
+    // destination must then shed, so that a received item forcing its rank to shed one of its
+    // own comes late, and moving comes first where staying forces the source to shed more than
+    // the item weighs. Staying heavy items first, whatever that forces, spends the budget
+    // under plans that shed too much where the limit is tight and the ranks many (16 ranks x
+    // 4-8 items: uniform, librispeech, spoken_qa lengths); bound first misses what stay first
+    // finds on some tight Pareto instances at 8 ranks, so run() tries both.
+    enum class Order { kStayFirst, kBoundFirst };
+
+    // The ranks item i = order_[t] (source s, already out of s's undecided items) can go to,
+    // into `to`, in order_kind_'s order; returns how many. Ties: stay first, then the fullest
+    // rank (best fit), then by rank.
+    int64_t order_choices(int64_t t, int64_t* to) {
+        const int64_t i = order_[t], s = src_[i];
+        const double x = w_[i];
+        const double gone = must_shed_at(s, load_[s]);  // what s sheds if i leaves
+        int64_t count = 0;
+        const int64_t floor = twin_floor(t);
+        for (int64_t q = 0; q < d_; ++q) {
+            if (load_[q] + x > limit_ || (q == s ? -1 : q) < floor) continue;
+            to[count++] = q;
+            if (order_kind_ == Order::kStayFirst)
+                key_[q] = q == s ? -1.0 : cost(i, q);
+            else
+                key_[q] = q == s ? must_shed_at(s, load_[s] + x)
+                                 : cost(i, q) + gone + must_shed_at(q, load_[q] + x) - need_[q];
+        }
+        std::sort(to, to + count, [&](int64_t a, int64_t b) {
+            if (key_[a] != key_[b]) return key_[a] < key_[b];
+            if ((a == s) != (b == s)) return a == s;
+            return load_[a] != load_[b] ? load_[a] > load_[b] : a < b;
+        });
+        return count;
+    }
+
+    // Items of equal weight and source are interchangeable: of the plans that only swap
+    // their destinations, the search visits the one whose destinations do not decrease along
+    // the order (staying counts as -1). Returns the least destination item i may take so:
+    // the previous item's in order_ where that is its twin, else -1. Item i = order_[t].
+    int64_t twin_floor(int64_t t) const {
+        if (t == 0) return -1;
+        const int64_t i = order_[t], p = order_[t - 1];
+        if (w_[p] != w_[i] || src_[p] != src_[i]) return -1;
+        return dst_[p] == src_[p] ? -1 : dst_[p];
     }
 
     // With nodes: what a node holds and its ranks' undecided own items, beyond what its ranks
@@ -318,7 +365,7 @@ class ItemSearch {
     const int64_t* src_;
     int64_t n_, d_, c_;
     double limit_;
-    int64_t budget_;
+    int64_t budget_ = 0;
     std::vector<int64_t> order_;
     std::vector<std::vector<int64_t>> own_;                // per rank, heaviest first
     std::vector<std::vector<std::vector<double>>> sums_;  // [rank][first undecided]
@@ -326,6 +373,8 @@ class ItemSearch {
     std::vector<double> rest_, load_, need_;              // undecided own, placed, bound
     std::vector<int64_t> dst_, found_;
     std::vector<int64_t> ranks_;  // the ranks tried for the item at each depth
+    std::vector<double> key_;     // order_choices' sort keys, by rank
+    Order order_kind_ = Order::kStayFirst;
     double best_ = 0.0;
     std::vector<int32_t> fill_;  // [t][room], empty: the waste bound is off (see build_fill)
     int64_t cap_ = 0;
@@ -341,7 +390,7 @@ std::vector<int64_t> fewest_moved_by_items(const double* w, const int64_t* src, 
     std::vector<int64_t> count(d, 0);
     for (int64_t i = 0; i < n; ++i)
         if (++count[src[i]] > kKeepSearchMaxItemsPerRank) return {};
-    return ItemSearch(w, src, n, d, ranks_per_node, limit, max_nodes).run(incumbent);
+    return ItemSearch(w, src, n, d, ranks_per_node, limit).run(incumbent, max_nodes);
 }
 
 }  // namespace orch

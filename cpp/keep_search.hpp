@@ -22,9 +22,10 @@ std::vector<int64_t> fewest_moved(const double* w, const int64_t* src, int64_t n
 // The same optimum by a depth-first search over items, heaviest first (stay, or move to a rank
 // with room), bounded by what each rank must still shed and, with integer weights, by the room
 // the ranks must leave unused (at most d x limit - total); with ranks_per_node > 0 an item
-// moved off its node counts twice (greedy_stay's node-aware movement). A plan moving less
-// than `incumbent`, or empty when none is found within max_nodes search nodes (or above the
-// sizes above).
+// moved off its node counts twice (greedy_stay's node-aware movement). The search runs twice
+// within max_nodes search nodes each, trying an item's ranks first stay-first, then by the
+// bound each choice leaves (the second only where the first did not end within its nodes).
+// A plan moving less than `incumbent`, or empty when none is found (or above the sizes above).
 std::vector<int64_t> fewest_moved_by_items(const double* w, const int64_t* src, int64_t n,
                                            int64_t d, int64_t ranks_per_node, double limit,
                                            double incumbent, int64_t max_nodes);

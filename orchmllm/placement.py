@@ -273,13 +273,14 @@ def movement_aware_dst(
     limit that ranks meet only by trading a short item for a long one), or with
     ``ranks_per_node`` (the keep-set search does not weigh nodes), a fifth searches item by
     item, stay or move, bounded below by what each rank must still shed (same file, a fixed
-    node budget; ``balance_bench.py`` prints the planning time). The plan moving the
-    least weight wins, so the tolerance always holds; up to 16 ranks, every pair of ranks then
-    re-splits the items the two hold (all ways, up to ``_core.RESPLIT_MAX_ITEMS`` items) where
-    that moves less. Items are chosen by weight alone, so
-    ``sizes`` (tokens per item) only has to be valid; it is accepted for the ``balance()``
-    contract and used by :func:`movement_lower_bound`. Deterministic: ties break by item index,
-    then rank index.
+    node budget per order: staying first, then by the bound each choice leaves;
+    ``balance_bench.py`` prints the planning time). The plan moving the least weight wins, so
+    the tolerance always holds; up to 16 ranks, every pair of ranks re-splits the items the
+    two hold (all ways, up to ``_core.RESPLIT_MAX_ITEMS`` items) where that moves less, on
+    the heuristics' best before the searches and on the winner after them. Items are chosen
+    by weight alone, so ``sizes`` (tokens per item) only has to be valid; it is accepted for
+    the ``balance()`` contract and used by :func:`movement_lower_bound`. Deterministic: ties
+    break by item index, then rank index.
     """
     w = _weights(weights)
     d = check_num_ranks(num_ranks)
