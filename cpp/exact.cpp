@@ -318,6 +318,103 @@ class Completion {
     double total_ = 0.0, capacity_ = 0.0, room_ = 0.0, waste_ = 0.0;
     int64_t count_room_ = 0;
 };
+
+// Pairs of ranks rebalanced exactly, for integer weights: the items of two ranks split by a
+// subset-sum bitset (one bit per reachable sum in units, up to half the pair's total) into the
+// split whose heavier side is lightest; the split replaces the pair's when that side is lighter
+// than the pair's heavier rank and both sides meet the cap. Heaviest rank first, partners
+// lightest first; every applied split lowers the sum of squared loads, so it ends at a plan no
+// pair can improve, at the floor, or out of nodes (a pair's bitset counts items * words / 64 + 1).
+// With many items per rank the sums a pair reaches are dense, and such pairwise-balanced plans
+// meet the floor where bin completion would search long for them. Returns the nodes used.
+int64_t balance_pairs(const double* x, int64_t m, int64_t d, int64_t cap, double unit,
+                      double floor, int64_t node_limit, int64_t* plan) {
+    constexpr int64_t kMaxCells = int64_t{1} << 18;  // items x words of one pair's bitsets
+    std::vector<double> load(d, 0.0);
+    std::vector<int64_t> count(d, 0), order(d), members;
+    std::vector<uint64_t> value, layers;  // layers: the reachable sums before each item
+    for (int64_t k = 0; k < m; ++k) {
+        load[plan[k]] += x[k];
+        ++count[plan[k]];
+    }
+    int64_t nodes = 0;
+    // The pair (h, p) split at its best; true when applied.
+    const auto split = [&](int64_t h, int64_t p) {
+        members.clear();
+        value.clear();
+        uint64_t total = 0;
+        for (int64_t k = 0; k < m; ++k) {
+            if (plan[k] != h && plan[k] != p) continue;
+            members.push_back(k);
+            value.push_back(static_cast<uint64_t>(x[k] / unit));
+            total += value.back();
+        }
+        const int64_t n = static_cast<int64_t>(members.size());
+        const uint64_t half = total / 2;
+        const int64_t words = static_cast<int64_t>(half / 64) + 1;
+        if (n * words > kMaxCells) return false;
+        nodes += n * words / 64 + 1;
+        if (nodes > node_limit) return false;
+        layers.assign(static_cast<size_t>((n + 1) * words), 0);
+        layers[0] = 1;  // the empty set
+        for (int64_t j = 0; j < n; ++j) {
+            const uint64_t* from = layers.data() + j * words;
+            uint64_t* to = layers.data() + (j + 1) * words;
+            const int64_t skip = static_cast<int64_t>(value[j] / 64);
+            const int bits = static_cast<int>(value[j] % 64);
+            for (int64_t w = 0; w < words; ++w) {
+                uint64_t shifted = 0;
+                if (w - skip >= 0) {
+                    shifted = from[w - skip] << bits;
+                    if (bits > 0 && w - skip - 1 >= 0) shifted |= from[w - skip - 1] >> (64 - bits);
+                }
+                to[w] = from[w] | shifted;
+            }
+            to[words - 1] &= half % 64 == 63 ? ~uint64_t{0} : (uint64_t{1} << (half % 64 + 1)) - 1;
+        }
+        const uint64_t* last = layers.data() + n * words;
+        int64_t w = words - 1;
+        while (last[w] == 0) --w;  // bit 0 is always set
+        uint64_t sum = static_cast<uint64_t>(w) * 64 + (63 - __builtin_clzll(last[w]));
+        const double heavier = static_cast<double>(total - sum) * unit;
+        if (!(heavier < std::max(load[h], load[p]))) return false;
+        // The lighter side: walking back, an item is in it when its sum was not reachable
+        // without it.
+        std::vector<char> light(static_cast<size_t>(n), 0);
+        int64_t light_count = 0;
+        for (int64_t j = n - 1; j >= 0; --j) {
+            const uint64_t* before = layers.data() + j * words;
+            if ((before[sum / 64] >> (sum % 64)) & 1) continue;
+            light[j] = 1;
+            ++light_count;
+            sum -= value[j];
+        }
+        if (light_count > cap || n - light_count > cap) return false;
+        load[h] = load[p] = 0.0;
+        count[h] = n - light_count;
+        count[p] = light_count;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t r = light[j] ? p : h;
+            plan[members[j]] = r;
+            load[r] += x[members[j]];
+        }
+        return true;
+    };
+    for (bool improved = true; improved && nodes <= node_limit;) {
+        improved = false;
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+            return load[a] > load[b] || (load[a] == load[b] && a < b);
+        });
+        if (load[order[0]] <= floor) break;
+        for (int64_t a = 0; a < d && !improved && nodes <= node_limit; ++a)
+            for (int64_t b = d - 1; b > a && !improved && nodes <= node_limit; --b) {
+                if (load[order[a]] - load[order[b]] <= unit) break;  // balanced to the unit
+                improved = split(order[a], order[b]);
+            }
+    }
+    return nodes;
+}
 }  // namespace
 
 ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
@@ -326,12 +423,13 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
     // fractional ones (cost models) a rounding could refute the capacity a plan fills exactly.
     const double unit = weight_unit(x, m);
     if (m > 64 || unit == 0.0) return Search(x, m, d, cap, floor, node_limit, plan).run();
+    const int64_t paired = balance_pairs(x, m, d, cap, unit, floor, node_limit, plan);
     std::vector<double> load(d, 0.0);
     for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
     double best = m ? *std::max_element(load.begin(), load.end()) : 0.0;
     // Capacities below lo hold no plan; one at best does. Try the floor, then bisect.
     double lo = floor;
-    Completion search(x, m, d, cap, node_limit);
+    Completion search(x, m, d, cap, std::max<int64_t>(node_limit - paired, 0));
     std::vector<int64_t> trial(m);
     for (int round = 0; lo < best && round < 128; ++round) {
         double c = lo;
@@ -349,12 +447,13 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
             lo = c + unit;
         }
     }
-    if (!(lo < best)) return {true, search.nodes()};
+    const int64_t used = paired + search.nodes();
+    if (!(lo < best)) return {true, used};
     // Out of nodes: the budget's rest goes to the item-by-item search from the best plan (the
     // order of a complete greedy search), above the floor the bisection has proven.
-    const int64_t left = std::max<int64_t>(node_limit - search.nodes(), 0);
+    const int64_t left = std::max<int64_t>(node_limit - used, 0);
     const ExactOutcome items = Search(x, m, d, cap, lo, left, plan).run();
-    return {items.proven, search.nodes() + items.nodes};
+    return {items.proven, used + items.nodes};
 }
 
 }  // namespace orch
