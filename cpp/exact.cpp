@@ -199,6 +199,7 @@ class Completion {
     }
     int64_t nodes() const { return nodes_; }
     bool out_of_nodes() const { return nodes_ > node_limit_; }
+    void set_node_limit(int64_t limit) { node_limit_ = limit; }
 
     // 1: a plan within capacity c (in plan), 0: none exists, -1: out of nodes.
     int decide(double c, int64_t* plan) {
@@ -557,36 +558,48 @@ class PairBalance {
 };
 }  // namespace
 
+constexpr int64_t kProbeNodes = int64_t{1} << 10;
+
 ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
                            int64_t node_limit, int64_t* plan) {
     // Bin completion counts waste as d*C minus the total, exact only for integer weights; on
     // fractional ones (cost models) a rounding could refute the capacity a plan fills exactly.
     const double unit = weight_unit(x, m);
     if (m > 64 || unit == 0.0) return Search(x, m, d, cap, floor, node_limit, plan).run();
-    const int64_t paired = PairBalance(x, m, d, cap, unit, floor, node_limit, plan).run();
     std::vector<double> load(d, 0.0);
-    for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
-    double best = m ? *std::max_element(load.begin(), load.end()) : 0.0;
-    // Capacities below lo hold no plan; one at best does. Try the floor, then bisect.
-    // Loads are multiples of the unit: so is the lightest possible.
+    const auto heaviest = [&](const int64_t* at) {
+        std::fill(load.begin(), load.end(), 0.0);
+        for (int64_t k = 0; k < m; ++k) load[at[k]] += x[k];
+        return m ? *std::max_element(load.begin(), load.end()) : 0.0;
+    };
+    double best = heaviest(plan);
+    // Capacities below lo hold no plan (loads are multiples of the unit); one at best does.
     double lo = std::ceil(floor / unit) * unit;
-    Completion search(x, m, d, cap, unit, std::max<int64_t>(node_limit - paired, 0));
+    // Bin completion first within kProbeNodes (small instances end here, at a few nodes);
+    // then pairs and chains rebalance the best plan, and bin completion goes on with the rest.
+    Completion search(x, m, d, cap, unit, std::min(node_limit, kProbeNodes));
     std::vector<int64_t> trial(m);
-    for (int round = 0; lo < best && round < 128; ++round) {
-        double c = lo;
-        if (round > 0) {
-            c = lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
+    const auto bisect = [&]() {  // the floor first, then halves; until out of nodes
+        for (int round = 0; lo < best && round < 128; ++round) {
+            const double c =
+                round == 0 ? lo : lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
+            const int found = search.decide(c, trial.data());
+            if (found < 0) return;
+            if (found == 1) {
+                best = heaviest(trial.data());
+                std::copy(trial.begin(), trial.end(), plan);
+            } else {
+                lo = c + unit;
+            }
         }
-        const int found = search.decide(c, trial.data());
-        if (found < 0) break;
-        if (found == 1) {
-            std::fill(load.begin(), load.end(), 0.0);
-            for (int64_t k = 0; k < m; ++k) load[trial[k]] += x[k];
-            best = *std::max_element(load.begin(), load.end());
-            std::copy(trial.begin(), trial.end(), plan);
-        } else {
-            lo = c + unit;
-        }
+    };
+    bisect();
+    int64_t paired = 0;
+    if (lo < best && node_limit > search.nodes()) {
+        paired = PairBalance(x, m, d, cap, unit, lo, node_limit - search.nodes(), plan).run();
+        best = heaviest(plan);
+        search.set_node_limit(node_limit - paired);
+        bisect();
     }
     const int64_t used = paired + search.nodes();
     if (!(lo < best)) return {true, used};
