@@ -373,14 +373,18 @@ class Completion {
         const double top = out[0] + free;
         int64_t queries = 0;
         bool found = false;
+        const auto query = [&](double sum, bool several) {
+            if (sum > top) return;
+            ++queries;
+            found = swap_in(sum, several);
+        };
         for (int64_t a = 0; a < k && !found; ++a) {
             const double wa = x_[in[a]];
-            if (wa <= top) found = ++queries && swap_in(wa, false);
+            query(wa, false);
             for (int64_t b = a + 1; multi && b < k && !found; ++b) {
                 const double wab = wa + x_[in[b]];
-                if (wab <= top) found = ++queries && swap_in(wab, true);
-                for (int64_t c = b + 1; c < k && !found; ++c)
-                    if (wab + x_[in[c]] <= top) found = ++queries && swap_in(wab + x_[in[c]], true);
+                query(wab, true);
+                for (int64_t c = b + 1; c < k && !found; ++c) query(wab + x_[in[c]], true);
             }
         }
         nodes_ += queries / 8;  // a binary search each: the work a node stands for
