@@ -171,15 +171,15 @@ class Search {
 // Bitset row `to` = `from` | `from` shifted by v: the sums reached with one more item of v
 // units, kept to `limit` (words: limit / 64 + 1).
 void add_item(const uint64_t* from, uint64_t* to, int64_t words, uint64_t v, uint64_t limit) {
-    const int64_t skip = static_cast<int64_t>(v / 64);
+    const int64_t skip = std::min(static_cast<int64_t>(v / 64), words);
     const int bits = static_cast<int>(v % 64);
-    for (int64_t w = 0; w < words; ++w) {
-        uint64_t shifted = 0;
-        if (w >= skip) {
-            shifted = from[w - skip] << bits;
-            if (bits > 0 && w > skip) shifted |= from[w - skip - 1] >> (64 - bits);
-        }
-        to[w] = from[w] | shifted;
+    std::copy(from, from + skip, to);
+    if (bits == 0) {
+        for (int64_t w = skip; w < words; ++w) to[w] = from[w] | from[w - skip];
+    } else if (skip < words) {
+        to[skip] = from[skip] | (from[0] << bits);
+        for (int64_t w = skip + 1; w < words; ++w)
+            to[w] = from[w] | (from[w - skip] << bits) | (from[w - skip - 1] >> (64 - bits));
     }
     if (limit % 64 != 63) to[words - 1] &= (uint64_t{1} << (limit % 64 + 1)) - 1;
 }
@@ -321,7 +321,8 @@ class Completion {
             return;
         }
         nodes_ += n * words_ / 64 + 1;
-        reach_.assign(static_cast<size_t>((n + 1) * words_), 0);
+        reach_.resize(static_cast<size_t>((n + 1) * words_));  // rows 0..n-1: add_item's
+        std::fill(reach_.begin() + n * words_, reach_.end(), 0);
         reach_[n * words_] = 1;  // after the last item: the empty set
         int64_t at[64], i = 0;
         for (uint64_t t = pool; t; t &= t - 1) {
@@ -528,7 +529,8 @@ class PairBalance {
         if ((n + 1) * words > kMaxCells) return -1;
         nodes_ += n * words / 64 + 1;
         if (out_of_nodes()) return -1;
-        rows_.assign(static_cast<size_t>((n + 1) * words), 0);
+        rows_.resize(static_cast<size_t>((n + 1) * words));  // rows 1..n: add_item's
+        std::fill(rows_.begin(), rows_.begin() + words, 0);
         rows_[0] = 1;  // row j: the sums of items before j; the empty set's
         for (int64_t j = 0; j < n; ++j)
             add_item(rows_.data() + j * words, rows_.data() + (j + 1) * words, words, value_[j],
