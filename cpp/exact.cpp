@@ -585,7 +585,18 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
     // then pairs and chains rebalance the best plan, and bin completion goes on with the rest.
     Completion search(x, m, d, cap, unit, std::min(node_limit, kProbeNodes));
     std::vector<int64_t> trial(m);
-    const auto bisect = [&]() {  // the floor first, then halves; until out of nodes
+    int64_t paired = 0;
+    // Pairs and chains from the plan in hand, within what bin completion left; they stop at
+    // lo, the bound proven so far.
+    const auto rebalance = [&]() {
+        if (!(lo < best) || node_limit <= search.nodes() + paired) return;
+        paired += PairBalance(x, m, d, cap, unit, lo, node_limit - search.nodes() - paired,
+                              plan)
+                      .run();
+        best = heaviest(plan);
+        search.set_node_limit(node_limit - paired);
+    };
+    const auto bisect = [&](bool polish) {  // the floor first, then halves; until out of nodes
         for (int round = 0; lo < best && round < 128; ++round) {
             const double c =
                 round == 0 ? lo : lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
@@ -594,18 +605,16 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
             if (found == 1) {
                 best = heaviest(trial.data());
                 std::copy(trial.begin(), trial.end(), plan);
+                if (polish) rebalance();  // a new start for them
             } else {
                 lo = c + unit;
             }
         }
     };
-    bisect();
-    int64_t paired = 0;
-    if (lo < best && node_limit > search.nodes()) {
-        paired = PairBalance(x, m, d, cap, unit, lo, node_limit - search.nodes(), plan).run();
-        best = heaviest(plan);
-        search.set_node_limit(node_limit - paired);
-        bisect();
+    bisect(false);
+    if (lo < best) {
+        rebalance();
+        bisect(true);
     }
     const int64_t used = paired + search.nodes();
     if (!(lo < best)) return {true, used};
