@@ -168,6 +168,22 @@ class Search {
 };
 
 
+// Bitset row `to` = `from` | `from` shifted by v: the sums reached with one more item of v
+// units, kept to `limit` (words: limit / 64 + 1).
+void add_item(const uint64_t* from, uint64_t* to, int64_t words, uint64_t v, uint64_t limit) {
+    const int64_t skip = std::min(static_cast<int64_t>(v / 64), words);
+    const int bits = static_cast<int>(v % 64);
+    std::copy(from, from + skip, to);
+    if (bits == 0) {
+        for (int64_t w = skip; w < words; ++w) to[w] = from[w] | from[w - skip];
+    } else if (skip < words) {
+        to[skip] = from[skip] | (from[0] << bits);
+        for (int64_t w = skip + 1; w < words; ++w)
+            to[w] = from[w] | (from[w - skip] << bits) | (from[w - skip - 1] >> (64 - bits));
+    }
+    if (limit % 64 != 63) to[words - 1] &= (uint64_t{1} << (limit % 64 + 1)) - 1;
+}
+
 // Bin completion (Korf 2002) for up to 64 integer weights, on the decision "do the items fit d ranks of
 // capacity C": ranks are filled one at a time, each taking the heaviest item left and then a
 // maximal set of the others (no item left fits in what stays free), sets of least waste first.
@@ -175,13 +191,15 @@ class Search {
 // The smallest C is found from the floor up: C = floor, then bisection below the best plan.
 class Completion {
   public:
-    Completion(const double* x, int64_t m, int64_t d, int64_t cap, int64_t node_limit)
-        : x_(x), m_(m), d_(d), cap_(cap), node_limit_(node_limit), trial_(m, 0) {
+    Completion(const double* x, int64_t m, int64_t d, int64_t cap, double unit,
+               int64_t node_limit)
+        : x_(x), m_(m), d_(d), cap_(cap), node_limit_(node_limit), unit_(unit), trial_(m, 0) {
         total_ = 0.0;
         for (int64_t k = 0; k < m; ++k) total_ += x[k];
     }
     int64_t nodes() const { return nodes_; }
     bool out_of_nodes() const { return nodes_ > node_limit_; }
+    void set_node_limit(int64_t limit) { node_limit_ = limit; }
 
     // 1: a plan within capacity c (in plan), 0: none exists, -1: out of nodes.
     int decide(double c, int64_t* plan) {
@@ -212,6 +230,7 @@ class Completion {
         room_ = capacity_ - x_[first];
         waste_ = waste;
         count_room_ = cap_ - 1;
+        sums_reached(rest);
         collect(rest, 0, 0.0, 0, 0);
         if (out_of_nodes()) return -1;
         // Least waste first, ties by the set of lower positions (the heavier items).
@@ -274,9 +293,58 @@ class Completion {
             reach -= x_[p];
             if (x_[p] == prev || x_[p] > free) continue;
             prev = x_[p];
+            if (words_ > 0) {  // the set with p must end within the waste: can its rest?
+                const int64_t top = units(free - x_[p]);
+                if (!any_in(reach_.data() + (index_[p] + 1) * words_,
+                            std::max<int64_t>(top - units(waste_), 0), top))
+                    continue;
+            }
             collect(pool, p + 1, sum + x_[p], count + 1, mask | (uint64_t{1} << p));
             if (out_of_nodes()) return;
         }
+    }
+
+    // Exact: w is a multiple of the unit below 2^53.
+    int64_t units(double w) const { return static_cast<int64_t>(w / unit_); }
+
+    // The sums (in units, up to the room) that the pool's items from each on reach, a bitset
+    // per pool item in position order (reach_, words_ words each, index_ by position), so
+    // collect() follows only the items after which a set can still end within the waste: of
+    // the partial sets it would walk, most can never fill a rank that closely. Past
+    // kMaxCells, words_ = 0 and collect() walks without it. Counts items * words / 64 nodes.
+    void sums_reached(uint64_t pool) {
+        constexpr int64_t kMaxCells = int64_t{1} << 16;
+        const int64_t n = __builtin_popcountll(pool), top = units(room_);
+        words_ = top / 64 + 1;
+        if ((n + 1) * words_ > kMaxCells) {
+            words_ = 0;
+            return;
+        }
+        nodes_ += n * words_ / 64 + 1;
+        reach_.resize(static_cast<size_t>((n + 1) * words_));  // rows 0..n-1: add_item's
+        std::fill(reach_.begin() + n * words_, reach_.end(), 0);
+        reach_[n * words_] = 1;  // after the last item: the empty set
+        int64_t at[64], i = 0;
+        for (uint64_t t = pool; t; t &= t - 1) {
+            at[i] = __builtin_ctzll(t);
+            index_[at[i]] = i;
+            ++i;
+        }
+        for (i = n - 1; i >= 0; --i)  // the sums of items i.. : those of i + 1.. and with i
+            add_item(reach_.data() + (i + 1) * words_, reach_.data() + i * words_, words_,
+                     static_cast<uint64_t>(units(x_[at[i]])), static_cast<uint64_t>(top));
+    }
+    // Whether `bits` holds a sum in [lo, hi].
+    static bool any_in(const uint64_t* bits, int64_t lo, int64_t hi) {
+        if (lo > hi) return false;
+        const int64_t a = lo / 64, b = hi / 64;
+        const uint64_t first = ~uint64_t{0} << (lo % 64);
+        const uint64_t last = hi % 64 == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi % 64 + 1)) - 1;
+        if (a == b) return bits[a] & first & last;
+        if (bits[a] & first) return true;
+        for (int64_t w = a + 1; w < b; ++w)
+            if (bits[w]) return true;
+        return bits[b] & last;
     }
 
     // Dominance (Martello and Toth): when an item left out is heavier than one item of the set
@@ -284,41 +352,219 @@ class Completion {
     // in their place, any plan through this set maps to one through the swapped set, which is
     // fuller, so this set need not be searched. Swaps only ever make a set fuller (or, at equal
     // weight, hold fewer items), so an undominated set always remains.
-    bool dominated(uint64_t outside, uint64_t mask, double free) const {
+    bool dominated(uint64_t outside, uint64_t mask, double free) {
         if (outside == 0) return false;
-        int64_t in[64], k = 0;
+        int64_t in[64], k = 0, n = 0;
         for (uint64_t t = mask; t; t &= t - 1) in[k++] = __builtin_ctzll(t);
-        // Some item left out weighs in [sum, sum + free], more than sum unless `several`.
+        double out[64];  // the weights left out, heaviest first
+        for (uint64_t t = outside; t; t &= t - 1) out[n++] = x_[__builtin_ctzll(t)];
+        // Every swap gives up at least the set's lightest item.
+        if (k == 0 || out[0] < x_[in[k - 1]]) return false;
+        // Some item left out weighs in [sum, sum + free], more than sum unless `several`: the
+        // heaviest one within sum + free decides.
         const auto swap_in = [&](double sum, bool several) {
-            for (uint64_t t = outside; t; t &= t - 1) {
-                const double w = x_[__builtin_ctzll(t)];  // heaviest first
-                if (w < sum) return false;
-                if (w <= sum + free && (w > sum || several)) return true;
-            }
-            return false;
+            const double* w = std::partition_point(out, out + n, [&](double v) {
+                return v > sum + free;
+            });
+            return w != out + n && (*w > sum || (several && *w == sum));
         };
         const bool multi = cap_ >= m_;
-        for (int64_t a = 0; a < k; ++a) {
-            if (swap_in(x_[in[a]], false)) return true;
-            if (!multi) continue;
-            for (int64_t b = a + 1; b < k; ++b) {
-                if (swap_in(x_[in[a]] + x_[in[b]], true)) return true;
-                for (int64_t c = b + 1; c < k; ++c)
-                    if (swap_in(x_[in[a]] + x_[in[b]] + x_[in[c]], true)) return true;
+        // Sums of one, two or three of the set's items, heaviest first: in each loop the sum
+        // only falls, so the ones above every item left out plus the free room are skipped.
+        const double top = out[0] + free;
+        int64_t queries = 0;
+        bool found = false;
+        const auto query = [&](double sum, bool several) {
+            if (sum > top) return;
+            ++queries;
+            found = swap_in(sum, several);
+        };
+        for (int64_t a = 0; a < k && !found; ++a) {
+            const double wa = x_[in[a]];
+            query(wa, false);
+            for (int64_t b = a + 1; multi && b < k && !found; ++b) {
+                const double wab = wa + x_[in[b]];
+                query(wab, true);
+                for (int64_t c = b + 1; c < k && !found; ++c) query(wab + x_[in[c]], true);
             }
         }
-        return false;
+        nodes_ += queries / 8;  // a binary search each: the work a node stands for
+        return found;
     }
 
     const double* x_;
     int64_t m_, d_, cap_, node_limit_, nodes_ = 0;
+    double unit_;
     std::vector<int64_t> trial_;
+    std::vector<uint64_t> reach_;  // sums_reached()
+    int64_t words_ = 0, index_[64] = {};
     std::vector<Set> sets_;
     std::unordered_set<uint64_t> failed_;  // sets of items left that fit no plan
     double total_ = 0.0, capacity_ = 0.0, room_ = 0.0, waste_ = 0.0;
     int64_t count_room_ = 0;
 };
+
+// Ranks rebalanced exactly, for integer weights, before bin completion: with many items per
+// rank the sums a few ranks reach are dense, and plans that no pair of ranks can improve meet
+// the floor where bin completion would search long for them. A pair's items are split by a
+// subset-sum bitset (bits: sums in units) so that its heavier side is lightest; the split
+// replaces the pair's when that side is lighter than the pair's heavier rank. Where no pair
+// improves, a chain of three: the heaviest rank h keeps the heaviest subset of h and p below
+// its load, and p's remainder is split with a third rank q, when all three end below h's old
+// load. Heaviest ranks first, partners lightest first; every change lowers the loads sorted
+// heaviest first (lexicographically), so it ends at a plan neither step improves, at the
+// floor, or out of nodes (a bitset counts items * words / 64 + 1). Deterministic.
+class PairBalance {
+  public:
+    PairBalance(const double* x, int64_t m, int64_t d, int64_t cap, double unit, double floor,
+                int64_t node_limit, int64_t* plan)
+        : x_(x), m_(m), d_(d), cap_(cap), unit_(unit), floor_(floor), node_limit_(node_limit),
+          plan_(plan), load_(d, 0.0), count_(d, 0), order_(d) {
+        for (int64_t k = 0; k < m; ++k) {
+            load_[plan[k]] += x[k];
+            ++count_[plan[k]];
+        }
+    }
+
+    // Returns the nodes used.
+    int64_t run() {
+        while (nodes_ <= node_limit_) {
+            std::iota(order_.begin(), order_.end(), 0);
+            std::sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) {
+                return load_[a] > load_[b] || (load_[a] == load_[b] && a < b);
+            });
+            if (load_[order_[0]] <= floor_ || !(pairs() || chain())) break;
+        }
+        return nodes_;
+    }
+
+  private:
+    bool out_of_nodes() const { return nodes_ > node_limit_; }
+
+    bool pairs() {
+        for (int64_t a = 0; a < d_ && !out_of_nodes(); ++a)
+            for (int64_t b = d_ - 1; b > a && !out_of_nodes(); --b) {
+                const int64_t h = order_[a], p = order_[b];
+                if (load_[h] - load_[p] <= unit_) break;  // balanced to the unit
+                gather({h, p});
+                const uint64_t total = sum_of(value_);
+                const int64_t light = best_subset(total / 2);
+                if (light < 0) continue;
+                const double heavier = static_cast<double>(total - light) * unit_;
+                if (heavier < load_[h] && fits(in_, members_.size())) {
+                    assign(members_, in_, p, h);
+                    return true;
+                }
+            }
+        return false;
+    }
+
+    bool chain() {
+        const int64_t h = order_[0];
+        const uint64_t below = static_cast<uint64_t>(load_[h] / unit_) - 1;  // in units
+        for (int64_t a = 1; a < d_ && !out_of_nodes(); ++a) {
+            const int64_t p = order_[a];
+            gather({h, p});
+            const uint64_t total = sum_of(value_);
+            const int64_t kept = best_subset(below);
+            if (kept < 0 || total - kept <= below) continue;  // (a pair's step would do)
+            const std::vector<int64_t> first = members_;
+            const std::vector<char> keep = in_;
+            std::vector<int64_t> moved;  // what p holds after h keeps its subset
+            for (size_t j = 0; j < first.size(); ++j)
+                if (!keep[j]) moved.push_back(first[j]);
+            if (std::count(keep.begin(), keep.end(), 1) > cap_) continue;
+            for (int64_t c = d_ - 1; c >= 1 && !out_of_nodes(); --c) {
+                const int64_t q = order_[c];
+                if (q == p) continue;
+                const uint64_t rest = total - kept + static_cast<uint64_t>(load_[q] / unit_);
+                if (rest > 2 * below) continue;
+                gather({q}, moved);
+                const int64_t light = best_subset(rest / 2);
+                if (light < 0 || rest - light > below || !fits(in_, members_.size())) continue;
+                assign(first, keep, h, p);
+                assign(members_, in_, q, p);
+                return true;
+            }
+        }
+        return false;
+    }
+
+    // members_ and value_ (units): the items of `ranks`, after `extra`.
+    void gather(std::initializer_list<int64_t> ranks, const std::vector<int64_t>& extra = {}) {
+        members_ = extra;
+        for (int64_t k = 0; k < m_; ++k)
+            for (const int64_t r : ranks)
+                if (plan_[k] == r) members_.push_back(k);
+        value_.clear();
+        for (const int64_t k : members_) value_.push_back(static_cast<uint64_t>(x_[k] / unit_));
+    }
+    static uint64_t sum_of(const std::vector<uint64_t>& v) {
+        return std::accumulate(v.begin(), v.end(), uint64_t{0});
+    }
+    // Both sides within the cap: in_ marks one side of `n` members.
+    bool fits(const std::vector<char>& in, size_t n) const {
+        const int64_t k = std::count(in.begin(), in.begin() + n, 1);
+        return k <= cap_ && static_cast<int64_t>(n) - k <= cap_;
+    }
+    // The members marked go to rank `yes`, the others to `no`.
+    void assign(const std::vector<int64_t>& members, const std::vector<char>& in, int64_t yes,
+                int64_t no) {
+        for (size_t j = 0; j < members.size(); ++j) {
+            const int64_t k = members[j], r = in[j] ? yes : no;
+            load_[plan_[k]] -= x_[k];
+            --count_[plan_[k]];
+            plan_[k] = r;
+            load_[r] += x_[k];
+            ++count_[r];
+        }
+    }
+
+    // The heaviest subset of value_ within `limit` units: its sum, and in_ marks it; -1 past
+    // kMaxCells or the node budget.
+    int64_t best_subset(uint64_t limit) {
+        constexpr int64_t kMaxCells = int64_t{1} << 18;  // items x words of the bitsets
+        const int64_t n = static_cast<int64_t>(value_.size());
+        const int64_t words = static_cast<int64_t>(limit / 64) + 1;
+        if ((n + 1) * words > kMaxCells) return -1;
+        nodes_ += n * words / 64 + 1;
+        if (out_of_nodes()) return -1;
+        rows_.resize(static_cast<size_t>((n + 1) * words));  // rows 1..n: add_item's
+        std::fill(rows_.begin(), rows_.begin() + words, 0);
+        rows_[0] = 1;  // row j: the sums of items before j; the empty set's
+        for (int64_t j = 0; j < n; ++j)
+            add_item(rows_.data() + j * words, rows_.data() + (j + 1) * words, words, value_[j],
+                     limit);
+        const uint64_t* last = rows_.data() + n * words;
+        int64_t w = words - 1;
+        while (last[w] == 0) --w;
+        uint64_t sum = static_cast<uint64_t>(w) * 64 + (63 - __builtin_clzll(last[w]));
+        const int64_t best = static_cast<int64_t>(sum);
+        // Walking back, an item is in when its sum was not reachable without it.
+        in_.assign(static_cast<size_t>(n), 0);
+        for (int64_t j = n - 1; j >= 0; --j) {
+            const uint64_t* before = rows_.data() + j * words;
+            if ((before[sum / 64] >> (sum % 64)) & 1) continue;
+            in_[j] = 1;
+            sum -= value_[j];
+        }
+        return best;
+    }
+
+    const double* x_;
+    int64_t m_, d_, cap_;
+    double unit_, floor_;
+    int64_t node_limit_;
+    int64_t* plan_;
+    std::vector<double> load_;
+    std::vector<int64_t> count_, order_, members_;
+    std::vector<uint64_t> value_, rows_;
+    std::vector<char> in_;
+    int64_t nodes_ = 0;
+};
 }  // namespace
+
+constexpr int64_t kProbeNodes = int64_t{1} << 10;
 
 ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
                            int64_t node_limit, int64_t* plan) {
@@ -327,34 +573,56 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
     const double unit = weight_unit(x, m);
     if (m > 64 || unit == 0.0) return Search(x, m, d, cap, floor, node_limit, plan).run();
     std::vector<double> load(d, 0.0);
-    for (int64_t k = 0; k < m; ++k) load[plan[k]] += x[k];
-    double best = m ? *std::max_element(load.begin(), load.end()) : 0.0;
-    // Capacities below lo hold no plan; one at best does. Try the floor, then bisect.
-    double lo = floor;
-    Completion search(x, m, d, cap, node_limit);
+    const auto heaviest = [&](const int64_t* at) {
+        std::fill(load.begin(), load.end(), 0.0);
+        for (int64_t k = 0; k < m; ++k) load[at[k]] += x[k];
+        return m ? *std::max_element(load.begin(), load.end()) : 0.0;
+    };
+    double best = heaviest(plan);
+    // Capacities below lo hold no plan (loads are multiples of the unit); one at best does.
+    double lo = std::ceil(floor / unit) * unit;
+    // Bin completion first within kProbeNodes (small instances end here, at a few nodes);
+    // then pairs and chains rebalance the best plan, and bin completion goes on with the rest.
+    Completion search(x, m, d, cap, unit, std::min(node_limit, kProbeNodes));
     std::vector<int64_t> trial(m);
-    for (int round = 0; lo < best && round < 128; ++round) {
-        double c = lo;
-        if (round > 0) {
-            c = lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
+    int64_t paired = 0;
+    // Pairs and chains from the plan in hand, within what bin completion left; they stop at
+    // lo, the bound proven so far.
+    const auto rebalance = [&]() {
+        if (!(lo < best) || node_limit <= search.nodes() + paired) return;
+        paired += PairBalance(x, m, d, cap, unit, lo, node_limit - search.nodes() - paired,
+                              plan)
+                      .run();
+        best = heaviest(plan);
+        search.set_node_limit(node_limit - paired);
+    };
+    const auto bisect = [&](bool polish) {  // the floor first, then halves; until out of nodes
+        for (int round = 0; lo < best && round < 128; ++round) {
+            const double c =
+                round == 0 ? lo : lo + std::floor((best - unit - lo) / (2 * unit)) * unit;
+            const int found = search.decide(c, trial.data());
+            if (found < 0) return;
+            if (found == 1) {
+                best = heaviest(trial.data());
+                std::copy(trial.begin(), trial.end(), plan);
+                if (polish) rebalance();  // a new start for them
+            } else {
+                lo = c + unit;
+            }
         }
-        const int found = search.decide(c, trial.data());
-        if (found < 0) break;
-        if (found == 1) {
-            std::fill(load.begin(), load.end(), 0.0);
-            for (int64_t k = 0; k < m; ++k) load[trial[k]] += x[k];
-            best = *std::max_element(load.begin(), load.end());
-            std::copy(trial.begin(), trial.end(), plan);
-        } else {
-            lo = c + unit;
-        }
+    };
+    bisect(false);
+    if (lo < best) {
+        rebalance();
+        bisect(true);
     }
-    if (!(lo < best)) return {true, search.nodes()};
+    const int64_t used = paired + search.nodes();
+    if (!(lo < best)) return {true, used};
     // Out of nodes: the budget's rest goes to the item-by-item search from the best plan (the
     // order of a complete greedy search), above the floor the bisection has proven.
-    const int64_t left = std::max<int64_t>(node_limit - search.nodes(), 0);
+    const int64_t left = std::max<int64_t>(node_limit - used, 0);
     const ExactOutcome items = Search(x, m, d, cap, lo, left, plan).run();
-    return {items.proven, search.nodes() + items.nodes};
+    return {items.proven, used + items.nodes};
 }
 
 }  // namespace orch

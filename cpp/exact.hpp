@@ -25,9 +25,14 @@ struct ExactOutcome {
 
 // Improves `plan` (rank per sorted position, a plan that meets the cap) to the lightest plan
 // under the cap, searching at most `node_limit` nodes. `x`: m weights sorted descending;
-// `floor`: a lower bound (makespan_floor). Ranks are tried least loaded first, ties by index,
-// ranks in the same (load, count) state as one tried are skipped; a plan replaces the one
-// kept only when strictly lighter. Deterministic.
+// `floor`: a lower bound (makespan_floor). Up to 64 integer weights: bin completion on the
+// capacity (the floor, then bisection) within a small probe, then pairs of ranks and chains of
+// three rebalanced exactly by subset-sum bitsets (they find the plans at the floor that many
+// items per rank hide from bin completion), then bin completion again; what is left of the
+// budget goes to the item search. The item search (fractional weights, and the rest): ranks
+// are tried least loaded first, ties by index, ranks in the same (load, count) state as one
+// tried are skipped; a plan replaces the one kept only when strictly lighter. Bitset work
+// counts as nodes (items * words / 64). Deterministic.
 ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, double floor,
                            int64_t node_limit, int64_t* plan);
 

@@ -33,11 +33,15 @@ def min_makespan(weights: np.ndarray, num_ranks: int, *, max_items: int) -> Exac
     ``max_items`` items each (``max_items * num_ranks >= len(weights)``), exactly when
     ``proven``.
 
-    The search starts from longest-processing-time under the cap and places items heaviest
-    first, trying ranks in index order and skipping a rank in the same (load, count) state as
-    an earlier one (its plans mirror the earlier one's); a branch stops when the ranks with
-    room cannot hold what is left below the best plan. It ends at the floor (mean or heaviest
-    item, rounded up for integer weights), which proves the plan optimal at once.
+    The search starts from longest-processing-time under the cap. Up to 64 integer weights
+    (``cpp/exact.cpp``): bin completion decides capacities from the floor up (the floor, then
+    bisection), and pairs of ranks and chains of three rebalanced exactly by subset sums find
+    the plans at the floor that many items per rank hide from it. Otherwise, and with what
+    budget is left, it places items heaviest first, trying ranks in index order and skipping
+    a rank in the same (load, count) state as an earlier one (its plans mirror the earlier
+    one's); a branch stops when the ranks with room cannot hold what is left below the best
+    plan. It ends at the floor (mean or heaviest item, rounded up for integer weights), which
+    proves the plan optimal at once.
     """
     w = np.ascontiguousarray(weights, dtype=np.float64)
     dst, proven, _ = _core.min_makespan(w, int(num_ranks), int(max_items), EXACT_NODE_LIMIT)
