@@ -1265,3 +1265,39 @@ def test_package_exports_load_lazily():
     assert len(set(data.__all__)) == len(data.__all__) and "map_lengths" in data.__all__
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         data.nope  # noqa: B018
+
+
+class _ForkedFrom(torch.utils.data.Dataset):
+    """Each example names the thread its worker process was forked from (a forked child keeps
+    the forking thread's name)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": [1] * (i + 1), "thread": threading.current_thread().name}
+
+
+def _as_is(batch: list) -> list:
+    return batch
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("source", ["dataloader", "dataset"])
+def test_workers_fork_from_the_thread_that_iterates_not_the_prefetch_thread(source):
+    """A fork copies the locks other threads hold: the workers start in ``iter()``, in the
+    training loop's thread, as a plain DataLoader's do, for every epoch."""
+    length = {"length_fn": lambda ex: len(ex["input_ids"])}
+    if source == "dataloader":
+        dl = DataLoader(_ForkedFrom(), batch_size=3, num_workers=1, collate_fn=_as_is)
+        loader = BalancedDataLoader(dl, **length)
+    else:
+        options = LoaderOptions(num_workers=1)
+        loader = BalancedDataLoader(
+            _ForkedFrom(), batch_size=3, mode="move", collate_fn=_as_is, options=options, **length
+        )
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        examples = [ex for batch in loader for ex in batch]
+        assert len(examples) == 12  # every example, once
+        assert {ex["thread"] for ex in examples} == {threading.current_thread().name}

@@ -787,10 +787,10 @@ class BalancedDataLoader:
 
     def _produce_index(self, ep: _Epoch, step: int) -> _Step:
         assert isinstance(self._reader, sr.MapLoader)
-        if ep.loaded is None:
-            ep.loaded = self._reader(self._plan_index_steps(ep))
         batch, error = None, None
         try:
+            if ep.loaded is None:  # the workers start, and plan the steps they load ahead
+                ep.loaded = self._reader(self._plan_index_steps(ep))
             batch = self._finish(next(ep.loaded))
         except Exception as exc:
             if ep.planning_failed:  # a collective error: raised on every rank already

@@ -6,6 +6,12 @@ so that errors can name it) and cuts them into local mini-batches, by count
 (``batch_size``) or by a token budget. Loading runs in torch ``DataLoader`` worker
 processes when asked (``num_workers``), as with a plain DataLoader; nothing here is
 collective.
+
+Workers start when a reader is called, in the calling thread, not when its batches are first
+drawn: the balanced loader calls its reader in ``iter()`` (every mode but index, whose batch
+sampler plans and so runs in the prefetch thread), so the workers fork from the training loop's
+thread, as a plain DataLoader's do, and not from the prefetch thread while the loop's thread
+may be in the middle of a step (a fork copies the locks other threads hold, not the threads).
 """
 
 from __future__ import annotations
@@ -125,9 +131,9 @@ class MapLoader:
 
     def __call__(self, batches: Iterable[list[int]]) -> Iterator[Any]:
         """The loaded batches, in order; ``batches`` is drawn from as the loader needs
-        them (a worker pool asks ``prefetch_factor * num_workers`` ahead)."""
+        them (a worker pool asks ``prefetch_factor * num_workers`` ahead, from now on)."""
         self.sampler.batches = batches
-        yield from self.loader
+        return iter(self.loader)
 
 
 class IterStream:
@@ -143,11 +149,10 @@ class IterStream:
 
     def __call__(self, epoch: int) -> Iterator[tuple[Key, Any]]:
         set_epoch(self.source, epoch=epoch)
-        it = (
-            iter(self.source) if self.loader is None else itertools.chain.from_iterable(self.loader)
-        )
-        for k, example in enumerate(it):
-            yield f"item {k} of this rank's stream", example
+        it = iter(self.source if self.loader is None else self.loader)  # workers start here
+        if self.loader is not None:
+            it = itertools.chain.from_iterable(it)
+        return ((f"item {k} of this rank's stream", example) for k, example in enumerate(it))
 
 
 def by_count(pairs: Iterator[tuple[Key, Any]], batch_size: int) -> Iterator[Local]:
@@ -214,18 +219,25 @@ class LoaderBatches:
 
     def __call__(self, epoch: int, skip: int) -> Iterator[Local]:
         """The epoch's batches from the ``skip``-th on (skipped index batches are never
-        loaded; an iterable dataset's are read and dropped)."""
+        loaded; an iterable dataset's are read and dropped). The workers start now."""
         bs = self.dl.batch_sampler
         set_epoch(self.dl.sampler, bs, getattr(bs, "sampler", None), self.dl.dataset, epoch=epoch)
         if self.indexed:
             self.sampler.batches = itertools.islice(bs, skip, None)
-            for pairs in self.loader:
-                keys, examples = zip(*pairs, strict=True)
-                yield Local(list(keys), list(examples))
-            return
-        read = 0
-        for b, examples in enumerate(self.loader):
-            keys = [f"item {read + i} of this rank's stream" for i in range(len(examples))]
-            read += len(examples)
-            if b >= skip:
-                yield Local(keys, examples)
+            return _indexed_batches(iter(self.loader))
+        return _stream_batches(iter(self.loader), skip)
+
+
+def _indexed_batches(loaded: Iterator[list[tuple[int, Any]]]) -> Iterator[Local]:
+    for pairs in loaded:
+        keys, examples = zip(*pairs, strict=True)
+        yield Local(list(keys), list(examples))
+
+
+def _stream_batches(loaded: Iterator[list[Any]], skip: int) -> Iterator[Local]:
+    read = 0
+    for b, examples in enumerate(loaded):
+        keys = [f"item {read + i} of this rank's stream" for i in range(len(examples))]
+        read += len(examples)
+        if b >= skip:
+            yield Local(keys, examples)
