@@ -229,12 +229,15 @@ class LoaderBatches:
 
 
 def _indexed_batches(loaded: Iterator[list[tuple[int, Any]]]) -> Iterator[Local]:
+    """Local batches from loaded ``(index, example)`` pairs: the index is the key."""
     for pairs in loaded:
         keys, examples = zip(*pairs, strict=True)
         yield Local(list(keys), list(examples))
 
 
 def _stream_batches(loaded: Iterator[list[Any]], skip: int) -> Iterator[Local]:
+    """Local batches of a stream from its ``skip``-th on, keyed by position in it (the
+    skipped ones are read: a stream cannot seek)."""
     read = 0
     for b, examples in enumerate(loaded):
         keys = [f"item {read + i} of this rank's stream" for i in range(len(examples))]
