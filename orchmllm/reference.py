@@ -231,17 +231,29 @@ def _multifit_below(w, order, d, cap, floor, top, unit) -> list[int] | None:
     """The portfolio's MULTIFIT (cpp/balance.cpp): bisection on first-fit decreasing's
     capacity from the floor up to ``top`` (a plan lighter than the one in hand), capacities
     multiples of ``unit`` when it is > 0."""
-    lo, hi = floor, top
-    if not lo <= hi:
+    if not floor <= top:
         return None
+
+    def next_capacity(lo: float, hi: float) -> float | None:
+        mid = lo + (hi - lo) / 2
+        if unit > 0:
+            mid = lo + math.floor((hi - lo) / (2 * unit)) * unit
+        return mid if lo < mid < hi else None
+
+    return _bisect_first_fit(w, order, d, cap, floor, top, next_capacity)
+
+
+def _bisect_first_fit(w, order, d, cap, lo, hi, next_capacity) -> list[int] | None:
+    """MULTIFIT's search, shared by the classic one and the portfolio's: first-fit decreasing
+    at ``lo``, then at ``hi`` (None if that fails too), then at ``next_capacity(lo, hi)`` while
+    it gives one, at most ``MULTIFIT_ROUNDS`` tries after ``lo``; the plan of the smallest
+    capacity that fit."""
     found = _first_fit(w, order, d, cap, lo)
     if found is not None:
         return found
     for rounds in range(_core.MULTIFIT_ROUNDS):
-        mid = hi if rounds == 0 else lo + (hi - lo) / 2
-        if unit > 0 and rounds > 0:
-            mid = lo + math.floor((hi - lo) / (2 * unit)) * unit
-        if rounds > 0 and not lo < mid < hi:
+        mid = hi if rounds == 0 else next_capacity(lo, hi)
+        if mid is None:
             break
         plan = _first_fit(w, order, d, cap, mid)
         if plan is not None:
@@ -272,24 +284,15 @@ def ref_multifit(w: list[float], order: list[int], d: int, cap: int) -> list[int
     total = 0.0
     for i in order:
         total += w[i]
+    integral = all(x == math.floor(x) for x in w)  # then capacities < 1 apart plan alike
+
+    def next_capacity(lo: float, hi: float) -> float | None:
+        mid = lo + (hi - lo) / 2
+        return mid if lo < mid < hi and not (integral and hi - lo < 1.0) else None
+
     lo = max(total / d, w[order[0]])
     hi = max(2.0 * total / d, w[order[0]])
-    found = _first_fit(w, order, d, cap, lo)
-    if found is not None:
-        return found
-    integral = all(x == math.floor(x) for x in w)  # then capacities < 1 apart plan alike
-    for rounds in range(_core.MULTIFIT_ROUNDS):
-        mid = hi if rounds == 0 else lo + (hi - lo) / 2
-        if rounds > 0 and (not lo < mid < hi or (integral and hi - lo < 1.0)):
-            break
-        plan = _first_fit(w, order, d, cap, mid)
-        if plan is not None:
-            hi, found = mid, plan
-        elif rounds == 0:
-            return None
-        else:
-            lo = mid
-    return found
+    return _bisect_first_fit(w, order, d, cap, lo, hi, next_capacity)
 
 
 def ref_greedy_tolerance(
