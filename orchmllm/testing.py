@@ -2,8 +2,10 @@
 
 Public helper for users and for this project's own tests and benchmarks: a bug in a
 collective (a rank that never joins, a size mismatch) fails within ``timeout`` seconds
-instead of hanging CI, and each rank's traceback is reported: a failing rank's exception, or
-for a run that hangs, the stacks of every thread of every rank still running at ``timeout``.
+instead of hanging CI, and each rank's traceback is reported: a failing rank's exception, and
+the stacks of every thread of every rank still running when the run is stopped (a hang at
+``timeout``, or the peers of a rank that failed), and of the processes those ranks started
+(DataLoader workers): where a peer was stuck is what explains most distributed failures.
 
 Example (a test module; the worker must be defined at module level, because the
 processes are started with ``spawn`` and import it)::
@@ -36,8 +38,10 @@ method, as under ``torchrun``, not the ``spawn`` used to start the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -89,10 +93,10 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
-    # A rank still running at the timeout writes where each of its threads is: the report
-    # of a hang (run_distributed reads it before killing the rank).
+    # A rank still running when the run is stopped is asked (SIGUSR1) where each of its
+    # threads is; the processes it forks inherit the handler and the file.
     stacks = open(os.path.join(workdir, f"stacks_{rank}.txt"), "w")  # noqa: SIM115
-    faulthandler.dump_traceback_later(timeout, file=stacks)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
@@ -102,7 +106,7 @@ def _worker(
             f.write(traceback.format_exc())
         raise
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGUSR1)
         stacks.close()
         dist.destroy_process_group()
     # Done and recorded: leave before interpreter finalisation can abort a check that passed.
@@ -141,27 +145,35 @@ def run_distributed(
         )
         # Startup (spawn + imports) is not the code under test: allow extra time for it.
         deadline = time.monotonic() + timeout + startup_s
+        procs, stuck = ctx.processes, ""
         try:
-            while not ctx.join(timeout=0.5):
+            while any(p.exitcode != 0 for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    # Where the peers are stuck, asked before join() terminates them.
+                    stuck = _running_stacks(procs, workdir)
+                    _kill(procs)  # at once: join() would give each 30 s to stop
+                    ctx.join()  # raises the failing rank's exception
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{getattr(fn, '__name__', fn)} did not finish on {world_size} "
                         f"processes within {timeout:.0f}s (+{startup_s:.0f}s start-up)"
-                        + _hung_stacks(workdir, world_size)
+                        + _running_stacks(procs, workdir)
                     )
-        except mp.ProcessRaisedException as exc:
+                multiprocessing.connection.wait(
+                    [p.sentinel for p in procs if p.exitcode is None], timeout=0.5
+                )
+            ctx.join()
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             errors = []
             for rank in range(world_size):
                 path = os.path.join(workdir, f"error_{rank}.txt")
                 if os.path.exists(path):
                     with open(path) as f:
                         errors.append(f"--- rank {rank} ---\n{f.read()}")
-            raise RuntimeError("worker failed:\n" + ("\n".join(errors) or str(exc))) from None
+            report = "\n".join(errors) or str(exc)
+            raise RuntimeError("worker failed:\n" + report + stuck) from None
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            _kill(procs)
         results = []
         for rank in range(world_size):
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
@@ -169,15 +181,74 @@ def run_distributed(
         return results
 
 
-def _hung_stacks(workdir: str, world_size: int) -> str:
-    """The thread stacks the hung ranks wrote at their timeout (see ``_worker``)."""
+def _kill(processes: Sequence[Any]) -> None:
+    """Kill every rank still running, and the processes it started (not left orphaned)."""
+    for proc in processes:
+        if proc.is_alive():
+            children = _descendants(proc.pid)
+            proc.kill()
+            proc.join()
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _running_stacks(processes: Sequence[Any], workdir: str) -> str:
+    """The thread stacks of every rank still running, and of each process it started, asked
+    for one process at a time (SIGUSR1, see ``_worker``) so each dump can be labelled."""
     report = []
-    for rank in range(world_size):
+    for rank, proc in enumerate(processes):
+        if not proc.is_alive() or os.path.exists(os.path.join(workdir, f"error_{rank}.txt")):
+            continue  # finished, or failed and already reported
         path = os.path.join(workdir, f"stacks_{rank}.txt")
-        if os.path.exists(path) and os.path.getsize(path):
-            with open(path) as f:
-                report.append(f"--- rank {rank}, its threads at the timeout ---\n{f.read()}")
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            who = "its threads" if pid == proc.pid else f"its child process {pid}, its threads"
+            dump = _ask_for_stacks(pid, path)
+            if dump:
+                report.append(f"--- rank {rank}, {who} when the run was stopped ---\n{dump}")
     return "".join(f"\n{part}" for part in report)
+
+
+def _ask_for_stacks(pid: int, path: str, *, wait_s: float = 2.0) -> str:
+    """Signal ``pid`` to dump its stacks into ``path`` and return what it wrote (empty if
+    it wrote nothing within ``wait_s``: gone, or a process that does not dump)."""
+    before = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return ""
+    deadline, size = time.monotonic() + wait_s, before
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = os.path.getsize(path)
+        if now > before and now == size:  # written, and no longer growing
+            break
+        size = now
+    with open(path) as f:
+        f.seek(before)
+        return f.read()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now, read from /proc (Linux; none elsewhere)."""
+    out = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(out)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
 
 
 def _run_checks_worker(
@@ -285,20 +356,14 @@ def worker_ranks(parent: int) -> dict[int, int]:
     """The worker processes a launcher (``torchrun``'s agent, pid ``parent``) runs now, as
     {RANK: pid}, read from /proc (Linux)."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in _children(parent):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            if ppid != parent:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except (OSError, ValueError):
+        except OSError:
             continue
         if b"RANK" in env:
-            out[int(env[b"RANK"])] = int(entry)
+            out[int(env[b"RANK"])] = pid
     return out
 
 
