@@ -1283,19 +1283,20 @@ def _as_is(batch: list) -> list:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("source", ["dataloader", "dataset"])
+@pytest.mark.parametrize("source", ["dataloader", "move", "index"])
 def test_workers_fork_from_the_thread_that_iterates_not_the_prefetch_thread(source):
     """A fork copies the locks other threads hold: the workers start in ``iter()``, in the
-    training loop's thread, as a plain DataLoader's do, for every epoch."""
+    training loop's thread, as a plain DataLoader's do, for every epoch and every mode (index
+    mode's batch sampler plans, so its first steps plan in ``iter()`` too)."""
     length = {"length_fn": lambda ex: len(ex["input_ids"])}
     if source == "dataloader":
         dl = DataLoader(_ForkedFrom(), batch_size=3, num_workers=1, collate_fn=_as_is)
         loader = BalancedDataLoader(dl, **length)
     else:
-        options = LoaderOptions(num_workers=1)
         loader = BalancedDataLoader(
-            _ForkedFrom(), batch_size=3, mode="move", collate_fn=_as_is, options=options, **length
-        )
+            _ForkedFrom(), batch_size=3, mode=source, collate_fn=_as_is,
+            options=LoaderOptions(num_workers=1), **length,
+        )  # fmt: skip
     for epoch in range(2):
         loader.set_epoch(epoch)
         examples = [ex for batch in loader for ex in batch]

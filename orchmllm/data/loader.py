@@ -668,6 +668,9 @@ class BalancedDataLoader:
         ep = _Epoch(epoch, start, None if sampled is None else len(sampled), start)
         if self.mode == "index":
             ep.sampled = sampled
+            # The workers start here, in the caller's thread, and their batch sampler plans
+            # the steps they load first (every rank alike; the rest plan in the prefetch thread).
+            ep.loaded = self._reader(self._plan_index_steps(ep))
         elif sampled is not None:  # only this rank's sampled steps from start are loaded
             ep.batches = (self._local(pairs) for pairs in self._reader(sampled[start:]))
         elif isinstance(self._reader, sr.LoaderBatches):
@@ -786,11 +789,9 @@ class BalancedDataLoader:
             yield gathered.meta[plan.items_at(g.rank), 0].tolist()
 
     def _produce_index(self, ep: _Epoch, step: int) -> _Step:
-        assert isinstance(self._reader, sr.MapLoader)
+        assert ep.loaded is not None
         batch, error = None, None
         try:
-            if ep.loaded is None:  # the workers start, and plan the steps they load ahead
-                ep.loaded = self._reader(self._plan_index_steps(ep))
             batch = self._finish(next(ep.loaded))
         except Exception as exc:
             if ep.planning_failed:  # a collective error: raised on every rank already

@@ -8,10 +8,10 @@ processes when asked (``num_workers``), as with a plain DataLoader; nothing here
 collective.
 
 Workers start when a reader is called, in the calling thread, not when its batches are first
-drawn: the balanced loader calls its reader in ``iter()`` (every mode but index, whose batch
-sampler plans and so runs in the prefetch thread), so the workers fork from the training loop's
-thread, as a plain DataLoader's do, and not from the prefetch thread while the loop's thread
-may be in the middle of a step (a fork copies the locks other threads hold, not the threads).
+drawn: the balanced loader calls its reader in ``iter()``, so the workers fork from the training
+loop's thread, as a plain DataLoader's do, and not from the prefetch thread while the loop's
+thread may be in the middle of a step (a fork copies the locks other threads hold, not the
+threads).
 """
 
 from __future__ import annotations
