@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -66,12 +65,19 @@ def _broadcast_from_first(
     payload: bytes | None, group: dist.ProcessGroup | None, timeout: float
 ) -> bytes:
     """Rank 0's ``payload`` on every rank of ``group`` (the others pass None)."""
-    wait = timedelta(seconds=timeout)
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
-    compat.broadcast(size, group=group, group_src=0, async_op=True).wait(timeout=wait)
+    _broadcast(size, group, timeout)
     if payload is None:
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
     else:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    compat.broadcast(buf, group=group, group_src=0, async_op=True).wait(timeout=wait)
+    _broadcast(buf, group, timeout)
     return payload if payload is not None else buf.numpy().tobytes()
+
+
+def _broadcast(t: torch.Tensor, group: dist.ProcessGroup | None, timeout: float) -> None:
+    compat.collective(
+        lambda: compat.broadcast(t, group=group, group_src=0, async_op=True),
+        tensors=[t],
+        timeout=timeout,
+    )

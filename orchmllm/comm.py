@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from orchmllm import compat
 from orchmllm.plan import Rearrangement, expand_rows
 
 __all__ = [
@@ -97,15 +97,6 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.uint8
 
 
-def _wait(work: dist.Work | None, timeout: float | None) -> None:
-    if work is None:
-        return
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout=timedelta(seconds=timeout))
-
-
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -125,7 +116,11 @@ def all_gather_fixed(
     _, world = _rank_and_size(group)
     t = torch.from_numpy(vec.copy()).to(_meta_device(group))
     out = [torch.empty_like(t) for _ in range(world)]
-    _wait(dist.all_gather(out, t, group=group, async_op=True), timeout)
+    compat.collective(
+        lambda: dist.all_gather(out, t, group=group, async_op=True),
+        tensors=[*out, t],
+        timeout=timeout,
+    )
     return torch.stack(out).cpu().numpy()
 
 
@@ -213,8 +208,13 @@ def _all_to_all(
     group: dist.ProcessGroup | None,
     timeout: float | None,
 ) -> None:
-    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
-    _wait(work, timeout)
+    compat.collective(
+        lambda: dist.all_to_all_single(
+            recv, send, out_splits, in_splits, group=group, async_op=True
+        ),
+        tensors=[recv, send],
+        timeout=timeout,
+    )
 
 
 def _move_group(
@@ -380,7 +380,12 @@ def all_gather_move(
     padded = wire.new_zeros(max_rows * k)
     padded[: wire.numel()] = wire
     gathered = wire.new_empty((d, max_rows * k))
-    _wait(dist.all_gather(list(gathered.unbind(0)), padded, group=group, async_op=True), timeout)
+    parts = list(gathered.unbind(0))
+    compat.collective(
+        lambda: dist.all_gather(parts, padded, group=group, async_op=True),
+        tensors=[*parts, padded],
+        timeout=timeout,
+    )
     # Rank r's batch starts at row r * max_rows; items follow in source-slot order.
     start = np.zeros(plan.num_items, dtype=np.int64)
     for r in range(d):

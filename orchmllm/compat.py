@@ -29,7 +29,9 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "accepts",
     "available",
     "broadcast",
+    "collective",
     "default_store",
     "fully_shard",
     "is_fsdp_module",
@@ -258,6 +261,41 @@ def scaled_dot_product_attention(
 
 
 # -- collectives ----------------------------------------------------------------------------
+
+_LET_GO_S = 1.0  # the most a collective waits for the backend's thread to drop its tensors
+
+
+def collective(
+    start: Callable[[], Any], *, tensors: Sequence[Tensor], timeout: float | None
+) -> None:
+    """Run the collective ``start()`` issues (``async_op=True``) and wait for it (at most
+    ``timeout`` seconds; None: the group's own timeout); then wait until the backend's
+    thread has dropped its references to ``tensors``, the tensors the collective was given.
+
+    Why the second wait: when this thread drops a tensor the backend's thread (gloo's run
+    loop, NCCL's watchdog) still holds, that thread frees it later and takes the GIL to do so,
+    creating a Python thread state under an interpreter lock. A fork at that instant (a
+    DataLoader worker starting) copies the lock held, and CPython 3.11.7 and older releases
+    (gh-112275, fixed later) deadlock the child in ``os.fork`` before it runs: a worker that
+    never delivers, a rank that hangs. Seen here: 3 in about 110 two-rank loader runs under
+    load, the child stuck in ``PyOS_AfterFork_Child``. Letting the backend go first keeps the
+    last reference, and the freeing, in this thread. The wait is bounded and usually ends at
+    once. Only CPU tensors are waited for: NCCL's watchdog keeps its tensors until the GPU
+    is done with them, by design, and waiting for that would stall the step.
+    """
+    use_count = getattr(Tensor, "_use_count", None)  # private: probed, skipped if absent
+    cpu = [t for t in tensors if t.device.type == "cpu"] if use_count is not None else []
+    before = [use_count(t) for t in cpu]
+    work = start()
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timedelta(seconds=timeout))
+    del work  # this thread's reference: the backend's is the one to wait for
+    deadline = time.monotonic() + _LET_GO_S
+    for t, count in zip(cpu, before, strict=True):
+        while use_count(t) > count and time.monotonic() < deadline:
+            time.sleep(1e-4)
 
 
 def broadcast(tensor: Tensor, *, group_src: int, group: Any = None, async_op: bool = False) -> Any:
