@@ -275,13 +275,14 @@ def collective(
     Why the second wait: when this thread drops a tensor the backend's thread (gloo's run
     loop, NCCL's watchdog) still holds, that thread frees it later and takes the GIL to do so,
     creating a Python thread state under an interpreter lock. A fork at that instant (a
-    DataLoader worker starting) copies the lock held, and CPython 3.11.7 and older releases
-    (gh-112275, fixed later) deadlock the child in ``os.fork`` before it runs: a worker that
-    never delivers, a rank that hangs. Seen here: 3 in about 110 two-rank loader runs under
-    load, the child stuck in ``PyOS_AfterFork_Child``. Letting the backend go first keeps the
-    last reference, and the freeing, in this thread. The wait is bounded and usually ends at
-    once. Only CPU tensors are waited for: NCCL's watchdog keeps its tensors until the GPU
-    is done with them, by design, and waiting for that would stall the step.
+    DataLoader worker starting) copies the lock held, and CPython releases without the fix of
+    gh-112275 (this machine's 3.11.7 among them; later 3.11 releases have it) deadlock the
+    child in ``os.fork`` before it runs: a worker that never delivers, a rank that hangs.
+    Seen here in 3 of about 130 two-rank loader runs under load (gdb: the child waits in
+    ``PyOS_AfterFork_Child``). Letting the backend go first keeps the last reference, and the
+    freeing, in this thread. The wait is bounded and usually ends at once. Only CPU tensors
+    are waited for: NCCL's watchdog keeps its tensors until the GPU is done with them, by
+    design, and waiting for that would stall the step.
     """
     use_count = getattr(Tensor, "_use_count", None)  # private: probed, skipped if absent
     cpu = [t for t in tensors if t.device.type == "cpu"] if use_count is not None else []
