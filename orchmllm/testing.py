@@ -209,7 +209,7 @@ def _running_stacks(processes: Sequence[Any], workdir: str) -> str:
     return "".join(f"\n{part}" for part in report)
 
 
-def _ask_for_stacks(pid: int, path: str, *, wait_s: float = 2.0) -> str:
+def _ask_for_stacks(pid: int, path: str, *, wait_s: float = 3.0) -> str:
     """Signal ``pid`` to dump its stacks into ``path`` and return what it wrote (empty if
     it wrote nothing within ``wait_s``: gone, or a process that does not dump)."""
     before = os.path.getsize(path) if os.path.exists(path) else 0
