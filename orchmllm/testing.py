@@ -84,6 +84,10 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # A rank still running when the run is stopped is asked (SIGUSR1) where each of its
+    # threads is (the rendezvous included); the processes it forks inherit the handler and the file.
+    stacks = open(os.path.join(workdir, f"stacks_{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -93,10 +97,6 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
-    # A rank still running when the run is stopped is asked (SIGUSR1) where each of its
-    # threads is; the processes it forks inherit the handler and the file.
-    stacks = open(os.path.join(workdir, f"stacks_{rank}.txt"), "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
