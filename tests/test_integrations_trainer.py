@@ -43,10 +43,12 @@ pytest.importorskip("trl", exc_type=ModuleNotFoundError)  # the trainer extra
 
 from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402  (after the extra's check)
+from trl import SFTConfig, SFTTrainer  # noqa: E402
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
 
 from orchmllm.integrations.trainer import (  # noqa: E402
     POLICY_FOR_LAYOUT,
+    BalancedTrainerMixin,
     LossNormalisationWarning,
     collator_layout,
 )
@@ -266,6 +268,18 @@ def test_an_adapted_vlm_keeps_its_models_columns_and_the_plain_count(tmp_path):
     assert int(balanced_count) == int(plain_count) > 0
     kept = trainers[0]._balanced.source.dataset.column_names
     assert "id" not in kept and {"input_ids", "labels", "pixel_values"} <= set(kept)
+
+
+class _BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):
+    pass
+
+
+def test_an_adapted_vlm_in_trls_sft_trainer_is_refused_by_name(tmp_path):
+    """TRL's fused LM head bypasses the balanced VLM's forward: refused at construction, the
+    message naming the Trainer that balances it, rather than an AttributeError inside TRL."""
+    model = _vlm_trainer(tmp_path, "llava").model
+    with pytest.raises(TypeError, match="fused LM head.*BalancedTrainer"):
+        _BalancedSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
 def test_an_adapted_vlm_needs_the_global_token_count(tmp_path):

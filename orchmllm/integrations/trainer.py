@@ -171,6 +171,13 @@ def install_resume() -> None:
     hf_trainer.skip_first_batches = skip_first_batches
 
 
+def _fuses_lm_head(trainer_class: type) -> bool:
+    """Whether ``trainer_class`` is TRL's SFTTrainer or a subclass (read from its classes'
+    names, so that TRL stays optional)."""
+    classes = trainer_class.__mro__
+    return any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in classes)
+
+
 class BalancedTrainerMixin:
     """Mix in before a ``transformers.Trainer`` class (``Trainer``, TRL's ``SFTTrainer``...):
     its training batches are balanced across data-parallel ranks (module docstring).
@@ -193,6 +200,15 @@ class BalancedTrainerMixin:
         loader_options: LoaderOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, BalancedModel) and _fuses_lm_head(type(self)):
+            raise TypeError(
+                f"{type(self).__name__}: TRL's SFTTrainer replaces the model's forward with its "
+                "fused LM head (per-token log-probabilities computed from the backbone), which a "
+                "balanced VLM (orchmllm.integrations.transformers.wrap) does not serve: it owns "
+                "its forward, phase by phase. Train a balanced VLM with orchmllm.integrations."
+                "trainer.BalancedTrainer (transformers.Trainer); text models balance in SFTTrainer"
+            )
         # Prefixed: a Trainer subclass has many attributes of its own.
         self.balance_length_fn = length_fn
         self.balance_planning = planning
