@@ -215,14 +215,14 @@ class LeastLoaded {
     Key top_ = 0;
 };
 
-// Assigns items k in [from, size) in sorted order, each to the least-loaded rank with room, by
+// Assigns items k in [from, end) in sorted order, each to the least-loaded rank with room, by
 // the loser tree; rank_at[k] records the rank.
 template <typename Codec>
-void fill_with(Codec codec, const Sorted<double>& items, size_t from, std::vector<double>& load,
-               std::vector<int64_t>& count, int64_t cap, int64_t* rank_at) {
+void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end,
+               std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+               int64_t* rank_at) {
     LeastLoaded<Codec> tree(codec, load, count, cap);
-    const size_t n = items.index.size();
-    for (size_t k = from; k < n; ++k) {
+    for (size_t k = from; k < end; ++k) {
         const int64_t r = tree.top();
         rank_at[k] = r;
         load[r] += items.key[k];
@@ -245,12 +245,12 @@ void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
 // descending, a round places about one item per rank, so it costs a scan and a short radix
 // sort where the tree spends a walk of log2(ranks) steps, each waiting on the last, per item
 // (983,040 lengths on 16,384 ranks: about 4 ms against 17 ms). Without a cap only (no rank
-// fills up). Returns the first sorted position not placed: rounds stop once one places fewer
-// than a quarter of the ranks, where the tree is cheaper.
-size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
+// fills up). Places items [from, end); returns the first sorted position not placed: rounds
+// stop once one places fewer than a quarter of the ranks, where the tree is cheaper.
+size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from, size_t end,
                       std::vector<double>& load, std::vector<int64_t>& count, int64_t* rank_at) {
     thread_local std::vector<uint64_t> keys, scratch;  // reused: see SortScratch
-    const size_t d = load.size(), n = items.index.size();
+    const size_t d = load.size();
     keys.resize(d);
     for (size_t r = 0; r < d; ++r) keys[r] = codec.make(load[r], false, r);
     size_t k = from;
@@ -258,7 +258,7 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
         sort_keys(keys, scratch);
         const size_t start = k;
         uint64_t taken = ~uint64_t{0};  // the smallest new key of a rank placed this round
-        for (size_t i = 0; i < d && k < n && keys[i] < taken; ++i, ++k) {
+        for (size_t i = 0; i < d && k < end && keys[i] < taken; ++i, ++k) {
             const uint64_t r = codec.rank(keys[i]);
             rank_at[k] = static_cast<int64_t>(r);
             load[r] += items.key[k];
@@ -266,15 +266,17 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
             keys[i] = codec.make(load[r], false, r);
             taken = std::min(taken, keys[i]);
         }
-        if (k == n || 4 * (k - start) < d) return k;
+        if (k == end || 4 * (k - start) < d) return k;
     }
 }
 
 // Assigns items `index[k]` of weight `key[k]`, k in [from, size), in that order, each to the
 // least-loaded rank that still has room; rank_at[k] (when given) records the rank in that order.
 // Packed keys when every load stays a non-negative integer that fits beside the rank bits; then,
-// on at least kRoundRanks ranks and without a binding cap, in rounds first. dst is written
-// after the placement, in a second pass: the scatter misses the cache on every item.
+// without a binding cap, in rounds first (on at least kRoundRanks ranks), and the zero-length
+// items (the sorted order's tail) all to the rank the tree would give each of them: the
+// least-loaded, whose load they leave as it is. dst is written after the placement, in a
+// second pass: the scatter misses the cache on every item.
 constexpr size_t kRoundRanks = 512;
 void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
                        std::vector<int64_t>& count, int64_t cap, int64_t* dst,
@@ -294,12 +296,24 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
         whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
     if (held >= 0.0 && coming >= 0.0 && held + coming < limit) {
         const PackedKey codec{rank_bits};
+        const bool uncapped = cap >= static_cast<int64_t>(n);
+        const size_t live =
+            uncapped ? static_cast<size_t>(
+                           std::partition_point(items.key.begin() + static_cast<std::ptrdiff_t>(from),
+                                                items.key.end(), [](double x) { return x > 0.0; }) -
+                           items.key.begin())
+                     : n;
         size_t k = from;
-        if (load.size() >= kRoundRanks && cap >= static_cast<int64_t>(n))
-            k = fill_in_rounds(codec, items, from, load, count, rank_at);
-        if (k < n) fill_with(codec, items, k, load, count, cap, rank_at);
+        if (load.size() >= kRoundRanks && uncapped)
+            k = fill_in_rounds(codec, items, from, live, load, count, rank_at);
+        if (k < live) fill_with(codec, items, k, live, load, count, cap, rank_at);
+        if (live < n) {
+            const int64_t r = std::min_element(load.begin(), load.end()) - load.begin();
+            std::fill(rank_at + live, rank_at + n, r);
+            count[r] += static_cast<int64_t>(n - live);
+        }
     } else {
-        fill_with(WideKey{}, items, from, load, count, cap, rank_at);
+        fill_with(WideKey{}, items, from, n, load, count, cap, rank_at);
     }
     for (size_t k = from; k < n; ++k) dst[items.index[k]] = rank_at[k];
 }
