@@ -662,6 +662,11 @@ int64_t least_batches(const int64_t* len, const std::vector<int64_t>& asc, int64
 
 }  // namespace
 
+void deal_in_rounds(int64_t n, int64_t num_ranks, int64_t* dst) {
+    for (int64_t k = 0; k < n; k += num_ranks)  // no division per item
+        for (int64_t r = 0; r < num_ranks && k + r < n; ++r) dst[k + r] = r;
+}
+
 void order_desc(const double* w, int64_t n, int64_t* order) {
     const auto& items = sort_items(w, n, true);
     std::copy(items.index.begin(), items.index.end(), order);
@@ -759,7 +764,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         // All alike: the sorted order is the input order (ties by index) and LPT deals the
         // items out in rounds of num_ranks, which meets any cap that fits them: the optimum,
         // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
-        for (int64_t k = 0; k < n; ++k) dst[k] = k % num_ranks;
+        deal_in_rounds(n, num_ranks, dst);
         if (proven != nullptr) *proven = max_steps > 0;
         return;
     }
