@@ -196,14 +196,9 @@ class LeastLoaded {
         const uint64_t rank = codec_.rank(top_);
         Key k = codec_.make(load, full, rank);
         for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) {
-            // Both selects written out and the store unconditional: with std::max, GCC skips
-            // the store when k wins, a branch mispredicted on about half the levels (twice
-            // the walk's time at 16,384 ranks).
             const Key t = loser_[node];
-            const bool k_wins = k < t;
-            const Key lose = k_wins ? t : k;
-            k = k_wins ? k : t;
-            loser_[node] = lose;
+            loser_[node] = std::max(k, t);
+            k = std::min(k, t);
         }
         top_ = k;
     }
