@@ -292,12 +292,12 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
     if (held >= 0.0 && coming >= 0.0 && held + coming < limit) {
         const PackedKey codec{rank_bits};
         const bool uncapped = cap >= static_cast<int64_t>(n);
-        const size_t live =
-            uncapped ? static_cast<size_t>(
-                           std::partition_point(items.key.begin() + static_cast<std::ptrdiff_t>(from),
-                                                items.key.end(), [](double x) { return x > 0.0; }) -
-                           items.key.begin())
-                     : n;
+        size_t live = n;  // without a cap, the items before the zero-length tail
+        if (uncapped) {
+            const double* key = items.key.data();
+            live = static_cast<size_t>(
+                std::partition_point(key + from, key + n, [](double x) { return x > 0.0; }) - key);
+        }
         size_t k = from;
         if (load.size() >= kRoundRanks && uncapped)
             k = fill_in_rounds(codec, items, from, live, load, count, rank_at);
