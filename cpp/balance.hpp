@@ -23,6 +23,10 @@ inline double whole_total(const double* w, int64_t n) {
     return whole ? total : -1.0;
 }
 
+// Item k to rank k mod num_ranks: LPT's plan when every item weighs the same (the sorted order
+// is then the input order, dealt out in rounds of num_ranks).
+void deal_in_rounds(int64_t n, int64_t num_ranks, int64_t* dst);
+
 // Item indices by weight descending, ties by index ascending (the radix sort every policy uses).
 void order_desc(const double* w, int64_t n, int64_t* order);
 

@@ -65,10 +65,11 @@ void register_balance(py::module_& m) {
             if (l.ndim() != 1) throw py::value_error("expected a 1-D array");
             const int64_t n = static_cast<int64_t>(l.shape(0));
             const int64_t* x = l.data();
-            bool nonneg = true, any = false;
+            bool nonneg = true, any = false, alike = true;
             for (int64_t i = 0; i < n; ++i) {
                 nonneg &= x[i] >= 0;
                 any |= x[i] > 0;
+                alike &= x[i] == x[0];
             }
             if (!nonneg || !any) return py::none();
             bool proven = false;
@@ -76,6 +77,19 @@ void register_balance(py::module_& m) {
             Floats loads(d);
             int64_t* out = dst.mutable_data();
             double* load = loads.mutable_data();
+            // All alike, lpt's plan is a deal in rounds; each rank's sum is then one product,
+            // exact (like the sum item by item) while it stays below 2^53.
+            const double each = static_cast<double>(x[0]);
+            const int64_t most = (n + d - 1) / d;
+            if (alike && each * static_cast<double>(most) < 0x1p53) {
+                {
+                    py::gil_scoped_release release;
+                    orch::deal_in_rounds(n, d, out);
+                    for (int64_t r = 0; r < d; ++r)
+                        load[r] = each * static_cast<double>(n / d + (r < n % d));
+                }
+                return py::make_tuple(dst, loads, max_steps > 0);
+            }
             {
                 py::gil_scoped_release release;
                 // Reused across calls on this thread: a fresh 8 MB vector is page-faulted in on
