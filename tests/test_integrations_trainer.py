@@ -274,6 +274,7 @@ class _BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):
     pass
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_an_adapted_vlm_in_trls_sft_trainer_is_refused_by_name(tmp_path):
     """TRL's fused LM head bypasses the balanced VLM's forward: refused at construction, the
     message naming the Trainer that balances it, rather than an AttributeError inside TRL."""
