@@ -3,9 +3,9 @@
 Each processor is built from its default constructor (nothing downloaded), the tokenizer is
 trained here (``tiny.train_tokenizer``); images and clips are generated, written to files
 and read back by the length functions through their headers only. Every count must be equal:
-patches and tokens per image (Qwen2-VL dynamic resolution, LLaVA's fixed grid), frames and
-tokens per clip (Whisper's feature extractor, Qwen2-Audio's processor), and whole rows'
-``input_ids`` lengths through ``datasets.map``.
+patches or tiles and tokens per image (Qwen2-VL dynamic resolution, LLaVA's fixed grid,
+LLaVA-OneVision's anyres grid), frames and tokens per clip (Whisper's feature extractor,
+Qwen2-Audio's processor), and whole rows' ``input_ids`` lengths through ``datasets.map``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ Image = pytest.importorskip("PIL.Image")
 
 from orchmllm.integrations.transformers import lengths as L  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
-from orchmllm.integrations.transformers.tiles import LlavaAdapter  # noqa: E402
+from orchmllm.integrations.transformers.tiles import (  # noqa: E402
+    LlavaAdapter,
+    LlavaOnevisionAdapter,
+)
 
-SPECIALS = ["<pad>", "<image>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
-# (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels.
+SPECIALS = ["<pad>", "<image>", "<video>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+# (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels,
+# beyond LLaVA-OneVision's largest pinpoint (2304) in one side and in both.
 SIZES = [(1, 1), (10, 10), (28, 28), (56, 56), (57, 83), (83, 57), (321, 123), (640, 480)]
-SIZES += [(1000, 30), (30, 1000), (1999, 1001)]
+SIZES += [(1000, 30), (30, 1000), (1999, 1001), (2400, 300), (310, 2450), (2350, 2330)]
 # Samples at 16 kHz: under one hop, hop boundaries, odd, the 30 s cut, beyond it.
 SAMPLES = [1, 159, 160, 161, 8000, 48077, 479_999, 480_000, 480_001, 720_000]
 
@@ -111,9 +115,17 @@ def test_qwen_video_equals_video_processor():
             assert item.tokens == out["video_grid_thw"][0].prod() // 4
 
 
-@pytest.mark.parametrize("crop,strategy,extra", [(True, "default", 1), (False, "full", 0)])
-def test_llava_fixed_grid_equals_processor(crop, strategy, extra, tokenizer, image_files):
-    processor = transformers.LlavaProcessor(
+class _OnevisionImages(transformers.LlavaOnevisionProcessor):
+    """``LlavaOnevisionProcessor`` for images: without torchvision, transformers cannot check
+    a video processor's class (not even None's), so that check alone is skipped."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name != "video_processor":
+            super().check_argument_for_proper_class(argument_name, argument)
+
+
+def _llava(tokenizer, *, crop=True, strategy="default", extra=1):
+    return transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessorPil(do_center_crop=crop),
         tokenizer=tokenizer,
         patch_size=14,
@@ -121,17 +133,52 @@ def test_llava_fixed_grid_equals_processor(crop, strategy, extra, tokenizer, ima
         num_additional_image_tokens=extra,
         image_token="<image>",
     )
-    count = L.lengths_for(processor, family="llava", columns={"image": "image"})
+
+
+def _onevision(tokenizer, *, tile=384, strategy="full", aspect="anyres_max_9"):
+    """Defaults as the released checkpoints (SigLIP 384 px tiles, 27 x 27 features, 6 x 6
+    pinpoints); another tile size gets a 3 x 3 grid of pinpoints."""
+    image = {"size": {"height": tile, "width": tile}}
+    if tile != 384:
+        image["image_grid_pinpoints"] = [[tile * h, tile * w] for h in (1, 2, 3) for w in (1, 2, 3)]
+    return _OnevisionImages(
+        image_processor=transformers.LlavaOnevisionImageProcessorPil(**image),
+        tokenizer=tokenizer,
+        num_image_tokens=(tile // 14) ** 2,
+        vision_feature_select_strategy=strategy,
+        vision_aspect_ratio=aspect,
+    )
+
+
+# case -> (family, its processor from the tokenizer)
+PROCESSORS = {
+    "llava-crop": ("llava", _llava),
+    "llava-nocrop": ("llava", lambda t: _llava(t, crop=False, strategy="full", extra=0)),
+    "onevision": ("llava-onevision", _onevision),
+    "onevision-336-max4-default": (
+        "llava-onevision",
+        lambda t: _onevision(t, tile=336, strategy="default", aspect="anyres_max_4"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PROCESSORS))
+def test_image_rules_equal_processor(case, tokenizer, image_files):
+    """A row with one image: its tokens, its rows (LLaVA: one tile; LLaVA-OneVision: the base
+    tile and the grid's) and the whole row's ``input_ids`` length."""
+    family, build = PROCESSORS[case]
+    processor = build(tokenizer)
+    count = L.lengths_for(processor, family=family, columns={"image": "image"})
     image_id = tokenizer.convert_tokens_to_ids("<image>")
-    for path, _ in image_files:
-        if max(Image.open(path).size) > 1500:
-            continue  # no-crop resizing of huge images is slow and adds nothing
+    for path, size in image_files:
+        if family == "llava" and max(size) > 1500:
+            continue  # LLaVA's no-crop resizing of huge images is slow and adds nothing
         row = {"text": "what is in the picture? <image> a cat", "image": path}
         out = processor(text=[row["text"]], images=[Image.open(path)], return_tensors="np")
         got = count(row)
-        assert got["num_tokens"] == out["input_ids"].shape[1]
-        assert got["vision_tokens"] == int((out["input_ids"] == image_id).sum())
-        assert got["vision_rows"] == 1
+        assert got["num_tokens"] == out["input_ids"].shape[1], size
+        assert got["vision_tokens"] == int((out["input_ids"] == image_id).sum()), size
+        assert got["vision_rows"] == np.prod(out["pixel_values"].shape[:-3]), size
 
 
 def _wav(path: str, samples: int, rate: int = 16000) -> None:
@@ -172,38 +219,47 @@ def test_whisper_audio_equals_feature_extractor_and_qwen2_audio(tokenizer, tmp_p
     assert L.audio_samples({"num_samples": 8000, "sampling_rate": 8000}, sampling_rate=16000)
 
 
-def test_dataset_map_adds_counts(tokenizer, image_files):
+def _adapter(family: str, tokenizer):
+    """The family's adapter on a config matching :func:`_llava` / :func:`_onevision`'s
+    defaults (the adapter reads the model's config only)."""
+    ids = {"image_token_index": tokenizer.convert_tokens_to_ids("<image>")}
+    if family == "llava":
+        vision = transformers.CLIPVisionConfig(image_size=224, patch_size=14)
+        return LlavaAdapter(
+            SimpleNamespace(config=transformers.LlavaConfig(vision_config=vision, **ids))
+        )
+    ids["video_token_index"] = tokenizer.convert_tokens_to_ids("<video>")
+    config = transformers.LlavaOnevisionConfig(**ids)
+    return LlavaOnevisionAdapter(SimpleNamespace(config=config))
+
+
+@pytest.mark.parametrize("case", ["llava-crop", "onevision"])
+def test_dataset_map_adds_counts(case, tokenizer, image_files):
     """The row function under ``datasets.map`` (two processes): one column per count, from
-    paths alone, and the row's ``segments`` are the ones the LLaVA adapter makes of the processed
-    row."""
-    processor = transformers.LlavaProcessor(
-        image_processor=transformers.CLIPImageProcessorPil(),
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        image_token="<image>",
-    )
+    paths alone, for rows of none, one and several images (LLaVA-OneVision tiles only a row's
+    only image), and the row's ``segments`` are the ones the family's adapter makes of the
+    processed row."""
+    family, build = PROCESSORS[case]
+    processor = build(tokenizer)
     rows = [
-        {"text": "a cat " * (i + 1) + "<image> " * k, "images": [p for p, _ in image_files[:k]]}
+        {"text": "a cat " * (i + 1) + "<image> mat " * k, "images": [p for p, _ in image_files[:k]]}
         for i, k in enumerate([0, 1, 2, 3])
     ]
+    wide = next(p for p, size in image_files if size == (1999, 1001))
+    rows.append({"text": "<image> wide", "images": [wide]})
     ds = datasets.Dataset.from_list(rows)
-    out = ds.map(L.lengths_for(processor, family="llava"), num_proc=2)
-    config = transformers.LlavaConfig(  # the adapter reads the model's config only
-        vision_config=transformers.CLIPVisionConfig(image_size=224, patch_size=14),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-    )
-    adapter = LlavaAdapter(SimpleNamespace(config=config))
+    out = ds.map(L.lengths_for(processor, family=family), num_proc=2)
+    adapter = _adapter(family, tokenizer)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
     for row, got in zip(rows, out, strict=True):
-        images = [Image.open(p) for p in row["images"]] or None
+        images = [[Image.open(p) for p in row["images"]]] if row["images"] else None
         processed = processor(text=[row["text"]], images=images, return_tensors="np")
-        assert got["num_tokens"] == processed["input_ids"].shape[1]
-        assert got["vision_tokens"] == got["image_tokens"] == 256 * len(row["images"])
         ids = processed["input_ids"][0]
+        assert got["num_tokens"] == ids.size
+        assert got["vision_tokens"] == got["image_tokens"] == int((ids == image_id).sum())
         labels = np.full_like(ids, -100)  # no targets: the adapter checks labels only there
-        pixels = {"pixel_values": processed["pixel_values"]} if images else {}
-        example = adapter.to_example({"input_ids": ids, "labels": labels, **pixels})
+        fields = {k: processed[k] for k in ("pixel_values", "image_sizes") if k in processed}
+        example = adapter.to_example({"input_ids": ids, "labels": labels, **fields})
         assert got["segments"] == example["segments"]
 
 
@@ -228,6 +284,15 @@ def test_bad_metadata_names_the_argument(tokenizer):
         count({"text": "<image>", "images": [(10, 10), (20, 20)]})
     with pytest.raises(ValueError, match="family must be one of"):
         L.lengths_for(processor, family="nope")
+    onevision = _onevision(tokenizer)
+    with pytest.raises(ValueError, match="width"):
+        L.AnyResGrid.from_processor(onevision).image(0, 10, alone=False)
+    onevision.num_image_tokens = None
+    with pytest.raises(ValueError, match="num_image_tokens"):
+        L.lengths_for(onevision, family="llava-onevision")
+    onevision.num_image_tokens, onevision.vision_aspect_ratio = 729, "pad"
+    with pytest.raises(ValueError, match="vision_aspect_ratio.*'pad'"):
+        L.AnyResGrid.from_processor(onevision)
 
 
 def test_exif_rotation_swaps_the_size(tmp_path):

@@ -13,6 +13,8 @@ processor's settings. This module computes it with each processor family's rules
   video's frames are padded to a multiple of ``temporal_patch_size`` (or sampled at ``fps``).
 - :class:`FixedGrid`: LLaVA's CLIP processor: every image becomes the crop size (or, without
   the centre crop, the shortest edge), a fixed grid of patches.
+- :class:`AnyResGrid`: LLaVA-OneVision's anyres images: a base tile and the tiles of the
+  grid resolution the image fits best, the grid's features unpadded and pooled, with newlines.
 - :class:`WhisperAudio`: Whisper's feature extractor (10 ms mel frames, clips cut or padded to
   30 s), its stride-2 convolution and the LLM side's pooling (Qwen2-Audio, Qwen2.5-Omni).
 
@@ -225,6 +227,101 @@ class FixedGrid:
         return ItemLength(PHASE_OF["image"], 1, tokens)
 
 
+def _best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> tuple:
+    """The anyres grid ``(height, width)`` an image is resized into: the pinpoint that keeps the
+    most of its pixels once it is scaled to fit (never counting more than it has), then the
+    one that wastes the least area; the first such in the list. Float scaling and truncation,
+    as the processor computes it, so that the choice is the same at every tie."""
+    best, key = None, None
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        if key is None or (kept, -(h * w - kept)) > key:
+            best, key = (h, w), (kept, -(h * w - kept))
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnyResGrid:
+    """LLaVA-OneVision's anyres images (``LlavaOnevisionProcessor``): a row's only image is a
+    base tile (the whole image resized to one tile) and the tiles of the pinpoint grid it is
+    resized and padded into; an image among several in a row is padded to one square tile.
+    (A row is one text and its images, passed as ``text=[text], images=[images]``; given a
+    flat list of images, the processor tiles each as if it were alone.)
+
+    Tokens: the base tile's features, plus the grid's features with the padding rows or columns
+    cut off (the grid is ``side`` features a tile; the image's aspect ratio decides how many it
+    covers), pooled down to about ``max_tiles`` tiles' worth when it exceeds that by 10%, and
+    one newline per remaining feature row. An image among several: its tile's features and one
+    newline. Images only: a video's frames come from the video processor (which needs
+    torchvision), whose count this module does not model.
+
+    Attributes:
+        pinpoints: the grid resolutions ``(height, width)`` (``image_grid_pinpoints``).
+        tile: a tile's side in pixels (the image processor's ``size``).
+        features: one tile's features (``num_image_tokens``; ``side ** 2``).
+        max_tiles: the ``N`` of ``vision_aspect_ratio="anyres_max_N"``.
+        drop_cls: the ``default`` feature strategy drops one feature per image.
+    """
+
+    pinpoints: tuple[tuple[int, int], ...]
+    tile: int = 384
+    features: int = 729
+    max_tiles: int = 9
+    drop_cls: bool = False
+
+    @classmethod
+    def from_processor(cls, processor: Any) -> AnyResGrid:
+        """The rules of a ``LlavaOnevisionProcessor``.
+
+        Raises:
+            ValueError: its ``num_image_tokens`` is unset, its ``vision_aspect_ratio`` is not
+                ``anyres_max_N``, or its image processor's ``size`` is not a square.
+        """
+        image = processor.image_processor
+        if not processor.num_image_tokens:
+            raise ValueError(
+                f"processor.num_image_tokens must be set, got {processor.num_image_tokens!r}"
+            )
+        aspect = processor.vision_aspect_ratio
+        if not (aspect.startswith("anyres_max_") and aspect[11:].isdigit()):
+            raise ValueError(f"vision_aspect_ratio must be 'anyres_max_N', got {aspect!r}")
+        size = image.size
+        if "height" not in size or size["height"] != size["width"]:
+            raise ValueError(f"the image processor's size must be a square, got {size!r}")
+        return cls(
+            pinpoints=tuple((int(h), int(w)) for h, w in image.image_grid_pinpoints),
+            tile=size["height"],
+            features=processor.num_image_tokens,
+            max_tiles=int(aspect[11:]),
+            drop_cls=processor.vision_feature_select_strategy == "default",
+        )
+
+    def image(self, width: int, height: int, *, alone: bool = True) -> ItemLength:
+        """An image of ``width`` x ``height`` pixels: its tiles and tokens.
+
+        Args:
+            alone: the row's only image (only then is it tiled; else one padded tile).
+        """
+        _positive("height", height), _positive("width", width)
+        if not alone:
+            return ItemLength(PHASE_OF["image"], 1, self.features + 1 - self.drop_cls)
+        grid_h, grid_w = _best_resolution(height, width, self.pinpoints)
+        tiles = 1 + -(-grid_h // self.tile) * -(-grid_w // self.tile)
+        side = math.isqrt(self.features)
+        rows, cols = side * (grid_h // self.tile), side * (grid_w // self.tile)
+        # the grid's features that the resized image covers (exact integer scaling)
+        if width * rows > height * cols:  # wider than the grid: padding above and below
+            rows -= (rows - height * cols // width) // 2 * 2
+        else:
+            cols -= (cols - width * rows // height) // 2 * 2
+        ratio = math.sqrt(rows * cols / (self.max_tiles * side**2))
+        if ratio > 1.1:  # pooled down to about max_tiles tiles
+            rows, cols = int(rows // ratio), int(cols // ratio)
+        tokens = self.features + rows * cols + rows - self.drop_cls
+        return ItemLength(PHASE_OF["image"], tiles, tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WhisperAudio:
     """Whisper's feature extractor and encoder front end, and the LLM side's pooling.
@@ -335,10 +432,15 @@ def audio_samples(value: Any, *, sampling_rate: int) -> int:
 class Rules:
     """One processor family's rules: how each kind of item (``image``, ``video``, ``audio``)
     becomes an :class:`ItemLength` from its metadata, and the placeholder text that stands
-    for it before the processor expands it."""
+    for it before the processor expands it.
+
+    ``several`` holds a kind's rule for the items of a row with more than one of that kind,
+    where the processor treats them differently (LLaVA-OneVision tiles a row's only image);
+    a kind it lacks takes its ``items`` rule whatever the count."""
 
     items: Mapping[str, Callable[[Any], ItemLength]]
     placeholders: Mapping[str, str]
+    several: Mapping[str, Callable[[Any], ItemLength]] = field(default_factory=dict)
 
 
 def _qwen(processor: Any, audio: bool) -> Rules:
@@ -360,6 +462,15 @@ def _llava(processor: Any) -> Rules:
     return Rules({"image": lambda v: grid.image(*image_size(v))}, {"image": processor.image_token})
 
 
+def _onevision(processor: Any) -> Rules:
+    grid = AnyResGrid.from_processor(processor)
+    return Rules(
+        {"image": lambda v: grid.image(*image_size(v))},
+        {"image": processor.image_token},
+        several={"image": lambda v: grid.image(*image_size(v), alone=False)},
+    )
+
+
 def _whisper_llm(processor: Any) -> Rules:
     clips = WhisperAudio.from_processor(processor)
     fn = lambda v: clips.audio(audio_samples(v, sampling_rate=clips.sampling_rate))  # noqa: E731
@@ -371,6 +482,7 @@ FAMILIES: dict[str, Callable[[Any], Rules]] = {
     "qwen2.5-vl": lambda p: _qwen(p, audio=False),
     "qwen2.5-omni": lambda p: _qwen(p, audio=True),
     "llava": _llava,
+    "llava-onevision": _onevision,
     "qwen2-audio": _whisper_llm,
 }
 """Processor family -> its :class:`Rules` from a processor (each family's rules read the
@@ -389,7 +501,8 @@ class MetadataLengths:
     The row holds its text with one placeholder per item (the processor's ``image_token``,
     ...; as passed to the processor, before expansion) and each kind's items in a column
     (see :func:`image_size`, :func:`audio_samples`; a video is ``{"num_frames", "width",
-    "height"}`` and its ``fps`` when the processor samples frames).
+    "height"}`` and its ``fps`` when the processor samples frames), processed as one sample
+    (``text=[text], images=[images]``).
 
     Calling it returns ``num_tokens`` (the processed ``input_ids`` length), ``text_tokens``,
     ``<kind>_tokens`` per kind of item the family takes (``image``, ``video``, ``audio``), per
@@ -432,6 +545,7 @@ class MetadataLengths:
                     f"the text has {len(at)} {kind} placeholders ({mark!r}), column "
                     f"{self.columns.get(kind, kind)!r} {len(values)} items"
                 )
+            fn = self.rules.several.get(kind, fn) if len(values) > 1 else fn
             found += [(i, kind, fn(v)) for i, v in zip(at, values, strict=True)]
         out = {"text_tokens": len(ids) - len(found)}
         for kind in self.rules.items:
