@@ -29,6 +29,7 @@ from orchmllm.integrations.transformers.tiles import (  # noqa: E402
 )
 
 SPECIALS = ["<pad>", "<image>", "<video>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+SPECIALS += ["<|image_pad|>", "<|video_pad|>"]  # Qwen3-VL's placeholders
 # (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels,
 # beyond LLaVA-OneVision's largest pinpoint (2304) in one side and in both.
 SIZES = [(1, 1), (10, 10), (28, 28), (56, 56), (57, 83), (83, 57), (321, 123), (640, 480)]
@@ -115,13 +116,16 @@ def test_qwen_video_equals_video_processor():
             assert item.tokens == out["video_grid_thw"][0].prod() // 4
 
 
-class _OnevisionImages(transformers.LlavaOnevisionProcessor):
-    """``LlavaOnevisionProcessor`` for images: without torchvision, transformers cannot check
-    a video processor's class (not even None's), so that check alone is skipped."""
+def _images_only(processor_class: type) -> type:
+    """``processor_class`` for images: without torchvision, transformers cannot check a video
+    processor's class (not even None's), so that check alone is skipped."""
 
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name != "video_processor":
-            super().check_argument_for_proper_class(argument_name, argument)
+    class ImagesOnly(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name != "video_processor":
+                super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImagesOnly
 
 
 def _llava(tokenizer, *, crop=True, strategy="default", extra=1):
@@ -141,7 +145,7 @@ def _onevision(tokenizer, *, tile=384, strategy="full", aspect="anyres_max_9"):
     image = {"size": {"height": tile, "width": tile}}
     if tile != 384:
         image["image_grid_pinpoints"] = [[tile * h, tile * w] for h in (1, 2, 3) for w in (1, 2, 3)]
-    return _OnevisionImages(
+    return _images_only(transformers.LlavaOnevisionProcessor)(
         image_processor=transformers.LlavaOnevisionImageProcessorPil(**image),
         tokenizer=tokenizer,
         num_image_tokens=(tile // 14) ** 2,
@@ -150,8 +154,15 @@ def _onevision(tokenizer, *, tile=384, strategy="full", aspect="anyres_max_9"):
     )
 
 
+def _qwen3(tokenizer):
+    """Qwen3-VL's processor on its 16-pixel patches (the image processor is Qwen2-VL's)."""
+    image = transformers.Qwen2VLImageProcessorPil(patch_size=16)
+    return _images_only(transformers.Qwen3VLProcessor)(image_processor=image, tokenizer=tokenizer)
+
+
 # case -> (family, its processor from the tokenizer)
 PROCESSORS = {
+    "qwen3-vl": ("qwen3-vl", _qwen3),
     "llava-crop": ("llava", _llava),
     "llava-nocrop": ("llava", lambda t: _llava(t, crop=False, strategy="full", extra=0)),
     "onevision": ("llava-onevision", _onevision),
@@ -169,16 +180,18 @@ def test_image_rules_equal_processor(case, tokenizer, image_files):
     family, build = PROCESSORS[case]
     processor = build(tokenizer)
     count = L.lengths_for(processor, family=family, columns={"image": "image"})
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_id = tokenizer.convert_tokens_to_ids(processor.image_token)
     for path, size in image_files:
         if family == "llava" and max(size) > 1500:
             continue  # LLaVA's no-crop resizing of huge images is slow and adds nothing
-        row = {"text": "what is in the picture? <image> a cat", "image": path}
+        row = {"text": f"what is in the picture? {processor.image_token} a cat", "image": path}
         out = processor(text=[row["text"]], images=[Image.open(path)], return_tensors="np")
         got = count(row)
         assert got["num_tokens"] == out["input_ids"].shape[1], size
         assert got["vision_tokens"] == int((out["input_ids"] == image_id).sum()), size
-        assert got["vision_rows"] == np.prod(out["pixel_values"].shape[:-3]), size
+        pixels = out["pixel_values"]  # Qwen: patches x features; LLaVA: tiles x C x H x W
+        tiles = pixels.shape[0] if family.startswith("qwen") else np.prod(pixels.shape[:-3])
+        assert got["vision_rows"] == tiles, size
 
 
 def _wav(path: str, samples: int, rate: int = 16000) -> None:
@@ -293,6 +306,10 @@ def test_bad_metadata_names_the_argument(tokenizer):
     onevision.num_image_tokens, onevision.vision_aspect_ratio = 729, "pad"
     with pytest.raises(ValueError, match="vision_aspect_ratio.*'pad'"):
         L.AnyResGrid.from_processor(onevision)
+    qwen3 = L.lengths_for(_qwen3(tokenizer), family="qwen3-vl")
+    video = {"num_frames": 8, "width": 64, "height": 48}
+    with pytest.raises(ValueError, match="video token count is not modelled.*timestamp"):
+        qwen3({"text": "<|video_pad|>", "videos": [video]})
 
 
 def test_exif_rotation_swaps_the_size(tmp_path):

@@ -93,7 +93,8 @@ def _fit(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: i
 
 @dataclass(frozen=True, kw_only=True)
 class QwenVision:
-    """Qwen2-VL's dynamic resolution (also Qwen2.5-VL's and the Qwen2.5-Omni thinker's).
+    """Qwen2-VL's dynamic resolution (also Qwen2.5-VL's, the Qwen2.5-Omni thinker's and
+    Qwen3-VL's images, on its 16-pixel patches).
 
     Attributes:
         patch_size, merge_size, temporal_patch_size: the vision tower's patch geometry.
@@ -443,18 +444,30 @@ class Rules:
     several: Mapping[str, Callable[[Any], ItemLength]] = field(default_factory=dict)
 
 
-def _qwen(processor: Any, audio: bool) -> Rules:
+def _qwen(processor: Any, *, audio: bool = False, video: bool = True) -> Rules:
     vision = QwenVision.from_processor(processor)
     items = {
         "image": lambda v: vision.image(*image_size(v)),
         "video": lambda v: vision.video(v["num_frames"], v["width"], v["height"], fps=v.get("fps")),
     }
+    if not video:  # Qwen3-VL writes a timestamp before each merged pair of a video's frames
+        items["video"] = _not_modelled("video", "a timestamp precedes each pair of frames")
     names = {"image": "image_token", "video": "video_token"}
     if audio:
         clips = WhisperAudio.from_processor(processor)
         items["audio"] = lambda v: clips.audio(audio_samples(v, sampling_rate=clips.sampling_rate))
         names["audio"] = "audio_token"
     return Rules(items, {k: getattr(processor, n) for k, n in names.items()})
+
+
+def _not_modelled(kind: str, why: str) -> Callable[[Any], ItemLength]:
+    """A rule for a kind of item this module does not count: it raises, naming why, rather
+    than let the item's placeholder pass for text."""
+
+    def refuse(value: Any) -> ItemLength:
+        raise ValueError(f"this family's {kind} token count is not modelled ({why}): got {value!r}")
+
+    return refuse
 
 
 def _llava(processor: Any) -> Rules:
@@ -478,8 +491,9 @@ def _whisper_llm(processor: Any) -> Rules:
 
 
 FAMILIES: dict[str, Callable[[Any], Rules]] = {
-    "qwen2-vl": lambda p: _qwen(p, audio=False),
-    "qwen2.5-vl": lambda p: _qwen(p, audio=False),
+    "qwen2-vl": _qwen,
+    "qwen2.5-vl": _qwen,
+    "qwen3-vl": lambda p: _qwen(p, video=False),  # images; its videos raise
     "qwen2.5-omni": lambda p: _qwen(p, audio=True),
     "llava": _llava,
     "llava-onevision": _onevision,
