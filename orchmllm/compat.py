@@ -278,7 +278,7 @@ def collective(
     DataLoader worker starting) copies the lock held, and CPython releases without the fix of
     gh-112275 (this machine's 3.11.7 among them; later 3.11 releases have it) deadlock the
     child in ``os.fork`` before it runs: a worker that never delivers, a rank that hangs.
-    Seen here in 3 of about 130 two-rank loader runs under load (gdb: the child waits in
+    Seen here, rarely and under load, in two-rank loader runs (gdb: the child waits in
     ``PyOS_AfterFork_Child``). Letting the backend go first keeps the last reference, and the
     freeing, in this thread. The wait is bounded and usually ends at once. Only CPU tensors
     are waited for: NCCL's watchdog keeps its tensors until the GPU is done with them, by
