@@ -90,6 +90,8 @@ def provenance(records: Records) -> str:
     load = " / ".join(f"{x:g}" for x in r["host_load_avg"])
     gpu = f"GPU {r['host_gpu']}" if r.get("host_gpu") else "no GPU"
     simd = f", widest SIMD `{r['host_simd']}`" if r.get("host_simd") else ""
+    if r.get("numpy_disabled_features"):
+        simd += f" (numpy's `{r['numpy_disabled_features']}` kernels turned off)"
     date = r["run_date"].replace("T", " ").removesuffix("Z")
     text = (
         f"From `{r['run_command']}`, run {date} UTC on "

@@ -8,7 +8,9 @@ its version comes from the package metadata, and a GPU is named only when the be
 imported torch and has one.
 
 ``ORCHMLLM_HOST_NOTE`` (an environment variable) adds a note on the machine that it cannot
-tell by itself, e.g. ``"shared VM: 3 other engineers' jobs run beside it"``.
+tell by itself, e.g. ``"shared VM: 3 other engineers' jobs run beside it"``. numpy's own
+``NPY_DISABLE_CPU_FEATURES`` is recorded as set (``X86_V4`` turns numpy's AVX-512 sorts off on
+numpy >= 2.4), since it changes the yardstick the planner's times are divided by.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def run_info(*, command_line: str | None = None) -> dict[str, Any]:
         "host_load_avg": [round(x, 2) for x in os.getloadavg()],
         "host_gpu": _gpu(),
         "host_note": os.environ.get("ORCHMLLM_HOST_NOTE"),
+        "numpy_disabled_features": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
         "python_version": platform.python_version(),
         "numpy_version": _version("numpy"),
         "torch_version": _version("torch"),

@@ -6,6 +6,7 @@ import pytest
 
 from orchmllm.policies import POLICIES
 from orchmllm.workloads import DISTRIBUTIONS
+from tests.conftest import ROOT, load_script
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -56,3 +57,20 @@ def test_balance_bench_quick(run_benchmark):
     for r in audio:
         if r["policy"] == "padded_cost":
             assert r["slowest_ms"] <= bs[(r["dist"], r["ranks"])]["slowest_ms"] + 1e-9
+
+
+def test_the_scale_part_judges_its_targets_by_its_own_records(capsys):
+    """What ``--scale-only`` reports (here at a small size): every ratio is its record's own
+    times, and the greedy target names the distribution that sets it."""
+    bench = load_script(ROOT / "benchmarks" / "balance_bench.py")
+    scale = bench.scale_cases(0, ("text", "video_2fps"), {}, d=256, per=8, reps=2)
+    steps = bench.step_plan_cases(0, d=64, per=4, reps=2)
+    summary = bench.scale_summary(scale) | bench.step_plan_summary(steps)
+    for r in scale:
+        assert r["greedy_over_argsort"] == r["greedy_ms"] / r["argsort_ms"]
+        assert r["greedy_auto_ms"] <= r["greedy_auto_ms_median"] <= r["greedy_auto_ms_max"]
+    worst = max(scale, key=lambda r: r["greedy_over_argsort"])
+    assert summary["scale_greedy_over_argsort_max"] == worst["greedy_over_argsort"]
+    assert summary["scale_auto_ms_max"] == max(r["greedy_auto_ms_max"] for r in scale)
+    assert summary["scale_plan_step_ms_max"] == max(r["plan_ms_max"] for r in steps)
+    assert f"(max {worst['greedy_over_argsort']:.2f}x, {worst['dist']};" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from orchmllm.provenance import command, run_info, write_records
 
 def test_records_carry_the_run_and_stay_strict_json(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCHMLLM_HOST_NOTE", "shared VM")
+    monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "X86_V4")
     path = tmp_path / "out.json"
     records = [{"case": 1, "ms": 2.5}, {"case": 2, "ms": math.nan, "bad": -math.inf}]
     write_records(path, records, command_line="python benchmarks/x.py --json out.json")
@@ -23,6 +24,7 @@ def test_records_carry_the_run_and_stay_strict_json(tmp_path, monkeypatch):
     for r in out:
         assert r["run_command"] == "python benchmarks/x.py --json out.json"
         assert r["host_note"] == "shared VM" and r["host_cores"] >= 1
+        assert r["numpy_disabled_features"] == "X86_V4"
         assert len(r["host_load_avg"]) == 3 and r["run_date"].endswith("Z")
         assert r["numpy_version"] and r["python_version"].count(".") == 2
 

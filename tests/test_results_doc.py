@@ -125,6 +125,12 @@ def test_a_section_without_its_file_says_so_and_names_the_command(tmp_path):
     assert "No GPU record" in _section(text, "A training step on a GPU")
 
 
+def test_the_machine_line_says_when_numpys_fastest_kernels_were_turned_off():
+    assert "turned off" not in results_doc.provenance([RUN])
+    text = results_doc.provenance([{**RUN, "numpy_disabled_features": "X86_V4"}])
+    assert "widest SIMD `avx2` (numpy's `X86_V4` kernels turned off)" in text
+
+
 def test_a_changed_figure_changes_the_text_and_the_run_is_named(tmp_path):
     title = results_doc.SECTIONS[0].title
     _write(
