@@ -1127,24 +1127,27 @@ def gpu_memory(recs: Records) -> list[str]:
         for r in recs
     ]  # fmt: skip
     first = recs[0]
-    if "precision" in first:  # the memory model of the training recipe, per phase
-        setting = (
-            f"{first['precision']}, checkpointing {first['checkpointing']}, loss chunk "
-            f"{first['loss_chunk']}"
-        )
-        figures = "its peak for every phase (static bytes included)"
-    else:  # records from before the training recipe: one dtype, two figures
-        setting = first["dtype"]
-        figures = (
-            "its peak for the backward, its static bytes for the optimizer step; the forward "
-            "has no figure of its own"
-        )
+    later = [
+        r["measured_over_predicted"]
+        for r in recs
+        if r["step"] > first["step"] and r["measured_over_predicted"] is not None
+    ]
+    after_first = (
+        f" From the second step on, measured / model is {min(later):.3f}-{max(later):.3f}. "
+        "The first step's forward and backward run before AdamW's first update allocates its "
+        "two moments per parameter, which the model counts as static from the start: they "
+        "sit below it by those bytes."
+        if later
+        else ""
+    )
     return [
-        f"`orchmllm.train` on `{first['config']}` ({setting}), one process, peak "
+        f"`orchmllm.train` on `{first['config']}` ({first['precision']}, checkpointing "
+        f"{first['checkpointing']}, loss chunk {first['loss_chunk']}), one process, peak "
         f"memory per phase of each step ({first['source']}) beside the memory model's "
-        f"prediction for the same step's batch (`benchmarks/train_memory.py`): {figures}. "
-        f"The memory model counts {first['sim_parameters'] / 1e6:,.0f} M parameters, "
-        f"the model has {first['model_parameters'] / 1e6:,.0f} M.",
+        f"prediction for the same step's batch (`benchmarks/train_memory.py`): its peak for "
+        f"every phase (static bytes included). The memory model counts "
+        f"{first['sim_parameters'] / 1e6:,.0f} M parameters, the model has "
+        f"{first['model_parameters'] / 1e6:,.0f} M.{after_first}",
         "",
         *table(
             ["step", "phase", "LLM tokens", "peak GiB", "model GiB", "model figure",
@@ -1163,6 +1166,53 @@ def oldest_torch(recs: Records) -> list[str]:
             for r in recs
         ),
     )  # fmt: skip
+
+
+def planner_at_scale(recs: Records) -> list[str]:
+    """``balance_bench.py --scale-only`` runs on other machines (a GPU host's CPU, numpy's
+    AVX-512 kernels on and off), side by side per distribution."""
+    runs: dict[tuple, Records] = {}
+    for r in recs:
+        runs.setdefault((r["run_date"], r.get("numpy_disabled_features")), []).append(r)
+    labels = [
+        f"{run[0]['host_cpu']}" + (f", numpy's `{flag}` off" if flag else "")
+        for (_, flag), run in runs.items()
+    ]
+    dists = list(dict.fromkeys(r["dist"] for r in where(recs, policy="scale")))
+    lines = [
+        "`balance()` at 16,384 ranks × 60 items on machines beside the one above: `greedy`'s "
+        "CPU time against numpy's faster argsort of the same lengths in the same run, and the "
+        'max over repeats of the whole `balance(placement="auto")` call (ms).',
+        "",
+    ]
+    lines += table(
+        ["lengths", *(f"{label}: `greedy` / argsort, `auto` max" for label in labels)],
+        (
+            [dist]
+            + [
+                f"{r['greedy_ms']:.1f} / {r['argsort_ms']:.1f} = {r['greedy_over_argsort']:.2f}×,"
+                f" {r['greedy_auto_ms_max']:.0f}"
+                for run in runs.values()
+                for r in where(run, policy="scale", dist=dist)
+            ]
+            for dist in dists
+        ),
+    )
+    rows = []
+    for label, run in zip(labels, runs.values(), strict=True):
+        s = one(run, policy="summary")
+        worst = max(where(run, policy="scale"), key=lambda r: r["greedy_over_argsort"])
+        for what, key, figure in (
+            ("`greedy` ≤ {:g}× argsort", "scale_greedy_over_argsort_max",
+             f"max {worst['greedy_over_argsort']:.2f}× ({worst['dist']})"),
+            ('`placement="auto"` call ≤ {:g} ms', "scale_auto_ms_max",
+             f"max {s['scale_auto_ms_max']:.0f} ms"),
+            ("`plan_step` ≤ {:g} ms", "scale_plan_step_ms_max",
+             f"max {s['scale_plan_step_ms_max']:.0f} ms"),
+        ):  # fmt: skip
+            bound = s[f"target_max_{key}"]
+            rows.append([label, what.format(bound), figure, verdict(s[key], at_most=bound)])
+    return lines + table(["machine", "target", "measured", ""], rows)
 
 
 @dataclass(frozen=True)
@@ -1189,6 +1239,13 @@ SECTIONS = (
         "balance_bench.json",
         "python benchmarks/balance_bench.py --json benchmarks/results/balance_bench.json",
         balance_bench,
+    ),
+    Section(
+        "The planner at 16,384 ranks on other CPUs",
+        "balance_scale_*.json",
+        "python benchmarks/balance_bench.py --scale-only --json "
+        "benchmarks/results/balance_scale_<host>.json",
+        planner_at_scale,
     ),
     Section(
         "Node-wise placement and movement-aware balancing",

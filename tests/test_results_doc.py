@@ -172,6 +172,38 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
     assert "| 9/8/7 |" in body  # each encoder's layers, then the LLM's
 
 
+def _scale_run(run_date: str, *, greedy_ms: float, flag: str | None) -> list[dict]:
+    """One ``balance_bench.py --scale-only`` file: a distribution, plan_step, the summary."""
+    info = {**RUN, "run_date": run_date, "numpy_disabled_features": flag}
+    scale = {"policy": "scale", "dist": "text", "greedy_ms": greedy_ms, "argsort_ms": 10.0,
+             "greedy_over_argsort": greedy_ms / 10.0, "greedy_auto_ms_max": 90.0}  # fmt: skip
+    summary = {
+        "policy": "summary",
+        "scale_greedy_over_argsort_max": greedy_ms / 10.0,
+        "scale_auto_ms_max": 90.0,
+        "scale_plan_step_ms_max": 120.0,
+        "target_max_scale_greedy_over_argsort_max": 2.0,
+        "target_max_scale_auto_ms_max": 100.0,
+        "target_max_scale_plan_step_ms_max": 100.0,
+    }
+    return [{**scale, **info}, {"policy": "step_plan", **info}, {**summary, **info}]
+
+
+def test_the_planner_on_other_cpus_is_judged_per_run(tmp_path):
+    _write(tmp_path, "balance_scale_a.json", _scale_run("2026-01-02T03:04:05Z", greedy_ms=15.0,
+                                                         flag=None))  # fmt: skip
+    _write(tmp_path, "balance_scale_b.json", _scale_run("2026-01-02T03:05:05Z", greedy_ms=25.0,
+                                                         flag="X86_V4"))  # fmt: skip
+    body = _section(results_doc.render(tmp_path), "The planner at 16,384 ranks on other CPUs")
+    assert "| text | 15.0 / 10.0 = 1.50×, 90 | 25.0 / 10.0 = 2.50×, 90 |" in body
+    assert "| Test CPU | `greedy` ≤ 2× argsort | max 1.50× (text) | met |" in body
+    assert (
+        "| Test CPU, numpy's `X86_V4` off | `greedy` ≤ 2× argsort | max 2.50× (text) "
+        "| **NOT met** |" in body
+    )
+    assert body.count("| `plan_step` ≤ 100 ms | max 120 ms | **NOT met** |") == 2
+
+
 def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
     _write(tmp_path, "train_modes.json", [_train("none", loss=6.25, vision_after=1.5)])
     doc, readme = tmp_path / "results.md", tmp_path / "README.md"
