@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 examples/hf_trainer.py --balance none     # the plain Trainer
     accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --trainer sft
     torchrun --nproc_per_node=2 examples/hf_trainer.py --model qwen2.5-vl  # a VLM, its adapter
+    torchrun --nproc_per_node=2 examples/hf_trainer.py --model qwen2.5-vl --trainer sft
 
 The model is a tiny ``LlamaForCausalLM`` with random weights and the tokenizer a word-level one
 built here (nothing is downloaded; on CPU the ranks talk gloo, under accelerate too); the
@@ -24,6 +25,10 @@ and audio mixed; the collator is ``tiny.collate``). The balanced script also wra
 its adapter, so its towers and language model are balanced phase by phase::
 
     + model = omt.wrap(model)
+
+With ``--trainer sft`` the rows go to TRL's SFTTrainer as a ``datasets.Dataset``, unprepared
+(``VLM_SFT``); TRL asks the model for per-token log-probabilities (its fused LM head), which
+the wrapped model computes from its balanced language-model phase.
 
 The plain run sets ``model.accepts_loss_kwargs = True`` (transformers marks Qwen2-VL and
 Qwen2.5-VL False, and their plain Trainer would then average each rank's micro-batch mean), so
@@ -95,6 +100,29 @@ def make_model(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(dtype)
 
 
+# TRL's SFTTrainer on a VLM's processor rows: no dataset preparation (the rows are tokenised
+# already), every column kept for the model (pixels, grids), no truncation; and no bf16
+# autocast (SFTConfig's default), which TRL's LM head kernel would apply to float64 weights
+# while the model's own layers stay float64.
+VLM_SFT = {
+    "dataset_kwargs": {"skip_prepare_dataset": True},
+    "remove_unused_columns": False,
+    "max_length": None,
+    "bf16": False,
+}
+
+
+def _sft(balanced: bool) -> tuple[type[Trainer], type[TrainingArguments]]:
+    """TRL's SFTTrainer (or its balanced subclass) and SFTConfig; imported here, for the sft
+    runs only: TRL is optional."""
+    from trl import SFTConfig, SFTTrainer
+
+    class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):  # orchmllm
+        pass
+
+    return BalancedSFTTrainer if balanced else SFTTrainer, SFTConfig
+
+
 def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -> Trainer:
     balanced = args.balance != "none"
     tok = make_tokenizer()
@@ -104,6 +132,7 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "gradient_accumulation_steps": args.grad_accum,
         "dataloader_num_workers": args.workers,
         "learning_rate": 1e-3,
+        "optim": args.optim,
         "max_steps": max_steps,
         "num_train_epochs": args.epochs,
         "logging_steps": 1,
@@ -121,27 +150,26 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
     dtype = getattr(torch, args.dtype)
     if args.model != "llama":  # a tiny VLM of an adapted family, its processor's rows
         model = tiny.build_model(args.model, seed=args.seed, dtype=dtype)
-        dataset = tiny.make_rows(args.model, model, args.examples, seed=args.seed)
+        rows = tiny.make_rows(args.model, model, args.examples, seed=args.seed)
         # transformers marks Qwen2-VL and Qwen2.5-VL accepts_loss_kwargs=False, so the plain
         # Trainer would average each rank's micro-batch mean; this plain run takes the mean
         # over the targets of all ranks and micro-steps, as the balanced Trainer always does.
         model.accepts_loss_kwargs = True
         model = omt.wrap(model) if balanced else model  # orchmllm
+        if args.trainer == "sft":  # the processor's rows as they are: no preparation
+            cls, config = _sft(balanced)
+            sft_args = config(**common, **VLM_SFT)
+            dataset = Dataset.from_list(rows)
+            return cls(model=model, args=sft_args, train_dataset=dataset, processing_class=tok,
+                       data_collator=tiny.collate)  # fmt: skip
         cls = BalancedTrainer if balanced else Trainer  # orchmllm
         train_args = TrainingArguments(**common)
-        return cls(model=model, args=train_args, train_dataset=dataset, data_collator=tiny.collate)
+        return cls(model=model, args=train_args, train_dataset=rows, data_collator=tiny.collate)
     model = make_model(dtype, args.seed)
     dataset = make_dataset(args.examples, max_len=args.max_len, seed=args.seed)
     if args.trainer == "sft":
-        from trl import SFTConfig, SFTTrainer  # the sft run only: TRL is optional
-
-        class BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):  # orchmllm
-            pass
-
-        cls = BalancedSFTTrainer if balanced else SFTTrainer
-        sft_args = SFTConfig(
-            **common, max_length=None, packing=False, padding_free=args.padding_free
-        )
+        cls, config = _sft(balanced)
+        sft_args = config(**common, max_length=None, packing=False, padding_free=args.padding_free)
         return cls(model=model, args=sft_args, train_dataset=dataset, processing_class=tok)
     collator = DataCollatorForLanguageModeling(tok, mlm=False)
     cls = BalancedTrainer if balanced else Trainer  # orchmllm
@@ -159,7 +187,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
     p.add_argument(
         "--model", choices=("llama", *tiny.FAMILIES), default="llama",
-        help="llama: a text model; else a tiny VLM (Trainer only), balanced by its adapter",
+        help="llama: a text model; else a tiny VLM, balanced by its adapter",
     )  # fmt: skip
     p.add_argument("--balance", choices=("auto", "none"), default="auto")
     p.add_argument("--examples", type=int, default=70)
@@ -172,12 +200,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=-1, help="-1: --epochs decides")
     p.add_argument("--resume-at", type=int, default=0, help="checkpoint at this step, resume")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument(
+        "--optim", choices=("adamw_torch", "sgd"), default="adamw_torch",
+        help="sgd: a step moves parameters by lr x gradient, so float32 rounding in a loss "
+        "kernel (TRL's fused LM head) stays that small instead of being rescaled by Adam",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: a temporary folder")
-    args = p.parse_args(argv)
-    if args.model != "llama" and args.trainer != "trainer":
-        p.error(f"--model {args.model} runs in the Trainer only, got --trainer {args.trainer}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> dict:
@@ -201,6 +231,8 @@ def main(argv: list[str]) -> dict:
     record["num_examples"] = trainer.num_examples(loader)
     # accelerate passes the balanced loader through unchanged (it is not a DataLoader)
     record["prepare_keeps_loader"] = trainer.accelerator.prepare(loader) is loader
+    for metric in ("num_tokens", "entropy", "mean_token_accuracy"):  # logged by TRL
+        record[metric] = losses(trainer, metric) or None
     phase = "" if args.model == "llama" else "llm/"  # a VLM logs each phase's
     for metric in ("imbalance_before", "imbalance_after"):  # logged by orchmllm
         values = losses(trainer, f"balance/{phase}{metric}")

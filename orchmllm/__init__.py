@@ -46,6 +46,8 @@ _LAZY = {
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
     "global_num_items": "orchmllm.loss",
+    "token_log_probs": "orchmllm.loss",
+    "TrainRecipe": "orchmllm.config",
     "Topology": "orchmllm.topology",
 }
 

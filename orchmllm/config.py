@@ -441,7 +441,14 @@ class TrainRecipe:
         return self.precision == "bf16-mixed"
 
     def checkpointed(self, layer: int) -> bool:
-        """Whether block ``layer`` (0-based) of a module is checkpointed."""
+        """Whether a module's block is checkpointed (every ``checkpointing``-th, from 0).
+
+        Args:
+            layer: the block's index in its module, from 0.
+
+        Returns:
+            True where the block recomputes its activations in backward.
+        """
         return self.checkpointing > 0 and layer % self.checkpointing == 0
 
 

@@ -33,6 +33,7 @@ chunk of them.
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from orchmllm.schema import IGNORE_INDEX
 
-__all__ = ["chunked_cross_entropy", "global_num_items"]
+__all__ = ["TokenScores", "chunked_cross_entropy", "global_num_items", "token_log_probs"]
 
 
 def _as_count(local_count: object) -> int:
@@ -137,6 +138,110 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
 
 
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Each target's log-probability under ``hidden @ weight.T``, with the distribution's
+    entropy and whether the target is its top token, ``chunk`` rows of logits at a time.
+
+    Unlike :class:`_ChunkedCrossEntropy` the caller weighs each token's log-probability as it
+    likes (a trainer's loss: a sum, DFT's probability-weighted sum), so the gradient is not
+    known in forward: backward recomputes each chunk's logits (one more logits product than
+    the plain head) from ``hidden``, ``weight`` and the saved log-sum-exps.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        rows = hidden.shape[0]
+        log_probs = torch.zeros(rows, dtype=acc, device=hidden.device)
+        entropy = torch.zeros(rows, dtype=acc, device=hidden.device)
+        is_top1 = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        lse = torch.zeros(rows, dtype=acc, device=hidden.device)
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            t = targets[part]
+            valid = t != IGNORE_INDEX
+            safe = torch.where(valid, t, 0)
+            logits = (hidden[part] @ weight.T).to(acc)
+            lse[part] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            log_probs[part] = torch.where(valid, picked - lse[part], 0.0)
+            top = logits.argmax(dim=-1)
+            is_top1[part] = valid & (top == t)
+            probs = torch.exp(logits.sub_(lse[part, None]))  # softmax, in place
+            mean_logit = (probs * logits).sum(dim=-1)  # logits shifted by lse: E[logit] - lse
+            entropy[part] = torch.where(valid, -mean_logit, 0.0)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy, is_top1)
+        return log_probs, entropy, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: Tensor, _grad_entropy: Tensor, _grad_top1: Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        acc = lse.dtype
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            t = targets[part]
+            valid = t != IGNORE_INDEX
+            safe = torch.where(valid, t, 0)
+            h = hidden[part]
+            # d log p_t / d logits = onehot(t) - softmax, times each token's upstream gradient
+            grad = torch.exp((h @ weight.T).to(acc).sub_(lse[part, None])).neg_()
+            grad[torch.arange(t.shape[0], device=t.device), safe] += 1.0
+            grad *= torch.where(valid, grad_log_probs[part], 0.0)[:, None]
+            grad = grad.to(hidden.dtype)
+            grad_hidden[part] = grad @ weight
+            grad_weight += (grad.T @ h).to(acc)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
+
+
+class TokenScores(NamedTuple):
+    """Per target token, in ``targets``' shape (zero where nothing is predicted)."""
+
+    log_probs: Tensor  # log p(target), differentiable
+    entropy: Tensor  # the next-token distribution's entropy, no gradient
+    is_top1: Tensor  # bool: the target is the most likely token
+
+
+def token_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk: int) -> TokenScores:
+    """Each target's log-probability under the LM head, without the ``[tokens, vocab]``
+    logits: what trainers that weigh tokens themselves take (TRL's fused LM head protocol:
+    its loss, entropy and token accuracy).
+
+    Args:
+        hidden: ``[tokens, hidden]``, the final normed hidden states.
+        weight: ``[vocab, hidden]``, the LM head's weight.
+        targets: int64 ``[tokens]``, the next token at each position, ``IGNORE_INDEX`` where
+            nothing is predicted.
+        chunk: tokens per chunk (the logits of one chunk exist at a time, in backward too).
+
+    Returns:
+        :class:`TokenScores` in fp32 (fp64 for fp64 inputs); ``-log_probs.sum()`` equals
+        ``F.cross_entropy(hidden @ weight.T, targets, reduction="sum")``.
+
+    Raises:
+        ValueError: ``chunk`` is not a positive integer, or the shapes disagree.
+    """
+    _check_head(hidden, weight, targets, chunk)
+    return TokenScores(*_ChunkedLogProbs.apply(hidden, weight, targets, chunk))
+
+
+def _check_head(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: object) -> None:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    if (
+        hidden.dim() != 2
+        or targets.shape != hidden.shape[:1]
+        or weight.shape[1:] != hidden.shape[1:]
+    ):
+        raise ValueError(
+            f"hidden [tokens, h], weight [vocab, h] and targets [tokens] disagree: "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+
+
 def chunked_cross_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk: int, denom: float = 1.0
 ) -> Tensor:
@@ -158,15 +263,5 @@ def chunked_cross_entropy(
     Raises:
         ValueError: ``chunk`` is not a positive integer, or the shapes disagree.
     """
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    if (
-        hidden.dim() != 2
-        or targets.shape != hidden.shape[:1]
-        or weight.shape[1:] != hidden.shape[1:]
-    ):
-        raise ValueError(
-            f"hidden [tokens, h], weight [vocab, h] and targets [tokens] disagree: "
-            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
+    _check_head(hidden, weight, targets, chunk)
     return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk, float(denom))

@@ -16,7 +16,8 @@ An adapted VLM (``omt.wrap(model)`` in the same BalancedTrainer; tiny Qwen2.5-VL
 random weights, their processors' rows, images and videos mixed) gives the plain Trainer's
 per-step losses within 1e-5 too (float64, gradient accumulation 2, 30 examples over 2 epochs,
 DDP in both), ends with the same parameters, and resumes exactly, under ``torchrun`` and
-``accelerate launch`` too. transformers marks Qwen2.5-VL
+``accelerate launch`` too; in TRL's SFTTrainer (its fused LM head served by the balanced
+model) it gives the plain SFTTrainer's losses, parameters and metrics. transformers marks Qwen2.5-VL
 ``accepts_loss_kwargs=False``, so its plain run sets it True: the plain Trainer then takes the
 mean over the targets of all ranks and micro-steps, as the balanced one always does.
 """
@@ -43,12 +44,10 @@ pytest.importorskip("trl", exc_type=ModuleNotFoundError)  # the trainer extra
 
 from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402  (after the extra's check)
-from trl import SFTConfig, SFTTrainer  # noqa: E402
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
 
 from orchmllm.integrations.trainer import (  # noqa: E402
     POLICY_FOR_LAYOUT,
-    BalancedTrainerMixin,
     LossNormalisationWarning,
     collator_layout,
 )
@@ -99,6 +98,9 @@ def vlm_runs(tmp_path_factory) -> dict[str, dict]:
     for model in VLMS:
         runs[f"{model}/none"] = [*VLM_COMMON, "--model", model, "--balance", "none"]
         runs[f"{model}/auto"] = [*VLM_COMMON, "--model", model]
+        for balance in ("none", "auto"):
+            runs[f"{model}/sft-{balance}"] = [*VLM_COMMON, "--model", model, "--trainer", "sft",
+                                              "--balance", balance]  # fmt: skip
     out = str(tmp_path_factory.mktemp("vlm"))
     runs["qwen2.5-vl/auto"] += ["--resume-at", "3", "--output-dir", out]
     return run_distributed(_runs_worker, 2, runs, timeout=150)[0]
@@ -150,6 +152,22 @@ def test_an_adapted_vlm_trains_like_the_plain_trainer(vlm_runs, model):
     # FLOPs from the planned sequences' tokens: counted, and no more than the padded batches'
     assert 0 < balanced["total_flos"] <= plain["total_flos"]
     # the language model's logged mean imbalance (its tokens per rank) drops
+    assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model", VLMS)
+def test_an_adapted_vlm_in_trls_sft_trainer_trains_like_the_plain_one(vlm_runs, model):
+    """TRL's SFTTrainer asks the model for per-token log-probabilities (its fused LM head):
+    the balanced model serves them from its own phases, so the losses, the parameters and
+    TRL's own metrics (trained tokens, entropy, token accuracy) are the plain run's."""
+    plain, balanced = vlm_runs[f"{model}/sft-none"], vlm_runs[f"{model}/sft-auto"]
+    assert len(plain["losses"]) == 8
+    assert _max_diff(plain["losses"], balanced["losses"]) < TOL
+    assert balanced["param_sum"] == pytest.approx(plain["param_sum"], abs=1e-6)
+    assert balanced["num_tokens"] == plain["num_tokens"]  # every rank's tokens, summed
+    for metric in ("entropy", "mean_token_accuracy"):
+        assert _max_diff(plain[metric], balanced[metric]) < TOL
     assert balanced["balance/imbalance_after"] < balanced["balance/imbalance_before"]
 
 
@@ -270,17 +288,14 @@ def test_an_adapted_vlm_keeps_its_models_columns_and_the_plain_count(tmp_path):
     assert "id" not in kept and {"input_ids", "labels", "pixel_values"} <= set(kept)
 
 
-class _BalancedSFTTrainer(BalancedTrainerMixin, SFTTrainer):
-    pass
-
-
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
-def test_an_adapted_vlm_in_trls_sft_trainer_is_refused_by_name(tmp_path):
-    """TRL's fused LM head bypasses the balanced VLM's forward: refused at construction, the
-    message naming the Trainer that balances it, rather than an AttributeError inside TRL."""
-    model = _vlm_trainer(tmp_path, "llava").model
-    with pytest.raises(TypeError, match="fused LM head.*BalancedTrainer"):
-        _BalancedSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), use_cpu=True))
+def test_trls_fused_head_patch_comes_off_an_adapted_vlm(tmp_path):
+    """TRL patches the model's forward with a fused LM head that would run the HF backbone
+    unbalanced: on an adapted VLM the mixin takes the patch off (the model's own forward
+    serves the protocol); the plain run's HF model keeps it."""
+    balanced = _vlm_trainer(tmp_path, "llava", "--trainer", "sft").model
+    plain = _vlm_trainer(tmp_path, "llava", "--trainer", "sft", "--balance", "none").model
+    assert "forward" not in vars(balanced) and "forward" in vars(plain)
 
 
 def test_an_adapted_vlm_needs_the_global_token_count(tmp_path):

@@ -159,6 +159,43 @@ def test_a_rank_without_items_runs_every_tower_and_keeps_no_token(families, name
         assert reached["none"] == reached["items"] and reached["items"], phase.name
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "llava"])
+def test_the_fused_lm_head_serves_per_token_log_probs_of_the_plain_logits(families, name):
+    """TRL's protocol (``fused_lm_head=True``): per target of the packed sequences, the
+    log-probability, entropy and top-1 flag of the plain forward's logits, in chunks smaller
+    than the tokens; the loss their mean over the targets, the plain loss; the mask counts
+    the targets; rows of a ``datasets.Dataset`` hold None for fields they lack."""
+    model, rows = families[name]
+    balanced = omt.wrap(model, loss_chunk=7)
+    plain = balanced(rows)
+    holes = [{**r, "video_grid_thw": r.get("video_grid_thw")} for r in rows]
+    tokens = int(plain.batch.lengths.sum())
+    fused = balanced(holes, fused_lm_head=True, attention_mask=torch.ones(1, tokens))
+    assert fused.logits is None and tokens > 7
+    targets = plain.batch.targets
+    mask = targets != -100
+    log_softmax = torch.log_softmax(plain.logits[0].double(), dim=-1)
+    picked = log_softmax.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    torch.testing.assert_close(fused.log_probs[0], torch.where(mask, picked, 0.0))
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    torch.testing.assert_close(fused.entropy[0], torch.where(mask, entropy, 0.0))
+    assert torch.equal(fused.is_top1[0], mask & (log_softmax.argmax(-1) == targets))
+    assert torch.equal(fused.label_mask[0], mask) and int(mask.sum()) == plain.batch.num_targets
+    torch.testing.assert_close(fused.loss, plain.loss.double(), rtol=0, atol=1e-5)
+
+
+def test_the_balanced_model_refuses_what_a_training_step_cannot_take(families):
+    model, rows = families["llava"]
+    balanced = omt.wrap(model)
+    with pytest.raises(ValueError, match="use_cache must be None or False"):
+        balanced(rows, use_cache=True)
+    with pytest.raises(ValueError, match="attention_mask must count this rank's"):
+        balanced(rows, attention_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="loss_chunk must be a positive integer, got 0"):
+        omt.wrap(model, loss_chunk=0)
+    assert balanced.config is model.config  # trainers read the HF model's settings
+
+
 def test_a_processor_row_becomes_the_schema(families):
     """Qwen2.5-VL: text is every token but the placeholders, each item a segment stating its
     tokens, with its patch rows and its record (grid, video, seconds per temporal patch); the

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orchmllm
-from orchmllm.loss import chunked_cross_entropy
+from orchmllm.loss import chunked_cross_entropy, token_log_probs
 from orchmllm.schema import IGNORE_INDEX
 from orchmllm.testing import assert_check_passed, run_checks
 
@@ -169,3 +169,40 @@ def test_chunked_cross_entropy_refuses_bad_input():
         chunked_cross_entropy(h, w, t, chunk=0)
     with pytest.raises(ValueError, match="disagree"):
         chunked_cross_entropy(h, w[:, :2], t, chunk=2)
+
+
+@pytest.mark.parametrize("chunk", [1, 10, 37, 4096])
+def test_token_log_probs_equal_the_whole_logits_and_take_any_weighting(chunk):
+    """Per-token log-probabilities, entropies and top-1 flags of the plain ``[tokens, vocab]``
+    log-softmax, zero where ignored; their gradients under a per-token weighting (DFT's
+    probability-weighted loss, TRL's ``loss_type="dft"``) equal the plain head's."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(37, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (37,), generator=g)
+    targets[::3] = IGNORE_INDEX
+    valid = targets != IGNORE_INDEX
+    got = token_log_probs(hidden, weight, targets, chunk=chunk)
+    (-(got.log_probs * got.log_probs.exp().detach()).sum()).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    log_softmax = torch.log_softmax(h2 @ w2.T, dim=-1)
+    picked = log_softmax.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    ref = torch.where(valid, picked, 0.0)
+    (-(ref * ref.exp().detach()).sum()).backward()
+    torch.testing.assert_close(got.log_probs, ref)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    torch.testing.assert_close(got.entropy, torch.where(valid, entropy, 0.0).detach())
+    assert torch.equal(got.is_top1, valid & (log_softmax.argmax(-1) == targets))
+    assert not got.entropy.requires_grad and got.is_top1.dtype == torch.bool
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+    summed = chunked_cross_entropy(hidden.detach(), weight.detach(), targets, chunk=chunk)
+    assert (-got.log_probs.sum()).item() == pytest.approx(summed.item(), rel=1e-12)
+
+
+def test_token_log_probs_refuse_bad_input():
+    h, w, t = torch.zeros(4, 3), torch.zeros(5, 3), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="chunk must be a positive integer, got True"):
+        token_log_probs(h, w, t, chunk=True)
+    with pytest.raises(ValueError, match="disagree"):
+        token_log_probs(h, w, t[:3], chunk=2)

@@ -53,6 +53,12 @@ What the mixin keeps of the Trainer, and why it is exact:
   their plain Trainer averages each rank's micro-batch mean, which balancing would reweight,
   so a balanced run equals their plain run with ``model.accepts_loss_kwargs = True`` (the
   mixin warns).
+- An adapted VLM in TRL's ``SFTTrainer``: TRL patches the model's forward with its fused LM
+  head (per-token log-probabilities computed from the HF backbone, which would run
+  unbalanced); the mixin takes the patch off, and the wrapped model serves the same protocol
+  from its balanced language-model phase (``forward(..., fused_lm_head=True)``). Each
+  micro-batch also carries an ``attention_mask`` of ones over the rank's packed tokens, by
+  which TRL counts the tokens it trains.
 - Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
   the policy's cost model) as sampled and as balanced since the previous log, per phase for a
   VLM (:func:`log_key`), so the Trainer's reporters show what balancing does.
@@ -172,10 +178,16 @@ def install_resume() -> None:
 
 
 def _fuses_lm_head(trainer_class: type) -> bool:
-    """Whether ``trainer_class`` is TRL's SFTTrainer or a subclass (read from its classes'
-    names, so that TRL stays optional)."""
+    """Whether ``trainer_class`` is TRL's SFTTrainer or a subclass, which patches the model's
+    forward with its fused LM head (read from its classes' names, so that TRL stays
+    optional)."""
     classes = trainer_class.__mro__
     return any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in classes)
+
+
+def _packed_mask(planned: PlannedBatch) -> torch.Tensor:
+    """Ones over this rank's packed LLM tokens of a planned batch (``[1, tokens]``)."""
+    return torch.ones(1, int(planned.assembly.lengths.sum()), dtype=torch.int64)
 
 
 class BalancedTrainerMixin:
@@ -200,15 +212,6 @@ class BalancedTrainerMixin:
         loader_options: LoaderOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        model = kwargs.get("model", args[0] if args else None)
-        if isinstance(model, BalancedModel) and _fuses_lm_head(type(self)):
-            raise TypeError(
-                f"{type(self).__name__}: TRL's SFTTrainer replaces the model's forward with its "
-                "fused LM head (per-token log-probabilities computed from the backbone), which a "
-                "balanced VLM (orchmllm.integrations.transformers.wrap) does not serve: it owns "
-                "its forward, phase by phase. Train a balanced VLM with orchmllm.integrations."
-                "trainer.BalancedTrainer (transformers.Trainer); text models balance in SFTTrainer"
-            )
         # Prefixed: a Trainer subclass has many attributes of its own.
         self.balance_length_fn = length_fn
         self.balance_planning = planning
@@ -217,6 +220,12 @@ class BalancedTrainerMixin:
         self._balance_stats: list[dict] = []  # the micro-batches' statistics since the last log
         super().__init__(*args, **kwargs)
         install_resume()
+        vlm = self._adapted_model()
+        if vlm is not None and _fuses_lm_head(type(self)):
+            # TRL patched the model's forward with its fused LM head, which would run the HF
+            # backbone unbalanced; the balanced model serves the same per-token outputs from
+            # its own phases (forward(..., fused_lm_head=True)), so the patch comes off.
+            vars(vlm).pop("forward", None)
 
     def get_train_dataloader(self) -> BalancedDataLoader:
         """The Trainer's own training loader, its batches balanced before collation."""
@@ -264,7 +273,8 @@ class BalancedTrainerMixin:
         planned = list(itertools.islice(epoch_iterator, num_batches))
         targets = sum(p.plan.num_targets for p in planned)
         num_items = torch.tensor(targets, device=device) if planned else None
-        return [{"batch": p} for p in planned], num_items
+        # the mask counts this rank's packed tokens, as TRL counts the tokens it trains
+        return [{"batch": p, "attention_mask": _packed_mask(p)} for p in planned], num_items
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's FLOPs estimate (6 x tokens x non-embedding parameters) for an adapted

@@ -109,7 +109,9 @@ class Adapter:
         its kind's placeholders.
 
         Args:
-            row: one processor row (``input_ids``, optional ``labels``, the item fields).
+            row: one processor row (``input_ids``, optional ``labels``, the item fields). A
+                field held as None is absent (a ``datasets.Dataset`` of rows with different
+                fields gives None for the ones a row lacks).
 
         Returns:
             The schema dict: ``segments`` (items as ``[kind, raw rows, tokens]``),
@@ -120,6 +122,7 @@ class Adapter:
                 run broken by other tokens), or labels on a placeholder or that differ from
                 the token they label.
         """
+        row = {k: v for k, v in row.items() if v is not None}
         ids = np.asarray(row["input_ids"]).reshape(-1)
         labels = np.asarray(row.get("labels", ids)).reshape(-1)
         if labels.shape != ids.shape:

@@ -7,6 +7,10 @@ sequences, called the way packing needs (no cache, no attention mask, positions 
 per sequence, an attention implementation that builds the block-diagonal mask from them). The
 loss is normalised by the prediction targets of all ranks, so balancing never changes the
 gradient.
+
+TRL's trainers ask a model for per-token log-probabilities instead of logits (their "fused LM
+head": ``forward(..., fused_lm_head=True)``); :meth:`BalancedModel.forward` serves that from its
+own language-model phase, in chunks of ``loss_chunk`` tokens, never ``[tokens, vocab]`` logits.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers.utils import ModelOutput
 
 import orchmllm
 from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
+from orchmllm.schema import IGNORE_INDEX
 
 
 @dataclass
@@ -33,14 +38,23 @@ class BalancedOutput(ModelOutput):
         loss: this rank's share of the global mean loss (its targets' summed loss over the
             targets of all ranks); multiply by the world size for FSDP2 or DDP, which average
             gradients over ranks.
-        logits: ``[1, tokens, vocab]`` over this rank's packed sequences.
+        logits: ``[1, tokens, vocab]`` over this rank's packed sequences (None with
+            ``fused_lm_head``).
         batch: the step's :class:`orchmllm.LLMBatch` (sequence lengths, example ids, the
             phases' statistics).
+        log_probs, entropy, is_top1, label_mask: with ``fused_lm_head`` (TRL's protocol),
+            ``[1, tokens]`` over this rank's packed sequences: each target's log-probability,
+            the next-token entropy, whether the target is the top token, and whether a target
+            is there (the others are zero where it is not).
     """
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     batch: orchmllm.LLMBatch | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
 
 
 class BalancedModel(nn.Module):
@@ -52,9 +66,10 @@ class BalancedModel(nn.Module):
         model: the HF model (``...ForConditionalGeneration``).
         adapter: how its family runs as phases.
         orchestrator: plans and moves every step (its phases are the adapter's).
+        loss_chunk: tokens per chunk of the LM head under ``fused_lm_head``.
 
     Attributes:
-        model, adapter, orchestrator: as given.
+        model, adapter, orchestrator, loss_chunk: as given.
         loads: phase name (and ``"llm"``) -> the raw rows (encoders) and tokens (LLM) this rank
             computed in the last step, for reporting balance.
     """
@@ -63,13 +78,39 @@ class BalancedModel(nn.Module):
     accepts_loss_kwargs = True
 
     def __init__(
-        self, model: nn.Module, adapter: Adapter, orchestrator: orchmllm.Orchestrator
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        orchestrator: orchmllm.Orchestrator,
+        *,
+        loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
     ) -> None:
         super().__init__()
+        if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be a positive integer, got {loss_chunk!r}")
         self.model = model
         self.adapter = adapter
         self.orchestrator = orchestrator
+        self.loss_chunk = loss_chunk
         self.loads: dict[str, int] = {}
+
+    @property
+    def config(self) -> Any:
+        """The HF model's config (trainers read the model's settings from it)."""
+        return self.model.config
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for the HF model's card (TRL's trainers add theirs)."""
+        self.model.add_model_tags(tags)
+
+    def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """The HF model's activation checkpointing (a Trainer's ``gradient_checkpointing``,
+        the HF model's arguments): its blocks recompute their activations in backward, inside
+        the balanced phases."""
+        self.model.activation_checkpointing_enable(*args, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        self.model.activation_checkpointing_disable()
 
     def loader(
         self,
@@ -100,6 +141,9 @@ class BalancedModel(nn.Module):
         batch: orchmllm.PlannedBatch | list,
         *,
         num_items_in_batch: int | torch.Tensor | None = None,
+        fused_lm_head: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
     ) -> BalancedOutput:
         """One step's forward on this rank.
 
@@ -111,10 +155,22 @@ class BalancedModel(nn.Module):
             num_items_in_batch: the count of prediction targets the summed loss is divided by
                 (None: the step's, over all ranks). A ``transformers.Trainer`` passes its count
                 over every rank and micro-step of a gradient accumulation.
+            fused_lm_head: TRL's protocol: per-token log-probabilities, entropies and top-1
+                flags (:class:`BalancedOutput`) in chunks of ``loss_chunk`` tokens, no logits.
+            attention_mask: a Trainer's token count of this rank (TRL counts the tokens it
+                trains by it): ones over the packed tokens, checked against them. The packed
+                sequences need no mask (their positions say where each starts).
+            use_cache: a Trainer's flag; a training step keeps no cache (True is refused).
 
         Returns:
             The :class:`BalancedOutput`.
+
+        Raises:
+            ValueError: ``use_cache`` is True, ``attention_mask`` does not count this rank's
+                packed tokens, or ``fused_lm_head`` with an LM head that has a bias.
         """
+        if use_cache:
+            raise ValueError("use_cache must be None or False for a training step, got True")
         orch = self.orchestrator
         if isinstance(batch, list):
             local = orchmllm.LocalBatch.from_examples(
@@ -138,10 +194,26 @@ class BalancedModel(nn.Module):
             use_cache=False,  # with a cache, transformers would not derive that mask
             **self.adapter.language_kwargs(out),
         ).last_hidden_state
-        logits = model.get_output_embeddings()(hidden)
-        self.loads["llm"] = int(out.lengths.sum())
+        tokens = int(out.lengths.sum())
+        self.loads["llm"] = tokens
+        if attention_mask is not None and attention_mask.numel() != tokens:
+            raise ValueError(
+                f"attention_mask must count this rank's {tokens} packed tokens, got "
+                f"{attention_mask.numel()} entries"
+            )
         if num_items_in_batch is None:
             num_items_in_batch = out.num_targets  # over all ranks
+        head = model.get_output_embeddings()
+        if fused_lm_head:
+            if getattr(head, "bias", None) is not None:
+                raise ValueError("fused_lm_head: the LM head has a bias, which it does not add")
+            scores = orchmllm.token_log_probs(
+                hidden[0], head.weight, out.targets, chunk=self.loss_chunk
+            )
+            loss = -scores.log_probs.sum() / num_items_in_batch
+            mask = out.targets != IGNORE_INDEX
+            return BalancedOutput(loss, None, out, *(x[None] for x in (*scores, mask)))
+        logits = head(hidden)
         loss = model.loss_function(
             logits=logits,
             labels=None,
@@ -185,6 +257,7 @@ def wrap(
     adapter: Adapter | None = None,
     topology: orchmllm.Topology | None = None,
     llm_policy: str = "greedy",
+    loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
 ) -> BalancedModel:
     """Balance an HF vision-language model: its towers and its language model become phases.
 
@@ -195,14 +268,17 @@ def wrap(
         adapter: the adapter to use (None: the one registered for the model's class).
         topology: the process groups (None: a topology over the default group).
         llm_policy: the language model's balancing policy.
+        loss_chunk: tokens per chunk of the LM head when a trainer asks for per-token
+            log-probabilities (TRL's ``fused_lm_head``).
 
     Returns:
         The :class:`BalancedModel`; shard it with :func:`shard` (or your own FSDP2 wiring whose
         root is the returned module).
 
     Raises:
-        ValueError: no adapter is registered for the model's class, or its language model's
-            attention implementation cannot attend within packed sequences.
+        ValueError: no adapter is registered for the model's class, its language model's
+            attention implementation cannot attend within packed sequences, or ``loss_chunk``
+            is not a positive integer.
     """
     adapter = adapter or adapter_for(model)
     text = model.config.get_text_config()
@@ -213,7 +289,8 @@ def wrap(
             f"within packed sequences; use one of {PACKING_ATTENTION}"
         )
     options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
-    return BalancedModel(model, adapter, orchmllm.Orchestrator(options, topology=topology))
+    orchestrator = orchmllm.Orchestrator(options, topology=topology)
+    return BalancedModel(model, adapter, orchestrator, loss_chunk=loss_chunk)
 
 
 def shard(model: BalancedModel, **fsdp: Any) -> BalancedModel:

@@ -343,7 +343,10 @@ def _pad_cat(arrays: Sequence[np.ndarray | torch.Tensor]) -> np.ndarray:
 
 def collate(rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The plain pipeline's collate: token fields right-padded (:data:`PAD`), every other
-    field concatenated over the batch (trailing dims zero-padded), as a processor batches."""
+    field concatenated over the batch (trailing dims zero-padded), as a processor batches. A
+    field a row lacks, or holds as None (a ``datasets.Dataset`` of rows with different
+    fields), is left out for that row."""
+    rows = [{k: v for k, v in r.items() if v is not None} for r in rows]
     width = max(len(r["input_ids"]) for r in rows)
     out = {}
     for key in dict.fromkeys(k for r in rows for k in r):
