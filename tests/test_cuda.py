@@ -1,5 +1,6 @@
-"""What only a CUDA GPU can check: the fused ``varlen_attn`` kernel behind packed attention, and
-the NCCL backend under the dispatcher and the orchestrator (world size 1, one GPU).
+"""What only a CUDA GPU can check: the fused ``varlen_attn`` kernel behind packed attention, the
+chunked LM head (its loss and per-token log-probabilities) in the GPU's precisions, and the NCCL
+backend under the dispatcher and the orchestrator (world size 1, one GPU).
 
 Every test here is marked ``cuda`` and skipped without a GPU; ``pytest -m cuda`` runs them (as
 ``benchmarks/gpu_check.py`` does), together with the single-process NCCL training smoke test
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from orchmllm import compat
 from orchmllm.config import load_config
 from orchmllm.dispatcher import BatchDispatcher
+from orchmllm.loss import chunked_cross_entropy, token_log_probs
 from orchmllm.models import build_model, packed_attention
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.step_plan import StepOptions
@@ -93,6 +95,37 @@ def test_packed_attention_on_cuda_matches_per_sequence_sdpa(dtype, causal):
         err = _relative_error(t.grad, r.grad)
         # the backward rounds twice more (the output gradient and the softmax gradient)
         assert err <= 2 * tol, f"{dtype} d{name}: relative error {err:.2e} > {2 * tol:.2e}"
+
+
+def check_lm_head(device: str, dtype: torch.dtype) -> None:
+    """The chunked LM head (:func:`token_log_probs`, :func:`chunked_cross_entropy`) against the
+    whole logits in float64 of the same inputs: log-probabilities within the rounding of the
+    logits to ``dtype`` (the head's product rounds them before they are upcast, as HF's plain
+    loss does), gradients of their sum within the same relative error, the loss their sum."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(300, 64, generator=g) / 4).to(device, dtype).requires_grad_()
+    weight = (torch.randn(1000, 64, generator=g) / 4).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (300,), generator=g).to(device)
+    targets[::5] = -100
+    valid = targets != -100
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    logits = h64 @ w64.T
+    ref = torch.log_softmax(logits, -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    ref = torch.where(valid, ref, 0.0)
+    tol = 4 * torch.finfo(dtype).eps * float(logits.detach().abs().max()) + 1e-6
+    got = token_log_probs(hidden, weight, targets, chunk=128)
+    assert float((got.log_probs.double() - ref).abs().max()) <= tol
+    got.log_probs.sum().backward()
+    ref.sum().backward()
+    for ours, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        assert _relative_error(ours, want) <= 8 * torch.finfo(dtype).eps
+    loss = chunked_cross_entropy(hidden.detach(), weight.detach(), targets, chunk=128)
+    assert abs(float(loss) + float(ref.detach().sum())) <= tol * int(valid.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_lm_head_on_cuda_matches_the_whole_logits(dtype):
+    check_lm_head("cuda", dtype)
 
 
 def test_every_encoder_runs_on_an_empty_batch_in_bf16():
