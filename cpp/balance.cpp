@@ -15,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -271,11 +272,12 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
 // without a binding cap, in rounds first (on at least kRoundRanks ranks), and the zero-length
 // items (the sorted order's tail) all to the rank the tree would give each of them: the
 // least-loaded, whose load they leave as it is. dst is written after the placement, in a
-// second pass: the scatter misses the cache on every item.
+// second pass: the scatter misses the cache on every item. `coming`: whole_total of the items
+// placed, when the caller has it (lpt: weight_unit's pass; a pass of its own costs 1 ms in 21).
 constexpr size_t kRoundRanks = 128;  // below, the tree is as fast (measured)
 void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
                        std::vector<int64_t>& count, int64_t cap, int64_t* dst,
-                       int64_t* rank_at = nullptr) {
+                       int64_t* rank_at = nullptr, std::optional<double> coming = std::nullopt) {
     thread_local std::vector<int64_t> scratch;  // reused: see SortScratch
     const size_t n = items.index.size();
     if (rank_at == nullptr) {
@@ -287,9 +289,9 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
     // Below 2^53 every integer sum is exact in a double; below the packed field's all-ones.
     const double limit = std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
     const double held = whole_total(load.data(), static_cast<int64_t>(load.size()));
-    const double coming =
-        whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
-    if (held >= 0.0 && coming >= 0.0 && held + coming < limit) {
+    if (!coming)
+        coming = whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
+    if (held >= 0.0 && *coming >= 0.0 && held + *coming < limit) {
         const PackedKey codec{rank_bits};
         const bool uncapped = cap >= static_cast<int64_t>(n);
         size_t live = n;  // without a cap, the items before the zero-length tail
@@ -814,17 +816,21 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         fill_least_loaded(items, 0, load, count, cap, dst);
         return;
     }
-    thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
-    rank_at.resize(static_cast<size_t>(n));
-    fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data());
     // The items that matter: without a binding cap, zero-length items change no load, so every
     // step below plans the others (a prefix of the sorted order) and the zeros stay where LPT
     // put them.
     int64_t live = n;
     if (cap >= n)
         while (live > 0 && items.key[live - 1] == 0.0) --live;
-    const double unit = weight_unit(items.key.data(), live);
-    const double floor = makespan_floor(items.key.data(), live, num_ranks, unit);
+    double total = 0.0;
+    const double unit = weight_unit(items.key.data(), live, &total);
+    const double floor = makespan_floor(items.key.data(), live, num_ranks, unit, total);
+    thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
+    rank_at.resize(static_cast<size_t>(n));
+    // With a unit every item is whole (the zero tail too) and `total` is their whole_total;
+    // without, fill_least_loaded sees for itself.
+    fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data(),
+                      unit > 0.0 ? std::optional<double>(total) : std::nullopt);
     refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
     double best = *std::max_element(load.begin(), load.end());
     if (!(best > floor) || num_ranks < 2) {
