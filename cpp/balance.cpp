@@ -797,8 +797,8 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 
 }  // namespace
 
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps, bool* proven, bool exact) {
+bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, bool exact, double* loads) {
     if (proven != nullptr) *proven = false;
     if (n > 0 && (w[0] > 0.0 || max_steps > 0) &&
         std::all_of(w, w + n, [&](double x) { return x == w[0]; })) {
@@ -807,14 +807,14 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
         deal_in_rounds(n, num_ranks, dst);
         if (proven != nullptr) *proven = max_steps > 0;
-        return;
+        return false;
     }
     const auto& items = sort_items(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
     if (max_steps <= 0) {
         fill_least_loaded(items, 0, load, count, cap, dst);
-        return;
+        return false;
     }
     // The items that matter: without a binding cap, zero-length items change no load, so every
     // step below plans the others (a prefix of the sorted order) and the zeros stay where LPT
@@ -832,16 +832,22 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data(),
                       unit > 0.0 ? std::optional<double>(total) : std::nullopt);
     refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
+    // The refined LPT plan's loads, for the caller (a pass over the plan saved: 1 ms in 22).
+    const auto report = [&]() {
+        const bool known = loads != nullptr && unit > 0.0 && total < 0x1p53;
+        if (known) std::copy(load.begin(), load.end(), loads);
+        return known;
+    };
     double best = *std::max_element(load.begin(), load.end());
     if (!(best > floor) || num_ranks < 2) {
         if (proven != nullptr) *proven = !(best > floor);
-        return;
+        return report();
     }
     // Past every candidate's limit (the exact search's, KK's and MULTIFIT's), the refined LPT
     // plan stands: no copies of a million items for candidates that will not run.
     if (live > kExactItems && live * num_ranks > kPortfolioKkWork &&
         live > kPortfolioKkEqualItems && live > kPortfolioMultifitItems)
-        return;
+        return report();
     Sorted<double> part;  // the live items, in sorted order
     part.index.assign(items.index.begin(), items.index.begin() + live);
     part.key.assign(items.key.begin(), items.key.begin() + live);
@@ -854,7 +860,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         for (int64_t k = 0; k < live; ++k) dst[part.index[k]] = at[k];
         if (outcome.proven) {
             if (proven != nullptr) *proven = true;
-            return;
+            return false;
         }
         std::fill(load.begin(), load.end(), 0.0);
         for (int64_t k = 0; k < live; ++k) load[at[k]] += part.key[k];
@@ -892,6 +898,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         multifit(part, num_ranks, cap, floor, top, unit, plan.data()))
         consider();
     if (proven != nullptr) *proven = !(best > floor);
+    return false;
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

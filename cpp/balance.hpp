@@ -65,9 +65,12 @@ constexpr int kMultifitRounds = 24;
 constexpr int64_t kExactItems = 64;
 constexpr int64_t kExactNodes = int64_t{1} << 17;
 // `exact` = false leaves the exact search and the wider partners out (greedy_stay's reference
-// makespan on small instances, movement.cpp).
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true);
+// makespan on small instances, movement.cpp). `loads` (when given): each rank's load under the
+// plan, written when the refined LPT plan stands and its loads are integer sums below 2^53
+// (exact, so equal to numpy's bincount in input order): returns whether it wrote them.
+bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true,
+         double* loads = nullptr);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the
