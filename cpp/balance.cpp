@@ -226,13 +226,16 @@ void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end
     }
 }
 
-// Sorts packed (load, rank) keys ascending, by a radix sort over the bits of their spread.
-void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
+// Sorts packed (load, rank) keys, given in rank order, ascending: stable LSD passes over the
+// bits of the loads' spread alone keep equal loads in rank order, so the rank bits take no pass
+// (16,384 ranks: 14 bits; spoken_qa's rounds then sort in one pass, not two).
+void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, int rank_bits) {
     const auto [lo, hi] = std::minmax_element(keys.begin(), keys.end());
-    const uint64_t base = *lo;
+    const uint64_t base = *lo >> rank_bits, spread = (*hi >> rank_bits) - base;
     int width = 0;
-    while (width < 64 && ((*hi - base) >> width) != 0) ++width;
-    radix_sort(keys, scratch, 0, width, [base](uint64_t t) { return t - base; });
+    while (width < 64 && (spread >> width) != 0) ++width;
+    radix_sort(keys, scratch, 0, width,
+               [base, rank_bits](uint64_t t) { return (t >> rank_bits) - base; });
 }
 
 // LPT in rounds, the tree's plan without its walk: with the ranks sorted by (load, rank), the
@@ -245,13 +248,14 @@ void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
 // stop once one places fewer than a quarter of the ranks, where the tree is cheaper.
 size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from, size_t end,
                       std::vector<double>& load, std::vector<int64_t>& count, int64_t* rank_at) {
-    thread_local std::vector<uint64_t> keys, scratch;  // reused: see SortScratch
+    thread_local std::vector<uint64_t> ranked, keys, scratch;  // reused: see SortScratch
     const size_t d = load.size();
-    keys.resize(d);
-    for (size_t r = 0; r < d; ++r) keys[r] = codec.make(load[r], false, r);
+    ranked.resize(d);  // each rank's key, in rank order
+    for (size_t r = 0; r < d; ++r) ranked[r] = codec.make(load[r], false, r);
     size_t k = from;
     for (;;) {
-        sort_keys(keys, scratch);
+        keys.assign(ranked.begin(), ranked.end());
+        sort_keys(keys, scratch, codec.rank_bits);
         const size_t start = k;
         uint64_t taken = ~uint64_t{0};  // the smallest new key of a rank placed this round
         for (size_t i = 0; i < d && k < end && keys[i] < taken; ++i, ++k) {
@@ -259,8 +263,8 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
             rank_at[k] = static_cast<int64_t>(r);
             load[r] += items.key[k];
             ++count[r];
-            keys[i] = codec.make(load[r], false, r);
-            taken = std::min(taken, keys[i]);
+            ranked[r] = codec.make(load[r], false, r);
+            taken = std::min(taken, ranked[r]);
         }
         if (k == end || 4 * (k - start) < d) return k;
     }
