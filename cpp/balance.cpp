@@ -226,12 +226,13 @@ void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end
     }
 }
 
-// Sorts packed (load, rank) keys, given in rank order, ascending: stable LSD passes over the
-// bits of the loads' spread alone keep equal loads in rank order, so the rank bits take no pass
-// (16,384 ranks: 14 bits; spoken_qa's rounds then sort in one pass, not two).
-void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, int rank_bits) {
-    const auto [lo, hi] = std::minmax_element(keys.begin(), keys.end());
-    const uint64_t base = *lo >> rank_bits, spread = (*hi >> rank_bits) - base;
+// Sorts packed (load, rank) keys, given in rank order, ascending, given the smallest and the
+// largest: stable LSD passes over the bits of the loads' spread alone keep equal loads in rank
+// order, so the rank bits take no pass (16,384 ranks: 14 bits; spoken_qa's rounds then sort in
+// one pass, not two).
+void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, int rank_bits,
+               uint64_t lo, uint64_t hi) {
+    const uint64_t base = lo >> rank_bits, spread = (hi >> rank_bits) - base;
     int width = 0;
     while (width < 64 && (spread >> width) != 0) ++width;
     radix_sort(keys, scratch, 0, width,
@@ -252,21 +253,29 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
     const size_t d = load.size();
     ranked.resize(d);  // each rank's key, in rank order
     for (size_t r = 0; r < d; ++r) ranked[r] = codec.make(load[r], false, r);
+    // The smallest and largest key, kept up by the scans (a pass over the ranks less a round).
+    uint64_t lo = *std::min_element(ranked.begin(), ranked.end());
+    uint64_t hi = *std::max_element(ranked.begin(), ranked.end());
     size_t k = from;
     for (;;) {
         keys.assign(ranked.begin(), ranked.end());
-        sort_keys(keys, scratch, codec.rank_bits);
+        sort_keys(keys, scratch, codec.rank_bits, lo, hi);
         const size_t start = k;
-        uint64_t taken = ~uint64_t{0};  // the smallest new key of a rank placed this round
-        for (size_t i = 0; i < d && k < end && keys[i] < taken; ++i, ++k) {
+        uint64_t taken = ~uint64_t{0}, top = 0;  // the smallest, largest new key this round
+        size_t i = 0;
+        for (; i < d && k < end && keys[i] < taken; ++i, ++k) {
             const uint64_t r = codec.rank(keys[i]);
             rank_at[k] = static_cast<int64_t>(r);
             load[r] += items.key[k];
             ++count[r];
             ranked[r] = codec.make(load[r], false, r);
             taken = std::min(taken, ranked[r]);
+            top = std::max(top, ranked[r]);
         }
         if (k == end || 4 * (k - start) < d) return k;
+        // The ranks from i on took nothing: their keys, sorted, stay.
+        lo = i < d ? std::min(taken, keys[i]) : taken;
+        hi = i < d ? std::max(top, keys[d - 1]) : top;
     }
 }
 
