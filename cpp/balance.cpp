@@ -96,14 +96,21 @@ struct SortScratch {
     };
     std::vector<Tagged> wide_a, wide_b;
 };
+template <typename Out>
+SortScratch<Out>& sort_scratch() {
+    thread_local SortScratch<Out> s;
+    return s;
+}
 
 // An LSD radix sort over only the bits that vary between keys. When they fit beside the item
 // index in one uint64, records are 8 bytes (lengths up to 2^15 as doubles: two passes) and the
-// key is rebuilt from the record; otherwise records are (key, index) pairs. The result lives in
-// this thread's scratch until the next sort_items<T> call on it.
-template <typename T>
-const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
-    thread_local SortScratch<T> s;
+// key is rebuilt from the record; otherwise records are (key, index) pairs. Keys of type T come
+// out as Out (lengths below 2^53 sort on their integer bits, fewer than a double's, and come out
+// as the doubles lpt adds up). The result lives in this thread's scratch until the next
+// sort_items call with the same Out.
+template <typename T, typename Out = T>
+const Sorted<Out>& sort_items(const T* key, int64_t n, bool descending) {
+    auto& s = sort_scratch<Out>();
     const uint64_t flip = descending ? ~uint64_t{0} : 0;
     uint64_t all_and = ~uint64_t{0}, all_or = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -136,7 +143,8 @@ const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
         radix_sort(a, s.b, index_bits, width, [](uint64_t t) { return t; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = static_cast<int64_t>(a[j] & index_mask);
-            s.out.key[j] = unsortable<T>((((a[j] >> index_bits) << low) | fixed) ^ flip);
+            s.out.key[j] = static_cast<Out>(
+                unsortable<T>((((a[j] >> index_bits) << low) | fixed) ^ flip));
         }
     } else {
         auto& a = s.wide_a;
@@ -145,7 +153,7 @@ const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
         radix_sort(a, s.wide_b, low, width, [](const auto& t) { return t.key; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = a[j].index;
-            s.out.key[j] = unsortable<T>(a[j].key ^ flip);
+            s.out.key[j] = static_cast<Out>(unsortable<T>(a[j].key ^ flip));
         }
     }
     return s.out;
@@ -810,11 +818,15 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 
 }  // namespace
 
-bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps, bool* proven, bool exact, double* loads) {
+namespace {
+
+// lpt on weights of type T (doubles, or lengths below 2^53: see sort_items).
+template <typename T>
+bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+              int64_t max_steps, bool* proven, bool exact, double* loads) {
     if (proven != nullptr) *proven = false;
     if (n > 0 && (w[0] > 0.0 || max_steps > 0) &&
-        std::all_of(w, w + n, [&](double x) { return x == w[0]; })) {
+        std::all_of(w, w + n, [&](T x) { return x == w[0]; })) {
         // All alike: the sorted order is the input order (ties by index) and LPT deals the
         // items out in rounds of num_ranks, which meets any cap that fits them: the optimum,
         // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
@@ -822,7 +834,7 @@ bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         if (proven != nullptr) *proven = max_steps > 0;
         return false;
     }
-    const auto& items = sort_items(w, n, true);
+    const auto& items = sort_items<T, double>(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
     if (max_steps <= 0) {
@@ -901,7 +913,7 @@ bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         std::vector<int64_t> ids(part.index.begin(), part.index.end()), kk(live);
         std::sort(ids.begin(), ids.end());  // KK's ties break by index: keep their order
         std::vector<double> x(static_cast<size_t>(live));
-        for (int64_t k = 0; k < live; ++k) x[k] = w[ids[k]];
+        for (int64_t k = 0; k < live; ++k) x[k] = static_cast<double>(w[ids[k]]);
         karmarkar_karp(x.data(), live, num_ranks, !full_kk, kk.data());
         for (int64_t k = 0; k < live; ++k) plan[ids[k]] = kk[k];
         consider();
@@ -912,6 +924,18 @@ bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         consider();
     if (proven != nullptr) *proven = !(best > floor);
     return false;
+}
+
+}  // namespace
+
+bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, bool exact, double* loads) {
+    return plan_lpt(w, n, num_ranks, cap, dst, max_steps, proven, exact, loads);
+}
+
+bool lpt(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, double* loads) {
+    return plan_lpt(lengths, n, num_ranks, cap, dst, max_steps, proven, true, loads);
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

@@ -71,6 +71,10 @@ constexpr int64_t kExactNodes = int64_t{1} << 17;
 bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
          int64_t max_steps = 0, bool* proven = nullptr, bool exact = true,
          double* loads = nullptr);
+// The same on non-negative lengths below 2^53 (each exact as a double, so the same plan), sorted
+// on their integer bits, fewer than a double's, without a converted copy.
+bool lpt(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, double* loads);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the

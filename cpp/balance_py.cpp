@@ -90,20 +90,26 @@ void register_balance(py::module_& m) {
             bool proven = false, nonneg = true, any = false;
             {
                 py::gil_scoped_release release;
-                // Reused across calls on this thread: a fresh 8 MB vector is page-faulted in on
-                // every call (5 ms of a 45 ms plan at 983,040 lengths). Checked and converted
-                // in one pass.
-                thread_local std::vector<double> w;
-                w.resize(static_cast<size_t>(n));
+                uint64_t bits = 0;  // every length's bits or-ed: none from 2^53 up, all below
                 for (int64_t i = 0; i < n; ++i) {
                     nonneg &= x[i] >= 0;
                     any |= x[i] > 0;
-                    w[i] = static_cast<double>(x[i]);
+                    bits |= static_cast<uint64_t>(x[i]);
                 }
-                if (nonneg && any &&
-                    !orch::lpt(w.data(), n, d, n, out, max_steps, &proven, true, load)) {
+                bool known = false;
+                if (nonneg && any && (bits >> 53) == 0) {
+                    known = orch::lpt(x, n, d, n, out, max_steps, &proven, load);
+                } else if (nonneg && any) {
+                    // Reused across calls on this thread: a fresh 8 MB vector is page-faulted
+                    // in on every call (5 ms of a 45 ms plan at 983,040 lengths).
+                    thread_local std::vector<double> w;
+                    w.assign(x, x + n);
+                    known = orch::lpt(w.data(), n, d, n, out, max_steps, &proven, true, load);
+                }
+                if (nonneg && any && !known) {
                     std::fill(load, load + d, 0.0);
-                    for (int64_t i = 0; i < n; ++i) load[out[i]] += w[i];  // bincount's order
+                    for (int64_t i = 0; i < n; ++i)  // bincount's order
+                        load[out[i]] += static_cast<double>(x[i]);
                 }
             }
             if (!nonneg || !any) return py::none();
