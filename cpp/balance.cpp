@@ -368,11 +368,18 @@ class Extremes {
 };
 
 // One item on a rank's list; lists are ordered by weight descending, then index ascending.
-struct Entry {
+// WideEntry holds any weight and index; CompactEntry whole weights and indices below 2^32, in
+// half the bytes (refine moves them by the million: 1.5 ms less in 21 at 983,040 lengths).
+struct WideEntry {
     double w;
     int64_t index;
 };
-bool before(const Entry& a, const Entry& b) {
+struct CompactEntry {
+    uint32_t w;
+    uint32_t index;
+};
+template <typename E>
+bool before(const E& a, const E& b) {
     return a.w > b.w || (a.w == b.w && a.index < b.index);
 }
 
@@ -385,6 +392,7 @@ bool before(const Entry& a, const Entry& b) {
 // where it touches most (text: 7,920 steps, 5 ms more). A run that outgrows its room moves to
 // the end of the pool with double the room. Runs are addressed by offsets: the pool may
 // reallocate, so need() both ranks of a pair before taking pointers.
+template <typename E>
 class RankLists {
   public:
     RankLists(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
@@ -397,7 +405,7 @@ class RankLists {
             std::vector<size_t> next(count.size());
             for (size_t r = 0, at = 0; r < count.size(); at += size_[r++]) begin_[r] = next[r] = at;
             for (size_t k = 0; k < rank_at.size(); ++k)
-                p[next[rank_at[k]]++] = {items.key[k], items.index[k]};
+                p[next[rank_at[k]]++] = entry(k);
             return;
         }
         p.clear();
@@ -416,16 +424,16 @@ class RankLists {
         p.resize(p.size() + room_[r]);
         const auto& prev = chain();
         size_t at = begin_[r] + size_[r];
-        for (int64_t k = last_[r]; k >= 0; k = prev[k]) p[--at] = {items_.key[k], items_.index[k]};
+        for (int64_t k = last_[r]; k >= 0; k = prev[k]) p[--at] = entry(k);
     }
-    Entry* data(int64_t r) { return pool().data() + begin_[r]; }
+    E* data(int64_t r) { return pool().data() + begin_[r]; }
     size_t size(int64_t r) const { return size_[r]; }
     void erase(int64_t r, size_t at) {
-        Entry* x = data(r);
+        E* x = data(r);
         std::copy(x + at + 1, x + size_[r], x + at);
         --size_[r];
     }
-    void insert(int64_t r, const Entry& e) {
+    void insert(int64_t r, const E& e) {
         if (size_[r] == room_[r]) {
             auto& p = pool();
             const size_t from = begin_[r];
@@ -436,8 +444,8 @@ class RankLists {
                       p.begin() + static_cast<std::ptrdiff_t>(from + size_[r]),
                       p.begin() + static_cast<std::ptrdiff_t>(begin_[r]));
         }
-        Entry* x = data(r);
-        Entry* at = std::lower_bound(x, x + size_[r], e, before);
+        E* x = data(r);
+        E* at = std::lower_bound(x, x + size_[r], e, before<E>);
         std::copy_backward(at, x + size_[r], x + size_[r] + 1);
         *at = e;
         ++size_[r];
@@ -445,8 +453,12 @@ class RankLists {
 
   private:
     static constexpr size_t kUnbuilt = ~size_t{0};
-    static std::vector<Entry>& pool() {
-        thread_local std::vector<Entry> p;
+    E entry(size_t k) const {  // sorted position k's item
+        return {static_cast<decltype(E::w)>(items_.key[k]),
+                static_cast<decltype(E::index)>(items_.index[k])};
+    }
+    static std::vector<E>& pool() {
+        thread_local std::vector<E> p;
         return p;
     }
     static std::vector<int64_t>& chain() {  // chain()[k]: the rank's sorted position before k
@@ -469,13 +481,14 @@ struct Step {
 // The neighbours of `target` in a run sorted by weight descending: the first entry of the run
 // of the smallest weight above target, and the first entry at or below it (the ends when
 // missing). Either may be the entry whose weight is nearest to target.
-std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
+template <typename E>
+std::pair<size_t, size_t> around(const E* x, size_t size, double target) {
     const size_t below = static_cast<size_t>(
-        std::partition_point(x, x + size, [&](const Entry& e) { return e.w > target; }) - x);
+        std::partition_point(x, x + size, [&](const E& e) { return e.w > target; }) - x);
     if (below == 0) return {size, 0};
     const double w = x[below - 1].w;
     const size_t above = static_cast<size_t>(
-        std::partition_point(x, x + below, [&](const Entry& e) { return e.w > w; }) - x);
+        std::partition_point(x, x + below, [&](const E& e) { return e.w > w; }) - x);
     return {above, below};
 }
 
@@ -492,19 +505,20 @@ constexpr int64_t kLazyShare = 16;
 // nearest to w_i - half (one two-pointer walk for all i). At most `max_steps` steps, each
 // O(items on the two ranks + log d) (times the partners tried); the Python reference follows
 // the same rules (with binary searches) and the same float operations.
-void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
-            std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-            int64_t max_steps, double floor, int64_t* dst, bool wide = true) {
+template <typename E>
+void refine_with(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+                 std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+                 int64_t max_steps, double floor, int64_t* dst, bool wide) {
     Extremes extremes(load);
-    std::unique_ptr<RankLists> lists;  // built on the first step that needs them
+    std::unique_ptr<RankLists<E>> lists;  // built on the first step that needs them
     const int64_t d = static_cast<int64_t>(load.size());
     std::vector<int64_t> partners;
     // The best step between h and p, or one with i < 0.
     const auto pair_step = [&](int64_t h, int64_t p) {
         lists->need(h);
         lists->need(p);
-        const Entry* hs = lists->data(h);
-        const Entry* ls = lists->data(p);
+        const E* hs = lists->data(h);
+        const E* ls = lists->data(p);
         const size_t kh = lists->size(h), kl = lists->size(p);
         const double lh = load[h], ll = load[p], half = (lh - ll) * 0.5;
         Step best{lh, -1, -1, 0, 0};  // improving steps only: m < load of h
@@ -545,7 +559,7 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             // ranks refine touches.
             const int64_t above =
                 std::count_if(load.begin(), load.end(), [&](double x) { return x > floor; });
-            lists = std::make_unique<RankLists>(items, rank_at, count, above <= d / kLazyShare);
+            lists = std::make_unique<RankLists<E>>(items, rank_at, count, above <= d / kLazyShare);
         }
         Step best = pair_step(h, l);
         if (best.i < 0 && wide && d <= kWideRanks) {
@@ -567,10 +581,10 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             }
         }
         if (best.i < 0) break;
-        const Entry* hs = lists->data(h);
-        const Entry* ls = lists->data(l);
+        const E* hs = lists->data(h);
+        const E* ls = lists->data(l);
         const double lh = load[h], ll = load[l];
-        const Entry moved = hs[best.at_h];
+        const E moved = hs[best.at_h];
         lists->erase(h, best.at_h);
         dst[moved.index] = l;
         if (best.j < 0) {
@@ -579,7 +593,7 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             --count[h];
             ++count[l];
         } else {
-            const Entry back = ls[best.at_l];
+            const E back = ls[best.at_l];
             lists->erase(l, best.at_l);
             lists->insert(h, back);
             dst[back.index] = h;
@@ -590,6 +604,16 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
         extremes.update(static_cast<size_t>(h), load[h]);
         extremes.update(static_cast<size_t>(l), load[l]);
     }
+}
+
+// refine on compact lists when `compact`: every weight whole below 2^32, every index too.
+void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+            std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+            int64_t max_steps, double floor, int64_t* dst, bool compact, bool wide) {
+    if (compact)
+        refine_with<CompactEntry>(items, rank_at, load, count, cap, max_steps, floor, dst, wide);
+    else
+        refine_with<WideEntry>(items, rank_at, load, count, cap, max_steps, floor, dst, wide);
 }
 
 // Ranks with room for Alg. 4, ordered by (sum, rank) in a treap whose nodes also hold the
@@ -856,7 +880,9 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     // without, fill_least_loaded sees for itself.
     fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data(),
                       unit > 0.0 ? std::optional<double>(total) : std::nullopt);
-    refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
+    // Whole weights below 2^32 (the heaviest first) and item indices too: compact lists.
+    const bool compact = unit > 0.0 && items.key[0] < 0x1p32 && n <= (int64_t{1} << 32);
+    refine(items, rank_at, load, count, cap, max_steps, floor, dst, compact, exact);
     // The refined LPT plan's loads, for the caller (a pass over the plan saved: 1 ms in 22).
     const auto report = [&]() {
         const bool known = loads != nullptr && unit > 0.0 && total < 0x1p53;
@@ -898,7 +924,7 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     const auto consider = [&]() {
         tally(part, plan.data(), load, count, at);
         if (*std::max_element(count.begin(), count.end()) > cap) return;
-        refine(part, at, load, count, cap, max_steps, floor, plan.data(), exact);
+        refine(part, at, load, count, cap, max_steps, floor, plan.data(), compact, exact);
         const double m = *std::max_element(load.begin(), load.end());
         if (m < best) {
             best = m;
