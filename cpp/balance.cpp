@@ -347,9 +347,17 @@ class Extremes {
     }
     int64_t lightest() const { return static_cast<int64_t>(static_cast<uint64_t>(low_[1])); }
     int64_t heaviest() const { return static_cast<int64_t>(~static_cast<uint64_t>(high_[1])); }
+    // One walk up from the leaf, carrying the new minimum and maximum: each node reads only
+    // its sibling, not the node just written below it (a store and a reload per level).
     void update(size_t rank, double load) {
         set_leaf(rank, load);
-        for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) pull(node);
+        Key low = low_[d_ + rank], high = high_[d_ + rank];
+        for (size_t node = d_ + rank; node > 1; node >>= 1) {
+            low = std::min(low, low_[node ^ 1]);
+            high = std::max(high, high_[node ^ 1]);
+            low_[node >> 1] = low;
+            high_[node >> 1] = high;
+        }
     }
 
   private:
