@@ -274,13 +274,17 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
         for (; i < d && k < end && keys[i] < taken; ++i, ++k) {
             const uint64_t r = codec.rank(keys[i]);
             rank_at[k] = static_cast<int64_t>(r);
-            load[r] += items.key[k];
             ++count[r];
-            ranked[r] = codec.make(load[r], false, r);
+            // The load field takes the item as an integer add (exact, like the double's).
+            ranked[r] += static_cast<uint64_t>(items.key[k]) << codec.rank_bits;
             taken = std::min(taken, ranked[r]);
             top = std::max(top, ranked[r]);
         }
-        if (k == end || 4 * (k - start) < d) return k;
+        if (k == end || 4 * (k - start) < d) {
+            for (size_t r = 0; r < d; ++r)
+                load[r] = static_cast<double>(ranked[r] >> codec.rank_bits);
+            return k;
+        }
         // The ranks from i on took nothing: their keys, sorted, stay.
         lo = i < d ? std::min(taken, keys[i]) : taken;
         hi = i < d ? std::max(top, keys[d - 1]) : top;
