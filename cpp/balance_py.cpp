@@ -90,12 +90,12 @@ void register_balance(py::module_& m) {
             bool proven = false, nonneg = true, any = false;
             {
                 py::gil_scoped_release release;
-                uint64_t bits = 0;  // every length's bits or-ed: none from 2^53 up, all below
-                for (int64_t i = 0; i < n; ++i) {
-                    nonneg &= x[i] >= 0;
-                    any |= x[i] > 0;
-                    bits |= static_cast<uint64_t>(x[i]);
-                }
+                // Every length's bits or-ed (a vectorized pass): no sign bit, none negative;
+                // any bit, one positive; none from 2^53 up, all below.
+                uint64_t bits = 0;
+                for (int64_t i = 0; i < n; ++i) bits |= static_cast<uint64_t>(x[i]);
+                nonneg = (bits >> 63) == 0;
+                any = bits != 0;
                 bool known = false;
                 if (nonneg && any && (bits >> 53) == 0) {
                     known = orch::lpt(x, n, d, n, out, max_steps, &proven, load);
