@@ -169,6 +169,7 @@ struct WideKey {
         return (Key{full ? ~uint64_t{0} : sortable(load)} << 64) | rank;
     }
     uint64_t rank(Key k) const { return static_cast<uint64_t>(k); }
+    uint64_t last_rank() const { return ~uint64_t{0}; }  // the rank field's largest value
 };
 struct PackedKey {
     using Key = uint64_t;
@@ -176,8 +177,20 @@ struct PackedKey {
     Key make(double load, bool full, uint64_t rank) const {
         return ((full ? ~uint64_t{0} : static_cast<uint64_t>(load)) << rank_bits) | rank;
     }
-    uint64_t rank(Key k) const { return k & ((uint64_t{1} << rank_bits) - 1); }
+    uint64_t rank(Key k) const { return k & last_rank(); }
+    uint64_t last_rank() const { return (uint64_t{1} << rank_bits) - 1; }
 };
+
+// The rank bits of PackedKeys over d ranks, and the integer loads they hold: below 2^53 (exact
+// in a double) and below the load field's all-ones.
+int rank_bits_for(size_t d) {
+    int bits = 1;
+    while ((size_t{1} << bits) < d) ++bits;
+    return bits;
+}
+double packed_limit(int rank_bits) {
+    return std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
+}
 
 // Least-loaded open rank, ties to the lowest rank: a loser tree over (load, rank) keys, one
 // integer compare each. After the winner's load changes, one walk up its leaf's path replays
@@ -309,10 +322,8 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
         scratch.resize(n);
         rank_at = scratch.data();
     }
-    int rank_bits = 1;
-    while ((size_t{1} << rank_bits) < load.size()) ++rank_bits;
-    // Below 2^53 every integer sum is exact in a double; below the packed field's all-ones.
-    const double limit = std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
+    const int rank_bits = rank_bits_for(load.size());
+    const double limit = packed_limit(rank_bits);
     const double held = whole_total(load.data(), static_cast<int64_t>(load.size()));
     if (!coming)
         coming = whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
@@ -341,16 +352,24 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
 }
 
 // The heaviest rank (largest load, then lowest rank) and the lightest (smallest load, then
-// lowest rank) under point updates: two segment trees over 128-bit (load, rank) keys.
+// lowest rank) under point updates: two segment trees over the codec's (load, rank) keys, the
+// heaviest's with the rank field reversed. PackedKeys (integer loads) halve the memory each
+// step's two walks touch: 0.4 ms less in 19 at 16,384 ranks and 9,957 steps.
+template <typename Codec>
 class Extremes {
   public:
-    explicit Extremes(const std::vector<double>& load)
-        : d_(load.size()), low_(2 * d_), high_(2 * d_) {
+    Extremes(Codec codec, const std::vector<double>& load)
+        : codec_(codec), d_(load.size()), low_(2 * d_), high_(2 * d_) {
         for (size_t r = 0; r < d_; ++r) set_leaf(r, load[r]);
-        for (size_t node = d_ - 1; node >= 1; --node) pull(node);
+        for (size_t node = d_ - 1; node >= 1; --node) {
+            low_[node] = std::min(low_[2 * node], low_[2 * node + 1]);
+            high_[node] = std::max(high_[2 * node], high_[2 * node + 1]);
+        }
     }
-    int64_t lightest() const { return static_cast<int64_t>(static_cast<uint64_t>(low_[1])); }
-    int64_t heaviest() const { return static_cast<int64_t>(~static_cast<uint64_t>(high_[1])); }
+    int64_t lightest() const { return static_cast<int64_t>(codec_.rank(low_[1])); }
+    int64_t heaviest() const {
+        return static_cast<int64_t>(codec_.last_rank() - codec_.rank(high_[1]));
+    }
     // One walk up from the leaf, carrying the new minimum and maximum: each node reads only
     // its sibling, not the node just written below it (a store and a reload per level).
     void update(size_t rank, double load) {
@@ -365,16 +384,12 @@ class Extremes {
     }
 
   private:
-    using Key = unsigned __int128;
+    using Key = typename Codec::Key;
     void set_leaf(size_t r, double load) {
-        const Key l = Key{sortable(load)} << 64;
-        low_[d_ + r] = l | r;
-        high_[d_ + r] = l | ~uint64_t{r};  // the larger ~rank is the lower rank
+        low_[d_ + r] = codec_.make(load, false, r);
+        high_[d_ + r] = codec_.make(load, false, codec_.last_rank() - r);  // larger: lower rank
     }
-    void pull(size_t node) {
-        low_[node] = std::min(low_[2 * node], low_[2 * node + 1]);
-        high_[node] = std::max(high_[2 * node], high_[2 * node + 1]);
-    }
+    Codec codec_;
     size_t d_;
     std::vector<Key> low_, high_;  // node 1 is the root; leaf r is node d + r (d = 1: node 1)
 };
@@ -517,11 +532,11 @@ constexpr int64_t kLazyShare = 16;
 // nearest to w_i - half (one two-pointer walk for all i). At most `max_steps` steps, each
 // O(items on the two ranks + log d) (times the partners tried); the Python reference follows
 // the same rules (with binary searches) and the same float operations.
-template <typename E>
-void refine_with(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+template <typename E, typename Codec>
+void refine_with(Codec codec, const Sorted<double>& items, const std::vector<int64_t>& rank_at,
                  std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
                  int64_t max_steps, double floor, int64_t* dst, bool wide) {
-    Extremes extremes(load);
+    Extremes<Codec> extremes(codec, load);
     std::unique_ptr<RankLists<E>> lists;  // built on the first step that needs them
     const int64_t d = static_cast<int64_t>(load.size());
     std::vector<int64_t> partners;
@@ -618,14 +633,17 @@ void refine_with(const Sorted<double>& items, const std::vector<int64_t>& rank_a
     }
 }
 
-// refine on compact lists when `compact`: every weight whole below 2^32, every index too.
+// refine on compact lists and packed keys when `compact`: every weight whole below 2^32, every
+// index too, and their total below packed_limit (every load fits beside the rank bits).
 void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
             int64_t max_steps, double floor, int64_t* dst, bool compact, bool wide) {
     if (compact)
-        refine_with<CompactEntry>(items, rank_at, load, count, cap, max_steps, floor, dst, wide);
+        refine_with<CompactEntry>(PackedKey{rank_bits_for(load.size())}, items, rank_at, load,
+                                  count, cap, max_steps, floor, dst, wide);
     else
-        refine_with<WideEntry>(items, rank_at, load, count, cap, max_steps, floor, dst, wide);
+        refine_with<WideEntry>(WideKey{}, items, rank_at, load, count, cap, max_steps, floor,
+                               dst, wide);
 }
 
 // Ranks with room for Alg. 4, ordered by (sum, rank) in a treap whose nodes also hold the
@@ -893,7 +911,8 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data(),
                       unit > 0.0 ? std::optional<double>(total) : std::nullopt);
     // Whole weights below 2^32 (the heaviest first) and item indices too: compact lists.
-    const bool compact = unit > 0.0 && items.key[0] < 0x1p32 && n <= (int64_t{1} << 32);
+    const bool compact = unit > 0.0 && items.key[0] < 0x1p32 && n <= (int64_t{1} << 32) &&
+                         total < packed_limit(rank_bits_for(static_cast<size_t>(num_ranks)));
     refine(items, rank_at, load, count, cap, max_steps, floor, dst, compact, exact);
     // The refined LPT plan's loads, for the caller (a pass over the plan saved: 1 ms in 22).
     const auto report = [&]() {
