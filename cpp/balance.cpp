@@ -284,14 +284,20 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
         const size_t start = k;
         uint64_t taken = ~uint64_t{0}, top = 0;  // the smallest, largest new key this round
         size_t i = 0;
-        for (; i < d && k < end && keys[i] < taken; ++i, ++k) {
-            const uint64_t r = codec.rank(keys[i]);
+        // Raw pointers: the stores below cannot alias a vector's own fields, so no reloads.
+        const uint64_t* sorted = keys.data();
+        const double* weight = items.key.data();
+        uint64_t* key_of = ranked.data();
+        int64_t* count_of = count.data();
+        for (; i < d && k < end && sorted[i] < taken; ++i, ++k) {
+            const uint64_t r = codec.rank(sorted[i]);
             rank_at[k] = static_cast<int64_t>(r);
-            ++count[r];
-            // The load field takes the item as an integer add (exact, like the double's).
-            ranked[r] += static_cast<uint64_t>(items.key[k]) << codec.rank_bits;
-            taken = std::min(taken, ranked[r]);
-            top = std::max(top, ranked[r]);
+            ++count_of[r];
+            // The load field takes the item as an integer add (exact, like the double's; below
+            // 2^53, so through int64, one instruction).
+            key_of[r] += static_cast<uint64_t>(static_cast<int64_t>(weight[k])) << codec.rank_bits;
+            taken = std::min(taken, key_of[r]);
+            top = std::max(top, key_of[r]);
         }
         if (k == end || 4 * (k - start) < d) {
             for (size_t r = 0; r < d; ++r)
