@@ -52,27 +52,33 @@ int64_t unsortable<int64_t>(uint64_t key) {
     return static_cast<int64_t>(key ^ kSign);
 }
 
-// Stable LSD radix sort of `a` on bits [low, low + width) of key(record), in as few passes as
-// cover them with digits of at most log2(size) bits (8 to 17): one counting pass over a
-// histogram no longer than the input beats two over short ones (983,040 lengths of 17 bits:
-// 5.9 ms against 8.0 ms). `b` is scratch.
+// Stable LSD radix sort of `from` into `a` (`from` itself, or a vector left as it is) on bits
+// [low, low + width) of key(record), in as few passes as cover them with digits of at most
+// log2(size) bits (8 to 17): one counting pass over a histogram no longer than the input beats
+// two over short ones (983,040 lengths of 17 bits: 5.9 ms against 8.0 ms). `b` is scratch.
 template <typename Record, typename Key>
-void radix_sort(std::vector<Record>& a, std::vector<Record>& b, int low, int width, Key key) {
-    if (width <= 0) return;
+void radix_sort(const std::vector<Record>& from, std::vector<Record>& a, std::vector<Record>& b,
+                int low, int width, Key key) {
+    if (width <= 0) {
+        if (&a != &from) a.assign(from.begin(), from.end());
+        return;
+    }
     int max_bits = 8;
-    while (max_bits < 17 && (size_t{2} << max_bits) <= a.size()) ++max_bits;
+    while (max_bits < 17 && (size_t{2} << max_bits) <= from.size()) ++max_bits;
     const int passes = (width + max_bits - 1) / max_bits, bits = (width + passes - 1) / passes;
     const uint64_t mask = (uint64_t{1} << bits) - 1;
     thread_local std::vector<size_t> start;  // reused: see SortScratch
     start.resize(mask + 1);
-    b.resize(a.size());
+    b.resize(from.size());
+    const std::vector<Record>* in = &from;
     for (int shift = low; shift < low + width; shift += bits) {
         std::fill(start.begin(), start.end(), 0);
-        for (const auto& t : a) ++start[(key(t) >> shift) & mask];
+        for (const auto& t : *in) ++start[(key(t) >> shift) & mask];
         size_t sum = 0;
         for (auto& s : start) sum += std::exchange(s, sum);
-        for (const auto& t : a) b[start[(key(t) >> shift) & mask]++] = t;
+        for (const auto& t : *in) b[start[(key(t) >> shift) & mask]++] = t;
         a.swap(b);
+        in = &a;
     }
 }
 
@@ -140,7 +146,7 @@ const Sorted<Out>& sort_items(const T* key, int64_t n, bool descending) {
             const uint64_t k = sortable(key[i]) ^ flip;
             a[i] = (((k >> low) & field) << index_bits) | static_cast<uint64_t>(i);
         }
-        radix_sort(a, s.b, index_bits, width, [](uint64_t t) { return t; });
+        radix_sort(a, a, s.b, index_bits, width, [](uint64_t t) { return t; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = static_cast<int64_t>(a[j] & index_mask);
             s.out.key[j] = static_cast<Out>(
@@ -150,7 +156,7 @@ const Sorted<Out>& sort_items(const T* key, int64_t n, bool descending) {
         auto& a = s.wide_a;
         a.resize(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) a[i] = {sortable(key[i]) ^ flip, i};
-        radix_sort(a, s.wide_b, low, width, [](const auto& t) { return t.key; });
+        radix_sort(a, a, s.wide_b, low, width, [](const auto& t) { return t.key; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = a[j].index;
             s.out.key[j] = static_cast<Out>(unsortable<T>(a[j].key ^ flip));
@@ -247,16 +253,16 @@ void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end
     }
 }
 
-// Sorts packed (load, rank) keys, given in rank order, ascending, given the smallest and the
-// largest: stable LSD passes over the bits of the loads' spread alone keep equal loads in rank
-// order, so the rank bits take no pass (16,384 ranks: 14 bits; spoken_qa's rounds then sort in
-// one pass, not two).
-void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, int rank_bits,
-               uint64_t lo, uint64_t hi) {
+// Sorts packed (load, rank) keys, given in rank order (`ranked`), ascending into `keys`, given
+// the smallest and the largest: stable LSD passes over the bits of the loads' spread alone keep
+// equal loads in rank order, so the rank bits take no pass (16,384 ranks: 14 bits; spoken_qa's
+// rounds then sort in one pass, not two).
+void sort_keys(const std::vector<uint64_t>& ranked, std::vector<uint64_t>& keys,
+               std::vector<uint64_t>& scratch, int rank_bits, uint64_t lo, uint64_t hi) {
     const uint64_t base = lo >> rank_bits, spread = (hi >> rank_bits) - base;
     int width = 0;
     while (width < 64 && (spread >> width) != 0) ++width;
-    radix_sort(keys, scratch, 0, width,
+    radix_sort(ranked, keys, scratch, 0, width,
                [base, rank_bits](uint64_t t) { return (t >> rank_bits) - base; });
 }
 
@@ -279,8 +285,7 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
     uint64_t hi = *std::max_element(ranked.begin(), ranked.end());
     size_t k = from;
     for (;;) {
-        keys.assign(ranked.begin(), ranked.end());
-        sort_keys(keys, scratch, codec.rank_bits, lo, hi);
+        sort_keys(ranked, keys, scratch, codec.rank_bits, lo, hi);
         const size_t start = k;
         uint64_t taken = ~uint64_t{0}, top = 0;  // the smallest, largest new key this round
         size_t i = 0;
