@@ -29,6 +29,10 @@ namespace {
 
 constexpr uint64_t kSign = uint64_t{1} << 63;
 
+// A rank in the per-item arrays the greedy fills and refines: 32 bits (MAX_RANKS is 2^20) halve
+// their traffic against int64 (0.4 ms in 18 at 983,040 lengths).
+using Rank = int32_t;
+
 // Order-preserving map of a value to uint64 (-0.0 counts as +0.0, like Python's comparison),
 // and its inverse.
 uint64_t sortable(double x) {
@@ -243,11 +247,11 @@ class LeastLoaded {
 template <typename Codec>
 void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end,
                std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-               int64_t* rank_at) {
+               Rank* rank_at) {
     LeastLoaded<Codec> tree(codec, load, count, cap);
     for (size_t k = from; k < end; ++k) {
         const int64_t r = tree.top();
-        rank_at[k] = r;
+        rank_at[k] = static_cast<Rank>(r);
         load[r] += items.key[k];
         tree.update_top(load[r], ++count[r] >= cap);
     }
@@ -275,7 +279,7 @@ void sort_keys(const std::vector<uint64_t>& ranked, std::vector<uint64_t>& keys,
 // fills up). Places items [from, end); returns the first sorted position not placed: rounds
 // stop once one places fewer than a quarter of the ranks, where the tree is cheaper.
 size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from, size_t end,
-                      std::vector<double>& load, std::vector<int64_t>& count, int64_t* rank_at) {
+                      std::vector<double>& load, std::vector<int64_t>& count, Rank* rank_at) {
     thread_local std::vector<uint64_t> ranked, keys, scratch;  // reused: see SortScratch
     const size_t d = load.size();
     ranked.resize(d);  // each rank's key, in rank order
@@ -296,7 +300,7 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
         int64_t* count_of = count.data();
         for (; i < d && k < end && sorted[i] < taken; ++i, ++k) {
             const uint64_t r = codec.rank(sorted[i]);
-            rank_at[k] = static_cast<int64_t>(r);
+            rank_at[k] = static_cast<Rank>(r);
             ++count_of[r];
             // The load field takes the item as an integer add (exact, like the double's; below
             // 2^53, so through int64, one instruction).
@@ -326,8 +330,8 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
 constexpr size_t kRoundRanks = 128;  // below, the tree is as fast (measured)
 void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
                        std::vector<int64_t>& count, int64_t cap, int64_t* dst,
-                       int64_t* rank_at = nullptr, std::optional<double> coming = std::nullopt) {
-    thread_local std::vector<int64_t> scratch;  // reused: see SortScratch
+                       Rank* rank_at = nullptr, std::optional<double> coming = std::nullopt) {
+    thread_local std::vector<Rank> scratch;  // reused: see SortScratch
     const size_t n = items.index.size();
     if (rank_at == nullptr) {
         scratch.resize(n);
@@ -353,7 +357,7 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
         if (k < live) fill_with(codec, items, k, live, load, count, cap, rank_at);
         if (live < n) {
             const int64_t r = std::min_element(load.begin(), load.end()) - load.begin();
-            std::fill(rank_at + live, rank_at + n, r);
+            std::fill(rank_at + live, rank_at + n, static_cast<Rank>(r));
             count[r] += static_cast<int64_t>(n - live);
         }
     } else {
@@ -433,7 +437,7 @@ bool before(const E& a, const E& b) {
 template <typename E>
 class RankLists {
   public:
-    RankLists(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+    RankLists(const Sorted<double>& items, const std::vector<Rank>& rank_at,
               const std::vector<int64_t>& count, bool lazy)
         : items_(items), begin_(count.size(), kUnbuilt), size_(count.begin(), count.end()),
           room_(size_), last_(count.size(), -1) {
@@ -544,7 +548,7 @@ constexpr int64_t kLazyShare = 16;
 // O(items on the two ranks + log d) (times the partners tried); the Python reference follows
 // the same rules (with binary searches) and the same float operations.
 template <typename E, typename Codec>
-void refine_with(Codec codec, const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+void refine_with(Codec codec, const Sorted<double>& items, const std::vector<Rank>& rank_at,
                  std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
                  int64_t max_steps, double floor, int64_t* dst, bool wide) {
     Extremes<Codec> extremes(codec, load);
@@ -646,7 +650,7 @@ void refine_with(Codec codec, const Sorted<double>& items, const std::vector<int
 
 // refine on compact lists and packed keys when `compact`: every weight whole below 2^32, every
 // index too, and their total below packed_limit (every load fits beside the rank bits).
-void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
+void refine(const Sorted<double>& items, const std::vector<Rank>& rank_at,
             std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
             int64_t max_steps, double floor, int64_t* dst, bool compact, bool wide) {
     if (compact)
@@ -870,12 +874,12 @@ bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, double floor,
 // Loads and counts of `plan` accumulated in the sorted order (the order LPT fills in), and
 // each sorted position's rank, as refine() takes them.
 void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>& load,
-           std::vector<int64_t>& count, std::vector<int64_t>& rank_at) {
+           std::vector<int64_t>& count, std::vector<Rank>& rank_at) {
     std::fill(load.begin(), load.end(), 0.0);
     std::fill(count.begin(), count.end(), 0);
     for (size_t k = 0; k < items.index.size(); ++k) {
         const int64_t r = plan[items.index[k]];
-        rank_at[k] = r;
+        rank_at[k] = static_cast<Rank>(r);
         load[r] += items.key[k];
         ++count[r];
     }
@@ -915,7 +919,7 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     double total = 0.0;
     const double unit = weight_unit(items.key.data(), live, &total);
     const double floor = makespan_floor(items.key.data(), live, num_ranks, unit, total);
-    thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
+    thread_local std::vector<Rank> rank_at;  // reused: see SortScratch
     rank_at.resize(static_cast<size_t>(n));
     // With a unit every item is whole (the zero tail too) and `total` is their whole_total;
     // without, fill_least_loaded sees for itself.
@@ -944,13 +948,17 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     Sorted<double> part;  // the live items, in sorted order
     part.index.assign(items.index.begin(), items.index.begin() + live);
     part.key.assign(items.key.begin(), items.key.begin() + live);
-    std::vector<int64_t> at(static_cast<size_t>(live));
+    std::vector<Rank> at(static_cast<size_t>(live));
     // Exact where it is cheap: the branch and bound from the plan in hand (exact.hpp).
     if (exact && live <= kExactItems) {
-        for (int64_t k = 0; k < live; ++k) at[k] = dst[part.index[k]];
-        const ExactOutcome outcome =
-            improve_exact(part.key.data(), live, num_ranks, cap, floor, kExactNodes, at.data());
-        for (int64_t k = 0; k < live; ++k) dst[part.index[k]] = at[k];
+        std::vector<int64_t> plan_at(static_cast<size_t>(live));
+        for (int64_t k = 0; k < live; ++k) plan_at[k] = dst[part.index[k]];
+        const ExactOutcome outcome = improve_exact(part.key.data(), live, num_ranks, cap, floor,
+                                                   kExactNodes, plan_at.data());
+        for (int64_t k = 0; k < live; ++k) {
+            at[k] = static_cast<Rank>(plan_at[k]);
+            dst[part.index[k]] = at[k];
+        }
         if (outcome.proven) {
             if (proven != nullptr) *proven = true;
             return false;
