@@ -30,7 +30,7 @@ namespace {
 constexpr uint64_t kSign = uint64_t{1} << 63;
 
 // A rank in the per-item arrays the greedy fills and refines: 32 bits (MAX_RANKS is 2^20) halve
-// their traffic against int64 (0.4 ms in 18 at 983,040 lengths).
+// their traffic against int64 (0.5 to 0.9 ms less in 17 to 19 at 983,040 lengths).
 using Rank = int32_t;
 
 // Order-preserving map of a value to uint64 (-0.0 counts as +0.0, like Python's comparison),
@@ -260,7 +260,7 @@ void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end
 // Sorts packed (load, rank) keys, given in rank order (`ranked`), ascending into `keys`, given
 // the smallest and the largest: stable LSD passes over the bits of the loads' spread alone keep
 // equal loads in rank order, so the rank bits take no pass (16,384 ranks: 14 bits; spoken_qa's
-// rounds then sort in one pass, not two).
+// rounds then sort in one pass, not two, video_2fps's in two, not three: 1.8 ms less in 15).
 void sort_keys(const std::vector<uint64_t>& ranked, std::vector<uint64_t>& keys,
                std::vector<uint64_t>& scratch, int rank_bits, uint64_t lo, uint64_t hi) {
     const uint64_t base = lo >> rank_bits, spread = (hi >> rank_bits) - base;
@@ -275,7 +275,7 @@ void sort_keys(const std::vector<uint64_t>& ranked, std::vector<uint64_t>& keys,
 // took an item earlier in the round (at its new load); then the ranks are sorted again. Items
 // descending, a round places about one item per rank, so it costs a scan and a short radix
 // sort where the tree spends a walk of log2(ranks) steps, each waiting on the last, per item
-// (983,040 lengths on 16,384 ranks: about 5 ms against 17 ms). Without a cap only (no rank
+// (983,040 lengths on 16,384 ranks: about 3 ms against 17 ms). Without a cap only (no rank
 // fills up). Places items [from, end); returns the first sorted position not placed: rounds
 // stop once one places fewer than a quarter of the ranks, where the tree is cheaper.
 size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from, size_t end,
@@ -326,7 +326,8 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
 // items (the sorted order's tail) all to the rank the tree would give each of them: the
 // least-loaded, whose load they leave as it is. dst is written after the placement, in a
 // second pass: the scatter misses the cache on every item. `coming`: whole_total of the items
-// placed, when the caller has it (lpt: weight_unit's pass; a pass of its own costs 1 ms in 21).
+// placed, when the caller has it (lpt: weight_unit's pass; a pass of its own: 0.5 to 0.8 ms in
+// 16 to 24).
 constexpr size_t kRoundRanks = 128;  // below, the tree is as fast (measured)
 void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
                        std::vector<int64_t>& count, int64_t cap, int64_t* dst,
@@ -341,7 +342,7 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
     const double limit = packed_limit(rank_bits);
     const double held = whole_total(load.data(), static_cast<int64_t>(load.size()));
     if (!coming)
-        coming = whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
+        coming = whole_total(items.key.data() + from, static_cast<int64_t>(n - from));
     if (held >= 0.0 && *coming >= 0.0 && held + *coming < limit) {
         const PackedKey codec{rank_bits};
         const bool uncapped = cap >= static_cast<int64_t>(n);
@@ -369,7 +370,8 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
 // The heaviest rank (largest load, then lowest rank) and the lightest (smallest load, then
 // lowest rank) under point updates: two segment trees over the codec's (load, rank) keys, the
 // heaviest's with the rank field reversed. PackedKeys (integer loads) halve the memory each
-// step's two walks touch: 0.4 ms less in 19 at 16,384 ranks and 9,957 steps.
+// step's two walks touch: 0.5 to 1.3 ms less in 17 to 20 at 16,384 ranks (spoken_qa: 9,957
+// steps).
 template <typename Codec>
 class Extremes {
   public:
@@ -411,7 +413,8 @@ class Extremes {
 
 // One item on a rank's list; lists are ordered by weight descending, then index ascending.
 // WideEntry holds any weight and index; CompactEntry whole weights and indices below 2^32, in
-// half the bytes (refine moves them by the million: 1.5 ms less in 21 at 983,040 lengths).
+// half the bytes (refine moves them by the million: 1.2 to 1.6 ms less in 20 at 983,040
+// lengths).
 struct WideEntry {
     double w;
     int64_t index;
@@ -429,7 +432,8 @@ bool before(const E& a, const E& b) {
 // page faults and no allocation per rank or step). Runs are laid out in LPT order either all at
 // once, by one counting-sort pass, or (`lazy`) each on its first use, by walking the rank's
 // chain of sorted positions (each links to the rank's previous one; one sequential pass links
-// them). At 983,040 lengths on 16,384 ranks the counting pass costs 3.5 ms of a 21 ms plan;
+// them). At 983,040 lengths on 16,384 ranks the counting pass cost 3.5 ms of a 21 ms plan
+// (16-byte entries);
 // the chains win where refine touches a few hundred ranks (video_2fps: 566 steps), and lose
 // where it touches most (text: 7,920 steps, 5 ms more). A run that outgrows its room moves to
 // the end of the pool with double the room. Runs are addressed by offsets: the pool may
@@ -929,7 +933,8 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     const bool compact = unit > 0.0 && items.key[0] < 0x1p32 && n <= (int64_t{1} << 32) &&
                          total < packed_limit(rank_bits_for(static_cast<size_t>(num_ranks)));
     refine(items, rank_at, load, count, cap, max_steps, floor, dst, compact, exact);
-    // The refined LPT plan's loads, for the caller (a pass over the plan saved: 1 ms in 22).
+    // The refined LPT plan's loads, for the caller (a pass over the plan saved: 0.7 to 1.3 ms
+    // in 22).
     const auto report = [&]() {
         const bool known = loads != nullptr && unit > 0.0 && total < 0x1p53;
         if (known) std::copy(load.begin(), load.end(), loads);
