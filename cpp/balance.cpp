@@ -15,8 +15,10 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -920,8 +922,19 @@ bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     int64_t live = n;
     if (cap >= n)
         while (live > 0 && items.key[live - 1] == 0.0) --live;
-    double total = 0.0;
-    const double unit = weight_unit(items.key.data(), live, &total);
+    double total = 0.0, unit = 0.0;
+    if constexpr (std::is_integral_v<T>) {
+        // Lengths (whole, below 2^53): the divisor from the first runs, and the total in int64,
+        // exact while n times the longest stays below 2^53, as is then the double sum in order
+        // that weight_unit takes (its pass: 0.4 to 0.6 ms in 17 to 19).
+        unit = length_unit(items.key.data(), live);
+        if (items.key[0] * static_cast<double>(n) < 0x1p53)
+            total = static_cast<double>(std::accumulate(w, w + n, int64_t{0}));
+        else
+            total = std::accumulate(items.key.data(), items.key.data() + live, 0.0);
+    } else {
+        unit = weight_unit(items.key.data(), live, &total);
+    }
     const double floor = makespan_floor(items.key.data(), live, num_ranks, unit, total);
     thread_local std::vector<Rank> rank_at;  // reused: see SortScratch
     rank_at.resize(static_cast<size_t>(n));

@@ -39,6 +39,13 @@ double weight_unit(const double* x, int64_t m, double* total) {
     return whole ? static_cast<double>(g) : 0.0;
 }
 
+double length_unit(const double* x, int64_t m) {
+    uint64_t g = 0;
+    for (int64_t i = 0; i < m && g != 1; ++i)
+        if (i == 0 || x[i] != x[i - 1]) g = std::gcd(g, static_cast<uint64_t>(x[i]));
+    return static_cast<double>(g);
+}
+
 double makespan_floor(const double* x, int64_t m, int64_t d, double unit, double total) {
     if (m == 0) return 0.0;
     double floor = std::max(total / static_cast<double>(d), x[0]);

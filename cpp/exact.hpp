@@ -19,6 +19,10 @@ double makespan_floor(const double* x, int64_t m, int64_t d, double unit, double
 // the same pass (lpt needs both of a million weights: one pass saves one).
 double weight_unit(const double* x, int64_t m, double* total = nullptr);
 
+// weight_unit of weights known whole and below 2^53 (lengths), sorted: a gcd per run of equal
+// weights, and none once the divisor is 1 (most lengths: within the first runs).
+double length_unit(const double* x, int64_t m);
+
 struct ExactOutcome {
     bool proven;    // no plan under the cap has a lighter busiest rank
     int64_t nodes;  // search nodes visited
