@@ -15,7 +15,10 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,6 +30,10 @@ namespace orch {
 namespace {
 
 constexpr uint64_t kSign = uint64_t{1} << 63;
+
+// A rank in the per-item arrays the greedy fills and refines: 32 bits (MAX_RANKS is 2^20) halve
+// their traffic against int64 (0.5 to 0.9 ms less in 17 to 19 at 983,040 lengths).
+using Rank = int32_t;
 
 // Order-preserving map of a value to uint64 (-0.0 counts as +0.0, like Python's comparison),
 // and its inverse.
@@ -51,27 +58,33 @@ int64_t unsortable<int64_t>(uint64_t key) {
     return static_cast<int64_t>(key ^ kSign);
 }
 
-// Stable LSD radix sort of `a` on bits [low, low + width) of key(record), in as few passes as
-// cover them with digits of at most log2(size) bits (8 to 17): one counting pass over a
-// histogram no longer than the input beats two over short ones (983,040 lengths of 17 bits:
-// 5.9 ms against 8.0 ms). `b` is scratch.
+// Stable LSD radix sort of `from` into `a` (`from` itself, or a vector left as it is) on bits
+// [low, low + width) of key(record), in as few passes as cover them with digits of at most
+// log2(size) bits (8 to 17): one counting pass over a histogram no longer than the input beats
+// two over short ones (983,040 lengths of 17 bits: 5.9 ms against 8.0 ms). `b` is scratch.
 template <typename Record, typename Key>
-void radix_sort(std::vector<Record>& a, std::vector<Record>& b, int low, int width, Key key) {
-    if (width <= 0) return;
+void radix_sort(const std::vector<Record>& from, std::vector<Record>& a, std::vector<Record>& b,
+                int low, int width, Key key) {
+    if (width <= 0) {
+        if (&a != &from) a.assign(from.begin(), from.end());
+        return;
+    }
     int max_bits = 8;
-    while (max_bits < 17 && (size_t{2} << max_bits) <= a.size()) ++max_bits;
+    while (max_bits < 17 && (size_t{2} << max_bits) <= from.size()) ++max_bits;
     const int passes = (width + max_bits - 1) / max_bits, bits = (width + passes - 1) / passes;
     const uint64_t mask = (uint64_t{1} << bits) - 1;
     thread_local std::vector<size_t> start;  // reused: see SortScratch
     start.resize(mask + 1);
-    b.resize(a.size());
+    b.resize(from.size());
+    const std::vector<Record>* in = &from;
     for (int shift = low; shift < low + width; shift += bits) {
         std::fill(start.begin(), start.end(), 0);
-        for (const auto& t : a) ++start[(key(t) >> shift) & mask];
+        for (const auto& t : *in) ++start[(key(t) >> shift) & mask];
         size_t sum = 0;
         for (auto& s : start) sum += std::exchange(s, sum);
-        for (const auto& t : a) b[start[(key(t) >> shift) & mask]++] = t;
+        for (const auto& t : *in) b[start[(key(t) >> shift) & mask]++] = t;
         a.swap(b);
+        in = &a;
     }
 }
 
@@ -95,14 +108,21 @@ struct SortScratch {
     };
     std::vector<Tagged> wide_a, wide_b;
 };
+template <typename Out>
+SortScratch<Out>& sort_scratch() {
+    thread_local SortScratch<Out> s;
+    return s;
+}
 
 // An LSD radix sort over only the bits that vary between keys. When they fit beside the item
 // index in one uint64, records are 8 bytes (lengths up to 2^15 as doubles: two passes) and the
-// key is rebuilt from the record; otherwise records are (key, index) pairs. The result lives in
-// this thread's scratch until the next sort_items<T> call on it.
-template <typename T>
-const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
-    thread_local SortScratch<T> s;
+// key is rebuilt from the record; otherwise records are (key, index) pairs. Keys of type T come
+// out as Out (lengths below 2^53 sort on their integer bits, fewer than a double's, and come out
+// as the doubles lpt adds up). The result lives in this thread's scratch until the next
+// sort_items call with the same Out.
+template <typename T, typename Out = T>
+const Sorted<Out>& sort_items(const T* key, int64_t n, bool descending) {
+    auto& s = sort_scratch<Out>();
     const uint64_t flip = descending ? ~uint64_t{0} : 0;
     uint64_t all_and = ~uint64_t{0}, all_or = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -132,19 +152,20 @@ const Sorted<T>& sort_items(const T* key, int64_t n, bool descending) {
             const uint64_t k = sortable(key[i]) ^ flip;
             a[i] = (((k >> low) & field) << index_bits) | static_cast<uint64_t>(i);
         }
-        radix_sort(a, s.b, index_bits, width, [](uint64_t t) { return t; });
+        radix_sort(a, a, s.b, index_bits, width, [](uint64_t t) { return t; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = static_cast<int64_t>(a[j] & index_mask);
-            s.out.key[j] = unsortable<T>((((a[j] >> index_bits) << low) | fixed) ^ flip);
+            s.out.key[j] = static_cast<Out>(
+                unsortable<T>((((a[j] >> index_bits) << low) | fixed) ^ flip));
         }
     } else {
         auto& a = s.wide_a;
         a.resize(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) a[i] = {sortable(key[i]) ^ flip, i};
-        radix_sort(a, s.wide_b, low, width, [](const auto& t) { return t.key; });
+        radix_sort(a, a, s.wide_b, low, width, [](const auto& t) { return t.key; });
         for (int64_t j = 0; j < n; ++j) {
             s.out.index[j] = a[j].index;
-            s.out.key[j] = unsortable<T>(a[j].key ^ flip);
+            s.out.key[j] = static_cast<Out>(unsortable<T>(a[j].key ^ flip));
         }
     }
     return s.out;
@@ -160,6 +181,7 @@ struct WideKey {
         return (Key{full ? ~uint64_t{0} : sortable(load)} << 64) | rank;
     }
     uint64_t rank(Key k) const { return static_cast<uint64_t>(k); }
+    uint64_t last_rank() const { return ~uint64_t{0}; }  // the rank field's largest value
 };
 struct PackedKey {
     using Key = uint64_t;
@@ -167,8 +189,20 @@ struct PackedKey {
     Key make(double load, bool full, uint64_t rank) const {
         return ((full ? ~uint64_t{0} : static_cast<uint64_t>(load)) << rank_bits) | rank;
     }
-    uint64_t rank(Key k) const { return k & ((uint64_t{1} << rank_bits) - 1); }
+    uint64_t rank(Key k) const { return k & last_rank(); }
+    uint64_t last_rank() const { return (uint64_t{1} << rank_bits) - 1; }
 };
+
+// The rank bits of PackedKeys over d ranks, and the integer loads they hold: below 2^53 (exact
+// in a double) and below the load field's all-ones.
+int rank_bits_for(size_t d) {
+    int bits = 1;
+    while ((size_t{1} << bits) < d) ++bits;
+    return bits;
+}
+double packed_limit(int rank_bits) {
+    return std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
+}
 
 // Least-loaded open rank, ties to the lowest rank: a loser tree over (load, rank) keys, one
 // integer compare each. After the winner's load changes, one walk up its leaf's path replays
@@ -215,23 +249,27 @@ class LeastLoaded {
 template <typename Codec>
 void fill_with(Codec codec, const Sorted<double>& items, size_t from, size_t end,
                std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-               int64_t* rank_at) {
+               Rank* rank_at) {
     LeastLoaded<Codec> tree(codec, load, count, cap);
     for (size_t k = from; k < end; ++k) {
         const int64_t r = tree.top();
-        rank_at[k] = r;
+        rank_at[k] = static_cast<Rank>(r);
         load[r] += items.key[k];
         tree.update_top(load[r], ++count[r] >= cap);
     }
 }
 
-// Sorts packed (load, rank) keys ascending, by a radix sort over the bits of their spread.
-void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
-    const auto [lo, hi] = std::minmax_element(keys.begin(), keys.end());
-    const uint64_t base = *lo;
+// Sorts packed (load, rank) keys, given in rank order (`ranked`), ascending into `keys`, given
+// the smallest and the largest: stable LSD passes over the bits of the loads' spread alone keep
+// equal loads in rank order, so the rank bits take no pass (16,384 ranks: 14 bits; spoken_qa's
+// rounds then sort in one pass, not two, video_2fps's in two, not three: 1.8 ms less in 15).
+void sort_keys(const std::vector<uint64_t>& ranked, std::vector<uint64_t>& keys,
+               std::vector<uint64_t>& scratch, int rank_bits, uint64_t lo, uint64_t hi) {
+    const uint64_t base = lo >> rank_bits, spread = (hi >> rank_bits) - base;
     int width = 0;
-    while (width < 64 && ((*hi - base) >> width) != 0) ++width;
-    radix_sort(keys, scratch, 0, width, [base](uint64_t t) { return t - base; });
+    while (width < 64 && (spread >> width) != 0) ++width;
+    radix_sort(ranked, keys, scratch, 0, width,
+               [base, rank_bits](uint64_t t) { return (t >> rank_bits) - base; });
 }
 
 // LPT in rounds, the tree's plan without its walk: with the ranks sorted by (load, rank), the
@@ -239,29 +277,47 @@ void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
 // took an item earlier in the round (at its new load); then the ranks are sorted again. Items
 // descending, a round places about one item per rank, so it costs a scan and a short radix
 // sort where the tree spends a walk of log2(ranks) steps, each waiting on the last, per item
-// (983,040 lengths on 16,384 ranks: about 5 ms against 17 ms). Without a cap only (no rank
+// (983,040 lengths on 16,384 ranks: about 3 ms against 17 ms). Without a cap only (no rank
 // fills up). Places items [from, end); returns the first sorted position not placed: rounds
 // stop once one places fewer than a quarter of the ranks, where the tree is cheaper.
 size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from, size_t end,
-                      std::vector<double>& load, std::vector<int64_t>& count, int64_t* rank_at) {
-    thread_local std::vector<uint64_t> keys, scratch;  // reused: see SortScratch
+                      std::vector<double>& load, std::vector<int64_t>& count, Rank* rank_at) {
+    thread_local std::vector<uint64_t> ranked, keys, scratch;  // reused: see SortScratch
     const size_t d = load.size();
-    keys.resize(d);
-    for (size_t r = 0; r < d; ++r) keys[r] = codec.make(load[r], false, r);
+    ranked.resize(d);  // each rank's key, in rank order
+    for (size_t r = 0; r < d; ++r) ranked[r] = codec.make(load[r], false, r);
+    // The smallest and largest key, kept up by the scans (a pass over the ranks less a round).
+    uint64_t lo = *std::min_element(ranked.begin(), ranked.end());
+    uint64_t hi = *std::max_element(ranked.begin(), ranked.end());
     size_t k = from;
     for (;;) {
-        sort_keys(keys, scratch);
+        sort_keys(ranked, keys, scratch, codec.rank_bits, lo, hi);
         const size_t start = k;
-        uint64_t taken = ~uint64_t{0};  // the smallest new key of a rank placed this round
-        for (size_t i = 0; i < d && k < end && keys[i] < taken; ++i, ++k) {
-            const uint64_t r = codec.rank(keys[i]);
-            rank_at[k] = static_cast<int64_t>(r);
-            load[r] += items.key[k];
-            ++count[r];
-            keys[i] = codec.make(load[r], false, r);
-            taken = std::min(taken, keys[i]);
+        uint64_t taken = ~uint64_t{0}, top = 0;  // the smallest, largest new key this round
+        size_t i = 0;
+        // Raw pointers: the stores below cannot alias a vector's own fields, so no reloads.
+        const uint64_t* sorted = keys.data();
+        const double* weight = items.key.data();
+        uint64_t* key_of = ranked.data();
+        int64_t* count_of = count.data();
+        for (; i < d && k < end && sorted[i] < taken; ++i, ++k) {
+            const uint64_t r = codec.rank(sorted[i]);
+            rank_at[k] = static_cast<Rank>(r);
+            ++count_of[r];
+            // The load field takes the item as an integer add (exact, like the double's; below
+            // 2^53, so through int64, one instruction).
+            key_of[r] += static_cast<uint64_t>(static_cast<int64_t>(weight[k])) << codec.rank_bits;
+            taken = std::min(taken, key_of[r]);
+            top = std::max(top, key_of[r]);
         }
-        if (k == end || 4 * (k - start) < d) return k;
+        if (k == end || 4 * (k - start) < d) {
+            for (size_t r = 0; r < d; ++r)
+                load[r] = static_cast<double>(ranked[r] >> codec.rank_bits);
+            return k;
+        }
+        // The ranks from i on took nothing: their keys, sorted, stay.
+        lo = i < d ? std::min(taken, keys[i]) : taken;
+        hi = i < d ? std::max(top, keys[d - 1]) : top;
     }
 }
 
@@ -271,25 +327,25 @@ size_t fill_in_rounds(PackedKey codec, const Sorted<double>& items, size_t from,
 // without a binding cap, in rounds first (on at least kRoundRanks ranks), and the zero-length
 // items (the sorted order's tail) all to the rank the tree would give each of them: the
 // least-loaded, whose load they leave as it is. dst is written after the placement, in a
-// second pass: the scatter misses the cache on every item.
+// second pass: the scatter misses the cache on every item. `coming`: whole_total of the items
+// placed, when the caller has it (lpt: weight_unit's pass; a pass of its own: 0.5 to 0.8 ms in
+// 16 to 24).
 constexpr size_t kRoundRanks = 128;  // below, the tree is as fast (measured)
 void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<double>& load,
                        std::vector<int64_t>& count, int64_t cap, int64_t* dst,
-                       int64_t* rank_at = nullptr) {
-    thread_local std::vector<int64_t> scratch;  // reused: see SortScratch
+                       Rank* rank_at = nullptr, std::optional<double> coming = std::nullopt) {
+    thread_local std::vector<Rank> scratch;  // reused: see SortScratch
     const size_t n = items.index.size();
     if (rank_at == nullptr) {
         scratch.resize(n);
         rank_at = scratch.data();
     }
-    int rank_bits = 1;
-    while ((size_t{1} << rank_bits) < load.size()) ++rank_bits;
-    // Below 2^53 every integer sum is exact in a double; below the packed field's all-ones.
-    const double limit = std::min(0x1p53, std::ldexp(1.0, 64 - rank_bits) - 1.0);
+    const int rank_bits = rank_bits_for(load.size());
+    const double limit = packed_limit(rank_bits);
     const double held = whole_total(load.data(), static_cast<int64_t>(load.size()));
-    const double coming =
-        whole_total(items.key.data() + from, static_cast<int64_t>(items.key.size() - from));
-    if (held >= 0.0 && coming >= 0.0 && held + coming < limit) {
+    if (!coming)
+        coming = whole_total(items.key.data() + from, static_cast<int64_t>(n - from));
+    if (held >= 0.0 && *coming >= 0.0 && held + *coming < limit) {
         const PackedKey codec{rank_bits};
         const bool uncapped = cap >= static_cast<int64_t>(n);
         size_t live = n;  // without a cap, the items before the zero-length tail
@@ -304,7 +360,7 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
         if (k < live) fill_with(codec, items, k, live, load, count, cap, rank_at);
         if (live < n) {
             const int64_t r = std::min_element(load.begin(), load.end()) - load.begin();
-            std::fill(rank_at + live, rank_at + n, r);
+            std::fill(rank_at + live, rank_at + n, static_cast<Rank>(r));
             count[r] += static_cast<int64_t>(n - live);
         }
     } else {
@@ -314,70 +370,118 @@ void fill_least_loaded(const Sorted<double>& items, size_t from, std::vector<dou
 }
 
 // The heaviest rank (largest load, then lowest rank) and the lightest (smallest load, then
-// lowest rank) under point updates: two segment trees over 128-bit (load, rank) keys.
+// lowest rank) under point updates: two segment trees over the codec's (load, rank) keys, the
+// heaviest's with the rank field reversed. PackedKeys (integer loads) halve the memory each
+// step's two walks touch: 0.5 to 1.3 ms less in 17 to 20 at 16,384 ranks (spoken_qa: 9,957
+// steps).
+template <typename Codec>
 class Extremes {
   public:
-    explicit Extremes(const std::vector<double>& load)
-        : d_(load.size()), low_(2 * d_), high_(2 * d_) {
+    Extremes(Codec codec, const std::vector<double>& load)
+        : codec_(codec), d_(load.size()), low_(2 * d_), high_(2 * d_) {
         for (size_t r = 0; r < d_; ++r) set_leaf(r, load[r]);
-        for (size_t node = d_ - 1; node >= 1; --node) pull(node);
+        for (size_t node = d_ - 1; node >= 1; --node) {
+            low_[node] = std::min(low_[2 * node], low_[2 * node + 1]);
+            high_[node] = std::max(high_[2 * node], high_[2 * node + 1]);
+        }
     }
-    int64_t lightest() const { return static_cast<int64_t>(static_cast<uint64_t>(low_[1])); }
-    int64_t heaviest() const { return static_cast<int64_t>(~static_cast<uint64_t>(high_[1])); }
+    int64_t lightest() const { return static_cast<int64_t>(codec_.rank(low_[1])); }
+    int64_t heaviest() const {
+        return static_cast<int64_t>(codec_.last_rank() - codec_.rank(high_[1]));
+    }
+    // One walk up from the leaf, carrying the new minimum and maximum: each node reads only
+    // its sibling, not the node just written below it (a store and a reload per level).
     void update(size_t rank, double load) {
         set_leaf(rank, load);
-        for (size_t node = (d_ + rank) >> 1; node >= 1; node >>= 1) pull(node);
+        Key low = low_[d_ + rank], high = high_[d_ + rank];
+        for (size_t node = d_ + rank; node > 1; node >>= 1) {
+            low = std::min(low, low_[node ^ 1]);
+            high = std::max(high, high_[node ^ 1]);
+            low_[node >> 1] = low;
+            high_[node >> 1] = high;
+        }
     }
 
   private:
-    using Key = unsigned __int128;
+    using Key = typename Codec::Key;
     void set_leaf(size_t r, double load) {
-        const Key l = Key{sortable(load)} << 64;
-        low_[d_ + r] = l | r;
-        high_[d_ + r] = l | ~uint64_t{r};  // the larger ~rank is the lower rank
+        low_[d_ + r] = codec_.make(load, false, r);
+        high_[d_ + r] = codec_.make(load, false, codec_.last_rank() - r);  // larger: lower rank
     }
-    void pull(size_t node) {
-        low_[node] = std::min(low_[2 * node], low_[2 * node + 1]);
-        high_[node] = std::max(high_[2 * node], high_[2 * node + 1]);
-    }
+    Codec codec_;
     size_t d_;
     std::vector<Key> low_, high_;  // node 1 is the root; leaf r is node d + r (d = 1: node 1)
 };
 
 // One item on a rank's list; lists are ordered by weight descending, then index ascending.
-struct Entry {
+// WideEntry holds any weight and index; CompactEntry whole weights and indices below 2^32, in
+// half the bytes (refine moves them by the million: 1.2 to 1.6 ms less in 20 at 983,040
+// lengths).
+struct WideEntry {
     double w;
     int64_t index;
 };
-bool before(const Entry& a, const Entry& b) {
+struct CompactEntry {
+    uint32_t w;
+    uint32_t index;
+};
+template <typename E>
+bool before(const E& a, const E& b) {
     return a.w > b.w || (a.w == b.w && a.index < b.index);
 }
 
 // Every rank's items as a sorted run in one pool (reused across calls on this thread, so no
-// page faults and no allocation per rank or step). Runs start packed in LPT order, built by
-// one counting-sort pass; a run that outgrows its room moves to the end of the pool with
-// double the room. Runs are addressed by offsets: the pool may reallocate.
+// page faults and no allocation per rank or step). Runs are laid out in LPT order either all at
+// once, by one counting-sort pass, or (`lazy`) each on its first use, by walking the rank's
+// chain of sorted positions (each links to the rank's previous one; one sequential pass links
+// them). At 983,040 lengths on 16,384 ranks the counting pass cost 3.5 ms of a 21 ms plan
+// (16-byte entries);
+// the chains win where refine touches a few hundred ranks (video_2fps: 566 steps), and lose
+// where it touches most (text: 7,920 steps, 5 ms more). A run that outgrows its room moves to
+// the end of the pool with double the room. Runs are addressed by offsets: the pool may
+// reallocate, so need() both ranks of a pair before taking pointers.
+template <typename E>
 class RankLists {
   public:
-    RankLists(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
-              const std::vector<int64_t>& count)
-        : begin_(count.size() + 1, 0), size_(count.begin(), count.end()) {
-        const size_t d = count.size();
-        for (size_t r = 0; r < d; ++r) begin_[r + 1] = begin_[r] + size_[r];
-        room_.assign(size_.begin(), size_.end());
-        pool().resize(begin_[d]);
-        std::vector<size_t> next(begin_.begin(), begin_.end() - 1);
-        for (size_t k = 0; k < rank_at.size(); ++k)
-            pool()[next[rank_at[k]]++] = {items.key[k], items.index[k]};
+    RankLists(const Sorted<double>& items, const std::vector<Rank>& rank_at,
+              const std::vector<int64_t>& count, bool lazy)
+        : items_(items), begin_(count.size(), kUnbuilt), size_(count.begin(), count.end()),
+          room_(size_), last_(count.size(), -1) {
+        auto& p = pool();
+        if (!lazy) {
+            p.resize(rank_at.size());
+            std::vector<size_t> next(count.size());
+            for (size_t r = 0, at = 0; r < count.size(); at += size_[r++]) begin_[r] = next[r] = at;
+            for (size_t k = 0; k < rank_at.size(); ++k)
+                p[next[rank_at[k]]++] = entry(k);
+            return;
+        }
+        p.clear();
+        auto& prev = chain();
+        prev.resize(rank_at.size());
+        for (size_t k = 0; k < rank_at.size(); ++k) {
+            prev[k] = last_[rank_at[k]];
+            last_[rank_at[k]] = static_cast<int64_t>(k);
+        }
     }
-    Entry* data(int64_t r) { return pool().data() + begin_[r]; }
+    // Lays out rank r's run (in sorted order: weight descending, index ascending) if not yet.
+    void need(int64_t r) {
+        if (begin_[r] != kUnbuilt) return;
+        auto& p = pool();
+        begin_[r] = p.size();
+        p.resize(p.size() + room_[r]);
+        const auto& prev = chain();
+        size_t at = begin_[r] + size_[r];
+        for (int64_t k = last_[r]; k >= 0; k = prev[k]) p[--at] = entry(k);
+    }
+    E* data(int64_t r) { return pool().data() + begin_[r]; }
     size_t size(int64_t r) const { return size_[r]; }
     void erase(int64_t r, size_t at) {
-        Entry* x = data(r);
+        E* x = data(r);
         std::copy(x + at + 1, x + size_[r], x + at);
         --size_[r];
     }
-    void insert(int64_t r, const Entry& e) {
+    void insert(int64_t r, const E& e) {
         if (size_[r] == room_[r]) {
             auto& p = pool();
             const size_t from = begin_[r];
@@ -388,19 +492,30 @@ class RankLists {
                       p.begin() + static_cast<std::ptrdiff_t>(from + size_[r]),
                       p.begin() + static_cast<std::ptrdiff_t>(begin_[r]));
         }
-        Entry* x = data(r);
-        Entry* at = std::lower_bound(x, x + size_[r], e, before);
+        E* x = data(r);
+        E* at = std::lower_bound(x, x + size_[r], e, before<E>);
         std::copy_backward(at, x + size_[r], x + size_[r] + 1);
         *at = e;
         ++size_[r];
     }
 
   private:
-    static std::vector<Entry>& pool() {
-        thread_local std::vector<Entry> p;
+    static constexpr size_t kUnbuilt = ~size_t{0};
+    E entry(size_t k) const {  // sorted position k's item
+        return {static_cast<decltype(E::w)>(items_.key[k]),
+                static_cast<decltype(E::index)>(items_.index[k])};
+    }
+    static std::vector<E>& pool() {
+        thread_local std::vector<E> p;
         return p;
     }
+    static std::vector<int64_t>& chain() {  // chain()[k]: the rank's sorted position before k
+        thread_local std::vector<int64_t> c;
+        return c;
+    }
+    const Sorted<double>& items_;
     std::vector<size_t> begin_, size_, room_;
+    std::vector<int64_t> last_;  // lazy: each rank's last sorted position, -1 when it has none
 };
 
 // A candidate step: move item i from the heaviest rank h to the lightest rank l (j = -1) or swap
@@ -414,15 +529,19 @@ struct Step {
 // The neighbours of `target` in a run sorted by weight descending: the first entry of the run
 // of the smallest weight above target, and the first entry at or below it (the ends when
 // missing). Either may be the entry whose weight is nearest to target.
-std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
+template <typename E>
+std::pair<size_t, size_t> around(const E* x, size_t size, double target) {
     const size_t below = static_cast<size_t>(
-        std::partition_point(x, x + size, [&](const Entry& e) { return e.w > target; }) - x);
+        std::partition_point(x, x + size, [&](const E& e) { return e.w > target; }) - x);
     if (below == 0) return {size, 0};
     const double w = x[below - 1].w;
     const size_t above = static_cast<size_t>(
-        std::partition_point(x, x + below, [&](const Entry& e) { return e.w > w; }) - x);
+        std::partition_point(x, x + below, [&](const E& e) { return e.w > w; }) - x);
     return {above, below};
 }
+
+// RankLists are laid out lazily while at most 1/kLazyShare of the ranks are above the floor.
+constexpr int64_t kLazyShare = 16;
 
 // Local search after LPT: while the heaviest rank h can shed load, apply the best single move
 // or swap of one item between h and a partner rank p that lowers max(load h, load p) below the
@@ -434,17 +553,20 @@ std::pair<size_t, size_t> around(const Entry* x, size_t size, double target) {
 // nearest to w_i - half (one two-pointer walk for all i). At most `max_steps` steps, each
 // O(items on the two ranks + log d) (times the partners tried); the Python reference follows
 // the same rules (with binary searches) and the same float operations.
-void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
-            std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
-            int64_t max_steps, double floor, int64_t* dst, bool wide = true) {
-    Extremes extremes(load);
-    std::unique_ptr<RankLists> lists;  // built on the first step that needs them
+template <typename E, typename Codec>
+void refine_with(Codec codec, const Sorted<double>& items, const std::vector<Rank>& rank_at,
+                 std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+                 int64_t max_steps, double floor, int64_t* dst, bool wide) {
+    Extremes<Codec> extremes(codec, load);
+    std::unique_ptr<RankLists<E>> lists;  // built on the first step that needs them
     const int64_t d = static_cast<int64_t>(load.size());
     std::vector<int64_t> partners;
     // The best step between h and p, or one with i < 0.
     const auto pair_step = [&](int64_t h, int64_t p) {
-        const Entry* hs = lists->data(h);
-        const Entry* ls = lists->data(p);
+        lists->need(h);
+        lists->need(p);
+        const E* hs = lists->data(h);
+        const E* ls = lists->data(p);
         const size_t kh = lists->size(h), kl = lists->size(p);
         const double lh = load[h], ll = load[p], half = (lh - ll) * 0.5;
         Step best{lh, -1, -1, 0, 0};  // improving steps only: m < load of h
@@ -480,7 +602,13 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
         // A lone item on h cannot leave it without making its partner at least as heavy; no
         // plan goes below the floor.
         if (h == l || count[h] <= 1 || load[h] <= floor) break;
-        if (!lists) lists = std::make_unique<RankLists>(items, rank_at, count);
+        if (!lists) {
+            // Every rank above the floor takes a step or more: when they are few, so are the
+            // ranks refine touches.
+            const int64_t above =
+                std::count_if(load.begin(), load.end(), [&](double x) { return x > floor; });
+            lists = std::make_unique<RankLists<E>>(items, rank_at, count, above <= d / kLazyShare);
+        }
         Step best = pair_step(h, l);
         if (best.i < 0 && wide && d <= kWideRanks) {
             partners.clear();
@@ -501,10 +629,10 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             }
         }
         if (best.i < 0) break;
-        const Entry* hs = lists->data(h);
-        const Entry* ls = lists->data(l);
+        const E* hs = lists->data(h);
+        const E* ls = lists->data(l);
         const double lh = load[h], ll = load[l];
-        const Entry moved = hs[best.at_h];
+        const E moved = hs[best.at_h];
         lists->erase(h, best.at_h);
         dst[moved.index] = l;
         if (best.j < 0) {
@@ -513,7 +641,7 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
             --count[h];
             ++count[l];
         } else {
-            const Entry back = ls[best.at_l];
+            const E back = ls[best.at_l];
             lists->erase(l, best.at_l);
             lists->insert(h, back);
             dst[back.index] = h;
@@ -524,6 +652,19 @@ void refine(const Sorted<double>& items, const std::vector<int64_t>& rank_at,
         extremes.update(static_cast<size_t>(h), load[h]);
         extremes.update(static_cast<size_t>(l), load[l]);
     }
+}
+
+// refine on compact lists and packed keys when `compact`: every weight whole below 2^32, every
+// index too, and their total below packed_limit (every load fits beside the rank bits).
+void refine(const Sorted<double>& items, const std::vector<Rank>& rank_at,
+            std::vector<double>& load, std::vector<int64_t>& count, int64_t cap,
+            int64_t max_steps, double floor, int64_t* dst, bool compact, bool wide) {
+    if (compact)
+        refine_with<CompactEntry>(PackedKey{rank_bits_for(load.size())}, items, rank_at, load,
+                                  count, cap, max_steps, floor, dst, wide);
+    else
+        refine_with<WideEntry>(WideKey{}, items, rank_at, load, count, cap, max_steps, floor,
+                               dst, wide);
 }
 
 // Ranks with room for Alg. 4, ordered by (sum, rank) in a treap whose nodes also hold the
@@ -739,12 +880,12 @@ bool multifit(const Sorted<double>& items, int64_t d, int64_t cap, double floor,
 // Loads and counts of `plan` accumulated in the sorted order (the order LPT fills in), and
 // each sorted position's rank, as refine() takes them.
 void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>& load,
-           std::vector<int64_t>& count, std::vector<int64_t>& rank_at) {
+           std::vector<int64_t>& count, std::vector<Rank>& rank_at) {
     std::fill(load.begin(), load.end(), 0.0);
     std::fill(count.begin(), count.end(), 0);
     for (size_t k = 0; k < items.index.size(); ++k) {
         const int64_t r = plan[items.index[k]];
-        rank_at[k] = r;
+        rank_at[k] = static_cast<Rank>(r);
         load[r] += items.key[k];
         ++count[r];
     }
@@ -752,60 +893,93 @@ void tally(const Sorted<double>& items, const int64_t* plan, std::vector<double>
 
 }  // namespace
 
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps, bool* proven, bool exact) {
+namespace {
+
+// lpt on weights of type T (doubles, or lengths below 2^53: see sort_items).
+template <typename T>
+bool plan_lpt(const T* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+              int64_t max_steps, bool* proven, bool exact, double* loads) {
     if (proven != nullptr) *proven = false;
     if (n > 0 && (w[0] > 0.0 || max_steps > 0) &&
-        std::all_of(w, w + n, [&](double x) { return x == w[0]; })) {
+        std::all_of(w, w + n, [&](T x) { return x == w[0]; })) {
         // All alike: the sorted order is the input order (ties by index) and LPT deals the
         // items out in rounds of num_ranks, which meets any cap that fits them: the optimum,
         // without a sort. (All zero, plain LPT keeps filling the lowest rank up to the cap.)
         deal_in_rounds(n, num_ranks, dst);
         if (proven != nullptr) *proven = max_steps > 0;
-        return;
+        return false;
     }
-    const auto& items = sort_items(w, n, true);
+    const auto& items = sort_items<T, double>(w, n, true);
     std::vector<double> load(static_cast<size_t>(num_ranks), 0.0);
     std::vector<int64_t> count(static_cast<size_t>(num_ranks), 0);
     if (max_steps <= 0) {
         fill_least_loaded(items, 0, load, count, cap, dst);
-        return;
+        return false;
     }
-    thread_local std::vector<int64_t> rank_at;  // reused: see SortScratch
-    rank_at.resize(static_cast<size_t>(n));
-    fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data());
     // The items that matter: without a binding cap, zero-length items change no load, so every
     // step below plans the others (a prefix of the sorted order) and the zeros stay where LPT
     // put them.
     int64_t live = n;
     if (cap >= n)
         while (live > 0 && items.key[live - 1] == 0.0) --live;
-    const double unit = weight_unit(items.key.data(), live);
-    const double floor = makespan_floor(items.key.data(), live, num_ranks, unit);
-    refine(items, rank_at, load, count, cap, max_steps, floor, dst, exact);
+    double total = 0.0, unit = 0.0;
+    if constexpr (std::is_integral_v<T>) {
+        // Lengths (whole, below 2^53): the divisor from the first runs, and the total in int64,
+        // exact while n times the longest stays below 2^53, as is then the double sum in order
+        // that weight_unit takes (its pass: 0.4 to 0.6 ms in 17 to 19).
+        unit = length_unit(items.key.data(), live);
+        if (items.key[0] * static_cast<double>(n) < 0x1p53)
+            total = static_cast<double>(std::accumulate(w, w + n, int64_t{0}));
+        else
+            total = std::accumulate(items.key.data(), items.key.data() + live, 0.0);
+    } else {
+        unit = weight_unit(items.key.data(), live, &total);
+    }
+    const double floor = makespan_floor(items.key.data(), live, num_ranks, unit, total);
+    thread_local std::vector<Rank> rank_at;  // reused: see SortScratch
+    rank_at.resize(static_cast<size_t>(n));
+    // With a unit every item is whole (the zero tail too) and `total` is their whole_total;
+    // without, fill_least_loaded sees for itself.
+    fill_least_loaded(items, 0, load, count, cap, dst, rank_at.data(),
+                      unit > 0.0 ? std::optional<double>(total) : std::nullopt);
+    // Whole weights below 2^32 (the heaviest first) and item indices too: compact lists.
+    const bool compact = unit > 0.0 && items.key[0] < 0x1p32 && n <= (int64_t{1} << 32) &&
+                         total < packed_limit(rank_bits_for(static_cast<size_t>(num_ranks)));
+    refine(items, rank_at, load, count, cap, max_steps, floor, dst, compact, exact);
+    // The refined LPT plan's loads, for the caller (a pass over the plan saved: 0.7 to 1.3 ms
+    // in 22).
+    const auto report = [&]() {
+        const bool known = loads != nullptr && unit > 0.0 && total < 0x1p53;
+        if (known) std::copy(load.begin(), load.end(), loads);
+        return known;
+    };
     double best = *std::max_element(load.begin(), load.end());
     if (!(best > floor) || num_ranks < 2) {
         if (proven != nullptr) *proven = !(best > floor);
-        return;
+        return report();
     }
     // Past every candidate's limit (the exact search's, KK's and MULTIFIT's), the refined LPT
     // plan stands: no copies of a million items for candidates that will not run.
     if (live > kExactItems && live * num_ranks > kPortfolioKkWork &&
         live > kPortfolioKkEqualItems && live > kPortfolioMultifitItems)
-        return;
+        return report();
     Sorted<double> part;  // the live items, in sorted order
     part.index.assign(items.index.begin(), items.index.begin() + live);
     part.key.assign(items.key.begin(), items.key.begin() + live);
-    std::vector<int64_t> at(static_cast<size_t>(live));
+    std::vector<Rank> at(static_cast<size_t>(live));
     // Exact where it is cheap: the branch and bound from the plan in hand (exact.hpp).
     if (exact && live <= kExactItems) {
-        for (int64_t k = 0; k < live; ++k) at[k] = dst[part.index[k]];
-        const ExactOutcome outcome =
-            improve_exact(part.key.data(), live, num_ranks, cap, floor, kExactNodes, at.data());
-        for (int64_t k = 0; k < live; ++k) dst[part.index[k]] = at[k];
+        std::vector<int64_t> plan_at(static_cast<size_t>(live));
+        for (int64_t k = 0; k < live; ++k) plan_at[k] = dst[part.index[k]];
+        const ExactOutcome outcome = improve_exact(part.key.data(), live, num_ranks, cap, floor,
+                                                   kExactNodes, plan_at.data());
+        for (int64_t k = 0; k < live; ++k) {
+            at[k] = static_cast<Rank>(plan_at[k]);
+            dst[part.index[k]] = at[k];
+        }
         if (outcome.proven) {
             if (proven != nullptr) *proven = true;
-            return;
+            return false;
         }
         std::fill(load.begin(), load.end(), 0.0);
         for (int64_t k = 0; k < live; ++k) load[at[k]] += part.key[k];
@@ -818,7 +992,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
     const auto consider = [&]() {
         tally(part, plan.data(), load, count, at);
         if (*std::max_element(count.begin(), count.end()) > cap) return;
-        refine(part, at, load, count, cap, max_steps, floor, plan.data(), exact);
+        refine(part, at, load, count, cap, max_steps, floor, plan.data(), compact, exact);
         const double m = *std::max_element(load.begin(), load.end());
         if (m < best) {
             best = m;
@@ -833,7 +1007,7 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         std::vector<int64_t> ids(part.index.begin(), part.index.end()), kk(live);
         std::sort(ids.begin(), ids.end());  // KK's ties break by index: keep their order
         std::vector<double> x(static_cast<size_t>(live));
-        for (int64_t k = 0; k < live; ++k) x[k] = w[ids[k]];
+        for (int64_t k = 0; k < live; ++k) x[k] = static_cast<double>(w[ids[k]]);
         karmarkar_karp(x.data(), live, num_ranks, !full_kk, kk.data());
         for (int64_t k = 0; k < live; ++k) plan[ids[k]] = kk[k];
         consider();
@@ -843,6 +1017,19 @@ void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* ds
         multifit(part, num_ranks, cap, floor, top, unit, plan.data()))
         consider();
     if (proven != nullptr) *proven = !(best > floor);
+    return false;
+}
+
+}  // namespace
+
+bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, bool exact, double* loads) {
+    return plan_lpt(w, n, num_ranks, cap, dst, max_steps, proven, exact, loads);
+}
+
+bool lpt(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, double* loads) {
+    return plan_lpt(lengths, n, num_ranks, cap, dst, max_steps, proven, true, loads);
 }
 
 void greedy_tolerance(const int64_t* len, int64_t n, int64_t num_ranks, double tolerance,

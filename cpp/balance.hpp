@@ -6,10 +6,17 @@
 // number of items per rank (pass n for "no cap"); callers guarantee cap * num_ranks >= n.
 #pragma once
 
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 namespace orch {
+
+// x >= 0 and x == floor(x) (+inf included, NaN not), without floor, which the portable build
+// (no SSE4.1) emulates in several instructions: 0.72 ms against 0.94 ms over 983,040 doubles.
+// Every double from 2^52 up is whole; below, truncation to int64 is exact for whole numbers only.
+inline bool is_whole(double x) {
+    return x >= 0x1p52 || (x >= 0.0 && static_cast<double>(static_cast<int64_t>(x)) == x);
+}
 
 // The sum of w[0..n) when every entry is a non-negative whole number, else -1: integer loads
 // are what lpt's packed tree keys and the item search's waste bound (keep_search.cpp) need.
@@ -17,7 +24,7 @@ inline double whole_total(const double* w, int64_t n) {
     double total = 0.0;
     bool whole = true;
     for (int64_t i = 0; i < n; ++i) {
-        whole &= w[i] >= 0.0 && w[i] == std::floor(w[i]);
+        whole &= is_whole(w[i]);
         total += w[i];
     }
     return whole ? total : -1.0;
@@ -58,9 +65,16 @@ constexpr int kMultifitRounds = 24;
 constexpr int64_t kExactItems = 64;
 constexpr int64_t kExactNodes = int64_t{1} << 17;
 // `exact` = false leaves the exact search and the wider partners out (greedy_stay's reference
-// makespan on small instances, movement.cpp).
-void lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
-         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true);
+// makespan on small instances, movement.cpp). `loads` (when given): each rank's load under the
+// plan, written when the refined LPT plan stands and its loads are integer sums below 2^53
+// (exact, so equal to numpy's bincount in input order): returns whether it wrote them.
+bool lpt(const double* w, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps = 0, bool* proven = nullptr, bool exact = true,
+         double* loads = nullptr);
+// The same on non-negative lengths below 2^53 (each exact as a double, so the same plan), sorted
+// on their integer bits, fewer than a double's, without a converted copy.
+bool lpt(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t cap, int64_t* dst,
+         int64_t max_steps, bool* proven, double* loads);
 
 // Paper Alg. 4: like lpt on lengths, but among ranks whose sum is within `tolerance` of the
 // smallest sum, the one with the smallest sum of squares wins. O(n log d): a treap over the

@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "balance.hpp"
@@ -65,22 +66,18 @@ void register_balance(py::module_& m) {
             if (l.ndim() != 1) throw py::value_error("expected a 1-D array");
             const int64_t n = static_cast<int64_t>(l.shape(0));
             const int64_t* x = l.data();
-            bool nonneg = true, any = false, alike = true;
-            for (int64_t i = 0; i < n; ++i) {
-                nonneg &= x[i] >= 0;
-                any |= x[i] > 0;
-                alike &= x[i] == x[0];
-            }
-            if (!nonneg || !any) return py::none();
-            bool proven = false;
+            if (n == 0) return py::none();
+            // All alike, lpt's plan is a deal in rounds; each rank's sum is then one product,
+            // exact (like the sum item by item) while it stays below 2^53. The scan stops at
+            // the first length that differs (the second, mostly).
+            const bool alike = std::all_of(x, x + n, [&](int64_t v) { return v == x[0]; });
+            if (alike && x[0] <= 0) return py::none();
+            const double each = static_cast<double>(x[0]);
+            const int64_t most = (n + d - 1) / d;
             Ints dst(n);
             Floats loads(d);
             int64_t* out = dst.mutable_data();
             double* load = loads.mutable_data();
-            // All alike, lpt's plan is a deal in rounds; each rank's sum is then one product,
-            // exact (like the sum item by item) while it stays below 2^53.
-            const double each = static_cast<double>(x[0]);
-            const int64_t most = (n + d - 1) / d;
             if (alike && each * static_cast<double>(most) < 0x1p53) {
                 {
                     py::gil_scoped_release release;
@@ -90,16 +87,32 @@ void register_balance(py::module_& m) {
                 }
                 return py::make_tuple(dst, loads, max_steps > 0);
             }
+            bool proven = false, nonneg = true, any = false;
             {
                 py::gil_scoped_release release;
-                // Reused across calls on this thread: a fresh 8 MB vector is page-faulted in on
-                // every call (5 ms of a 45 ms plan at 983,040 lengths).
-                thread_local std::vector<double> w;
-                w.assign(x, x + n);
-                orch::lpt(w.data(), n, d, n, out, max_steps, &proven);
-                std::fill(load, load + d, 0.0);
-                for (int64_t i = 0; i < n; ++i) load[out[i]] += w[i];  // bincount's order
+                // Every length's bits or-ed (a vectorized pass): no sign bit, none negative;
+                // any bit, one positive; none from 2^53 up, all below.
+                uint64_t bits = 0;
+                for (int64_t i = 0; i < n; ++i) bits |= static_cast<uint64_t>(x[i]);
+                nonneg = (bits >> 63) == 0;
+                any = bits != 0;
+                bool known = false;
+                if (nonneg && any && (bits >> 53) == 0) {
+                    known = orch::lpt(x, n, d, n, out, max_steps, &proven, load);
+                } else if (nonneg && any) {
+                    // Reused across calls on this thread: a fresh 8 MB vector is page-faulted
+                    // in on every call (5 ms of a 45 ms plan at 983,040 lengths).
+                    thread_local std::vector<double> w;
+                    w.assign(x, x + n);
+                    known = orch::lpt(w.data(), n, d, n, out, max_steps, &proven, true, load);
+                }
+                if (nonneg && any && !known) {
+                    std::fill(load, load + d, 0.0);
+                    for (int64_t i = 0; i < n; ++i)  // bincount's order
+                        load[out[i]] += static_cast<double>(x[i]);
+                }
             }
+            if (!nonneg || !any) return py::none();
             return py::make_tuple(dst, loads, proven);
         },
         py::arg("lengths"), py::arg("num_ranks"), py::arg("max_steps"),

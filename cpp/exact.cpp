@@ -1,6 +1,7 @@
 // The exact smallest makespan (exact.hpp): the branch and bound the default `greedy` runs on
 // small instances (balance.cpp) and orchmllm/exact.py exposes for the cap search of balance().
 #include "exact.hpp"
+#include "balance.hpp"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -20,21 +21,33 @@ namespace py = pybind11;
 
 namespace orch {
 
-double weight_unit(const double* x, int64_t m) {
+double weight_unit(const double* x, int64_t m, double* total) {
     uint64_t g = 0;
+    bool whole = true;
+    double sum = 0.0;
     for (int64_t i = 0; i < m; ++i) {
-        if (!(x[i] >= 0.0 && x[i] < 0x1p53 && x[i] == std::floor(x[i]))) return 0.0;
-        // Once the divisor is 1 only integrality is left to check: a division per item costs
-        // a third of greedy's time at a million lengths.
-        if (g != 1) g = std::gcd(g, static_cast<uint64_t>(x[i]));
+        sum += x[i];
+        whole &= x[i] < 0x1p53 && is_whole(x[i]);
+        // Once the divisor is 1 only integrality is left to check, and a repeat of the last
+        // weight (runs of them when sorted) leaves it as it is: a division per item costs a
+        // third of greedy's time at a million lengths (video_2fps's, all multiples of 576,
+        // never reach 1).
+        if (whole && g != 1 && (i == 0 || x[i] != x[i - 1]))
+            g = std::gcd(g, static_cast<uint64_t>(x[i]));
     }
+    if (total != nullptr) *total = sum;
+    return whole ? static_cast<double>(g) : 0.0;
+}
+
+double length_unit(const double* x, int64_t m) {
+    uint64_t g = 0;
+    for (int64_t i = 0; i < m && g != 1; ++i)
+        if (i == 0 || x[i] != x[i - 1]) g = std::gcd(g, static_cast<uint64_t>(x[i]));
     return static_cast<double>(g);
 }
 
-double makespan_floor(const double* x, int64_t m, int64_t d, double unit) {
+double makespan_floor(const double* x, int64_t m, int64_t d, double unit, double total) {
     if (m == 0) return 0.0;
-    double total = 0.0;
-    for (int64_t i = 0; i < m; ++i) total += x[i];
     double floor = std::max(total / static_cast<double>(d), x[0]);
     // Among the k*d + 1 heaviest items some rank holds k + 1, at least the k + 1 lightest of
     // them. Only a few k matter: the bound falls towards the mean as k grows.
@@ -655,7 +668,9 @@ py::tuple min_makespan(orch::F64 weights, int64_t num_ranks, int64_t max_items,
             load[r] += x[k];
             ++count[r];
         }
-        const double floor = orch::makespan_floor(x.data(), n, num_ranks, orch::weight_unit(x.data(), n));
+        double total = 0.0;
+        const double unit = orch::weight_unit(x.data(), n, &total);
+        const double floor = orch::makespan_floor(x.data(), n, num_ranks, unit, total);
         outcome = orch::improve_exact(x.data(), n, num_ranks, max_items, floor, node_limit,
                                       plan.data());
         for (int64_t k = 0; k < n; ++k) out[order[k]] = plan[k];
@@ -688,7 +703,9 @@ void register_exact(py::module_& m) {
     m.attr("EXACT_ITEMS") = orch::kExactItems;
     m.attr("EXACT_NODES") = orch::kExactNodes;
     m.def("makespan_floor", [](orch::F64 x, int64_t d) {
-        return orch::makespan_floor(x.data(), x.size(), d, orch::weight_unit(x.data(), x.size()));
+        double total = 0.0;
+        const double unit = orch::weight_unit(x.data(), x.size(), &total);
+        return orch::makespan_floor(x.data(), x.size(), d, unit, total);
     }, py::arg("sorted_weights"), py::arg("num_ranks"),
           "The floor no plan goes below (exact.hpp), on weights sorted descending.");
     m.def("improve_exact", &improve_exact_py, py::arg("sorted_weights"), py::arg("num_ranks"),

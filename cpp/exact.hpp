@@ -11,12 +11,17 @@ namespace orch {
 // No plan is lighter than this: the mean load, the heaviest item, and for every k >= 1 the
 // k + 1 lightest of the k*d + 1 heaviest items (k + 1 of them share a rank); with integer
 // weights rounded up to a multiple of `unit` (their greatest common divisor, else 0).
-// `x`: m weights sorted descending.
-double makespan_floor(const double* x, int64_t m, int64_t d, double unit);
+// `x`: m weights sorted descending; `total`: their sum in order (weight_unit's).
+double makespan_floor(const double* x, int64_t m, int64_t d, double unit, double total);
 
 // The greatest common divisor of the weights when all are non-negative integers below 2^53
-// (the step every load moves by), else 0.
-double weight_unit(const double* x, int64_t m);
+// (the step every load moves by), else 0; and (when given) `total`, their sum in order, from
+// the same pass (lpt needs both of a million weights: one pass saves one).
+double weight_unit(const double* x, int64_t m, double* total = nullptr);
+
+// weight_unit of weights known whole and below 2^53 (lengths), sorted: a gcd per run of equal
+// weights, and none once the divisor is 1 (most lengths: within the first runs).
+double length_unit(const double* x, int64_t m);
 
 struct ExactOutcome {
     bool proven;    // no plan under the cap has a lighter busiest rank
