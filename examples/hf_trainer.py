@@ -132,7 +132,6 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "gradient_accumulation_steps": args.grad_accum,
         "dataloader_num_workers": args.workers,
         "learning_rate": 1e-3,
-        "optim": args.optim,
         "max_steps": max_steps,
         "num_train_epochs": args.epochs,
         "logging_steps": 1,
@@ -200,11 +199,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=-1, help="-1: --epochs decides")
     p.add_argument("--resume-at", type=int, default=0, help="checkpoint at this step, resume")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument(
-        "--optim", choices=("adamw_torch", "sgd"), default="adamw_torch",
-        help="sgd: a step moves parameters by lr x gradient, so float32 rounding in a loss "
-        "kernel (TRL's fused LM head) stays that small instead of being rescaled by Adam",
-    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: a temporary folder")
     return p.parse_args(argv)

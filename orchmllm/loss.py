@@ -27,7 +27,8 @@ whatever the layout (``tests/test_loss.py`` checks both forms against that refer
 
 The LM head's logits are ``tokens x vocab`` (152,064 entries a token for Qwen2): a step's whole
 fp32 logits would outgrow the model. :func:`chunked_cross_entropy` never holds more than one
-chunk of them.
+chunk of them; :func:`token_log_probs` neither, for trainers that weigh each token's
+log-probability themselves (TRL's).
 """
 
 from __future__ import annotations
