@@ -47,6 +47,7 @@ _LAZY = {
     "orchestrated_loader": "orchmllm.data.orchestrated",
     "global_num_items": "orchmllm.loss",
     "token_log_probs": "orchmllm.loss",
+    "chunked_cross_entropy": "orchmllm.loss",
     "TrainRecipe": "orchmllm.config",
     "Topology": "orchmllm.topology",
 }

@@ -184,6 +184,25 @@ def test_the_fused_lm_head_serves_per_token_log_probs_of_the_plain_logits(famili
     torch.testing.assert_close(fused.loss, plain.loss.double(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "llava"])
+def test_without_logits_the_loss_and_gradients_are_the_logits_ones(families, name):
+    """``keep_logits=False``: the loss in chunks smaller than the tokens, no logits kept; the
+    same loss (HF's is float32) and the same gradients as the plain head's."""
+    model, rows = families[name]
+    grads = {}
+    for keep in (True, False):
+        model.zero_grad()
+        out = omt.wrap(model, loss_chunk=7, keep_logits=keep)(rows)
+        out.loss.backward()
+        grads[keep] = (out, [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    (plain, plain_grads), (chunked, chunked_grads) = grads[True], grads[False]
+    assert chunked.logits is None and int(plain.batch.lengths.sum()) > 7
+    torch.testing.assert_close(chunked.loss, plain.loss.double(), rtol=0, atol=1e-5)
+    assert len(chunked_grads) == len(plain_grads)
+    for a, b in zip(chunked_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_the_balanced_model_refuses_what_a_training_step_cannot_take(families):
     model, rows = families["llava"]
     balanced = omt.wrap(model)

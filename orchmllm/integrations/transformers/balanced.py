@@ -8,9 +8,13 @@ per sequence, an attention implementation that builds the block-diagonal mask fr
 loss is normalised by the prediction targets of all ranks, so balancing never changes the
 gradient.
 
-TRL's trainers ask a model for per-token log-probabilities instead of logits (their "fused LM
-head": ``forward(..., fused_lm_head=True)``); :meth:`BalancedModel.forward` serves that from its
-own language-model phase, in chunks of ``loss_chunk`` tokens, never ``[tokens, vocab]`` logits.
+The LM head's logits are ``[tokens, vocab]`` (152,064 entries a token for Qwen2.5-VL), the
+largest tensor of a step. By default the forward returns them, as an HF model's does; with
+``keep_logits=False`` it computes the loss ``loss_chunk`` tokens at a time and keeps none (what
+a fused linear-cross-entropy kernel such as Liger's gives a plain HF model, which this
+model's own forward bypasses). TRL's trainers ask a model for per-token log-probabilities
+instead (their "fused LM head": ``forward(..., fused_lm_head=True)``), which the forward serves
+in chunks too.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class BalancedOutput(ModelOutput):
             targets of all ranks); multiply by the world size for FSDP2 or DDP, which average
             gradients over ranks.
         logits: ``[1, tokens, vocab]`` over this rank's packed sequences (None with
-            ``fused_lm_head``).
+            ``fused_lm_head`` or ``keep_logits=False``).
         batch: the step's :class:`orchmllm.LLMBatch` (sequence lengths, example ids, the
             phases' statistics).
         log_probs, entropy, is_top1, label_mask: with ``fused_lm_head`` (TRL's protocol),
@@ -66,10 +70,13 @@ class BalancedModel(nn.Module):
         model: the HF model (``...ForConditionalGeneration``).
         adapter: how its family runs as phases.
         orchestrator: plans and moves every step (its phases are the adapter's).
-        loss_chunk: tokens per chunk of the LM head under ``fused_lm_head``.
+        loss_chunk: tokens per chunk of the LM head where it is chunked (``fused_lm_head``,
+            or ``keep_logits=False``).
+        keep_logits: return the logits (and compute the loss over them, as the HF model
+            does); False: the chunked loss, no logits.
 
     Attributes:
-        model, adapter, orchestrator, loss_chunk: as given.
+        model, adapter, orchestrator, loss_chunk, keep_logits: as given.
         loads: phase name (and ``"llm"``) -> the raw rows (encoders) and tokens (LLM) this rank
             computed in the last step, for reporting balance.
     """
@@ -84,6 +91,7 @@ class BalancedModel(nn.Module):
         orchestrator: orchmllm.Orchestrator,
         *,
         loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
+        keep_logits: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:
@@ -92,6 +100,7 @@ class BalancedModel(nn.Module):
         self.adapter = adapter
         self.orchestrator = orchestrator
         self.loss_chunk = loss_chunk
+        self.keep_logits = keep_logits
         self.loads: dict[str, int] = {}
 
     @property
@@ -167,7 +176,8 @@ class BalancedModel(nn.Module):
 
         Raises:
             ValueError: ``use_cache`` is True, ``attention_mask`` does not count this rank's
-                packed tokens, or ``fused_lm_head`` with an LM head that has a bias.
+                packed tokens, or a chunked head (``fused_lm_head``, ``keep_logits=False``) on
+                an LM head that has a bias.
         """
         if use_cache:
             raise ValueError("use_cache must be None or False for a training step, got True")
@@ -204,15 +214,21 @@ class BalancedModel(nn.Module):
         if num_items_in_batch is None:
             num_items_in_batch = out.num_targets  # over all ranks
         head = model.get_output_embeddings()
+        if (fused_lm_head or not self.keep_logits) and getattr(head, "bias", None) is not None:
+            raise ValueError("the chunked LM head does not add a bias, and this head has one")
         if fused_lm_head:
-            if getattr(head, "bias", None) is not None:
-                raise ValueError("fused_lm_head: the LM head has a bias, which it does not add")
             scores = orchmllm.token_log_probs(
                 hidden[0], head.weight, out.targets, chunk=self.loss_chunk
             )
             loss = -scores.log_probs.sum() / num_items_in_batch
             mask = out.targets != IGNORE_INDEX
             return BalancedOutput(loss, None, out, *(x[None] for x in (*scores, mask)))
+        if not self.keep_logits:
+            loss = orchmllm.chunked_cross_entropy(
+                hidden[0], head.weight, out.targets, chunk=self.loss_chunk,
+                denom=float(num_items_in_batch),
+            )  # fmt: skip
+            return BalancedOutput(loss, None, out)
         logits = head(hidden)
         loss = model.loss_function(
             logits=logits,
@@ -258,6 +274,7 @@ def wrap(
     topology: orchmllm.Topology | None = None,
     llm_policy: str = "greedy",
     loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
+    keep_logits: bool = True,
 ) -> BalancedModel:
     """Balance an HF vision-language model: its towers and its language model become phases.
 
@@ -268,8 +285,11 @@ def wrap(
         adapter: the adapter to use (None: the one registered for the model's class).
         topology: the process groups (None: a topology over the default group).
         llm_policy: the language model's balancing policy.
-        loss_chunk: tokens per chunk of the LM head when a trainer asks for per-token
-            log-probabilities (TRL's ``fused_lm_head``).
+        loss_chunk: tokens per chunk of the LM head where it is chunked (a trainer asking
+            for per-token log-probabilities, TRL's ``fused_lm_head``; ``keep_logits=False``).
+        keep_logits: the forward returns the ``[1, tokens, vocab]`` logits (as an HF model
+            does); False: it computes the loss in chunks and keeps no logits (the memory of a
+            fused linear-cross-entropy kernel).
 
     Returns:
         The :class:`BalancedModel`; shard it with :func:`shard` (or your own FSDP2 wiring whose
@@ -290,7 +310,9 @@ def wrap(
         )
     options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
     orchestrator = orchmllm.Orchestrator(options, topology=topology)
-    return BalancedModel(model, adapter, orchestrator, loss_chunk=loss_chunk)
+    return BalancedModel(
+        model, adapter, orchestrator, loss_chunk=loss_chunk, keep_logits=keep_logits
+    )
 
 
 def shard(model: BalancedModel, **fsdp: Any) -> BalancedModel:
