@@ -4,12 +4,14 @@ Each processor is built from its default constructor (nothing downloaded), the t
 trained here (``tiny.train_tokenizer``); images and clips are generated, written to files
 and read back by the length functions through their headers only. Every count must be equal:
 patches or tiles and tokens per image (Qwen2-VL dynamic resolution, LLaVA's fixed grid,
-LLaVA-OneVision's anyres grid), frames and tokens per clip (Whisper's feature extractor,
-Qwen2-Audio's processor), and whole rows' ``input_ids`` lengths through ``datasets.map``.
+LLaVA-OneVision's anyres grid, InternVL's cropped tiles), frames and tokens per clip (Whisper's
+feature extractor, Qwen2-Audio's processor), and whole rows' ``input_ids`` lengths through
+``datasets.map``.
 """
 
 from __future__ import annotations
 
+import copy
 import wave
 from types import SimpleNamespace
 
@@ -24,12 +26,14 @@ Image = pytest.importorskip("PIL.Image")
 from orchmllm.integrations.transformers import lengths as L  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
 from orchmllm.integrations.transformers.tiles import (  # noqa: E402
+    InternVLAdapter,
     LlavaAdapter,
     LlavaOnevisionAdapter,
 )
 
 SPECIALS = ["<pad>", "<image>", "<video>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 SPECIALS += ["<|image_pad|>", "<|video_pad|>"]  # Qwen3-VL's placeholders
+SPECIALS += ["<img>", "</img>", "<IMG_CONTEXT>"]  # InternVL's
 # (width, height): tiny (grown to min_pixels), odd, exact multiples, wide, tall, over max_pixels,
 # beyond LLaVA-OneVision's largest pinpoint (2304) in one side and in both.
 SIZES = [(1, 1), (10, 10), (28, 28), (56, 56), (57, 83), (83, 57), (321, 123), (640, 480)]
@@ -160,6 +164,30 @@ def _qwen3(tokenizer):
     return _images_only(transformers.Qwen3VLProcessor)(image_processor=image, tokenizer=tokenizer)
 
 
+def _internvl(tokenizer, *, max_patches=12, thumbnail=True):
+    """InternVL's processor (GotOcr2's image processor, 448 px crops of 256 tokens); it reads
+    its image tokens from the tokenizer, as InternVL's tokenizer names them (set on a copy:
+    other processors read a tokenizer's ``video_token`` too)."""
+    tokenizer = copy.copy(tokenizer)
+    for name, token in (
+        ("start_image_token", "<img>"),
+        ("end_image_token", "</img>"),
+        ("context_image_token", "<IMG_CONTEXT>"),
+        ("video_token", "<video>"),
+    ):
+        setattr(tokenizer, name, token)
+        setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(token))  # fmt: skip
+    image = transformers.GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448},
+        crop_to_patches=True,
+        max_patches=max_patches,
+        use_thumbnail=thumbnail,
+    )
+    return _images_only(transformers.InternVLProcessor)(
+        image_processor=image, tokenizer=tokenizer, image_seq_length=256
+    )
+
+
 # case -> (family, its processor from the tokenizer)
 PROCESSORS = {
     "qwen3-vl": ("qwen3-vl", _qwen3),
@@ -169,6 +197,11 @@ PROCESSORS = {
     "onevision-336-max4-default": (
         "llava-onevision",
         lambda t: _onevision(t, tile=336, strategy="default", aspect="anyres_max_4"),
+    ),
+    "internvl": ("internvl", _internvl),
+    "internvl-max6-nothumbnail": (
+        "internvl",
+        lambda t: _internvl(t, max_patches=6, thumbnail=False),
     ),
 }
 
@@ -233,8 +266,12 @@ def test_whisper_audio_equals_feature_extractor_and_qwen2_audio(tokenizer, tmp_p
 
 
 def _adapter(family: str, tokenizer):
-    """The family's adapter on a config matching :func:`_llava` / :func:`_onevision`'s
-    defaults (the adapter reads the model's config only)."""
+    """The family's adapter on a config matching :func:`_llava` / :func:`_onevision` /
+    :func:`_internvl`'s defaults (the adapter reads the model's config only)."""
+    if family == "internvl":
+        token = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
+        config = transformers.InternVLConfig(image_token_id=token, image_seq_length=256)
+        return InternVLAdapter(SimpleNamespace(config=config))
     ids = {"image_token_index": tokenizer.convert_tokens_to_ids("<image>")}
     if family == "llava":
         vision = transformers.CLIPVisionConfig(image_size=224, patch_size=14)
@@ -246,7 +283,7 @@ def _adapter(family: str, tokenizer):
     return LlavaOnevisionAdapter(SimpleNamespace(config=config))
 
 
-@pytest.mark.parametrize("case", ["llava-crop", "onevision"])
+@pytest.mark.parametrize("case", ["llava-crop", "onevision", "internvl"])
 def test_dataset_map_adds_counts(case, tokenizer, image_files):
     """The row function under ``datasets.map`` (two processes): one column per count, from
     paths alone, for rows of none, one and several images (LLaVA-OneVision tiles only a row's
@@ -254,16 +291,17 @@ def test_dataset_map_adds_counts(case, tokenizer, image_files):
     processed row."""
     family, build = PROCESSORS[case]
     processor = build(tokenizer)
+    mark = processor.image_token
     rows = [
-        {"text": "a cat " * (i + 1) + "<image> mat " * k, "images": [p for p, _ in image_files[:k]]}
+        {"text": "a cat " * (i + 1) + f"{mark} mat " * k, "images": [p for p, _ in image_files[:k]]}
         for i, k in enumerate([0, 1, 2, 3])
     ]
     wide = next(p for p, size in image_files if size == (1999, 1001))
-    rows.append({"text": "<image> wide", "images": [wide]})
+    rows.append({"text": f"{mark} wide", "images": [wide]})
     ds = datasets.Dataset.from_list(rows)
     out = ds.map(L.lengths_for(processor, family=family), num_proc=2)
     adapter = _adapter(family, tokenizer)
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_id = tokenizer.convert_tokens_to_ids(mark)
     for row, got in zip(rows, out, strict=True):
         images = [[Image.open(p) for p in row["images"]]] if row["images"] else None
         processed = processor(text=[row["text"]], images=images, return_tensors="np")
@@ -310,6 +348,9 @@ def test_bad_metadata_names_the_argument(tokenizer):
     video = {"num_frames": 8, "width": 64, "height": 48}
     with pytest.raises(ValueError, match="video token count is not modelled.*timestamp"):
         qwen3({"text": "<|video_pad|>", "videos": [video]})
+    internvl = L.lengths_for(_internvl(tokenizer), family="internvl")
+    with pytest.raises(ValueError, match="video token count is not modelled.*FrameN"):
+        internvl({"text": "<video>", "videos": [video]})
 
 
 def test_exif_rotation_swaps_the_size(tmp_path):

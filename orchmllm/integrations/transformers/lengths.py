@@ -15,6 +15,9 @@ processor's settings. This module computes it with each processor family's rules
   the centre crop, the shortest edge), a fixed grid of patches.
 - :class:`AnyResGrid`: LLaVA-OneVision's anyres images: a base tile and the tiles of the
   grid resolution the image fits best, the grid's features unpadded and pooled, with newlines.
+- :class:`CroppedTiles`: InternVL's images: the crops of the tile grid closest to the image's
+  aspect ratio and a thumbnail, a fixed number of tokens each, between ``<img>`` and
+  ``</img>``.
 - :class:`WhisperAudio`: Whisper's feature extractor (10 ms mel frames, clips cut or padded to
   30 s), its stride-2 convolution and the LLM side's pooling (Qwen2-Audio, Qwen2.5-Omni).
 
@@ -59,11 +62,15 @@ class ItemLength:
         phase: its encoder phase (a name in ``orchmllm.schema.MODALITIES``).
         rows: the raw rows its encoder computes on (patches, tiles, mel frames).
         tokens: the placeholder tokens it becomes in the LLM's sequence.
+        text_before, text_after: text tokens the processor writes around those placeholders
+            (InternVL's ``<img>`` and ``</img>``).
     """
 
     phase: str
     rows: int
     tokens: int
+    text_before: int = 0
+    text_after: int = 0
 
 
 def _positive(name: str, value: object) -> int | float:
@@ -324,6 +331,39 @@ class AnyResGrid:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CroppedTiles:
+    """InternVL's ``GotOcr2ImageProcessor`` and ``InternVLProcessor``: an image is cut into the
+    tiles of the grid (within ``min_patches`` to ``max_patches``) closest to its aspect ratio,
+    plus a thumbnail when there are several; each tile becomes ``image_seq_length`` tokens,
+    written between ``<img>`` and ``</img>``. The tile count is the image processor's own
+    ``get_number_of_image_patches`` (it agrees with the processor by construction; the tests
+    check the whole row against the processor's output).
+
+    Attributes:
+        image_processor: the processor's image processor (its settings are read).
+        tokens_per_tile: ``image_seq_length``.
+    """
+
+    image_processor: Any
+    tokens_per_tile: int = 256
+
+    @classmethod
+    def from_processor(cls, processor: Any) -> CroppedTiles:
+        """The rules of an ``InternVLProcessor``."""
+        return cls(
+            image_processor=processor.image_processor,
+            tokens_per_tile=processor.image_seq_length,
+        )
+
+    def image(self, width: int, height: int) -> ItemLength:
+        """An image of ``width`` x ``height`` pixels: its tiles, their tokens, and the
+        ``<img>`` and ``</img>`` around them."""
+        _positive("height", height), _positive("width", width)
+        tiles = self.image_processor.get_number_of_image_patches(height, width)
+        return ItemLength(PHASE_OF["image"], tiles, tiles * self.tokens_per_tile, 1, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class WhisperAudio:
     """Whisper's feature extractor and encoder front end, and the LLM side's pooling.
 
@@ -484,6 +524,17 @@ def _onevision(processor: Any) -> Rules:
     )
 
 
+def _internvl(processor: Any) -> Rules:
+    tiles = CroppedTiles.from_processor(processor)
+    return Rules(
+        {
+            "image": lambda v: tiles.image(*image_size(v)),
+            "video": _not_modelled("video", "each frame is written as 'FrameN: <img>...</img>'"),
+        },
+        {"image": processor.image_token, "video": processor.video_token},
+    )
+
+
 def _whisper_llm(processor: Any) -> Rules:
     clips = WhisperAudio.from_processor(processor)
     fn = lambda v: clips.audio(audio_samples(v, sampling_rate=clips.sampling_rate))  # noqa: E731
@@ -497,6 +548,7 @@ FAMILIES: dict[str, Callable[[Any], Rules]] = {
     "qwen2.5-omni": lambda p: _qwen(p, audio=True),
     "llava": _llava,
     "llava-onevision": _onevision,
+    "internvl": _internvl,  # images; its videos raise
     "qwen2-audio": _whisper_llm,
 }
 """Processor family -> its :class:`Rules` from a processor (each family's rules read the
@@ -561,7 +613,8 @@ class MetadataLengths:
                 )
             fn = self.rules.several.get(kind, fn) if len(values) > 1 else fn
             found += [(i, kind, fn(v)) for i, v in zip(at, values, strict=True)]
-        out = {"text_tokens": len(ids) - len(found)}
+        around = sum(it.text_before + it.text_after for _, _, it in found)
+        out = {"text_tokens": len(ids) - len(found) + around}
         for kind in self.rules.items:
             out[f"{kind}_tokens"] = sum(it.tokens for _, k, it in found if k == kind)
         for phase in dict.fromkeys(PHASE_OF[kind] for kind in self.rules.items):
@@ -574,16 +627,18 @@ class MetadataLengths:
 
 
 def _segments(found: list[tuple[int, str, ItemLength]], length: int) -> list[list[int]]:
-    """The row's ``segments`` (``orchmllm.schema``): text runs between the items, each item
-    ``[kind, rows, tokens]``, in the order of their placeholders."""
-    out, pos = [], 0
+    """The row's ``segments`` (``orchmllm.schema``): text runs between the items (with the
+    text the processor writes around each), each item ``[kind, rows, tokens]``, in the order
+    of their placeholders."""
+    out, pos, carried = [], 0, 0  # carried: the last item's text_after
     for at, _, item in sorted(found, key=lambda f: f[0]):
-        if at > pos:
-            out.append([TEXT, at - pos])
+        run = carried + at - pos + item.text_before
+        if run:
+            out.append([TEXT, run])
         out.append([MODALITIES[item.phase].kind, item.rows, item.tokens])
-        pos = at + 1
-    if length > pos:
-        out.append([TEXT, length - pos])
+        pos, carried = at + 1, item.text_after
+    if carried + length - pos:
+        out.append([TEXT, carried + length - pos])
     return out
 
 
