@@ -642,6 +642,13 @@ ExactOutcome improve_exact(const double* x, int64_t m, int64_t d, int64_t cap, d
 
 namespace {
 
+// The floor of sorted weights with their own unit and total (one pass for both).
+double floor_of(const double* x, int64_t m, int64_t d) {
+    double total = 0.0;
+    const double unit = orch::weight_unit(x, m, &total);
+    return orch::makespan_floor(x, m, d, unit, total);
+}
+
 py::tuple min_makespan(orch::F64 weights, int64_t num_ranks, int64_t max_items,
                        int64_t node_limit) {
     const int64_t n = weights.size();
@@ -668,9 +675,7 @@ py::tuple min_makespan(orch::F64 weights, int64_t num_ranks, int64_t max_items,
             load[r] += x[k];
             ++count[r];
         }
-        double total = 0.0;
-        const double unit = orch::weight_unit(x.data(), n, &total);
-        const double floor = orch::makespan_floor(x.data(), n, num_ranks, unit, total);
+        const double floor = floor_of(x.data(), n, num_ranks);
         outcome = orch::improve_exact(x.data(), n, num_ranks, max_items, floor, node_limit,
                                       plan.data());
         for (int64_t k = 0; k < n; ++k) out[order[k]] = plan[k];
@@ -703,9 +708,7 @@ void register_exact(py::module_& m) {
     m.attr("EXACT_ITEMS") = orch::kExactItems;
     m.attr("EXACT_NODES") = orch::kExactNodes;
     m.def("makespan_floor", [](orch::F64 x, int64_t d) {
-        double total = 0.0;
-        const double unit = orch::weight_unit(x.data(), x.size(), &total);
-        return orch::makespan_floor(x.data(), x.size(), d, unit, total);
+        return floor_of(x.data(), x.size(), d);
     }, py::arg("sorted_weights"), py::arg("num_ranks"),
           "The floor no plan goes below (exact.hpp), on weights sorted descending.");
     m.def("improve_exact", &improve_exact_py, py::arg("sorted_weights"), py::arg("num_ranks"),
