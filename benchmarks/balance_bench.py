@@ -966,6 +966,15 @@ def report(records: list[dict], audio: list[dict], *, quick: bool = False) -> di
     return summary
 
 
+def with_targets(summary: dict[str, float]) -> dict[str, float]:
+    """``summary`` and the bound of each target it has a figure for, as
+    ``target_max_<figure>`` / ``target_min_<figure>``."""
+    out = dict(summary)
+    for kind, targets in (("max", TARGET_MAX), ("min", TARGET_MIN)):
+        out |= {f"target_{kind}_{k}": v for k, v in targets.items() if k in summary}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parts = parser.add_mutually_exclusive_group()
@@ -996,8 +1005,7 @@ def main(argv: list[str] | None = None) -> None:
     dists = (*DISTRIBUTIONS, *STRESS, *user)
     if args.scale_only:
         scale, steps = scale_cases(args.seed, dists, user), step_plan_cases(args.seed)
-        summary = scale_summary(scale) | step_plan_summary(steps)
-        summary |= {f"target_max_{k}": v for k, v in TARGET_MAX.items() if k in summary}
+        summary = with_targets(scale_summary(scale) | step_plan_summary(steps))
         if args.json:
             write_records(args.json, [*scale, *steps, {"policy": "summary", **summary}])
         return
@@ -1030,9 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = step_plan_cases(args.seed)
     summary = report(records, audio, quick=args.quick)
     wrapper = wrapper_overhead(args.seed)
-    summary.update(report_targets(peers, moves, scale, steps, wrapper))
-    for kind, targets in (("max", TARGET_MAX), ("min", TARGET_MIN)):
-        summary.update({f"target_{kind}_{k}": v for k, v in targets.items() if k in summary})
+    summary = with_targets(summary | report_targets(peers, moves, scale, steps, wrapper))
     if args.json:
         out = records + audio + peers + moves + scale + steps
         out += [wrapper, {"policy": "summary", **summary}]
