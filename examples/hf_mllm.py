@@ -30,6 +30,11 @@ phase and the language model on packed sequences, sharded with FSDP2::
 Both see the same global batch each step, so they print the same losses; the balanced run's
 ranks are closer to equal in every phase (the imbalance is max/mean over ranks of the raw rows
 each tower encoded and the tokens the language model ran).
+
+``--loss exact`` computes the cross-entropy here, in the model's dtype, from each path's logits
+(transformers' own loss upcasts to float32, so a float64 model is not float64 end to end);
+``--save PATH`` writes every parameter and its AdamW state at the end (rank 0, full tensors),
+which the tests compare between the plain and the balanced runs to 1e-10.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -70,7 +76,12 @@ def train(args: argparse.Namespace) -> list[dict]:
     model = tiny.build_model(args.model, seed=args.seed, dtype=getattr(torch, args.dtype))
     modalities = [] if args.modalities == ["text"] else args.modalities
     dataset = tiny.make_rows(
-        args.model, model, args.examples, modalities=modalities, seed=args.seed
+        args.model,
+        model,
+        args.examples,
+        modalities=modalities,
+        seed=args.seed,
+        text_only=args.text_only,
     )
     adapter = omt.adapter_for(model)
     phases = [p.name for p in adapter.phases()] + ["llm"]
@@ -84,7 +95,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         model = omt.shard(omt.wrap(model, mode=args.balance))  # orchmllm
         sampling = orchmllm.SamplingOptions(seed=args.seed)
         loader = sampler = model.loader(dataset, batch_size=args.batch_size, sampling=sampling)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     records = []
     progress = StepProgress(total=len(loader) * args.epochs, rank=rank, mode=args.progress)
     for epoch in range(args.epochs):
@@ -93,11 +104,18 @@ def train(args: argparse.Namespace) -> list[dict]:
         for step, batch in enumerate(loader):
             if args.balance == "none":
                 n = orchmllm.global_num_items((batch["labels"][:, 1:] != -100).sum())
-                loss = model(**batch, num_items_in_batch=n).loss * world
+                out = model(**batch, num_items_in_batch=n)
+                loss = out.loss * world
+                if args.loss == "exact":
+                    loss = exact_loss(out.logits[:, :-1], batch["labels"][:, 1:], n) * world
                 taken = mine[step * args.batch_size : (step + 1) * args.batch_size]
                 loads = plain_loads(adapter, [dataset[i] for i in taken])
             else:
-                loss = model(batch).loss * world  # orchmllm
+                out = model(batch)
+                loss = out.loss * world  # orchmllm
+                if args.loss == "exact":
+                    n = out.batch.num_targets  # over all ranks
+                    loss = exact_loss(out.logits[0], out.batch.targets, n) * world
                 loads = model.loads
             loss.backward()
             optim.step()
@@ -111,6 +129,8 @@ def train(args: argparse.Namespace) -> list[dict]:
                 imbalance=f"{r['imbalance']['llm']:.3f}",
             )
     progress.close()
+    if args.save:
+        save_state(model, optim, args.save)
     if rank == 0:
         mean = {n: np.mean([r["imbalance"][n] for r in records]) for n in phases}
         print(
@@ -118,6 +138,30 @@ def train(args: argparse.Namespace) -> list[dict]:
             + "  ".join(f"{n} {v:.3f}" for n, v in mean.items())
         )
     return records
+
+
+def exact_loss(logits: torch.Tensor, targets: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross-entropy over ``n`` targets, in the logits' dtype."""
+    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / n
+
+
+def save_state(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Every parameter and its optimizer state as full tensors keyed by the HF model's names
+    (``param/NAME``, ``exp_avg/NAME``, ...), written by rank 0; a parameter that never had a
+    gradient has no state. A collective under FSDP2 (every rank gathers the shards)."""
+    inner = model.module if isinstance(model, DDP) else model.model
+    state = {}
+    for name, p in inner.named_parameters():
+        state[f"param/{name}"] = _full(p.detach())
+        for key, value in optim.state.get(p, {}).items():
+            state[f"{key}/{name}"] = _full(value)
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
 def _record(
@@ -150,9 +194,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the item kinds examples draw from (default: all the model takes; text: none)",
     )  # fmt: skip
     p.add_argument("--examples", type=int, default=96, help="dataset size")
+    p.add_argument(
+        "--text-only", type=float, default=0.0, help="the share of examples with no item"
+    )
     p.add_argument("--batch-size", type=int, default=6, help="examples per rank per step")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (its default)")
+    p.add_argument(
+        "--loss", choices=("model", "exact"), default="model",
+        help="model: the model's own loss (float32 inside transformers); exact: computed here "
+        "in the model's dtype",
+    )  # fmt: skip
+    p.add_argument("--save", default=None, help="write parameters and AdamW state here at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")

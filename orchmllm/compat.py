@@ -11,8 +11,9 @@ Two features are optional and degrade instead of failing:
 
 - ``varlen_attn``: without it :func:`varlen_attention` is None and packed attention runs each
   sequence through SDPA (slower on GPU, same result);
-- ``FSDPModule.set_reduce_scatter_unused_params``: a safety net only; the models already give
-  every parameter a gradient on every rank (empty inputs still run every module).
+- ``FSDPModule.set_reduce_scatter_unused_params``: off by default in the library (a parameter
+  unused on every rank must keep ``None``, as in a plain run); the models give every parameter
+  a rank uses a gradient on every rank (empty inputs still run every module).
 
 Other APIs, all older than the declared minimum torch, are not probed (``all_to_all_single``
 with split sizes, ``Work.wait(timeout=)``, ``new_group(backend=, timeout=)``, ``nn.RMSNorm``):

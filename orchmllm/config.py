@@ -378,6 +378,8 @@ class TrainConfig:
     Attributes:
         steps: optimizer steps.
         lr: AdamW's learning rate.
+        weight_decay: AdamW's decoupled weight decay (>= 0). A parameter without a gradient in
+            a step (a tower no rank had an item for) is not decayed, as in a plain run.
         seed: model and data seed (>= 0).
         grad_accum: micro-steps per optimizer step, each a balanced step of
             ``data.examples_per_rank`` examples per rank (:func:`orchmllm.data.accumulate`).
@@ -387,10 +389,11 @@ class TrainConfig:
             unsharded gradients (for a model small next to its accelerator's memory).
     """
 
-    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed",)
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed", "weight_decay")
 
     steps: int = 10
     lr: float = 1.0e-3
+    weight_decay: float = 0.0
     seed: int = 0
     grad_accum: int = 1
     sync_micro_steps: bool = True
@@ -398,6 +401,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not is_integer(self.seed) or self.seed < 0:
             raise _fail("train.seed", f"must be an integer >= 0, got {self.seed!r}")
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not wd >= 0:
+            raise _fail("train.weight_decay", f"must be a number >= 0, got {wd!r}")
 
 
 PRECISIONS = ("float32", "float64", "bf16-mixed")

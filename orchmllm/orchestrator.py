@@ -9,7 +9,8 @@ orchestrator
    a background thread instead): each encoder phase balances its own items, the LLM phase whole
    examples; a time-limited ILP placement is solved on one rank and broadcast;
 3. executes (:meth:`Orchestrator.run`): raw encoder inputs move to the encoder layout, every
-   encoder runs on every rank (FSDP2 needs the calls even with no items), encoder outputs go
+   encoder runs on every rank (FSDP2 needs the calls even with no items) unless no rank has
+   an item of its phase, in which case it runs nowhere (see below), encoder outputs go
    straight to the LLM layout with ``Pi_llm o Pi_enc^-1`` (the LLM plan lifted to items: an
    item goes where its example goes), one all-to-all per encoder forward and one backward,
    text moves with ``Pi_llm``, and each example's sequence is assembled in template order.
@@ -23,6 +24,14 @@ example (``item_meta``) to its encoder, moved with its rows; an encoder may retu
 values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack features), which
 move with its tokens to the LLM layout (:meth:`LLMBatch.token_values`). Nothing is padded onto
 the data rows.
+
+A phase with no item on any rank is skipped on every rank: every rank holds the same plan, so
+all skip it together and FSDP's collectives stay matched. This is what keeps training
+unchanged: a plain run never calls a tower without items, so its parameters get no gradient
+(``None``) and AdamW leaves them alone (no update from momentum, no weight decay, no step
+count). Running the tower on a dummy input would give them zero gradients instead, which
+AdamW does not skip. Where some ranks have items, the others still run the encoder on no
+item (zero gradients), which is what the plain run's sum over ranks gives them.
 """
 
 from __future__ import annotations
@@ -216,6 +225,9 @@ class LLMBatch:
         values: phase name -> the per-token values its encoder returned beside its embeddings
             (:class:`Encoded`), name -> ``[rows, ...]`` aligned with its ``encoded`` rows; read
             them in sequence layout with :meth:`token_values`.
+        absent: the phases no rank had an item of in this step: their encoders ran nowhere
+            (their parameters keep no gradient, as in a plain run), and ``encoded`` and
+            ``phases`` leave them out (they contribute no row).
     """
 
     input_ids: torch.Tensor
@@ -229,6 +241,7 @@ class LLMBatch:
     index: torch.Tensor
     phases: tuple[str, ...] = ()
     values: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    absent: tuple[str, ...] = ()
 
     def assemble(self, text_embeds: torch.Tensor) -> torch.Tensor:
         """Interleave text embeddings and encoder outputs into the packed sequences.
@@ -264,12 +277,18 @@ class LLMBatch:
             fill: the value of the other positions, broadcast to one token's value shape.
 
         Returns:
-            ``[sum(lengths), ...]``, in the dtype and on the device of the encoders' values.
+            ``[sum(lengths), ...]``, in the dtype and on the device of the encoders' values;
+            where no encoder ran that could have returned ``name`` (every phase that ran
+            returned other values, and some phase is :attr:`absent`), ``fill`` at every
+            position, as ``torch.as_tensor(fill)`` gives it.
 
         Raises:
-            ValueError: no phase returned ``name``.
+            ValueError: no phase returned ``name`` and none is absent.
         """
         like = next((v[name] for v in self.values.values() if name in v), None)
+        if like is None and self.absent:
+            filler = torch.as_tensor(fill, device=self.input_ids.device)
+            return filler.expand(self.index.shape[0], *filler.shape).clone()
         if like is None:
             known = sorted({k for v in self.values.values() for k in v})
             raise ValueError(f"no encoder returned token values {name!r}; they returned {known}")
@@ -285,7 +304,8 @@ class LLMBatch:
         """Which positions of the packed sequences hold a token of ``sources``.
 
         Args:
-            sources: phase names, or ``"text"`` for the text tokens.
+            sources: phase names (an :attr:`absent` one holds no position), or ``"text"`` for
+                the text tokens.
 
         Returns:
             bool ``[sum(lengths)]``.
@@ -295,6 +315,7 @@ class LLMBatch:
         """
         rows = {"text": self.input_ids.shape[0]}
         rows.update((p, e.shape[0]) for p, e in zip(self.phases, self.encoded, strict=True))
+        rows.update((p, 0) for p in self.absent)
         unknown = [s for s in sources if s not in rows]
         if unknown:
             raise ValueError(f"sources {unknown} are not among {list(rows)}")
@@ -474,7 +495,8 @@ class Orchestrator:
         ``encoders[name](raw_rows, lengths, meta)``, ``meta`` the items' records (field name ->
         ``[items, width]``). An encoder may return an :class:`Encoded` instead, whose per-token
         values move with its tokens (:meth:`LLMBatch.token_values`). It is called on every
-        rank, with empty tensors where a rank has no items.
+        rank, with empty tensors where a rank has no items, unless no rank has an item of its
+        phase: then it is called nowhere (:attr:`LLMBatch.absent`).
         ``stats[phase]["bytes_intra"/"bytes_inter"]`` are the forward bytes that leave their
         rank, summed over all ranks (raw inputs, item records and encoder outputs with their
         values for an encoder phase, token ids and loss mask for ``llm``).
@@ -524,7 +546,7 @@ class Orchestrator:
         else:
             _check_assembly_fits(assembly, plan, rank)
         stats = plan.stats()
-        encoded, values = [], {}
+        encoded, values, absent = [], {}, []
         for p in self.phases:
             pp = plan.phases[p.name]
             meta = batch.item_meta.get(p.name, {})
@@ -533,6 +555,10 @@ class Orchestrator:
                     f"batch.item_meta[{p.name!r}] has fields {sorted(meta)}, the phase declares "
                     f"{[f.name for f in p.fields]}: build the batch with these phases"
                 )
+            if pp.raw.size == 0:  # no item on any rank: all skip it (module docstring)
+                absent.append(p.name)
+                stats[p.name]["bytes_intra"] = stats[p.name]["bytes_inter"] = 0
+                continue
             ones = np.ones(pp.raw.size, dtype=np.int64)
             x, *moved = self._move(
                 pp.encoder, [batch.raw[p.name], *meta.values()], [pp.raw] + [ones] * len(meta)
@@ -557,7 +583,7 @@ class Orchestrator:
         ids, mask = self._move(plan.llm, [batch.input_ids, batch.loss_mask], [plan.text_len] * 2)
         intra, inter = self._bytes(plan.llm, plan.text_len, _row_bytes([ids, mask]))
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter
-        return self._llm_batch(plan, assembly, ids, mask, encoded, stats, values)
+        return self._llm_batch(plan, assembly, ids, mask, encoded, stats, values, tuple(absent))
 
     @staticmethod
     def _llm_batch(
@@ -568,6 +594,7 @@ class Orchestrator:
         encoded: list[torch.Tensor],
         stats: dict,
         values: dict[str, dict[str, torch.Tensor]],
+        absent: tuple[str, ...],
     ) -> LLMBatch:
         device = ids.device
         total = int(layout.lengths.sum())
@@ -589,6 +616,7 @@ class Orchestrator:
             index=torch.from_numpy(layout.index).to(device),
             phases=tuple(values),
             values={k: v for k, v in values.items() if v},
+            absent=absent,
         )
 
 

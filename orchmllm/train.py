@@ -428,7 +428,9 @@ def setup(args: argparse.Namespace) -> Run:
     model = build_model(cfg.model, seed=seed, dtype=storage_dtype(cfg.recipe), device=device)
     model = parallelize(model, recipe=cfg.recipe)
     _set_sum_reduction(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+    )
     return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader)
 
 

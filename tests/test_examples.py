@@ -16,6 +16,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import torch
 
 from orchmllm.testing import run_distributed
 
@@ -170,6 +171,67 @@ def test_text_image_and_audio_only_datasets_run_through_the_defaults(tile_runs, 
     assert (loads["vision"] > 0) == (subset == "omni-image")
     assert (loads["audio"] > 0) == (subset == "omni-audio")
     assert _imbalance(full, "llm") < _imbalance(plain, "llm")
+
+
+# Steps where a tower has items on every rank, on some, on one, or on none (the seeds are
+# picked for it: the test checks each case occurs). Qwen2.5-Omni with images and audio; LLaVA,
+# which never uses its vision tower's last layer, with half the rows text-only. AdamW with
+# weight decay, the loss computed here in float64 (--loss exact): what is left between the
+# plain run (DDP, the model's own forward on padded batches) and the balanced one is float64
+# rounding, so the tolerance is 1e-10.
+ABSENT = {
+    "qwen2.5-omni": ["--modalities", "image", "audio", "--text-only", "0.3", "--seed", "4"],
+    "llava": ["--text-only", "0.5", "--seed", "2"],
+}
+EXACT = 1e-10
+# Parameters the model's forward never uses: LLaVA reads the output of its vision tower's
+# second-to-last layer; Qwen2.5-Omni's audio tower keeps an unused token embedding.
+UNUSED = {
+    "qwen2.5-omni": ("audio_bos_eos_token",),
+    "llava": ("vision_tower.post_layernorm.", "vision_tower.encoder.layers.1."),
+}
+
+
+@pytest.fixture(scope="module")
+def absent_runs(tmp_path_factory) -> tuple[dict[str, list[dict]], Path]:
+    out = tmp_path_factory.mktemp("absent")
+    data = ["--examples", "24", "--batch-size", "1", "--loss", "exact"]
+    runs = {
+        f"{model}/{b}": [*data, "--model", model, *argv, "--balance", b, "--save", str(out / b)]
+        for model, argv in ABSENT.items()
+        for b in ("none", "full")
+    }
+    runs = {k: [*v[:-1], f"{v[-1]}-{k.split('/')[0]}.pt"] for k, v in runs.items()}
+    per_rank = run_distributed(_runs_worker, 3, "hf_mllm", runs, timeout=400)
+    assert per_rank[0] == per_rank[1] == per_rank[2]
+    return per_rank[0], out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model", list(ABSENT))
+def test_a_tower_without_items_anywhere_keeps_training_exactly_plain(absent_runs, model):
+    """The promise where a step's global batch has no item of a modality: the balanced run
+    runs that tower nowhere, so its parameters keep no gradient and AdamW leaves them alone
+    (no momentum step, no weight decay, no step count), as in the plain run; where some ranks
+    have items, the others' zero gradients are the plain sum's. Parameters the model never
+    uses (LLaVA's last vision layer) get no gradient either. Losses, parameters and AdamW's
+    state all equal the plain run's."""
+    runs, out = absent_runs
+    plain, full = runs[f"{model}/none"], runs[f"{model}/full"]
+    for phase in plain[0]["loads"]:
+        if phase == "llm":
+            continue
+        idle = {sum(load == 0 for load in r["loads"][phase]) for r in plain}
+        assert {1, 2, 3} <= idle, f"{phase}: ranks without items per step {idle}; reseed"
+    assert _max_loss_diff(plain, full) < EXACT
+    a, b = (torch.load(out / f"{m}-{model}.pt") for m in ("none", "full"))
+    assert a.keys() == b.keys()  # the same parameters had a gradient at some step
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=0, atol=EXACT, msg=key)
+    params = {k.split("/", 1)[1] for k in a if k.startswith("param/")}
+    never = {k for k in params if f"exp_avg/{k}" not in a}
+    unused = {k for k in params if any(part in k for part in UNUSED[model])}
+    assert unused and never == unused, sorted(never ^ unused)
 
 
 @pytest.mark.integration

@@ -237,6 +237,76 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
         torch.testing.assert_close(grads2[name], g, rtol=1e-7, atol=1e-12, msg=name)
 
 
+def _absent_worker(rank: int, world: int, config: str, tmp_path: str, mode: str, steps: int):
+    """The trainer's steps one by one (its forward_backward and optimizer), recording per step
+    which phases no rank had an item of and which encoders' parameters got a gradient; at the
+    end every parameter and its AdamW state as full tensors (every rank returns both)."""
+    torch.set_num_threads(1)
+    run = setup(parse_args(_argv(config, tmp_path, mode, steps, "--timeout", "60")))
+    steps_seen = []
+    with run.loader:
+        for _, planned in zip(range(steps), run.loader, strict=False):
+            loss, out = forward_backward(run, planned)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            with_grad = {
+                name: sorted({p.grad is not None for p in enc.parameters()})
+                for name, enc in run.model.encoders.items()
+            }
+            steps_seen.append((float(total), out.absent, with_grad))
+            run.optim.step()
+            run.optim.zero_grad(set_to_none=True)
+    state = {}
+    for name, p in run.model.named_parameters():
+        state[f"param/{name}"] = p.detach().full_tensor()
+        for key, value in run.optim.state.get(p, {}).items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+            state[f"{key}/{name}"] = full
+    return steps_seen, state
+
+
+@pytest.mark.integration
+def test_a_phase_with_no_item_anywhere_leaves_its_encoder_as_a_plain_run_does(tmp_path):
+    """One example per rank, a third of them text-only: some steps have no image (or no audio)
+    on any rank, others on one rank only. AdamW with weight decay, float64.
+
+    Where no rank has an item of a phase, no rank runs its encoder and its parameters keep no
+    gradient, so AdamW leaves them as a plain run does (no momentum step, no decay, no step
+    count); where one rank has items, every rank's encoder parameters get a gradient (zeros on
+    the idle one, the plain sum's share). Balanced and unbalanced runs on 2 ranks and one
+    process over the same global batch then end with the same parameters and optimizer state,
+    to float64 rounding."""
+    mix = {"caption": 0.35, "vqa": 0.0, "asr": 0.35, "spoken_qa": 0.0, "chat": 0.3}
+    train = {"weight_decay": 0.1, "lr": 1.0e-2}
+    two = _config(tmp_path, "two", examples_per_rank=1, mix=mix, train=train)
+    one = _config(tmp_path, "one", examples_per_rank=2, mix=mix, train=train)
+    steps = 6
+    runs = {
+        mode: run_distributed(_absent_worker, 2, two, str(tmp_path), mode, steps, timeout=120)
+        for mode in ("none", "full")
+    }
+    runs["one"] = run_distributed(_absent_worker, 1, one, str(tmp_path), "none", steps, timeout=90)
+    seen, _ = runs["full"][0]
+    absent = [(step, phase) for step, (_, gone, _) in enumerate(seen) for phase in gone]
+    assert {phase for _, phase in absent} == {"vision", "audio"}, f"reseed: absent {absent}"
+    for key, per_rank in runs.items():
+        for rank, (steps_seen, _) in enumerate(per_rank):
+            for step, (_, gone, with_grad) in enumerate(steps_seen):
+                assert gone == seen[step][1], (key, rank, step)
+                for phase, has in with_grad.items():
+                    want = [False] if phase in gone else [True]
+                    assert has == want, (key, rank, step, phase, has)
+    ref_seen, ref = runs["one"][0]
+    for key in ("none", "full"):
+        steps_seen, state = runs[key][0]
+        np.testing.assert_allclose(
+            [s[0] for s in steps_seen], [s[0] for s in ref_seen], rtol=1e-12, err_msg=key
+        )
+        assert state.keys() == ref.keys()
+        for name, value in ref.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-10, msg=(key, name))
+
+
 # A new encoder modality, added as a user would: one row of the modality table, one task of
 # the recipe that holds it, one encoder section of the config (a ViT over depth maps).
 DEPTH = Modality("depth", 3, "depth_patches", "greedy", arch="vit", unit="patch")

@@ -67,9 +67,11 @@ def shard_model(model: MLLM, *, recipe: TrainRecipe, mesh=None) -> MLLM:
     each connector, the token embedding (called on its own through ``LLM.embed``), each
     submodule, then the root.
 
-    Unused-parameter reduce-scatter is on where torch has it (2.13+), so a parameter no item
-    reached on some rank still takes part in the gradient reduce-scatter with zeros instead of
-    desynchronising ranks; every module also runs on every rank, which older torch relies on.
+    Unused-parameter reduce-scatter stays off (torch's default): every module runs on every
+    rank whenever any rank has an item of its phase (on empty inputs where a rank has none),
+    so each rank reduces the same gradients; a phase no rank has an item of runs nowhere, and
+    its parameters keep ``None`` gradients as in a plain run. Reducing zeros for them instead
+    would let AdamW move them (momentum, weight decay, step count).
     """
     mp = compat.mixed_precision(torch.bfloat16, reduce=torch.float32) if recipe.mixed else None
 
@@ -86,7 +88,6 @@ def shard_model(model: MLLM, *, recipe: TrainRecipe, mesh=None) -> MLLM:
     shard(model.llm.embed_tokens)
     shard(model.llm)
     shard(model)
-    compat.set_reduce_scatter_unused_params(model)
     return model
 
 

@@ -315,16 +315,25 @@ def wrap(
     )
 
 
-def shard(model: BalancedModel, **fsdp: Any) -> BalancedModel:
+def shard(model: BalancedModel, *, reduce_unused: bool = False, **fsdp: Any) -> BalancedModel:
     """FSDP2 for a :class:`BalancedModel`: ``fully_shard`` every block of the HF model (its
     ``_no_split_modules`` classes: decoder layers, tower blocks), then the
     :class:`BalancedModel` as the root, so the whole step runs inside the root's hooks.
 
-    Parameters no rank used in a step (a tower's unused parameter) are reduce-scattered as
-    zeros, so every rank takes part in every reduction.
+    A parameter the model never uses (LLaVA's last vision layer: it reads the one before) gets
+    no gradient on any rank and keeps ``None``, as in a plain run, so AdamW leaves it alone.
+    That needs every rank to reduce the same parameters, which the balanced step gives: a
+    tower runs on every rank (on a dummy item where a rank has none) whenever some rank has an
+    item of its phase, and on none when no rank has.
 
     Args:
         model: from :func:`wrap`.
+        reduce_unused: reduce-scatter zeros for parameters without a gradient (FSDP2's
+            ``set_reduce_scatter_unused_params``). Only for a model whose ranks use different
+            parameters for other reasons than items (mixture-of-experts routing): FSDP2 would
+            otherwise reduce different tensors on different ranks. It costs exactness: a
+            parameter unused on every rank gets a zero gradient, which AdamW applies (weight
+            decay, momentum), where a plain run leaves it unchanged.
         fsdp: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...).
 
     Returns:
@@ -335,7 +344,8 @@ def shard(model: BalancedModel, **fsdp: Any) -> BalancedModel:
         if type(module).__name__ in blocks:
             fully_shard(module, **fsdp)
     fully_shard(model, **fsdp)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_reduce_scatter_unused_params(True)
+    if reduce_unused:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reduce_scatter_unused_params(True)
     return model

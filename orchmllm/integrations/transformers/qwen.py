@@ -163,6 +163,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         return {"deepstack": torch.stack(layers, 1)}  # [tokens, layers, hidden]
 
     def language_kwargs(self, batch: orchmllm.LLMBatch) -> dict[str, Any]:
+        if "vision" in batch.absent:  # no image anywhere: no DeepStack, as the plain forward
+            return {}
         vision = batch.mask("vision")
         deepstack = batch.token_values("deepstack", 0.0)[vision]
         layers = list(deepstack.unbind(1))

@@ -290,14 +290,19 @@ def make_rows(
     *,
     modalities: Sequence[str] | None = None,
     seed: int = 0,
+    text_only: float = 0.0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Processor-format rows for family ``name``: a prompt, 0-3 items of ``modalities`` (each
-    example draws which; default: every modality the family takes) in random order with text
-    between, and an answer, the only text with labels.
+    """Processor-format rows for family ``name``: a prompt, up to two items of each of
+    ``modalities`` and at least one (default: every modality the family takes) in random order
+    with text between, and an answer, the only text with labels. A share ``text_only`` of the
+    rows (each drawn with that probability) hold no item.
 
     Raises:
-        ValueError: an unknown ``name``, or a modality the family does not take.
+        ValueError: an unknown ``name``, a modality the family does not take, or a
+            ``text_only`` outside [0, 1].
     """
+    if not 0.0 <= text_only <= 1.0:
+        raise ValueError(f"text_only must be in [0, 1], got {text_only!r}")
     if name not in FAMILIES:
         raise ValueError(f"name must be one of {list(FAMILIES)}, got {name!r}")
     family = FAMILIES[name]
@@ -311,6 +316,8 @@ def make_rows(
         kinds = [m for m in modalities for _ in range(int(rng.integers(0, 3)))]
         if modalities and not kinds:
             kinds = [modalities[int(rng.integers(len(modalities)))]]
+        if text_only and rng.random() < text_only:
+            kinds = []
         rng.shuffle(kinds)
         ids, types, fields = [BOS, *_text(rng, _size(rng, 8, 48))], [], {}
         for kind in kinds:
