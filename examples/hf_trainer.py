@@ -132,6 +132,7 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         "gradient_accumulation_steps": args.grad_accum,
         "dataloader_num_workers": args.workers,
         "learning_rate": 1e-3,
+        "weight_decay": args.weight_decay,
         "max_steps": max_steps,
         "num_train_epochs": args.epochs,
         "logging_steps": 1,
@@ -149,7 +150,9 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
     dtype = getattr(torch, args.dtype)
     if args.model != "llama":  # a tiny VLM of an adapted family, its processor's rows
         model = tiny.build_model(args.model, seed=args.seed, dtype=dtype)
-        rows = tiny.make_rows(args.model, model, args.examples, seed=args.seed)
+        rows = tiny.make_rows(
+            args.model, model, args.examples, seed=args.seed, text_only=args.text_only
+        )
         # transformers marks Qwen2-VL and Qwen2.5-VL accepts_loss_kwargs=False, so the plain
         # Trainer would average each rank's micro-batch mean; this plain run takes the mean
         # over the targets of all ranks and micro-steps, as the balanced Trainer always does.
@@ -158,7 +161,8 @@ def make_trainer(args: argparse.Namespace, output_dir: str, *, max_steps: int) -
         if args.trainer == "sft":  # the processor's rows as they are: no preparation
             cls, config = _sft(balanced)
             sft_args = config(**common, **VLM_SFT)
-            dataset = Dataset.from_list(rows)
+            keys = sorted({k for r in rows for k in r})  # from_list reads the first row's keys
+            dataset = Dataset.from_list([{k: r.get(k) for k in keys} for r in rows])
             return cls(model=model, args=sft_args, train_dataset=dataset, processing_class=tok,
                        data_collator=tiny.collate)  # fmt: skip
         cls = BalancedTrainer if balanced else Trainer  # orchmllm
@@ -190,6 +194,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--balance", choices=("auto", "none"), default="auto")
     p.add_argument("--examples", type=int, default=70)
+    p.add_argument(
+        "--text-only", type=float, default=0.0, help="a VLM's share of rows with no item"
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW's (the Trainer's default)"
+    )
     p.add_argument("--max-len", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
@@ -233,10 +243,25 @@ def main(argv: list[str]) -> dict:
         record[f"balance/{metric}"] = sum(values) / len(values) if values else None
     params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])
     record["param_sum"] = float(params.sum())
+    record["state"] = final_state(trainer)
     return record
+
+
+def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and its optimizer state (``param/NAME``, ``exp_avg/NAME``, ``step/NAME``,
+    ...), keyed by the HF model's names; a parameter that never had a gradient has no state."""
+    model = trainer.model
+    inner = model.model if isinstance(model, omt.BalancedModel) else model
+    optim = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    out = {}
+    for name, p in inner.named_parameters():
+        out[f"param/{name}"] = p.detach().clone()
+        for key, value in optim.state.get(p, {}).items():
+            out[f"{key}/{name}"] = torch.as_tensor(value).detach().clone()
+    return out
 
 
 if __name__ == "__main__":
     result = main(sys.argv[1:])
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result))
+        print(json.dumps({k: v for k, v in result.items() if k != "state"}))  # no tensors

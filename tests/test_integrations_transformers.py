@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extra
 
@@ -157,6 +158,45 @@ def test_a_rank_without_items_runs_every_tower_and_keeps_no_token(families, name
             if label == "none":
                 assert all(float(params[n].grad.abs().max()) == 0 for n in reached[label])
         assert reached["none"] == reached["items"] and reached["items"], phase.name
+
+
+def _own_loss(logits: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
+    """The summed next-token cross-entropy over ``n`` targets in the logits' dtype (HF's
+    upcasts to float32)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum") / n
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_step_without_items_runs_no_tower_as_the_models_own_forward(families, name):
+    """Text-only rows: the balanced step runs no tower (no rank has an item), so exactly the
+    parameters the model's own forward reaches get a gradient, and the same one (float64,
+    the loss computed here); the towers' stay None, as AdamW needs to leave them alone.
+    M-RoPE positions and Qwen3-VL's DeepStack take the no-image path."""
+    model, _ = families[name]
+    rows = tiny.make_rows(name, model, 4, modalities=(), seed=5)
+    model.zero_grad(set_to_none=True)
+    batch = tiny.collate(rows)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    _own_loss(model(**batch).logits[:, :-1], batch["labels"][:, 1:], n).backward()
+    plain = _grads(model)
+    balanced = omt.wrap(model)
+    out = balanced(rows)
+    phases = [p.name for p in balanced.orchestrator.phases]
+    assert out.batch.absent == tuple(phases) and out.batch.num_targets == n
+    _own_loss(out.logits[0], out.batch.targets, n).backward()
+    for phase in phases:
+        assert all(p.grad is None for p in _tower_params(model, phase).values()), phase
+    got = _grads(model)
+    assert got.keys() == plain.keys()
+    for key, grad in plain.items():
+        torch.testing.assert_close(got[key], grad, rtol=0, atol=1e-10, msg=key)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl", "llava"])
