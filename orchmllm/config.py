@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 import yaml
 
 from orchmllm.balance import PLACEMENTS
+from orchmllm.cost import CostModel
+from orchmllm.measured_cost import COSTS, cost_kind
 from orchmllm.policies import POLICIES
 from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
 
@@ -341,11 +343,29 @@ class BalanceConfig:
             row's; ``greedy`` for the LLM).
         placement: ``none``, ``assign``, ``ilp`` or ``auto`` (node-wise placement).
         ranks_per_node: None: ``LOCAL_WORLD_SIZE`` from the launcher.
+        costs: phase name -> ``{alpha, beta, const}`` of its cost model, in the form its
+            policy balances (packed or padded, :class:`orchmllm.cost.CostModel`); a phase left
+            out balances its policy's default cost.
+        cost: ``default``: plan with ``costs`` throughout; ``measured``: time every phase in
+            the first ``calibrate_steps`` steps, fit each phase's cost to the times of all
+            ranks and plan with the fits (:mod:`orchmllm.calibrator`; the trainer's
+            ``--cost``).
+        calibrate_steps: with ``cost: measured``, the steps timed.
+        calibrate_every: with ``cost: measured``, refit every this many timed steps.
+        min_r2: with ``cost: measured``, a fit explaining less of the times (R^2) keeps the
+            phase's cost as it was.
     """
+
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("min_r2",)
 
     policies: Mapping[str, str] = field(default_factory=dict)
     placement: str = "auto"
     ranks_per_node: int | None = None
+    costs: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    cost: str = "default"
+    calibrate_steps: int = 8
+    calibrate_every: int = 2
+    min_r2: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.policies, Mapping):
@@ -363,11 +383,44 @@ class BalanceConfig:
             raise _fail("balance.placement", f"{self.placement!r} is no placement; {hint}")
         if self.ranks_per_node is not None:
             _positive_int("balance.ranks_per_node", self.ranks_per_node)
+        if self.cost not in COSTS:
+            raise _fail(
+                "balance.cost", f"{self.cost!r} is no cost; {_closest(str(self.cost), list(COSTS))}"
+            )
+        if not 0.0 <= self.min_r2 <= 1.0:
+            raise _fail("balance.min_r2", f"must be in [0, 1], got {self.min_r2!r}")
+        if not isinstance(self.costs, Mapping):
+            raise _fail("balance.costs", f"must be a mapping, got {self.costs!r}")
+        for name in self.costs:
+            if name != LLM and name not in MODALITIES:
+                raise _unknown_key("balance.costs", str(name), [*MODALITIES, LLM])
+            self.cost_model(name)
 
     def policy(self, phase: str) -> str:
         """The policy of ``phase``: configured, else tailored."""
         default = "greedy" if phase == LLM else modality_named(phase).policy
         return self.policies.get(phase, default)
+
+    def cost_model(self, phase: str) -> CostModel | None:
+        """The configured cost of ``phase`` in its policy's form (None: the policy's default).
+
+        Raises:
+            ValueError: a key other than alpha, beta and const, or a value the cost model
+                refuses, naming ``balance.costs.<phase>``.
+        """
+        terms = self.costs.get(phase)
+        if terms is None:
+            return None
+        where = f"balance.costs.{phase}"
+        if not isinstance(terms, Mapping):
+            raise _fail(where, f"must be a mapping of alpha, beta, const, got {terms!r}")
+        for key in terms:
+            if key not in ("alpha", "beta", "const"):
+                raise _unknown_key(where, str(key), ["alpha", "beta", "const"])
+        try:
+            return CostModel(cost_kind(self.policy(phase)), **terms)
+        except (TypeError, ValueError) as exc:
+            raise _fail(where, str(exc)) from None
 
 
 @dataclass(frozen=True)

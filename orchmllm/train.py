@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from orchmllm import checkpoint, compat, host_memory, watch
 from orchmllm.balance import PLACEMENTS
+from orchmllm.calibrator import Calibrator
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
 from orchmllm.data.accumulation import accumulate
@@ -48,6 +49,7 @@ from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.dirlock import DirectoryLock
+from orchmllm.measured_cost import COSTS, FitOptions, cost_kind
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
@@ -84,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--placement", choices=PLACEMENTS, default=None, help="override balance.placement"
     )
+    p.add_argument(
+        "--cost", choices=COSTS, default=None,
+        help="override balance.cost: measured fits every phase's cost to the times of the "
+        "first balance.calibrate_steps steps on all ranks and plans with the fits",
+    )  # fmt: skip
     p.add_argument(
         "--metrics",
         default=None,
@@ -299,6 +306,8 @@ def write_once(path: str, write: Callable[[str], object]) -> bool:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The config file with the command line's overrides of its recipe and micro-steps."""
     cfg = load_config(args.config)
+    if args.cost is not None:
+        cfg = dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, cost=args.cost))
     if args.grad_accum is not None:
         cfg = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, grad_accum=args.grad_accum)
@@ -324,11 +333,13 @@ def make_orchestrator(
         cfg.rates,
         feature_dims=cfg.model.feature_dims,
         policies={name: cfg.balance.policy(name) for name in cfg.model.encoders},
+        costs={name: cfg.balance.cost_model(name) for name in cfg.model.encoders},
     )
     options = StepOptions(
         phases,
         mode=mode,
         llm_policy=cfg.balance.policy(LLM),
+        llm_cost=cfg.balance.cost_model(LLM),
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
     )
@@ -336,13 +347,20 @@ def make_orchestrator(
 
 
 def step_forward(
-    orch: Orchestrator, planned: PlannedBatch, *, recipe: TrainRecipe, device, denom: int
+    orch: Orchestrator,
+    planned: PlannedBatch,
+    *,
+    recipe: TrainRecipe,
+    device,
+    denom: int,
+    calibrator: Calibrator | None = None,
 ):
     """The whole multimodal forward of one (micro-)step, run inside the FSDP root call.
 
     Returns this rank's share of the loss (summed over its targets in the recipe's loss
     chunks, divided by ``denom``: the global target count of the optimizer step, all its
-    micro-steps) and the orchestrator's LLM batch (metrics).
+    micro-steps) and the orchestrator's LLM batch (metrics). With a ``calibrator`` every
+    phase's forward is timed.
     """
     batch = planned.batch.to(device)
     dtype = compute_dtype(recipe)
@@ -352,15 +370,19 @@ def step_forward(
             name: (lambda x, lengths, enc=enc: enc(x.to(dtype), lengths))
             for name, enc in model.encoders.items()
         }
+        if calibrator is not None:
+            encoders = calibrator.encoders(encoders)
         out = orch.run(batch, encoders, plan=planned.plan, assembly=planned.assembly)
-        embeds = out.assemble(model.llm.embed(out.input_ids))
-        loss = model.llm(
-            embeds,
-            out.lengths,
-            out.targets,
-            denom=denom,
-            loss_chunk=recipe.loss_chunk,
-        )
+        timed = calibrator.timed(LLM, out.lengths) if calibrator else contextlib.nullcontext()
+        with timed:
+            embeds = out.assemble(model.llm.embed(out.input_ids))
+            loss = model.llm(
+                embeds,
+                out.lengths,
+                out.targets,
+                denom=denom,
+                loss_chunk=recipe.loss_chunk,
+            )
         return loss, out
 
     return forward
@@ -388,6 +410,7 @@ class Run:
     optim: torch.optim.Optimizer
     orch: Orchestrator
     loader: BalancedDataLoader
+    calibrator: Calibrator | None = None
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -431,7 +454,18 @@ def setup(args: argparse.Namespace) -> Run:
     optim = torch.optim.AdamW(
         model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
-    return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader)
+    calibrator = None
+    if cfg.balance.cost == "measured":
+        b = cfg.balance
+        calibrator = Calibrator(
+            {**{p.name: cost_kind(p.policy) for p in orch.phases}, LLM: cost_kind(b.policy(LLM))},
+            {p.name: p.stride for p in orch.phases},
+            device=device,
+            steps=b.calibrate_steps,
+            every=b.calibrate_every,
+            fit=FitOptions(min_r2=b.min_r2),
+        )
+    return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader, calibrator)
 
 
 def forward_backward(
@@ -440,14 +474,18 @@ def forward_backward(
     *,
     denom: int | None = None,
     memory: PhaseMemory | None = None,
+    timed: bool = False,
 ) -> tuple[Tensor, LLMBatch]:
     """One (micro-)step's forward over all phases and its backward (gradients
     reduce-scattered, added to those of the step's earlier micro-steps), each measured by
     ``memory`` when given. ``denom``: the global target count the loss is divided by (None:
-    this micro-step's own)."""
+    this micro-step's own). ``timed``: the run's calibrator times the phases."""
     memory = memory or PhaseMemory(None, run.device)
     denom = max(planned.plan.num_targets if denom is None else denom, 1)
-    forward = step_forward(run.orch, planned, recipe=run.cfg.recipe, device=run.device, denom=denom)
+    forward = step_forward(
+        run.orch, planned, recipe=run.cfg.recipe, device=run.device, denom=denom,
+        calibrator=run.calibrator if timed else None,
+    )  # fmt: skip
     with memory.phase("forward"):
         loss, out = run.model(forward)
     with memory.phase("backward"):
@@ -518,6 +556,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         try:
             loss, tokens, micro_stats = accumulate_gradients(run, group, step=step, memory=memory)
             sums = step_sums(run, loss, tokens)
+            calibration = calibrate(run, step)
             skipped = check_finite(sums, step=step, on_nonfinite=args.on_nonfinite)
             with memory.phase("optimizer"):
                 if not skipped:
@@ -550,6 +589,8 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
                 for name, stats in step_phase_stats(micro_stats).items()
             },
         }
+        if calibration is not None:
+            record["calibration"] = calibration
         summary.add(record)
         memory.end_step(step, group[-1].plan)
         if metrics:
@@ -589,7 +630,8 @@ def accumulate_gradients(
     for m, planned in enumerate(group):
         if not run.cfg.train.sync_micro_steps:
             compat.set_gradient_sync(run.model, m == len(group) - 1)
-        loss, out = forward_backward(run, planned, denom=denom, memory=memory)
+        timed = run.calibrator is not None and run.calibrator.active(step)
+        loss, out = forward_backward(run, planned, denom=denom, memory=memory, timed=timed)
         total = loss.detach() if total is None else total + loss.detach()
         tokens += float(out.lengths.sum())
         stats.append(out.stats)
@@ -597,6 +639,21 @@ def accumulate_gradients(
             memory.end_step(step, planned.plan)
         del loss, out  # one micro-step's activations and outputs at a time
     return total, tokens, stats
+
+
+def calibrate(run: Run, step: int) -> dict[str, dict] | None:
+    """With ``balance.cost: measured``, during the timed steps: gather every rank's phase
+    times (collective), and on a refit step give the loader's planner the fitted costs from
+    the first step its prefetcher cannot have begun (the same on every rank: consumed steps
+    plus the prefetch depth). Returns the step's calibration metrics (None: not timed)."""
+    if run.calibrator is None or not run.calibrator.active(step):
+        return None
+    report = run.calibrator.end_step(step)
+    if report.costs():
+        at = run.loader.state_dict()
+        start = at["step"] + run.loader.options.prefetch + 1
+        run.loader.planner.set_costs(report.costs(), epoch=at["epoch"], step=start)
+    return report.record()
 
 
 def step_phase_stats(micro: list[dict[str, dict]]) -> dict[str, dict]:

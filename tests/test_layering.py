@@ -41,6 +41,7 @@ FLOORS = {
     "orchmllm.workload_facts": 2,
     "orchmllm.recipe": 2,
     "orchmllm.step_plan": 2,
+    "orchmllm.measured_cost": 2,
     "orchmllm.sim": 2.5,
     "orchmllm.plan_memory": 2.5,  # the simulator's memory model as a command
     "orchmllm.compat": 3,
@@ -54,6 +55,7 @@ FLOORS = {
     "orchmllm.dirlock": 3,
     "orchmllm.host_memory": 3,
     "orchmllm.orchestrator": 4,
+    "orchmllm.calibrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
     "orchmllm.checkpoint": 7,

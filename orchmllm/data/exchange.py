@@ -103,6 +103,14 @@ def planner_signature(planner: object) -> object:
     return f"{named.__module__}.{named.__qualname__}"
 
 
+def planner_at(planner: Planner, epoch: int, step: int) -> Planner:
+    """The planner of ``step`` of ``epoch``: ``planner.at(epoch, step)`` for a planner that
+    changes during a run (costs learned from it), else ``planner`` itself. Such a planner
+    schedules each change from a step every rank names alike, so all plan a step alike."""
+    at = getattr(planner, "at", None)
+    return planner if at is None else at(epoch, step)
+
+
 def run_planner(g: Group, planner: Planner, meta: np.ndarray, src: np.ndarray) -> Any:
     """``planner(meta, src, g.size)``, the same on every rank (see :func:`agreed_plan`)."""
     return agreed_plan(

@@ -778,9 +778,10 @@ class BalancedDataLoader:
             t0 = time.perf_counter()
             rows = [[i, int(self._lengths[i])] for i in ep.sampled[step]]
             ep.next_gather = step + 1
+            planner = ex.planner_at(self.planner, ep.epoch, step)
             try:
-                gathered = ex.gather_step(g, rows, step=step, planner=self.planner)
-                plan = ex.run_planner(g, self.planner, gathered.meta[:, 1:], gathered.src)
+                gathered = ex.gather_step(g, rows, step=step, planner=planner)
+                plan = ex.run_planner(g, planner, gathered.meta[:, 1:], gathered.src)
                 plan = ex.check_rearrangement(plan, g, len(gathered.src))
             except BaseException:
                 ep.planning_failed = True
@@ -841,7 +842,8 @@ class BalancedDataLoader:
             return (self._finish(self.collate_fn(mine.examples)) if local else mine.examples), rows
 
         ep.next_gather = step + 1
-        done = ex.balance_step(self._group, self.planner, prepare, step=step, move=not local)
+        planner = ex.planner_at(self.planner, ep.epoch, step)
+        done = ex.balance_step(self._group, planner, prepare, step=step, move=not local)
         if done is None:
             raise StopIteration
         if local:  # collated before the gather

@@ -12,16 +12,19 @@ the all-to-alls (and the encoders) remain on the critical path.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from orchmllm.cost import CostModel
 from orchmllm.data import stats as st
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
+from orchmllm.schema import LLM
 from orchmllm.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
 from orchmllm.step_plan import assembly as rank_assembly
 from orchmllm.topology import Topology
@@ -41,10 +44,46 @@ def _segment_table(batch: LocalBatch) -> np.ndarray:
 
 class OrchestratorPlanner:
     """``plan_step`` with an orchestrator's options (computed on rank 0 alone and broadcast
-    when they make the plan more than a function of the gathered rows: ``placement="ilp"``)."""
+    when they make the plan more than a function of the gathered rows: ``placement="ilp"``).
 
-    def __init__(self, orchestrator: Orchestrator) -> None:
-        self.options = orchestrator.options
+    The phases' cost models may change during a run (costs learned from it:
+    :mod:`orchmllm.calibrator`): :meth:`set_costs` schedules new ones from a step on, which
+    every rank names alike and the prefetcher has not begun, and the loader plans each step
+    with :meth:`at` that step, so every rank plans every step with the same costs."""
+
+    def __init__(self, orchestrator: Orchestrator, options: StepOptions | None = None) -> None:
+        self.options = orchestrator.options if options is None else options
+        self._orchestrator = orchestrator
+        self._schedule: tuple[tuple[tuple[int, int], StepOptions], ...] = ()
+
+    def set_costs(self, costs: Mapping[str, CostModel | None], *, epoch: int, step: int) -> None:
+        """Plan with ``costs`` (phase name or ``"llm"`` -> a cost model; None: the policy's
+        default) from ``step`` of ``epoch`` on (and every later epoch); other phases keep
+        theirs.
+
+        Raises:
+            ValueError: a name that is no phase of the options.
+        """
+        base = self.at(epoch, step).options
+        names = {p.name for p in base.phases} | {LLM}
+        unknown = sorted(set(costs) - names)
+        if unknown:
+            raise ValueError(f"costs has phases {unknown}; the step has {sorted(names)}")
+        phases = tuple(
+            replace(p, cost=costs[p.name]) if p.name in costs else p for p in base.phases
+        )
+        llm_cost = costs.get(LLM, base.llm_cost)
+        changed = replace(base, phases=phases, llm_cost=llm_cost)
+        kept = tuple(e for e in self._schedule if e[0] < (epoch, step))
+        self._schedule = (*kept, ((epoch, step), changed))  # one assignment: thread-safe
+
+    def at(self, epoch: int, step: int) -> OrchestratorPlanner:
+        """The planner that plans ``step`` of ``epoch`` (itself while nothing is scheduled)."""
+        options = self.options
+        for start, scheduled in self._schedule:
+            if start <= (epoch, step):
+                options = scheduled
+        return self if options is self.options else OrchestratorPlanner(self._orchestrator, options)
 
     @property
     def deterministic(self) -> bool:

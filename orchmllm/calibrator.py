@@ -1,0 +1,230 @@
+"""Costs learned from the running job: every rank times its phases, the ranks agree on a fit.
+
+During the first ``steps`` optimizer steps of a run with ``balance.cost: measured``:
+
+1. every rank times each phase it runs (:meth:`Calibrator.encoders` wraps the encoders,
+   :meth:`Calibrator.timed` the LLM's forward): CUDA events on a GPU, read once the step is
+   over, so nothing waits for the device on the critical path; on CPU the process's CPU time
+   (``time.process_time``), not the wall clock: a phase's forward holds FSDP's parameter
+   all-gathers, where a rank with less work waits for the others, and waiting takes no CPU
+   time, so the figure is the rank's own work. (On a GPU the events include those waits
+   too; timing each sharded unit from after its all-gather is the next step.) Beside each
+   time it keeps the batch's features in the phase policy's cost form
+   (:func:`orchmllm.measured_cost.features`) in the units the policy balances;
+2. after the step (:meth:`Calibrator.end_step`, a collective on the training group, where the
+   step's other collectives are) the records of every rank are gathered in rank order into a
+   window per phase; every ``every`` steps rank 0 fits each phase
+   (:func:`orchmllm.measured_cost.fit_phase`) and broadcasts the coefficients, so every rank
+   holds the same models, bit for bit. A bad fit keeps the phase's cost as it was (the last
+   trusted fit, else the configured or default one), with a warning;
+3. the caller hands the models to the loader's planner from a step no rank has begun to plan
+   (:meth:`orchmllm.data.orchestrated.OrchestratorPlanner.set_costs`).
+
+Each report also gives the step's measured imbalance per phase (max over mean of the ranks'
+phase times) beside the planned one, in the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from orchmllm.cost import CostModel, imbalance
+from orchmllm.measured_cost import FitOptions, PhaseFit, features, fit_phase
+
+__all__ = ["Calibrator", "CalibrationReport"]
+
+
+@dataclass
+class CalibrationReport:
+    """What one calibration step found (equal on every rank but ``reasons``).
+
+    Attributes:
+        step: the optimizer step.
+        measured_imbalance: phase -> max/mean over ranks of the phase's measured time.
+        fits: phase -> its fit, when this step refitted (empty otherwise); a fit without a
+            model keeps the default cost.
+    """
+
+    step: int
+    measured_imbalance: dict[str, float]
+    fits: dict[str, PhaseFit] = field(default_factory=dict)
+
+    def costs(self) -> dict[str, CostModel]:
+        """The fitted cost of every phase whose fit is trusted; a refused fit leaves its
+        phase's cost as it was (the last trusted fit, else the configured or default one)."""
+        return {name: fit.model for name, fit in self.fits.items() if fit.model is not None}
+
+    def record(self) -> dict[str, dict[str, float | bool]]:
+        """The metrics' view: per phase the measured imbalance and, when refitted, the
+        coefficients, R^2 and whether the fit is used."""
+        out: dict[str, dict[str, float | bool]] = {}
+        for name, value in self.measured_imbalance.items():
+            out[name] = {"measured_imbalance": value}
+        for name, fit in self.fits.items():
+            model = fit.model
+            out[name].update(
+                used=fit.ok,
+                r2=fit.r2,
+                samples=fit.samples,
+                alpha=model.alpha if model else float("nan"),
+                beta=model.beta if model else float("nan"),
+                const=model.const if model else float("nan"),
+            )
+        return out
+
+
+class Calibrator:
+    """Times every phase on this rank and fits the phases' costs with the other ranks.
+
+    Args:
+        kinds: phase name (encoders and ``"llm"``) -> its policy's cost form
+            (:func:`orchmllm.measured_cost.cost_kind`).
+        strides: encoder phase name -> raw rows per encoder position (the policy balances
+            ``raw // stride``); the LLM balances tokens.
+        device: where the phases run (CUDA events there; the host clock otherwise).
+        steps: the first optimizer steps that are timed (0: none).
+        every: refit every this many timed steps (and after the last).
+        window: records kept per phase (all ranks'), the newest.
+        fit: when a fit is trusted.
+
+    Raises:
+        ValueError: ``steps`` < 0, or ``every`` or ``window`` < 1.
+    """
+
+    def __init__(
+        self,
+        kinds: Mapping[str, str],
+        strides: Mapping[str, int],
+        *,
+        device: torch.device,
+        steps: int = 8,
+        every: int = 2,
+        window: int = 256,
+        fit: FitOptions | None = None,
+    ) -> None:
+        if steps < 0 or every < 1 or window < 1:
+            raise ValueError(
+                f"steps must be >= 0 and every, window >= 1, got {steps}, {every}, {window}"
+            )
+        self.kinds, self.strides = dict(kinds), dict(strides)
+        self.names = list(self.kinds)
+        self.device, self.cuda = device, device.type == "cuda"
+        self.steps, self.every, self.fit = steps, every, fit or FitOptions()
+        self.window = {name: deque(maxlen=window) for name in self.names}
+        self._pending: list[tuple[int, float, float, object]] = []
+
+    def active(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is timed."""
+        return step < self.steps
+
+    @contextlib.contextmanager
+    def timed(self, name: str, lengths: torch.Tensor | np.ndarray) -> Iterator[None]:
+        """Time the body as phase ``name`` over items of ``lengths`` (the units its policy
+        balances)."""
+        a, b = features(self.kinds[name], np.asarray(torch.as_tensor(lengths).cpu()))
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self._pending.append((self.names.index(name), a, b, (start, end)))
+        else:
+            t0 = time.process_time()
+            yield
+            ms = 1e3 * (time.process_time() - t0)
+            self._pending.append((self.names.index(name), a, b, ms))
+
+    def encoders(self, encoders: Mapping[str, Callable]) -> dict[str, Callable]:
+        """``encoders`` with each call timed as its phase (``encoder(rows, lengths, ...)``)."""
+
+        def timed(name: str, encoder: Callable) -> Callable:
+            def call(rows: torch.Tensor, lengths: torch.Tensor, *rest):
+                with self.timed(name, lengths // self.strides[name]):
+                    return encoder(rows, lengths, *rest)
+
+            return call
+
+        return {name: timed(name, enc) for name, enc in encoders.items()}
+
+    def _records(self) -> np.ndarray:
+        """This rank's records of the step, ``(n, 4)``: phase index, features, ms."""
+        rows = []
+        for index, a, b, clock in self._pending:
+            if self.cuda:
+                start, end = clock
+                end.synchronize()
+                clock = start.elapsed_time(end)
+            rows.append((index, a, b, clock))
+        self._pending.clear()
+        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+
+    def end_step(self, step: int, *, group: dist.ProcessGroup | None = None) -> CalibrationReport:
+        """Gather the step's records of every rank and, on a refit step, fit every phase.
+
+        A collective on ``group`` (default: the training group): every rank calls it at the
+        same steps (those :meth:`active`).
+        """
+        mine = torch.as_tensor(self._records(), device=self._wire_device())
+        world = dist.get_world_size(group)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(mine)], device=mine.device), group=group)
+        width = int(max(s.item() for s in sizes))
+        padded = torch.full((width, 4), float("nan"), dtype=torch.float64, device=mine.device)
+        padded[: len(mine)] = mine
+        table = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(table, padded, group=group)
+        per_rank = [t[: int(s.item())].cpu().numpy() for t, s in zip(table, sizes, strict=True)]
+        times = np.zeros((len(self.names), world))
+        for rank, rows in enumerate(per_rank):
+            for index, a, b, ms in rows:
+                self.window[self.names[int(index)]].append((a, b, ms))
+                times[int(index), rank] += ms
+        measured = {name: imbalance(times[i]) for i, name in enumerate(self.names)}
+        report = CalibrationReport(step, measured)
+        if (step + 1) % self.every == 0 or step + 1 == self.steps:
+            report.fits = self._agreed_fits(group)
+        return report
+
+    def _wire_device(self) -> torch.device:
+        return self.device if self.cuda else torch.device("cpu")
+
+    def _agreed_fits(self, group: dist.ProcessGroup | None) -> dict[str, PhaseFit]:
+        """Rank 0 fits every phase on its window and broadcasts the coefficients; the other
+        ranks take them (and only rank 0 knows why a fit was refused: it warns)."""
+        coef = torch.full((len(self.names), 6), float("nan"), dtype=torch.float64)
+        fits: dict[str, PhaseFit] = {}
+        if dist.get_rank(group) == 0:
+            for i, name in enumerate(self.names):
+                fit = fit_phase(self.kinds[name], np.asarray(self.window[name]), self.fit)
+                fits[name] = fit
+                m = fit.model
+                coef[i] = torch.tensor(
+                    [float(fit.ok), fit.r2, fit.samples, *(
+                        (m.alpha, m.beta, m.const) if m else (np.nan,) * 3
+                    )], dtype=torch.float64,
+                )  # fmt: skip
+                if not fit.ok:
+                    print(
+                        f"orchmllm: the {name} phase keeps its default cost: {fit.reason}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        wire = coef.to(self._wire_device())
+        dist.broadcast(wire, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        if dist.get_rank(group) == 0:
+            return fits
+        out = {}
+        for i, name in enumerate(self.names):
+            ok, r2, n, alpha, beta, const = wire[i].cpu().tolist()
+            model = CostModel(self.kinds[name], alpha, beta, const) if ok else None
+            out[name] = PhaseFit(model, r2, int(n), None if ok else "refused on rank 0")
+        return out
