@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, host_memory, watch
+from orchmllm import checkpoint, compat, host_memory, launch, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
@@ -217,11 +217,11 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
 
 
 def ranks_per_node(cfg: RunConfig, world_size: int) -> int:
-    """Config override, else the launcher's LOCAL_WORLD_SIZE; must divide the world size."""
+    """Config override, else the launcher's LOCAL_WORLD_SIZE; must divide the world size (a
+    :class:`orchmllm.launch.LaunchError` naming the fixes otherwise)."""
     rpn = cfg.balance.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     rpn = min(rpn, world_size)
-    if world_size % rpn:
-        raise ValueError(f"ranks_per_node={rpn} does not divide world size {world_size}")
+    launch.check_ranks_per_node(rpn, world_size, configured=cfg.balance.ranks_per_node is not None)
     return rpn
 
 
@@ -921,9 +921,16 @@ def main(argv: list[str] | None = None) -> RunningSummary:
 
     When it created the process group (torchrun), any failure prints the error and ends
     the process at once with status 1: tearing the group down would wait on the peers that
-    caused the failure.
+    caused the failure. A launch mistake found before that (no launcher, a config that does
+    not load or does not fit the world size: :func:`orchmllm.launch.preflight`) ends it with
+    status 2, its fix printed once.
     """
     args = parse_args(argv)
+    if not dist.is_initialized():
+        try:
+            launch.preflight(args, sys.argv[1:] if argv is None else argv, run_config)
+        except launch.LaunchError as exc:
+            launch.exit_with(exc)
     host_memory.bound_native_caches()  # else CPU convolutions cache a kernel per shape
     created, _ = init_distributed(args.timeout)
     try:

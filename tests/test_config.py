@@ -3,19 +3,26 @@ sections, and errors that name the bad key with the closest valid one."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+import orchmllm
 from orchmllm.config import (
+    CONFIG_DIR,
     RunConfig,
     VitConfig,
     WhisperConfig,
+    config_path,
     load_config,
+    packaged_configs,
     read_config,
     run_config,
 )
+from orchmllm.recipe import default_mix
 from orchmllm.schema import LLM, Rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +44,60 @@ def test_defaults_are_the_tiny_model_with_every_modality():
 
 
 def test_tiny_yaml_spells_out_the_defaults_but_the_data_scale():
-    tiny = load_config(ROOT / "configs" / "tiny.yaml")
-    assert tiny.model == RunConfig().model
-    assert tiny.train == RunConfig().train
-    assert tiny.data.scale == 0.1 and tiny.balance.ranks_per_node == 2
+    """What the README and the config module say: an empty config is tiny.yaml but for
+    these two keys (the mix and policies it spells out are the defaults')."""
+    tiny, empty = load_config(ROOT / "configs" / "tiny.yaml"), RunConfig()
+    assert tiny.model == empty.model and tiny.train == empty.train
+    assert tiny.recipe == empty.recipe
+    assert (tiny.data.scale, empty.data.scale) == (0.1, 1.0)
+    assert (tiny.balance.ranks_per_node, empty.balance.ranks_per_node) == (2, None)
+    assert dataclasses.replace(tiny.data, scale=1.0, mix=None) == empty.data
+    assert tiny.data.mix == default_mix()
+    for phase in tiny.phases:
+        assert tiny.balance.policy(phase) == empty.balance.policy(phase)
+    assert tiny.balance.placement == empty.balance.placement
+
+
+def test_configs_are_packaged_and_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    # One source: the checkout's configs/ is the package's directory, not a copy.
+    assert (ROOT / "configs").resolve() == Path(CONFIG_DIR).resolve()
+    assert Path(CONFIG_DIR).parent == Path(orchmllm.__file__).parent
+    assert {"tiny", "mllm-10b", "mllm-18b", "mllm-84b"} <= set(packaged_configs())
+    monkeypatch.chdir(tmp_path)
+    tiny = Path(CONFIG_DIR) / "tiny.yaml"
+    for name in ("tiny", "tiny.yaml", "configs/tiny.yaml"):
+        assert Path(config_path(name)) == tiny, name
+        assert load_config(name) == load_config(tiny)
+    assert load_config("mllm-18b").model.llm.layers == 48  # its base: resolves in the package
+    # A file that exists is read, not the packaged config of its name.
+    (tmp_path / "tiny.yaml").write_text("train: {steps: 3}\n")
+    assert load_config("tiny.yaml").train.steps == 3
+    assert load_config("tiny").train.steps == 10
+
+
+def test_a_missing_config_lists_the_configs_there_and_the_packaged_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "small.yaml").write_text("{}\n")
+    with pytest.raises(FileNotFoundError) as err:
+        load_config("mine/smal.yaml")
+    message = str(err.value)
+    assert "config 'mine/smal.yaml': no such file" in message
+    assert "did you mean 'mine/small.yaml'?" in message
+    assert "configs in mine/: small.yaml" in message
+    assert ", ".join(packaged_configs()) in message
+    with pytest.raises(FileNotFoundError, match="did you mean 'tiny' \\(a packaged config\\)"):
+        load_config("configs/tinny.yaml")
+    (tmp_path / "bad.yaml").write_text("data: {scale: [\n")
+    with pytest.raises(ValueError, match="bad.yaml' is not valid YAML"):
+        load_config("bad.yaml")
+
+
+def test_version_is_set_in_one_place():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject
+    assert 'version = { attr = "orchmllm.__version__" }' in pyproject
+    assert re.fullmatch(r"\d+\.\d+\.\d+", orchmllm.__version__)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

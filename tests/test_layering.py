@@ -58,6 +58,7 @@ FLOORS = {
     "orchmllm.models": 6,
     "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
+    "orchmllm.launch": 7,
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,
