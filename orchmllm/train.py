@@ -735,7 +735,10 @@ class RunningSummary:
     """Running means of the step records, for the closing table: its memory does not grow
     with the number of steps (the records themselves go to ``--metrics``)."""
 
-    _KEYS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
+    _KEYS = (
+        "imbalance_before", "imbalance_after", "load_max_before", "load_max_after",
+        "bytes_intra", "bytes_inter", "plan_ms",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.steps = 0
@@ -757,19 +760,22 @@ class RunningSummary:
                 sums[key] += phase[key]
 
     def table(self) -> str:
-        """Per-phase means over the steps: imbalance before/after (max/mean load), bytes
+        """Per-phase means over the steps: imbalance before/after (max/mean load), the
+        slowest rank's load before -> after (the phase's cost units: what a step waits for;
+        under a padded cost the ratio's mean shrinks with the padding a plan removes), bytes
         moved intra- and inter-node per step, planning time; then the mean step time."""
         if self.first is None:
             return "no steps run"
         lines = [
-            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
+            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}{'slowest rank':>17}"
             f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
         ]
         for name, sums in self.sums.items():
             m = {k: v / self.steps for k, v in sums.items()}
+            slowest = f"{m['load_max_before']:.0f} -> {m['load_max_after']:.0f}"
             lines.append(
                 f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
-                f"{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
+                f"{slowest:>17}{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
                 f"{m['plan_ms']:>9.2f}"
             )
         f = self.first
