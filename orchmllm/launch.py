@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from orchmllm.config import RunConfig
+from orchmllm.tracking import missing_packages
 
 LAUNCH_ERROR_EXIT = 2  # a usage error, as argparse's
 PEER_GRACE_S = 10.0  # how long a rank that is not the node's first waits before it speaks
@@ -75,7 +76,8 @@ def preflight(
     load: Callable[[argparse.Namespace], RunConfig],
 ) -> RunConfig:
     """The checks a launch gets before it joins the process group: started by a launcher,
-    the config loads (``load(args)``), and its ranks per node divide the world size.
+    the trackers asked for are installed, the config loads (``load(args)``), and its ranks
+    per node divide the world size.
 
     Args:
         args: the parsed command line.
@@ -90,6 +92,11 @@ def preflight(
     """
     if not under_launcher():
         raise not_launched(argv)
+    if missing := missing_packages(vars(args)):
+        raise LaunchError(
+            f"{' and '.join(f'--{p}' for p in missing)} needs the {', '.join(missing)} "
+            f"package: pip install {' '.join(missing)}"
+        )
     try:
         cfg = load(args)
     except (ValueError, OSError) as exc:

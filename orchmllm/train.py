@@ -55,6 +55,7 @@ from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
 from orchmllm.topology import Topology, attempt_store, job_token
+from orchmllm.tracking import Trackers
 
 NONFINITE = ("stop", "skip")
 
@@ -93,6 +94,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-per-rank",
         action="store_true",
         help="also record every rank's load per phase (world_size numbers per phase and step)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also log each step's metrics to TensorBoard in DIR (rank 0; orchmllm.tracking)",
+    )
+    p.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log each step's metrics to this Weights & Biases project (rank 0; needs "
+        "wandb installed)",
     )
     p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
     p.add_argument(
@@ -492,6 +506,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
     metrics = args.metrics if dist.get_rank() == 0 else None
     if metrics:
         start_metrics(metrics, start=start)
+    trackers = _trackers(run, start)
     memory = PhaseMemory(args.memory_report if dist.get_rank() == 0 else None, run.device)
     groups = accumulate(run.loader, grad_accum=run.cfg.train.grad_accum)
     progress = StepProgress(
@@ -552,6 +567,8 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         memory.end_step(step, group[-1].plan)
         if metrics:
             append_metrics(metrics, record)
+        if trackers is not None:
+            trackers.log(record)
         progress.step(
             _progress(record),
             loss=f"{sums.loss:.4f}",
@@ -566,7 +583,19 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
                 )  # fmt: skip
     progress.close()
     run.loader.close()
+    if trackers is not None:
+        trackers.close()
     return summary
+
+
+def _trackers(run: Run, start: int) -> Trackers | None:
+    """Rank 0's experiment trackers (``--tensorboard``, ``--wandb``), None when none."""
+    args = run.args
+    if dist.get_rank() != 0 or not (args.tensorboard or args.wandb):
+        return None
+    config = {"balance": args.balance, "placement": run.placement, "config": args.config,
+              "world_size": dist.get_world_size(), "steps": run.steps}  # fmt: skip
+    return Trackers(tensorboard=args.tensorboard, wandb=args.wandb, config=config, start=start)
 
 
 def accumulate_gradients(

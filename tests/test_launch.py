@@ -3,14 +3,22 @@ split, no launcher. Each prints one block, first and once, naming the fix; real 
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
 import pytest
 
 from orchmllm.config import packaged_configs
-from orchmllm.launch import LAUNCH_ERROR_EXIT, LaunchError, check_ranks_per_node, not_launched
+from orchmllm.launch import (
+    LAUNCH_ERROR_EXIT,
+    LaunchError,
+    check_ranks_per_node,
+    not_launched,
+    preflight,
+)
 from orchmllm.testing import torchrun
+from orchmllm.train import parse_args, run_config
 
 HEAD = "orchmllm.train: cannot start"
 
@@ -34,6 +42,18 @@ def test_no_launcher_names_the_torchrun_command_with_the_arguments_given():
         in message
     )
     assert "--nproc_per_node=1" in message
+
+
+def test_a_tracker_that_is_not_installed_is_a_launch_error(monkeypatch):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(["--config", "tiny", "--wandb", "my-project"])
+    with pytest.raises(LaunchError, match="--wandb needs the wandb package: pip install wandb"):
+        preflight(args, [], run_config)
+    args = parse_args(["--config", "tiny"])
+    assert preflight(args, [], run_config).balance.ranks_per_node == 2  # the rest passes
 
 
 def _first_lines(log: str, n: int) -> str:

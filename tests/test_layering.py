@@ -59,6 +59,7 @@ FLOORS = {
     "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
     "orchmllm.launch": 7,
+    "orchmllm.tracking": 7,
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,
