@@ -11,18 +11,21 @@ nothing from the others.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NoReturn
 
 from orchmllm.config import RunConfig
 from orchmllm.tracking import missing_packages
 
 LAUNCH_ERROR_EXIT = 2  # a usage error, as argparse's
-PEER_GRACE_S = 10.0  # how long a rank that is not the node's first waits before it speaks
+PEER_GRACE_S = 60.0  # how long a rank that is not the node's first waits before it speaks (its
+# first rank may start much later on a loaded machine; torchrun ends the others when one fails)
 
 
 class LaunchError(ValueError):
@@ -106,6 +109,27 @@ def preflight(
     rpn = cfg.balance.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_ranks_per_node(min(rpn, world), world, configured=configured)
     return cfg
+
+
+@contextlib.contextmanager
+def quiet_peers(env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Inside it (the command line's parsing), a rank that is not its node's first holds its
+    output: argparse's usage error then prints once per node, as :func:`exit_with` does (a
+    held error shows only if the rank still runs :data:`PEER_GRACE_S` later; ``--help``'s
+    text not at all)."""
+    env = os.environ if env is None else env
+    if not under_launcher(env) or env.get("LOCAL_RANK", "0") == "0":
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+            yield
+    except SystemExit as exc:
+        if exc.code:
+            time.sleep(PEER_GRACE_S)
+            sys.stderr.write(held.getvalue())
+        raise
 
 
 def exit_with(error: LaunchError, *, env: Mapping[str, str] | None = None) -> NoReturn:

@@ -958,9 +958,10 @@ def main(argv: list[str] | None = None) -> RunningSummary:
     the process at once with status 1: tearing the group down would wait on the peers that
     caused the failure. A launch mistake found before that (no launcher, a config that does
     not load or does not fit the world size: :func:`orchmllm.launch.preflight`) ends it with
-    status 2, its fix printed once.
+    status 2, its fix printed once (so does a bad command line).
     """
-    args = parse_args(argv)
+    with launch.quiet_peers():
+        args = parse_args(argv)
     if not dist.is_initialized():
         try:
             launch.preflight(args, sys.argv[1:] if argv is None else argv, run_config)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from orchmllm import launch
 from orchmllm.config import packaged_configs
 from orchmllm.launch import (
     LAUNCH_ERROR_EXIT,
@@ -54,6 +55,19 @@ def test_a_tracker_that_is_not_installed_is_a_launch_error(monkeypatch):
         preflight(args, [], run_config)
     args = parse_args(["--config", "tiny"])
     assert preflight(args, [], run_config).balance.ranks_per_node == 2  # the rest passes
+
+
+def test_the_command_line_is_refused_by_the_first_rank_of_a_node_only(monkeypatch, capsys):
+    peer = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    monkeypatch.setattr(launch, "PEER_GRACE_S", 0.0)  # torchrun would have ended it by then
+    for env, shown in ((peer, False), ({**peer, "LOCAL_RANK": "0"}, True)):
+        with pytest.raises(SystemExit) as end, launch.quiet_peers(env):
+            parse_args(["--help"])
+        assert end.value.code == 0 and bool(capsys.readouterr().out) == shown
+    with pytest.raises(SystemExit) as end, launch.quiet_peers(peer):
+        parse_args(["--config", "tiny", "--steps", "0"])
+    assert end.value.code == 2  # held, then shown: a rank still running after the grace
+    assert capsys.readouterr().err.count("--steps must be >= 1, got 0") == 1
 
 
 def _first_lines(log: str, n: int) -> str:
