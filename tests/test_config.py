@@ -4,7 +4,11 @@ sections, and errors that name the bad key with the closest valid one."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +95,37 @@ def test_a_missing_config_lists_the_configs_there_and_the_packaged_names(tmp_pat
     (tmp_path / "bad.yaml").write_text("data: {scale: [\n")
     with pytest.raises(ValueError, match="bad.yaml' is not valid YAML"):
         load_config("bad.yaml")
+
+
+@pytest.mark.integration
+def test_the_files_a_wheel_ships_find_the_configs_from_any_directory(tmp_path):
+    """setuptools' build_py (the Python files and package data a wheel holds), plus the
+    compiled core, imported from another directory: the configs are there and found by
+    name and by the checkout's path."""
+    lib = tmp_path / "lib"
+    build = [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)]
+    subprocess.run(build, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    core = next((ROOT / "orchmllm").glob("_core*"))
+    shutil.copy(core, lib / "orchmllm" / core.name)
+    code = (
+        "import orchmllm; from orchmllm.config import config_path, load_config; "
+        "print(orchmllm.__file__, config_path('tiny'), config_path('configs/mllm-10b.yaml'), "
+        "load_config('mllm-18b').model.llm.layers, orchmllm.__version__)"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(lib)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    module, tiny, ten, layers, version = out.stdout.split()
+    packaged = lib / "orchmllm" / "configs"
+    assert module == str(lib / "orchmllm" / "__init__.py")
+    assert (tiny, ten) == (str(packaged / "tiny.yaml"), str(packaged / "mllm-10b.yaml"))
+    assert (packaged / "tiny.yaml").read_bytes() == (ROOT / "configs" / "tiny.yaml").read_bytes()
+    assert layers == "48" and version == orchmllm.__version__
 
 
 def test_version_is_set_in_one_place():
