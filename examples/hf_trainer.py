@@ -63,7 +63,11 @@ from transformers import (
 )
 
 from orchmllm.integrations import transformers as omt  # orchmllm (--model: a VLM)
-from orchmllm.integrations.trainer import BalancedTrainer, BalancedTrainerMixin  # orchmllm
+from orchmllm.integrations.trainer import (  # orchmllm
+    LOGGED_METRICS,
+    BalancedTrainer,
+    BalancedTrainerMixin,
+)
 from orchmllm.integrations.transformers import tiny
 
 VOCAB = 64
@@ -238,7 +242,7 @@ def main(argv: list[str]) -> dict:
     for metric in ("num_tokens", "entropy", "mean_token_accuracy"):  # logged by TRL
         record[metric] = losses(trainer, metric) or None
     phase = "" if args.model == "llama" else "llm/"  # a VLM logs each phase's
-    for metric in ("imbalance_before", "imbalance_after"):  # logged by orchmllm
+    for metric in LOGGED_METRICS:  # logged by orchmllm
         values = losses(trainer, f"balance/{phase}{metric}")
         record[f"balance/{metric}"] = sum(values) / len(values) if values else None
     params = torch.cat([q.detach().double().flatten() for q in trainer.model.parameters()])

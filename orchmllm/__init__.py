@@ -9,6 +9,8 @@ The planner (``balance``, the cost models, ``Rearrangement`` and the step planne
 from importlib import import_module
 from typing import Any
 
+__version__ = "0.1.0"  # the one place it is set (pyproject.toml reads it)
+
 try:
     from orchmllm import _core  # noqa: F401  (the compiled planner; not in a fresh checkout)
 except ImportError as exc:

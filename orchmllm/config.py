@@ -4,8 +4,10 @@ Plain frozen dataclasses, torch-free, so the simulator and the planner can read 
 building a model. A config is checked when it is built, policy and placement names included
 (so this module sits on the planner's floor, beside the policy registry it checks them in).
 
-Every key has a default (the tiny CPU model of ``configs/tiny.yaml``), so a YAML file states
-only what differs, and ``base: other.yaml`` inherits another file first:
+Every key has a default (the model's are the tiny CPU model of ``configs/tiny.yaml``, which also
+sets ``data.scale: 0.1`` and ``balance.ranks_per_node: 2``: an empty config is the tiny model on
+the paper's full-size lengths), so a YAML file states only what differs, and ``base: other.yaml``
+inherits another file first:
 
     base: mllm-10b.yaml          # relative to this file
     model:
@@ -17,6 +19,10 @@ Mappings merge key by key; anything else replaces. ``model.encoders`` has one se
 of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes, each built by its
 ``arch`` (:data:`ARCHS`; default: the row's). An unknown key, modality or architecture is an
 error that names it and the closest valid one, never a silent default.
+
+The configs ship in the package (``orchmllm/configs/``; the checkout's ``configs/`` links
+there), so ``load_config("tiny")`` or ``--config tiny`` finds one from any directory
+(:func:`config_path`).
 """
 
 from __future__ import annotations
@@ -48,7 +54,9 @@ __all__ = [
     "TrainRecipe",
     "VitConfig",
     "WhisperConfig",
+    "config_path",
     "load_config",
+    "packaged_configs",
     "run_config",
 ]
 
@@ -577,7 +585,10 @@ def read_config(path: str | os.PathLike, *, _seen: tuple[str, ...] = ()) -> dict
     if path in _seen:
         raise ValueError(f"config base cycle: {' -> '.join((*_seen, path))}")
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config {path!r} is not valid YAML: {exc}") from None
     if not isinstance(raw, Mapping):
         raise ValueError(f"config {path!r} must be a mapping, got {raw!r}")
     raw = dict(raw)
@@ -588,13 +599,62 @@ def read_config(path: str | os.PathLike, *, _seen: tuple[str, ...] = ()) -> dict
     return merge(parent, raw)
 
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+"""The configs shipped in the package (the checkout's ``configs/`` is a link to it)."""
+
+
+def packaged_configs() -> list[str]:
+    """The names of the configs shipped in the package, sorted (``tiny``, ``mllm-10b``...)."""
+    return sorted(n[: -len(".yaml")] for n in os.listdir(CONFIG_DIR) if n.endswith(".yaml"))
+
+
+def _yaml_names(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory) if n.endswith((".yaml", ".yml")))
+
+
+def config_path(config: str | os.PathLike) -> str:
+    """The file a config argument names: an existing file as given; else a packaged config
+    by its name (``tiny``, ``tiny.yaml``) or by the checkout's path of it
+    (``configs/tiny.yaml``), so the README's commands also work outside the checkout, from an
+    installed wheel.
+
+    Raises:
+        FileNotFoundError: neither; the message lists the YAML files beside the given path,
+            the closest of them, and the packaged names.
+    """
+    path = os.fspath(config)
+    if os.path.isfile(path):
+        return path
+    folder, name = os.path.split(path)
+    stem = name.removesuffix(".yaml")
+    packaged = packaged_configs()
+    if stem in packaged and folder in ("", "configs"):
+        return os.path.join(CONFIG_DIR, f"{stem}.yaml")
+    beside = _yaml_names(folder or ".")
+    lines = [f"config {path!r}: no such file (from {os.getcwd()})"]
+    if guess := difflib.get_close_matches(name, beside, n=1):
+        lines.append(f"did you mean {os.path.join(folder, guess[0])!r}?")
+    elif guess := difflib.get_close_matches(stem, packaged, n=1):
+        lines.append(f"did you mean {guess[0]!r} (a packaged config)?")
+    if beside:
+        lines.append(f"configs in {folder or '.'}/: {', '.join(beside)}")
+    lines.append(
+        f"packaged configs, by name from any directory (--config tiny): {', '.join(packaged)}"
+    )
+    raise FileNotFoundError("\n".join(lines))
+
+
 def load_config(path: str | os.PathLike) -> RunConfig:
-    """Read, merge (``base:``) and validate a run config file.
+    """Read, merge (``base:``) and validate a run config: a file, or a packaged config's name
+    (:func:`config_path`).
 
     Raises:
         ValueError: as :func:`run_config` and :func:`read_config`, naming the file.
+        FileNotFoundError: no such file or packaged config (listing those there are).
     """
     try:
-        return run_config(read_config(path))
+        return run_config(read_config(config_path(path)))
     except ValueError as exc:
         raise ValueError(f"config {os.fspath(path)!r}: {exc}") from None

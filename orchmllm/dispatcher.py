@@ -379,8 +379,12 @@ class BatchDispatcher:
         local = lengths.detach().cpu().numpy().astype(np.int64)
         if local.size and local.min() < 0:
             raise ValueError(f"lengths must be >= 0, got {int(local.min())}")
-        if not isinstance(tokens, dict) or not isinstance(items, dict):
-            raise ValueError("tokens and items must be dicts of tensors")
+        for arg, value in (("tokens", tokens), ("items", items)):
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{arg} must be a dict of name -> tensor (e.g. {{'hidden': x}}), got "
+                    f"{type(value).__name__}"
+                )
         b, total = local.size, int(local.sum())
         top = int(local.max()) if b else 0
         for name, t in tokens.items():

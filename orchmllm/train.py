@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, host_memory, watch
+from orchmllm import checkpoint, compat, host_memory, launch, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.calibrator import Calibrator
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
@@ -57,6 +57,7 @@ from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
 from orchmllm.topology import Topology, attempt_store, job_token
+from orchmllm.tracking import Trackers
 
 NONFINITE = ("stop", "skip")
 
@@ -100,6 +101,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-per-rank",
         action="store_true",
         help="also record every rank's load per phase (world_size numbers per phase and step)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also log each step's metrics to TensorBoard in DIR (rank 0; orchmllm.tracking)",
+    )
+    p.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log each step's metrics to this Weights & Biases project (rank 0; needs "
+        "wandb installed)",
     )
     p.add_argument("--save", default=None, help="write the final full parameters (torch.save)")
     p.add_argument(
@@ -224,11 +238,11 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
 
 
 def ranks_per_node(cfg: RunConfig, world_size: int) -> int:
-    """Config override, else the launcher's LOCAL_WORLD_SIZE; must divide the world size."""
+    """Config override, else the launcher's LOCAL_WORLD_SIZE; must divide the world size (a
+    :class:`orchmllm.launch.LaunchError` naming the fixes otherwise)."""
     rpn = cfg.balance.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     rpn = min(rpn, world_size)
-    if world_size % rpn:
-        raise ValueError(f"ranks_per_node={rpn} does not divide world size {world_size}")
+    launch.check_ranks_per_node(rpn, world_size, configured=cfg.balance.ranks_per_node is not None)
     return rpn
 
 
@@ -532,6 +546,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
     metrics = args.metrics if dist.get_rank() == 0 else None
     if metrics:
         start_metrics(metrics, start=start)
+    trackers = _trackers(run, start)
     memory = PhaseMemory(args.memory_report if dist.get_rank() == 0 else None, run.device)
     groups = accumulate(run.loader, grad_accum=run.cfg.train.grad_accum)
     progress = StepProgress(
@@ -595,6 +610,8 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         memory.end_step(step, group[-1].plan)
         if metrics:
             append_metrics(metrics, record)
+        if trackers is not None:
+            trackers.log(record)
         progress.step(
             _progress(record),
             loss=f"{sums.loss:.4f}",
@@ -609,7 +626,19 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
                 )  # fmt: skip
     progress.close()
     run.loader.close()
+    if trackers is not None:
+        trackers.close()
     return summary
+
+
+def _trackers(run: Run, start: int) -> Trackers | None:
+    """Rank 0's experiment trackers (``--tensorboard``, ``--wandb``), None when none."""
+    args = run.args
+    if dist.get_rank() != 0 or not (args.tensorboard or args.wandb):
+        return None
+    config = {"balance": args.balance, "placement": run.placement, "config": args.config,
+              "world_size": dist.get_world_size(), "steps": run.steps}  # fmt: skip
+    return Trackers(tensorboard=args.tensorboard, wandb=args.wandb, config=config, start=start)
 
 
 def accumulate_gradients(
@@ -794,7 +823,10 @@ class RunningSummary:
     """Running means of the step records, for the closing table: its memory does not grow
     with the number of steps (the records themselves go to ``--metrics``)."""
 
-    _KEYS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
+    _KEYS = (
+        "imbalance_before", "imbalance_after", "load_max_before", "load_max_after",
+        "bytes_intra", "bytes_inter", "plan_ms",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.steps = 0
@@ -816,19 +848,22 @@ class RunningSummary:
                 sums[key] += phase[key]
 
     def table(self) -> str:
-        """Per-phase means over the steps: imbalance before/after (max/mean load), bytes
+        """Per-phase means over the steps: imbalance before/after (max/mean load), the
+        slowest rank's load before -> after (the phase's cost units: what a step waits for;
+        under a padded cost the ratio's mean shrinks with the padding a plan removes), bytes
         moved intra- and inter-node per step, planning time; then the mean step time."""
         if self.first is None:
             return "no steps run"
         lines = [
-            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}"
+            f"{'phase':<8}{'imbalance before':>18}{'imbalance after':>17}{'slowest rank':>17}"
             f"{'KB intra/step':>15}{'KB inter/step':>15}{'plan ms':>9}"
         ]
         for name, sums in self.sums.items():
             m = {k: v / self.steps for k, v in sums.items()}
+            slowest = f"{m['load_max_before']:.0f} -> {m['load_max_after']:.0f}"
             lines.append(
                 f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
-                f"{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
+                f"{slowest:>17}{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
                 f"{m['plan_ms']:>9.2f}"
             )
         f = self.first
@@ -980,9 +1015,17 @@ def main(argv: list[str] | None = None) -> RunningSummary:
 
     When it created the process group (torchrun), any failure prints the error and ends
     the process at once with status 1: tearing the group down would wait on the peers that
-    caused the failure.
+    caused the failure. A launch mistake found before that (no launcher, a config that does
+    not load or does not fit the world size: :func:`orchmllm.launch.preflight`) ends it with
+    status 2, its fix printed once (so does a bad command line).
     """
-    args = parse_args(argv)
+    with launch.quiet_peers():
+        args = parse_args(argv)
+    if not dist.is_initialized():
+        try:
+            launch.preflight(args, sys.argv[1:] if argv is None else argv, run_config)
+        except launch.LaunchError as exc:
+            launch.exit_with(exc)
     host_memory.bound_native_caches()  # else CPU convolutions cache a kernel per shape
     created, _ = init_distributed(args.timeout)
     try:

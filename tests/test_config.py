@@ -3,19 +3,30 @@ sections, and errors that name the bad key with the closest valid one."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+import orchmllm
 from orchmllm.config import (
+    CONFIG_DIR,
     RunConfig,
     VitConfig,
     WhisperConfig,
+    config_path,
     load_config,
+    packaged_configs,
     read_config,
     run_config,
 )
+from orchmllm.recipe import default_mix
 from orchmllm.schema import LLM, Rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +48,91 @@ def test_defaults_are_the_tiny_model_with_every_modality():
 
 
 def test_tiny_yaml_spells_out_the_defaults_but_the_data_scale():
-    tiny = load_config(ROOT / "configs" / "tiny.yaml")
-    assert tiny.model == RunConfig().model
-    assert tiny.train == RunConfig().train
-    assert tiny.data.scale == 0.1 and tiny.balance.ranks_per_node == 2
+    """What the README and the config module say: an empty config is tiny.yaml but for
+    these two keys (the mix and policies it spells out are the defaults')."""
+    tiny, empty = load_config(ROOT / "configs" / "tiny.yaml"), RunConfig()
+    assert tiny.model == empty.model and tiny.train == empty.train
+    assert tiny.recipe == empty.recipe
+    assert (tiny.data.scale, empty.data.scale) == (0.1, 1.0)
+    assert (tiny.balance.ranks_per_node, empty.balance.ranks_per_node) == (2, None)
+    assert dataclasses.replace(tiny.data, scale=1.0, mix=None) == empty.data
+    assert tiny.data.mix == default_mix()
+    for phase in tiny.phases:
+        assert tiny.balance.policy(phase) == empty.balance.policy(phase)
+    assert tiny.balance.placement == empty.balance.placement
+
+
+def test_configs_are_packaged_and_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    # One source: the checkout's configs/ is the package's directory, not a copy.
+    assert (ROOT / "configs").resolve() == Path(CONFIG_DIR).resolve()
+    assert Path(CONFIG_DIR).parent == Path(orchmllm.__file__).parent
+    assert {"tiny", "mllm-10b", "mllm-18b", "mllm-84b"} <= set(packaged_configs())
+    monkeypatch.chdir(tmp_path)
+    tiny = Path(CONFIG_DIR) / "tiny.yaml"
+    for name in ("tiny", "tiny.yaml", "configs/tiny.yaml"):
+        assert Path(config_path(name)) == tiny, name
+        assert load_config(name) == load_config(tiny)
+    assert load_config("mllm-18b").model.llm.layers == 48  # its base: resolves in the package
+    # A file that exists is read, not the packaged config of its name.
+    (tmp_path / "tiny.yaml").write_text("train: {steps: 3}\n")
+    assert load_config("tiny.yaml").train.steps == 3
+    assert load_config("tiny").train.steps == 10
+
+
+def test_a_missing_config_lists_the_configs_there_and_the_packaged_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "small.yaml").write_text("{}\n")
+    with pytest.raises(FileNotFoundError) as err:
+        load_config("mine/smal.yaml")
+    message = str(err.value)
+    assert "config 'mine/smal.yaml': no such file" in message
+    assert "did you mean 'mine/small.yaml'?" in message
+    assert "configs in mine/: small.yaml" in message
+    assert ", ".join(packaged_configs()) in message
+    with pytest.raises(FileNotFoundError, match="did you mean 'tiny' \\(a packaged config\\)"):
+        load_config("configs/tinny.yaml")
+    (tmp_path / "bad.yaml").write_text("data: {scale: [\n")
+    with pytest.raises(ValueError, match="bad.yaml' is not valid YAML"):
+        load_config("bad.yaml")
+
+
+@pytest.mark.integration
+def test_the_files_a_wheel_ships_find_the_configs_from_any_directory(tmp_path):
+    """setuptools' build_py (the Python files and package data a wheel holds), plus the
+    compiled core, imported from another directory: the configs are there and found by
+    name and by the checkout's path."""
+    lib = tmp_path / "lib"
+    build = [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)]
+    subprocess.run(build, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    core = next((ROOT / "orchmllm").glob("_core*"))
+    shutil.copy(core, lib / "orchmllm" / core.name)
+    code = (
+        "import orchmllm; from orchmllm.config import config_path, load_config; "
+        "print(orchmllm.__file__, config_path('tiny'), config_path('configs/mllm-10b.yaml'), "
+        "load_config('mllm-18b').model.llm.layers, orchmllm.__version__)"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(lib)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    module, tiny, ten, layers, version = out.stdout.split()
+    packaged = lib / "orchmllm" / "configs"
+    assert module == str(lib / "orchmllm" / "__init__.py")
+    assert (tiny, ten) == (str(packaged / "tiny.yaml"), str(packaged / "mllm-10b.yaml"))
+    assert (packaged / "tiny.yaml").read_bytes() == (ROOT / "configs" / "tiny.yaml").read_bytes()
+    assert layers == "48" and version == orchmllm.__version__
+
+
+def test_version_is_set_in_one_place():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject
+    assert 'version = { attr = "orchmllm.__version__" }' in pyproject
+    assert re.fullmatch(r"\d+\.\d+\.\d+", orchmllm.__version__)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -396,6 +396,9 @@ def _w_disagreement(rank: int, world: int):
         disp = BatchDispatcher(policy, topology=_topo())
         with pytest.raises(PlanMismatchError, match=rf"'{field}' differs: ranks \[1\] pass"):
             disp.dispatch(tokens, lengths)
+    # The README's call takes a dict of tensors; a bare tensor is named before any collective.
+    with pytest.raises(ValueError, match="tokens must be a dict of name -> tensor .* got Tensor"):
+        BatchDispatcher("greedy", topology=_topo()).dispatch(x, lengths)
     # Nothing was left half-done: the group still works once the inputs agree.
     d = BatchDispatcher(topology=_topo()).dispatch({"x": x, "ids": ids}, lengths)
     assert d.stats["num_items"] == sum(2 if r % 2 else 1 for r in range(world))

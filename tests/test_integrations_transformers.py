@@ -11,6 +11,7 @@ becomes the schema, and the registry and ``wrap`` refuse what they cannot run.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,69 @@ def test_the_balanced_model_refuses_what_a_training_step_cannot_take(families):
     with pytest.raises(ValueError, match="loss_chunk must be a positive integer, got 0"):
         omt.wrap(model, loss_chunk=0)
     assert balanced.config is model.config  # trainers read the HF model's settings
+
+
+def test_what_a_hand_written_loop_gets_wrong_is_named(families):
+    """A plain DataLoader's collated dict, a step without targets, an image of another size,
+    each refused with what to do instead of numpy's or Python's own error."""
+    model, rows = families["llava"]
+    balanced = omt.wrap(model)
+    with pytest.raises(TypeError, match=r"got a dict with keys \[.*'input_ids'.*model.loader"):
+        balanced(tiny.collate(rows))
+    unlabelled = [{**r, "labels": torch.full_like(r["labels"], -100)} for r in rows]
+    with pytest.raises(ValueError, match="the step has 0 prediction targets over all ranks"):
+        balanced(unlabelled)
+    row = next(r for r in rows if "pixel_values" in r)
+    small = {**row, "pixel_values": row["pixel_values"][..., :-1, :-1]}  # one pixel less a side
+    with pytest.raises(
+        ValueError, match=r"pixel_values of shape \(\d+, 3, \d+, \d+\) is not .* by "
+    ):
+        omt.adapter_for(model).to_example(small)
+    qwen, qrows = families["qwen2.5-vl"]
+    row = next(r for r in qrows if "image_grid_thw" in r)
+    cut = {**row, "pixel_values": row["pixel_values"][:, :-1]}  # another patch size
+    with pytest.raises(ValueError, match="pixel_values of shape .* by this model's processor"):
+        omt.adapter_for(qwen).to_example(cut)
+
+
+def test_accumulated_micro_batches_normalised_by_their_total_targets_are_one_step(families):
+    """The README's accumulation lines: each micro-batch's loss divided by the targets of the
+    whole group (``sum(b.plan.num_targets ...)``, here each forward's own count) sums to the
+    loss, and the gradient, of one step over all the group's rows."""
+    model, rows = families["llava"]
+    balanced = omt.wrap(model, keep_logits=False)  # float64 throughout
+    group = [rows[:2], rows[2:]]
+    n = sum(balanced(b).batch.num_targets for b in group)
+    model.zero_grad()
+    total = sum(balanced(b, num_items_in_batch=n).loss for b in group)
+    total.backward()
+    accumulated = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    whole = balanced(rows).loss
+    whole.backward()
+    torch.testing.assert_close(total, whole, rtol=0, atol=1e-10)
+    for a, p in zip(
+        accumulated, [p for p in model.parameters() if p.grad is not None], strict=True
+    ):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-10)
+
+
+def test_qwen_rows_without_mm_token_type_ids_warn_that_plain_hf_loses_mrope(families):
+    model, rows = families["qwen2.5-vl"]
+    adapter = omt.adapter_for(model)
+    row = next(r for r in rows if "image_grid_thw" in r)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_types = adapter.to_example(row)  # the processor's row: no warning
+    bare = {k: v for k, v in row.items() if k != "mm_token_type_ids"}
+    with pytest.warns(omt.qwen.MRopeWarning, match="falls back to 1-D text positions"):
+        without = adapter.to_example(bare)
+    assert np.array_equal(without["input_ids"], with_types["input_ids"])  # only a warning
+    # the plain model does lose M-RoPE without them: its logits differ
+    batch = tiny.collate([row])
+    plain = model(**batch).logits
+    lost = model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).logits
+    assert not torch.allclose(plain, lost)
 
 
 def test_a_processor_row_becomes_the_schema(families):

@@ -335,6 +335,10 @@ def test_bad_metadata_names_the_argument(tokenizer):
         count({"text": "<image>", "images": [(10, 10), (20, 20)]})
     with pytest.raises(ValueError, match="family must be one of"):
         L.lengths_for(processor, family="nope")
+    with pytest.raises(
+        ValueError, match=r"family='qwen2.5-vl'.*LlavaProcessor.*family \['llava'\]"
+    ):  # the wrong processor for the family: named, with the family it is
+        L.lengths_for(processor, family="qwen2.5-vl")
     onevision = _onevision(tokenizer)
     with pytest.raises(ValueError, match="width"):
         L.AnyResGrid.from_processor(onevision).image(0, 10, alone=False)

@@ -60,6 +60,8 @@ FLOORS = {
     "orchmllm.models": 6,
     "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
+    "orchmllm.launch": 7,
+    "orchmllm.tracking": 7,
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,

@@ -141,6 +141,8 @@ def _phase_stats(
     values = (
         stats["imbalance_before"],
         stats["imbalance_after"],
+        st.slowest(stats["loads_before"]),
+        st.slowest(stats["loads_after"]),
         int(lengths[moved].sum()),
         traffic["intra"] * row_bytes,
         traffic["inter"] * row_bytes,

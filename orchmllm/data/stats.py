@@ -5,7 +5,14 @@ multimodal orchestrator's are its encoder phases and ``"llm"``), beside ``"epoch
 ``"step"``, ``"prepare_ms"`` and ``"bytes_meta"``. Per phase:
 
 - ``imbalance_before`` / ``imbalance_after``: max over ranks of the phase's cost (its cost
-  model) divided by the mean, as sampled and after the plan (1.0 is perfect balance);
+  model) divided by the mean, as sampled and after the plan (1.0 is perfect balance). Each
+  divides by its own layout's mean: under a padded cost (a rank pays its longest item times
+  its item count) a plan that groups similar lengths removes padding, so the mean falls and
+  ``imbalance_after`` can exceed ``imbalance_before`` although the slowest rank got lighter;
+  the step waits for the slowest rank, so compare the next two;
+- ``load_max_before`` / ``load_max_after``: the slowest rank's cost, in the cost model's
+  units (tokens for packed, padded tokens for padded), as sampled and after the plan: what
+  the step's time follows, and never higher after a plan of a never-worse policy;
 - ``tokens_moved``: length units (tokens, patches, frames) of the items the plan moves;
 - ``bytes_intra`` / ``bytes_inter``: bytes the plan moves between ranks of one node and
   across nodes (``ranks_per_node`` ranks per node; unknown: one node);
@@ -26,6 +33,8 @@ from orchmllm.policies import POLICIES, default_cost
 METRICS = (
     "imbalance_before",
     "imbalance_after",
+    "load_max_before",
+    "load_max_after",
     "tokens_moved",
     "bytes_intra",
     "bytes_inter",
@@ -66,12 +75,19 @@ def phase_stats(
     values = (
         imbalance(before),
         imbalance(after),
+        slowest(before),
+        slowest(after),
         int(lengths[moved].sum()),
         int(traffic["intra"]),
         int(traffic["inter"]),
         float(plan_ms),
     )
     return named(phase, values)
+
+
+def slowest(loads: Sequence[float] | np.ndarray) -> float:
+    """The slowest rank's load (0.0 for no ranks)."""
+    return float(max(loads, default=0.0))
 
 
 def named(phase: str, values: Sequence[float]) -> dict[str, float]:
@@ -85,12 +101,15 @@ def phases(stats: Mapping[str, float]) -> list[str]:
 
 
 def format_line(name: str, stats: Mapping[str, float]) -> str:
-    """One log line: ``name epoch E step S | batch imbalance 1.31 -> 1.01, moved ...``."""
+    """One log line: ``name epoch E step S | batch imbalance 1.31 -> 1.01 (slowest 5120 ->
+    3968), moved ...``: the max/mean ratio, then the slowest rank's cost (what a step waits
+    for; the ratio's mean shrinks with padding)."""
     parts = []
     for p in phases(stats):
         parts.append(
             f"{p} imbalance {stats[f'{p}/imbalance_before']:.3f} -> "
-            f"{stats[f'{p}/imbalance_after']:.3f}, moved {stats[f'{p}/tokens_moved']} tok "
+            f"{stats[f'{p}/imbalance_after']:.3f} (slowest {stats[f'{p}/load_max_before']:.0f}"
+            f" -> {stats[f'{p}/load_max_after']:.0f}), moved {stats[f'{p}/tokens_moved']} tok "
             f"({_size(stats[f'{p}/bytes_intra'])} intra, {_size(stats[f'{p}/bytes_inter'])} "
             f"inter), plan {stats[f'{p}/plan_ms']:.1f} ms"
         )

@@ -60,8 +60,11 @@ What the mixin keeps of the Trainer, and why it is exact:
   micro-batch also carries an ``attention_mask`` of ones over the rank's packed tokens, by
   which TRL counts the tokens it trains.
 - Each logged step also logs the micro-batches' mean imbalance (max over mean rank cost, under
-  the policy's cost model) as sampled and as balanced since the previous log, per phase for a
-  VLM (:func:`log_key`), so the Trainer's reporters show what balancing does.
+  the policy's cost model) and slowest rank's cost as sampled and as balanced since the
+  previous log, per phase for a VLM (:func:`log_key`), so the Trainer's reporters show what
+  balancing does. Under padding read the slowest rank's cost: a plan that removes padding
+  lowers the mean, so the ratio can rise while every step got faster
+  (:mod:`orchmllm.data.stats`).
 """
 
 from __future__ import annotations
@@ -92,8 +95,10 @@ from orchmllm.integrations.transformers import BalancedModel
 
 # The policy for each batch layout of the collator (module docstring); None: cannot tell.
 POLICY_FOR_LAYOUT = {"padded": "padded_cost", "packed": "greedy", None: "greedy"}
-# The loader's step statistics (``<phase>/<metric>``) each logged step averages (module docstring).
-LOGGED_METRICS = ("imbalance_before", "imbalance_after")
+# The loader's step statistics (``<phase>/<metric>``) each logged step averages (module
+# docstring): the max/mean ratios and the slowest rank's cost, which the ratio alone misreads
+# under padding (orchmllm.data.stats).
+LOGGED_METRICS = ("imbalance_before", "imbalance_after", "load_max_before", "load_max_after")
 TEXT_PHASE = "batch"  # the text loader's one phase, logged without its name
 
 

@@ -11,6 +11,7 @@ A plain data-parallel script becomes balanced in a few lines::
         for batch in loader:
             loss = model(batch).loss * world_size   # normalised over every rank's targets
             loss.backward()
+    omt.save_pretrained(model, "out")   # collective: a plain HF checkpoint (from_pretrained)
 
 In a ``transformers.Trainer``, pass the wrapped model to
 ``orchmllm.integrations.trainer.BalancedTrainer(model=omt.wrap(model), ...)``: it uses
@@ -27,10 +28,10 @@ needs more than restarting 1-D positions. Then ``register_adapter(YourModelClass
 YourAdapter)``.
 
 Modules: :mod:`.adapter` (the base class, the registry, packed positions), :mod:`.balanced`
-(:func:`wrap`, :func:`shard`, :class:`BalancedModel`), :mod:`.qwen` and :mod:`.tiles` (the
-adapters), :mod:`.lengths` (each example's token counts from its metadata, by the processor's
-rules, before anything is decoded), :mod:`.tiny` (tiny models and processor rows of every
-family, for tests and the examples).
+(:func:`wrap`, :func:`shard`, :class:`BalancedModel`), :mod:`.save` (:func:`save_pretrained`),
+:mod:`.qwen` and :mod:`.tiles` (the adapters), :mod:`.lengths` (each example's token counts
+from its metadata, by the processor's rules, before anything is decoded), :mod:`.tiny` (tiny
+models and processor rows of every family, for tests and the examples).
 """
 
 from orchmllm.integrations.transformers import lengths, qwen, tiles
@@ -53,6 +54,7 @@ from orchmllm.integrations.transformers.balanced import (
     shard,
     wrap,
 )
+from orchmllm.integrations.transformers.save import save_pretrained
 
 __all__ = [
     "ADAPTERS",
@@ -70,6 +72,7 @@ __all__ = [
     "qwen",
     "register_adapter",
     "restart_positions",
+    "save_pretrained",
     "shard",
     "tiles",
     "wrap",

@@ -230,6 +230,26 @@ class Adapter:
         return {}
 
 
+def pixel_rows(row: Mapping[str, Any], key: str, width: int, *lead: int) -> np.ndarray:
+    """``row[key]`` as rows of ``width`` values, under ``lead`` leading dimensions (e.g. the
+    images, each a stack of tiles), where numpy would only say it cannot reshape.
+
+    Raises:
+        ValueError: the field does not split into such rows (an image processed at another
+            size, or by another model's processor), naming the field, its shape and the
+            width this model's tower takes.
+    """
+    values = np.asarray(row[key])
+    if values.size % (width * int(np.prod(lead))):
+        within = f" in each of {lead[0]} items" if lead else ""
+        raise ValueError(
+            f"{key} of shape {tuple(values.shape)} is not rows of {width} values{within}, "
+            "what this model's vision tower takes (its config's channels and patch or image "
+            "size): was it made by this model's processor, at this model's image size?"
+        )
+    return values.reshape(*lead, -1, width)
+
+
 def _run_length(positions: np.ndarray) -> int:
     """How many of ``positions`` (sorted) are consecutive from the first."""
     if not positions.size:

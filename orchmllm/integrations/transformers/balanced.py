@@ -175,10 +175,13 @@ class BalancedModel(nn.Module):
             The :class:`BalancedOutput`.
 
         Raises:
+            TypeError: ``batch`` is neither (a plain ``DataLoader``'s collated dict, say).
             ValueError: ``use_cache`` is True, ``attention_mask`` does not count this rank's
-                packed tokens, or a chunked head (``fused_lm_head``, ``keep_logits=False``) on
-                an LM head that has a bias.
+                packed tokens, a chunked head (``fused_lm_head``, ``keep_logits=False``) on
+                an LM head that has a bias, or the step has no prediction target on any rank
+                (its loss would be 0/0).
         """
+        _check_batch(batch)
         if use_cache:
             raise ValueError("use_cache must be None or False for a training step, got True")
         orch = self.orchestrator
@@ -213,6 +216,7 @@ class BalancedModel(nn.Module):
             )
         if num_items_in_batch is None:
             num_items_in_batch = out.num_targets  # over all ranks
+        _check_targets(num_items_in_batch)
         head = model.get_output_embeddings()
         if (fused_lm_head or not self.keep_logits) and getattr(head, "bias", None) is not None:
             raise ValueError("the chunked LM head does not add a bias, and this head has one")
@@ -264,6 +268,31 @@ class BalancedModel(nn.Module):
             return out
 
         return encode
+
+
+def _check_batch(batch: Any) -> None:
+    """A clear error for what the forward cannot take, before anything runs: it takes the
+    planned batches of :meth:`BalancedModel.loader` or a list of processor rows, not the
+    collated dict a plain ``DataLoader`` makes (which would fail as "no attribute 'batch'")."""
+    if isinstance(batch, list | orchmllm.PlannedBatch):
+        return
+    what = f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__
+    raise TypeError(
+        f"batch must be a batch of model.loader(dataset, ...) (an orchmllm.PlannedBatch) or a "
+        f"list of this rank's processor rows, got {what}: iterate model.loader(dataset, "
+        "batch_size=...) over the processor's rows instead of a plain DataLoader"
+    )
+
+
+def _check_targets(num_items: int | torch.Tensor) -> None:
+    """Refuse a step whose loss would divide by zero targets (a NaN loss otherwise): a plain
+    count, as the forward's own, is checked; a Trainer's tensor is left on its device."""
+    if not isinstance(num_items, torch.Tensor) and num_items <= 0:
+        raise ValueError(
+            f"the step has {num_items} prediction targets over all ranks (every label is -100 "
+            "or the sequences are one token long), so its loss is 0/0: check the rows' "
+            "labels, or skip batches without targets"
+        )
 
 
 def wrap(

@@ -659,9 +659,30 @@ def lengths_for(
         columns: item kind -> the column holding that kind's items.
 
     Raises:
-        ValueError: an unknown ``family``.
+        ValueError: an unknown ``family``, or a processor of another family (naming the
+            families it is one of).
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    rules = FAMILIES[family](processor)
-    return MetadataLengths(rules, processor.tokenizer, text_column, dict(columns))
+    try:
+        rules = FAMILIES[family](processor)
+        tokenizer = processor.tokenizer
+    except AttributeError as exc:  # the family's rules read a setting this processor lacks
+        fits = [f for f in FAMILIES if f != family and _reads(f, processor)]
+        raise ValueError(
+            f"lengths_for(family={family!r}) reads that family's processor settings, and "
+            f"{type(processor).__name__} has not all of them ({exc}); "
+            + (f"it is a processor of family {fits}" if fits else "no family reads it")
+            + ": pass the model's own processor (AutoProcessor.from_pretrained) and its family"
+        ) from None
+    return MetadataLengths(rules, tokenizer, text_column, dict(columns))
+
+
+def _reads(family: str, processor: Any) -> bool:
+    """Whether ``family``'s rules build from ``processor`` (every setting they read is there
+    and valid)."""
+    try:
+        FAMILIES[family](processor)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return hasattr(processor, "tokenizer")

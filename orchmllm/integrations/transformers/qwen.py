@@ -22,6 +22,7 @@ consecutive positions, like text. Videos with their audio interleaved
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from orchmllm.integrations.transformers.adapter import (
     Source,
     item_rope,
     mrope_positions,
+    pixel_rows,
     register_adapter,
 )
 
@@ -46,6 +48,17 @@ VISION_FIELDS = (
     orchmllm.ItemField("seconds", dtype="float64"),  # per temporal patch (videos)
 )
 KINDS = ("image", "video")
+MROPE_MESSAGE = (
+    "a Qwen row with images or videos has no mm_token_type_ids: orchmllm builds its M-RoPE "
+    "positions from the placeholders, but the plain HF model silently falls back to 1-D text "
+    "positions without them, so a plain run (a baseline, evaluation, generation) on these "
+    "rows trains or scores another model; keep the processor's mm_token_type_ids column "
+    "(return_mm_token_type_ids=True, and not removed by the dataset or collator)"
+)
+
+
+class MRopeWarning(UserWarning):
+    """Qwen rows without ``mm_token_type_ids``: the plain HF model would lose M-RoPE."""
 
 
 class Qwen2VLAdapter(Adapter):
@@ -53,6 +66,7 @@ class Qwen2VLAdapter(Adapter):
 
     fields = {"vision": VISION_FIELDS}
     seconds_key: str | None = None  # the row field with a video's seconds per temporal patch
+    mm_token_types = True  # the plain model's M-RoPE needs the row's mm_token_type_ids
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -67,15 +81,27 @@ class Qwen2VLAdapter(Adapter):
     def feature_dims(self) -> dict[str, int]:
         return {"vision": self.patch_dim}
 
+    def to_example(self, row: Mapping[str, Any]) -> dict:
+        """As :meth:`Adapter.to_example`; warns (:class:`MRopeWarning`) when a row with images
+        or videos lacks ``mm_token_type_ids``."""
+        has_items = any(row.get(f"{kind}_grid_thw") is not None for kind in KINDS)
+        if self.mm_token_types and has_items and row.get("mm_token_type_ids") is None:
+            warnings.warn(MRopeWarning(MROPE_MESSAGE), stacklevel=2)
+        return super().to_example(row)
+
     def split(self, kind: str, row: Mapping[str, Any]) -> list[Item]:
         if f"{kind}_grid_thw" not in row:
             return []
         grids = np.asarray(row[f"{kind}_grid_thw"]).reshape(-1, 3)
-        pixels = np.asarray(row["pixel_values" if kind == "image" else "pixel_values_videos"])
-        pixels = pixels.reshape(-1, self.patch_dim)
+        key = "pixel_values" if kind == "image" else "pixel_values_videos"
+        pixels = pixel_rows(row, key, self.patch_dim)
         sizes = grids.prod(1)
         if pixels.shape[0] != sizes.sum():
-            raise ValueError(f"{kind}: {pixels.shape[0]} patch rows, the grids say {sizes.sum()}")
+            raise ValueError(
+                f"{kind}: {key} of shape {tuple(np.shape(row[key]))} is {pixels.shape[0]} patch "
+                f"rows of {self.patch_dim} values, the grids say {sizes.sum()}: was it made by "
+                "this model's processor, at this model's patch size?"
+            )
         seconds = np.zeros(len(grids))
         if kind == "video" and self.seconds_key in row:
             seconds = np.asarray(row[self.seconds_key], dtype=np.float64).reshape(-1)
@@ -177,6 +203,7 @@ class Qwen2_5OmniThinkerAdapter(Qwen2VLAdapter):
     fields = {"vision": VISION_FIELDS}
     policies = {"audio": "greedy"}  # the audio tower packs clips (windowed attention)
     seconds_key = "video_second_per_grid"
+    mm_token_types = False  # its positions come from the placeholders themselves
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

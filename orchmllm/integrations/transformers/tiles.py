@@ -23,7 +23,13 @@ from torch import nn
 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
 import orchmllm
-from orchmllm.integrations.transformers.adapter import Adapter, Item, Source, register_adapter
+from orchmllm.integrations.transformers.adapter import (
+    Adapter,
+    Item,
+    Source,
+    pixel_rows,
+    register_adapter,
+)
 
 
 class LlavaAdapter(Adapter):
@@ -52,7 +58,7 @@ class LlavaAdapter(Adapter):
     def split(self, kind: str, row: Mapping[str, Any]) -> list[Item]:
         if "pixel_values" not in row:
             return []
-        pixels = np.asarray(row["pixel_values"]).reshape(-1, 1, self.feature_dims()["vision"])
+        pixels = pixel_rows(row, "pixel_values", self.feature_dims()["vision"])[:, None]
         return [Item(p, {}, self.tokens_per_tile()) for p in pixels]
 
     def dummy(self, phase: str) -> Item:
@@ -82,7 +88,7 @@ class InternVLAdapter(LlavaAdapter):
     def split(self, kind: str, row: Mapping[str, Any]) -> list[Item]:
         if "pixel_values" not in row:
             return []
-        pixels = np.asarray(row["pixel_values"]).reshape(-1, self.feature_dims()["vision"])
+        pixels = pixel_rows(row, "pixel_values", self.feature_dims()["vision"])
         ids = np.asarray(row["input_ids"]).reshape(-1)
         runs = _runs(ids == self.token)  # one run of placeholders per image
         tiles = [n // self.tokens_per_tile() for n in runs]
@@ -118,14 +124,14 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if kind == "video":
             if "pixel_values_videos" not in row:
                 return []
-            videos = np.asarray(row["pixel_values_videos"])
-            videos = videos.reshape(videos.shape[0], -1, width)
+            count = np.shape(row["pixel_values_videos"])[0]
+            videos = pixel_rows(row, "pixel_values_videos", width, count)
             meta = {"image_size": [self.side, self.side], "video": 1}
             return [Item(v, meta, self.video_tokens(len(v))) for v in videos]
         if "pixel_values" not in row:
             return []
         sizes = np.asarray(row["image_sizes"]).reshape(-1, 2)
-        pixels = np.asarray(row["pixel_values"]).reshape(len(sizes), -1, width)
+        pixels = pixel_rows(row, "pixel_values", width, len(sizes))
         items = []
         for size, tiles in zip(sizes, pixels, strict=True):
             n = self.tile_count(size)
