@@ -4,13 +4,14 @@ During the first ``steps`` optimizer steps of a run with ``balance.cost: measure
 
 1. every rank times each phase it runs (:meth:`Calibrator.encoders` wraps the encoders,
    :meth:`Calibrator.timed` the LLM's forward): CUDA events on a GPU, read once the step is
-   over, so nothing waits for the device on the critical path; on CPU the process's CPU time
-   (``time.process_time``), not the wall clock: a phase's forward holds FSDP's parameter
-   all-gathers, where a rank with less work waits for the others, and waiting takes no CPU
-   time, so the figure is the rank's own work. (On a GPU the events include those waits
-   too; timing each sharded unit from after its all-gather is the next step.) Beside each
-   time it keeps the batch's features in the phase policy's cost form
-   (:func:`orchmllm.measured_cost.features`) in the units the policy balances;
+   over, so nothing waits for the device on the critical path; ``time.perf_counter`` on CPU.
+   A phase's forward holds FSDP's parameter all-gathers, where a rank with less work waits
+   for the slowest, so timing it whole would give every rank the same time. The waits are
+   cut out: :meth:`Calibrator.watch` puts a hook before and after FSDP's own pre-forward hook
+   of every sharded module (where the all-gather is awaited), and a phase's time is its
+   span less those waits, its own work. Beside each time it keeps the batch's features in
+   the phase policy's cost form (:func:`orchmllm.measured_cost.features`) in the units the
+   policy balances;
 2. after the step (:meth:`Calibrator.end_step`, a collective on the training group, where the
    step's other collectives are) the records of every rank are gathered in rank order into a
    window per phase; every ``every`` steps rank 0 fits each phase
@@ -36,7 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from orchmllm import compat
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.measured_cost import FitOptions, PhaseFit, features, fit_phase
 
@@ -120,7 +123,34 @@ class Calibrator:
         self.device, self.cuda = device, device.type == "cuda"
         self.steps, self.every, self.fit = steps, every, fit or FitOptions()
         self.window = {name: deque(maxlen=window) for name in self.names}
-        self._pending: list[tuple[int, float, float, object]] = []
+        self._pending: list[tuple[int, float, float, list]] = []
+        self._marks: list | None = None  # the open phase's clock marks, None when closed
+
+    def watch(self, model: nn.Module) -> None:
+        """Cut FSDP's all-gather waits out of the phases' times: a mark before and after
+        FSDP's pre-forward hook of every sharded module of ``model`` (FSDP's hook comes
+        first among the appended ones, and first of all before a prepended one)."""
+        for module in model.modules():
+            if compat.is_fsdp_module(module):
+                module.register_forward_pre_hook(lambda *_: self._mark(), prepend=True)
+                module.register_forward_pre_hook(lambda *_: self._mark())
+
+    def _clock(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _mark(self) -> None:
+        if self._marks is not None:
+            self._marks.append(self._clock())
+
+    def _ms(self, a: object, b: object) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return 1e3 * (b - a)
 
     def active(self, step: int) -> bool:
         """Whether optimizer step ``step`` is timed."""
@@ -131,17 +161,13 @@ class Calibrator:
         """Time the body as phase ``name`` over items of ``lengths`` (the units its policy
         balances)."""
         a, b = features(self.kinds[name], np.asarray(torch.as_tensor(lengths).cpu()))
-        if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+        self._marks = [self._clock()]
+        try:
             yield
-            end.record()
-            self._pending.append((self.names.index(name), a, b, (start, end)))
-        else:
-            t0 = time.process_time()
-            yield
-            ms = 1e3 * (time.process_time() - t0)
-            self._pending.append((self.names.index(name), a, b, ms))
+        finally:
+            marks, self._marks = self._marks, None
+        marks.append(self._clock())
+        self._pending.append((self.names.index(name), a, b, marks))
 
     def encoders(self, encoders: Mapping[str, Callable]) -> dict[str, Callable]:
         """``encoders`` with each call timed as its phase (``encoder(rows, lengths, ...)``)."""
@@ -158,12 +184,10 @@ class Calibrator:
     def _records(self) -> np.ndarray:
         """This rank's records of the step, ``(n, 4)``: phase index, features, ms."""
         rows = []
-        for index, a, b, clock in self._pending:
-            if self.cuda:
-                start, end = clock
-                end.synchronize()
-                clock = start.elapsed_time(end)
-            rows.append((index, a, b, clock))
+        for index, a, b, marks in self._pending:
+            # marks: start, (before, after) each all-gather wait, end
+            spans = [self._ms(x, y) for x, y in zip(marks[:-1], marks[1:], strict=True)]
+            rows.append((index, a, b, sum(spans[0::2])))  # the spans between the waits
         self._pending.clear()
         return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
 

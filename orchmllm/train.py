@@ -469,7 +469,7 @@ def setup(args: argparse.Namespace) -> Run:
         model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
     calibrator = None
-    if cfg.balance.cost == "measured":
+    if cfg.balance.cost == "measured":  # times the phases less FSDP's all-gather waits
         b = cfg.balance
         calibrator = Calibrator(
             {**{p.name: cost_kind(p.policy) for p in orch.phases}, LLM: cost_kind(b.policy(LLM))},
@@ -479,6 +479,7 @@ def setup(args: argparse.Namespace) -> Run:
             every=b.calibrate_every,
             fit=FitOptions(min_r2=b.min_r2),
         )
+        calibrator.watch(model)
     return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader, calibrator)
 
 
