@@ -92,7 +92,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=tiny.collate
         )
     else:
-        model = omt.shard(omt.wrap(model, mode=args.balance))  # orchmllm
+        model = omt.shard(omt.wrap(model, mode=args.balance, cost=args.cost))  # orchmllm
         sampling = orchmllm.SamplingOptions(seed=args.seed)
         loader = sampler = model.loader(dataset, batch_size=args.batch_size, sampling=sampling)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -121,6 +121,8 @@ def train(args: argparse.Namespace) -> list[dict]:
             optim.step()
             optim.zero_grad(set_to_none=True)
             records.append(_record(loss, loads, phases, rank, world))
+            if args.balance != "none" and model.calibration:  # --cost measured: timed steps
+                records[-1]["calibration"] = model.calibration
             r = records[-1]
             imb = "  ".join(f"{n} {v:.3f}" for n, v in r["imbalance"].items())
             progress.step(
@@ -207,6 +209,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "in the model's dtype",
     )  # fmt: skip
     p.add_argument("--save", default=None, help="write parameters and AdamW state here at the end")
+    p.add_argument(
+        "--cost", choices=("default", "measured"), default="default",
+        help="measured: fit every phase's cost to the first steps' times on all ranks",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")

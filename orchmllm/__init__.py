@@ -35,6 +35,7 @@ from orchmllm.step_plan import (
 _LAZY = {
     "BatchDispatcher": "orchmllm.dispatcher",
     "Orchestrator": "orchmllm.orchestrator",
+    "Calibrator": "orchmllm.calibrator",
     "LocalBatch": "orchmllm.orchestrator",
     "LLMBatch": "orchmllm.orchestrator",
     "Encoded": "orchmllm.orchestrator",

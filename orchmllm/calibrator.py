@@ -18,8 +18,8 @@ During the first ``steps`` optimizer steps of a run with ``balance.cost: measure
    (:func:`orchmllm.measured_cost.fit_phase`) and broadcasts the coefficients, so every rank
    holds the same models, bit for bit. A bad fit keeps the phase's cost as it was (the last
    trusted fit, else the configured or default one), with a warning;
-3. the caller hands the models to the loader's planner from a step no rank has begun to plan
-   (:meth:`orchmllm.data.orchestrated.OrchestratorPlanner.set_costs`).
+3. the caller hands the models to the loader (:meth:`BalancedDataLoader.set_costs`), which
+   plans with them from a step no rank has begun to plan.
 
 Each report also gives the step's measured imbalance per phase (max over mean of the ranks'
 phase times) beside the planned one, in the metrics.
@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,9 @@ from torch import nn
 
 from orchmllm import compat
 from orchmllm.cost import CostModel, imbalance
-from orchmllm.measured_cost import FitOptions, PhaseFit, features, fit_phase
+from orchmllm.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
+from orchmllm.schema import LLM
+from orchmllm.step_plan import StepOptions
 
 __all__ = ["Calibrator", "CalibrationReport"]
 
@@ -67,21 +70,19 @@ class CalibrationReport:
         return {name: fit.model for name, fit in self.fits.items() if fit.model is not None}
 
     def record(self) -> dict[str, dict[str, float | bool]]:
-        """The metrics' view: per phase the measured imbalance and, when refitted, the
-        coefficients, R^2 and whether the fit is used."""
+        """The metrics' view: per phase the measured imbalance and, when refitted, whether the
+        fit is used, its records, its R^2 (where defined) and its coefficients (where used);
+        no NaN, so that the same report compares equal on every rank."""
         out: dict[str, dict[str, float | bool]] = {}
         for name, value in self.measured_imbalance.items():
             out[name] = {"measured_imbalance": value}
         for name, fit in self.fits.items():
-            model = fit.model
-            out[name].update(
-                used=fit.ok,
-                r2=fit.r2,
-                samples=fit.samples,
-                alpha=model.alpha if model else float("nan"),
-                beta=model.beta if model else float("nan"),
-                const=model.const if model else float("nan"),
-            )
+            out[name].update(used=fit.ok, samples=fit.samples)
+            if np.isfinite(fit.r2):
+                out[name]["r2"] = fit.r2
+            if fit.model is not None:
+                m = fit.model
+                out[name].update(alpha=m.alpha, beta=m.beta, const=m.const)
         return out
 
 
@@ -151,6 +152,18 @@ class Calibrator:
             b.synchronize()
             return a.elapsed_time(b)
         return 1e3 * (b - a)
+
+    @classmethod
+    def for_options(
+        cls, options: StepOptions, *, device: torch.device, **settings: Any
+    ) -> Calibrator:
+        """The calibrator of a step's phases: each encoder phase and the LLM in its policy's
+        cost form, the encoders in the units their policies balance. ``settings``: as the
+        constructor's (``steps``, ``every``, ``window``, ``fit``)."""
+        kinds = {p.name: cost_kind(p.policy) for p in options.phases}
+        kinds[LLM] = cost_kind(options.llm_policy)
+        strides = {p.name: p.stride for p in options.phases}
+        return cls(kinds, strides, device=device, **settings)
 
     def active(self, step: int) -> bool:
         """Whether optimizer step ``step`` is timed."""

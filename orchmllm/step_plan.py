@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -42,6 +42,7 @@ from orchmllm.placement import place_batches
 from orchmllm.plan import Rearrangement, expand_rows
 from orchmllm.policies import PADDED_POLICIES, POLICIES, default_cost
 from orchmllm.schema import (
+    LLM,
     MODALITIES,
     TEXT,
     EncodingRates,
@@ -258,6 +259,22 @@ class StepOptions:
         it and broadcasts it: a time-limited ILP placement can stop at another point)."""
         policies = self.balanced_policies
         return not policies or plan_is_deterministic(placement=self.placement, policies=policies)
+
+    def with_costs(self, costs: Mapping[str, CostModel | None]) -> StepOptions:
+        """These options with other cost models: phase name (or ``"llm"``) -> its cost (None:
+        the policy's default); phases not named keep theirs.
+
+        Raises:
+            ValueError: a name that is no phase of these options.
+        """
+        names = {p.name for p in self.phases} | {LLM}
+        unknown = sorted(set(costs) - names)
+        if unknown:
+            raise ValueError(f"costs names phases {unknown}; the options have {sorted(names)}")
+        phases = tuple(
+            replace(p, cost=costs[p.name]) if p.name in costs else p for p in self.phases
+        )
+        return replace(self, phases=phases, llm_cost=costs.get(LLM, self.llm_cost))
 
 
 # -- metadata ----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.dirlock import DirectoryLock
-from orchmllm.measured_cost import COSTS, FitOptions, cost_kind
+from orchmllm.measured_cost import COSTS, FitOptions
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
@@ -469,17 +469,16 @@ def setup(args: argparse.Namespace) -> Run:
         model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
     calibrator = None
-    if cfg.balance.cost == "measured":  # times the phases less FSDP's all-gather waits
+    if cfg.balance.cost == "measured":
         b = cfg.balance
-        calibrator = Calibrator(
-            {**{p.name: cost_kind(p.policy) for p in orch.phases}, LLM: cost_kind(b.policy(LLM))},
-            {p.name: p.stride for p in orch.phases},
+        calibrator = Calibrator.for_options(
+            orch.options,
             device=device,
             steps=b.calibrate_steps,
             every=b.calibrate_every,
             fit=FitOptions(min_r2=b.min_r2),
         )
-        calibrator.watch(model)
+        calibrator.watch(model)  # its phases' times less FSDP's all-gather waits
     return Run(args, cfg, steps, placement, rpn, device, model, optim, orch, loader, calibrator)
 
 
@@ -673,16 +672,14 @@ def accumulate_gradients(
 
 def calibrate(run: Run, step: int) -> dict[str, dict] | None:
     """With ``balance.cost: measured``, during the timed steps: gather every rank's phase
-    times (collective), and on a refit step give the loader's planner the fitted costs from
-    the first step its prefetcher cannot have begun (the same on every rank: consumed steps
-    plus the prefetch depth). Returns the step's calibration metrics (None: not timed)."""
+    times (collective), and on a refit step give the loader the trusted fits, which it plans
+    with from a step its prefetcher cannot have begun. Returns the step's calibration metrics
+    (None: not timed)."""
     if run.calibrator is None or not run.calibrator.active(step):
         return None
     report = run.calibrator.end_step(step)
     if report.costs():
-        at = run.loader.state_dict()
-        start = at["step"] + run.loader.options.prefetch + 1
-        run.loader.planner.set_costs(report.costs(), epoch=at["epoch"], step=start)
+        run.loader.set_costs(report.costs())
     return report.record()
 
 

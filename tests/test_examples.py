@@ -239,6 +239,27 @@ def test_a_tower_without_items_anywhere_keeps_training_exactly_plain(absent_runs
 
 
 @pytest.mark.integration
+def test_measured_costs_in_a_wrapped_model_are_the_same_on_every_rank():
+    """``omt.wrap(model, cost="measured")`` under FSDP2 on 2 ranks: every forward of the first
+    steps times each phase (less FSDP's all-gather waits), the ranks gather the times and
+    fit the same cost models (the records, all-reduced loads and the calibration alike, are
+    equal on both ranks), and the losses stay the plain run's."""
+    data = ["--examples", "48", "--batch-size", "3", "--loss", "exact", "--model", "qwen2.5-vl"]
+    runs = {b: [*data, "--balance", b, "--cost", "measured" if b == "full" else "default"]
+            for b in ("none", "full")}  # fmt: skip
+    per_rank = run_distributed(_runs_worker, 2, "hf_mllm", runs, timeout=240)
+    assert per_rank[0] == per_rank[1]  # the calibration records too: one fit for all ranks
+    plain, full = per_rank[0]["none"], per_rank[0]["full"]
+    assert _max_loss_diff(plain, full) < EXACT
+    timed = [r["calibration"] for r in full if "calibration" in r]
+    assert len(timed) == 8  # the default calibrate_steps, one record per forward
+    assert all(set(c) == {"vision", "llm"} for c in timed)
+    refits = [c["llm"] for c in timed if "used" in c["llm"]]  # every calibrate_every=2 forwards
+    assert len(refits) == 4 and all(np.isfinite(c["measured_imbalance"]) for c in timed[0].values())
+    print("qwen2.5-vl calibration:", timed[-1])
+
+
+@pytest.mark.integration
 def test_processor_data_trains_as_plain_with_counts_from_metadata(tmp_path):
     """``hf_processor_data.py``: records with image and audio files, decoded by real HF
     processors in DataLoader workers; the balanced loader plans on token counts computed from

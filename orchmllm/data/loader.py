@@ -35,7 +35,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -503,6 +503,20 @@ class BalancedDataLoader:
         """
         self.epoch = int(epoch)
         self._step = 0
+
+    def set_costs(self, costs: Mapping[str, Any]) -> None:
+        """Plan with new cost models (phase name -> ``CostModel``; costs learned from the
+        run, :mod:`orchmllm.calibrator`) from the first step the prefetcher cannot have begun
+        (the steps the loop consumed plus the prefetch depth, plus one), the same step on
+        every rank: call it on every rank between the same two steps.
+
+        Raises:
+            TypeError: the planner's costs cannot change (only the orchestrator's can).
+        """
+        schedule = getattr(self.planner, "set_costs", None)
+        if schedule is None:
+            raise TypeError(f"the planner {type(self.planner).__name__} takes no new costs")
+        schedule(costs, epoch=self.epoch, step=self._step + self.options.prefetch + 1)
 
     def state_dict(self) -> dict[str, int]:
         """Position of the training loop: batches it consumed, not those prefetched.

@@ -12,7 +12,6 @@ the all-to-alls (and the encoders) remain on the critical path.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,6 @@ from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOption
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
 from orchmllm.plan import Rearrangement
-from orchmllm.schema import LLM
 from orchmllm.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
 from orchmllm.step_plan import assembly as rank_assembly
 from orchmllm.topology import Topology
@@ -64,16 +62,7 @@ class OrchestratorPlanner:
         Raises:
             ValueError: a name that is no phase of the options.
         """
-        base = self.at(epoch, step).options
-        names = {p.name for p in base.phases} | {LLM}
-        unknown = sorted(set(costs) - names)
-        if unknown:
-            raise ValueError(f"costs has phases {unknown}; the step has {sorted(names)}")
-        phases = tuple(
-            replace(p, cost=costs[p.name]) if p.name in costs else p for p in base.phases
-        )
-        llm_cost = costs.get(LLM, base.llm_cost)
-        changed = replace(base, phases=phases, llm_cost=llm_cost)
+        changed = self.at(epoch, step).options.with_costs(costs)
         kept = tuple(e for e in self._schedule if e[0] < (epoch, step))
         self._schedule = (*kept, ((epoch, step), changed))  # one assignment: thread-safe
 

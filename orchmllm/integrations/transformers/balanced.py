@@ -19,6 +19,7 @@ in chunks too.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from transformers.utils import ModelOutput
 
 import orchmllm
 from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
-from orchmllm.schema import IGNORE_INDEX
+from orchmllm.schema import IGNORE_INDEX, LLM
 
 
 @dataclass
@@ -74,11 +75,15 @@ class BalancedModel(nn.Module):
             or ``keep_logits=False``).
         keep_logits: return the logits (and compute the loss over them, as the HF model
             does); False: the chunked loss, no logits.
+        calibrator: times every phase in the first forwards and fits their costs with the
+            other ranks (``wrap(model, cost="measured")``); None: the policies' costs.
 
     Attributes:
-        model, adapter, orchestrator, loss_chunk, keep_logits: as given.
+        model, adapter, orchestrator, loss_chunk, keep_logits, calibrator: as given.
         loads: phase name (and ``"llm"``) -> the raw rows (encoders) and tokens (LLM) this rank
             computed in the last step, for reporting balance.
+        calibration: with a calibrator, its record of the last timed forward (per phase the
+            measured imbalance and, when refitted, the coefficients and R^2).
     """
 
     # The Trainer passes num_items_in_batch to forward (its count over micro-steps and ranks).
@@ -92,6 +97,7 @@ class BalancedModel(nn.Module):
         *,
         loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
         keep_logits: bool = True,
+        calibrator: orchmllm.Calibrator | None = None,
     ) -> None:
         super().__init__()
         if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:
@@ -101,7 +107,11 @@ class BalancedModel(nn.Module):
         self.orchestrator = orchestrator
         self.loss_chunk = loss_chunk
         self.keep_logits = keep_logits
+        self.calibrator = calibrator
+        self.calibration: dict[str, dict] = {}
         self.loads: dict[str, int] = {}
+        self._loader: orchmllm.BalancedDataLoader | None = None
+        self._forwards = 0
 
     @property
     def config(self) -> Any:
@@ -135,7 +145,7 @@ class BalancedModel(nn.Module):
 
         ``dataset`` may be a ``DataLoader`` (a Trainer's): its sampler, batches and workers are
         kept, its collate function is replaced by the adapter's, and ``batch_size`` is None."""
-        return orchmllm.orchestrated_loader(
+        self._loader = orchmllm.orchestrated_loader(
             dataset,
             self.orchestrator,
             batch_size=batch_size,
@@ -144,6 +154,7 @@ class BalancedModel(nn.Module):
             options=options,
             topology=self.orchestrator.topology,
         )
+        return self._loader
 
     def forward(
         self,
@@ -197,16 +208,23 @@ class BalancedModel(nn.Module):
             local, plan, assembly = batch.batch, batch.plan, batch.assembly
         model = self.model
         device = model.get_input_embeddings().weight.device
+        cal = self.calibrator
+        cal = cal if cal is not None and cal.active(self._forwards) else None
         encoders = {p.name: self._encoder(p) for p in orch.phases}
+        encoders = cal.encoders(encoders) if cal else encoders
         out = orch.run(local.to(device), encoders, plan=plan, assembly=assembly)
-        embeds = out.assemble(model.get_input_embeddings()(out.input_ids))
-        hidden = self.adapter.language_model(model)(
-            inputs_embeds=embeds[None],
-            position_ids=self.adapter.position_ids(out),
-            attention_mask=None,  # the positions say where each packed sequence starts
-            use_cache=False,  # with a cache, transformers would not derive that mask
-            **self.adapter.language_kwargs(out),
-        ).last_hidden_state
+        with cal.timed(LLM, out.lengths) if cal else contextlib.nullcontext():
+            embeds = out.assemble(model.get_input_embeddings()(out.input_ids))
+            hidden = self.adapter.language_model(model)(
+                inputs_embeds=embeds[None],
+                position_ids=self.adapter.position_ids(out),
+                attention_mask=None,  # the positions say where each packed sequence starts
+                use_cache=False,  # with a cache, transformers would not derive that mask
+                **self.adapter.language_kwargs(out),
+            ).last_hidden_state
+        if cal:
+            self._calibrate(cal)
+        self._forwards += 1
         tokens = int(out.lengths.sum())
         self.loads["llm"] = tokens
         if attention_mask is not None and attention_mask.numel() != tokens:
@@ -242,6 +260,18 @@ class BalancedModel(nn.Module):
             num_items_in_batch=num_items_in_batch,
         )
         return BalancedOutput(loss, logits, out)
+
+    def _calibrate(self, cal: orchmllm.Calibrator) -> None:
+        """Gather this forward's phase times of every rank (a collective) and plan with the
+        trusted fits: the loader's steps from one its prefetcher has not begun, and the plans
+        made in :meth:`forward` from the next one."""
+        report = cal.end_step(self._forwards)
+        self.calibration = report.record()
+        costs = report.costs()
+        if costs:
+            if self._loader is not None:
+                self._loader.set_costs(costs)
+            self.orchestrator.options = self.orchestrator.options.with_costs(costs)
 
     def _encoder(self, phase: orchmllm.EncoderPhase) -> Callable[..., orchmllm.Encoded]:
         """``phase``'s encoder for the orchestrator: the adapter's, on a dummy item (of which
@@ -304,6 +334,8 @@ def wrap(
     llm_policy: str = "greedy",
     loss_chunk: int = orchmllm.TrainRecipe.loss_chunk,
     keep_logits: bool = True,
+    cost: str = "default",
+    calibrate_steps: int = 8,
 ) -> BalancedModel:
     """Balance an HF vision-language model: its towers and its language model become phases.
 
@@ -319,6 +351,11 @@ def wrap(
         keep_logits: the forward returns the ``[1, tokens, vocab]`` logits (as an HF model
             does); False: it computes the loss in chunks and keeps no logits (the memory of a
             fused linear-cross-entropy kernel).
+        cost: ``default``: the policies' costs; ``measured``: every rank times each phase in
+            the first ``calibrate_steps`` forwards, and the phases' costs are fitted to the
+            times of all ranks and planned with (:class:`orchmllm.Calibrator`; every forward
+            is then a collective point where the ranks gather their times).
+        calibrate_steps: the forwards timed with ``cost="measured"``.
 
     Returns:
         The :class:`BalancedModel`; shard it with :func:`shard` (or your own FSDP2 wiring whose
@@ -337,11 +374,20 @@ def wrap(
             f"the language model's attention implementation {attention!r} cannot attend "
             f"within packed sequences; use one of {PACKING_ATTENTION}"
         )
+    if cost not in ("default", "measured"):
+        raise ValueError(f"cost must be 'default' or 'measured', got {cost!r}")
     options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
     orchestrator = orchmllm.Orchestrator(options, topology=topology)
+    calibrator = None
+    if cost == "measured":
+        device = model.get_input_embeddings().weight.device
+        calibrator = orchmllm.Calibrator.for_options(
+            orchestrator.options, device=device, steps=calibrate_steps
+        )
     return BalancedModel(
-        model, adapter, orchestrator, loss_chunk=loss_chunk, keep_logits=keep_logits
-    )
+        model, adapter, orchestrator, loss_chunk=loss_chunk, keep_logits=keep_logits,
+        calibrator=calibrator,
+    )  # fmt: skip
 
 
 def shard(model: BalancedModel, *, reduce_unused: bool = False, **fsdp: Any) -> BalancedModel:
@@ -373,6 +419,8 @@ def shard(model: BalancedModel, *, reduce_unused: bool = False, **fsdp: Any) -> 
         if type(module).__name__ in blocks:
             fully_shard(module, **fsdp)
     fully_shard(model, **fsdp)
+    if model.calibrator is not None:  # its phases' times less FSDP's all-gather waits
+        model.calibrator.watch(model)
     if reduce_unused:
         for module in model.modules():
             if isinstance(module, FSDPModule):
