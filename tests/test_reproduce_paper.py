@@ -281,9 +281,16 @@ def _fake_record(tmp_path: Path) -> Path:
             "layer_divisor": 1,
             "seed": 3,
             "link_gbs": 450.0,
+            "run_id": "run-1",
+            "method": "warm-median",
+            "sound": True,
+            # per phase, mean and slowest rank (the LLM's share of the step, the rest equal)
+            **{f"{p}_{s}_s": t * share * (1.5 if s == "max" else 1.0)
+               for p, share in (("vision", 0.25), ("audio", 0.25), ("llm", 0.5))
+               for s in ("mean", "max")},
         }
         for mode, t in steps.items()
-    ]
+    ]  # fmt: skip
     path = tmp_path / "gpu_step_fake.json"
     path.write_text(json.dumps(records))
     return path
@@ -315,6 +322,25 @@ def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> 
         assert row["sim_speedup"] == pytest.approx(rows["none"]["sim_step_s"] / row["sim_step_s"])
         assert row["speedup_ratio"] == pytest.approx(row["sim_speedup"] / rec["speedup_vs_none"])
     assert rows["none"]["sim_speedup"] == 1.0
+    # per phase: measured over simulated, for the same examples in the same layout
+    phases = [r for r in run.records if r.get("figure") == "gpu_phase_validation"]
+    assert [(r["mode"], r["phase"]) for r in phases] == [
+        (m, p) for m in ("none", "llm", "full") for p in ("vision", "audio", "llm")
+    ]
+    for row in phases:
+        rec = next(r for r in fake if r["mode"] == row["mode"])
+        assert row["gpu_run_id"] == "run-1" and row["sound"] is True
+        for s in ("mean", "max"):
+            assert row[f"measured_{s}_s"] == rec[f"{row['phase']}_{s}_s"]
+            if row[f"sim_{s}_s"] > 0:
+                want = row[f"measured_{s}_s"] / row[f"sim_{s}_s"]
+                assert row[f"{s}_ratio"] == pytest.approx(want)
+            else:  # tiny's LLM block fit is below zero, clipped: no ratio to a zero time
+                assert row[f"{s}_ratio"] is None and row["phase"] == "llm"
+        assert 0 <= row["sim_mean_s"] <= row["sim_max_s"]
+        assert row["sim_mean_s"] > 0 or row["phase"] == "llm"
+    assert rows["full"]["gpu_run_id"] == "run-1"
+    assert "Per phase, measured / simulated on identical work" in run.stdout
 
 
 @pytest.mark.integration
