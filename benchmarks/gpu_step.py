@@ -921,7 +921,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="mini-batch sizes (default: 60 20 on CUDA, the config's on CPU); with "
         "--new-shape-cost, the items per encoder call (60 CUDA, 16 CPU)",
     )
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (3 GPU, 2 CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (1 GPU, 2 CPU)")
     ap.add_argument(
         "--repeats",
         type=int,

@@ -985,8 +985,10 @@ def gpu_batch(model: SimModel, ranks: int, per_rank: int, step: int, seed: int) 
 
 
 def validation(sw: Sweep, results_dir: Path) -> None:
-    """Simulated vs measured step time and speed-up for every ``gpu_step_*.json`` record."""
-    files = sorted(results_dir.glob("gpu_step_*.json"))
+    """Simulated vs measured step time and speed-up, and per phase measured / simulated, for
+    every record of ``results_dir`` (a gpu_step ``--json`` file, or a directory of
+    ``gpu_step_*.json`` files)."""
+    files = [results_dir] if results_dir.is_file() else sorted(results_dir.glob("gpu_step_*.json"))
     print("\n== Validation against measurement (benchmarks/gpu_step.py --json records)")
     if not files:
         print(
@@ -1365,7 +1367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gpu-results",
         type=Path,
         default=GPU_RESULTS,
-        help="directory of benchmarks/gpu_step.py --json records named gpu_step_*.json",
+        help="a benchmarks/gpu_step.py --json file, or a directory of them named gpu_step_*.json",
     )
     ap.add_argument(
         "--fig8-ranks", type=int, nargs="+", default=None, help=f"Figure 8 scales ({FIG8_RANKS})"

@@ -297,17 +297,20 @@ def _fake_record(tmp_path: Path) -> Path:
 
 
 def _validation(results_dir, run_benchmark):
-    """The validation section alone, reading gpu_step records from ``results_dir``."""
+    """The validation section alone, reading gpu_step records from ``results_dir`` (a
+    folder or one file)."""
+    out = results_dir.parent if results_dir.is_file() else results_dir
     return run_benchmark(
         "reproduce_paper.py", "--sections", "validation", "--gpu-results", str(results_dir),
-        "--no-plots", "--out", str(results_dir / "out"), timeout=120,
+        "--no-plots", "--out", str(out / "out"), timeout=120,
     )  # fmt: skip
 
 
 @pytest.mark.integration
 def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> None:
-    fake = json.loads(_fake_record(tmp_path).read_text())
-    run = _validation(tmp_path, run_benchmark)
+    path = _fake_record(tmp_path)  # a file (a directory of them: test_no_gpu_record_is_said)
+    fake = json.loads(path.read_text())
+    run = _validation(path, run_benchmark)
     rows = {r["mode"]: r for r in run.records if r.get("figure") == "gpu_validation"}
     assert set(rows) == {"none", "llm", "full"}
     assert "Simulated vs measured" in run.stdout
