@@ -477,7 +477,6 @@ def emulate_modes(
     link_bytes_per_s: float,
     modes: tuple[str, ...] = MODES,
     repeats: int = 3,
-    only_ranks: Sequence[int] | None = None,
 ) -> dict[str, StepResult]:
     """Plan ``batches`` (one per rank) for every mode and time every rank's step in each.
 
@@ -497,11 +496,10 @@ def emulate_modes(
     for mode in modes:
         plans[mode], plan_s[mode] = plan_mode(rows, src, emu.cfg, ranks=ranks, mode=mode)
     phases = emu.cfg.phases
-    timed = list(range(ranks)) if only_ranks is None else list(only_ranks)
     times = {m: np.zeros((len(phases), ranks, repeats)) for m in modes}
     runs: dict[str, list[RankResult]] = {m: [] for m in modes}
     lengths: dict[str, list] = {m: [] for m in modes}
-    for r in timed:
+    for r in range(ranks):
         works = {m: rank_work(plans[m], r, examples, emu.cfg, emu.dtype) for m in modes}
         for m in modes:  # warm: this rank's exact shapes, untimed
             emu.run(works[m], denom=plans[m].num_targets)
@@ -514,18 +512,14 @@ def emulate_modes(
             lengths[m].append(works[m].raw_lengths)
     out = {}
     for m in modes:
-        t = times[m][:, timed]
+        t = times[m]
         median = np.median(t, axis=2)
-        full = np.zeros((len(phases), ranks))
-        full[:, timed] = median
-        spread = np.zeros((len(phases), ranks))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = (t.max(axis=2) - t.min(axis=2)) / median
-        spread[:, timed] = np.nan_to_num(rel)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a phase with no item: 0 / 0
+            spread = np.nan_to_num((t.max(axis=2) - t.min(axis=2)) / median)
         stats = plans[m].stats()
         out[m] = StepResult(
             phases=phases,
-            phase_times=full,
+            phase_times=median,
             phase_spread=spread,
             repeat_steps=t.max(axis=1).sum(axis=0),
             plan_s=0.0 if m == "none" else plan_s[m],  # training without balancing plans nothing
@@ -549,14 +543,12 @@ def emulate_step(
     *,
     mode: str,
     link_bytes_per_s: float,
-    only_ranks: Sequence[int] | None = None,
     repeats: int = 1,
 ) -> StepResult:
     """One mode of :func:`emulate_modes`."""
     res = emulate_modes(
-        emu, batches, link_bytes_per_s=link_bytes_per_s, modes=(mode,), repeats=repeats,
-        only_ranks=only_ranks,
-    )  # fmt: skip
+        emu, batches, link_bytes_per_s=link_bytes_per_s, modes=(mode,), repeats=repeats
+    )
     return res[mode]
 
 
