@@ -14,23 +14,33 @@ stop the later ones:
   need imports, failing in seconds and naming the missing ones;
 - ``build``: ``python setup.py build_ext --inplace`` (skipped when ``orchmllm/_core`` for this
   Python is newer than every file of ``cpp/``);
-- ``gpu-step-8x60``: ``benchmarks/gpu_step.py`` at 8 emulated ranks x 60 examples, every
-  mode, one measured step, the simulator's prediction for the same set-up beside every figure;
+- ``gpu-step-8x60``: ``benchmarks/gpu_step.py``'s sound step at 8 emulated ranks x 60
+  examples, every mode, one measured step (every rank's exact inputs once untimed, then 3 timed
+  repeats per mode, interleaved; the identical-work self-check), the simulator's prediction and
+  per-phase measured/simulated beside every figure;
+- ``new-shape``: ``gpu_step --new-shape-cost``: what an encoder's first call on a new input
+  shape costs over a warm call;
 - ``cuda-tests``: ``pytest -m cuda`` over the test modules that hold such tests: the fused
   ``varlen_attn`` kernel against per-sequence SDPA in bf16 and fp32, every encoder on an empty
   batch, NCCL at world size 1 through the dispatcher and the orchestrator (equal to gloo), the
   single-process NCCL training smoke test, the per-phase CUDA memory report;
+- ``calibration``: block costs measured on this GPU (a hook: reported as not built until
+  :data:`CALIBRATION_COMMAND` names its command);
 - ``train``: ``benchmarks/train_memory.py``: the trainer (``torchrun --nproc_per_node=1``,
   bf16) for 5 steps of ``configs/mllm-10b-1gpu.yaml``, peak memory per phase beside the
   memory model's prediction;
-- ``gpu-step-32x20``: gpu_step at 32 emulated ranks x 20 examples.
+- ``gpu-step-32x20``: gpu_step at 32 emulated ranks x 20 examples;
+- ``gpu-step-128x10``: with ``--large`` only (it does not fit the 8 minutes).
+
+Every part runs with one ``ORCHMLLM_RUN_ID``, written into every record as ``run_id`` (and into
+``gpu_check_<gpu>.json``), so the documents can check that their GPU figures come from one run.
 
 It writes into ``--out`` (default ``benchmarks/results``), ``<gpu>`` being the GPU's short name
-(``h100``) or ``cpu``: ``gpu_step_<gpu>.json`` (gpu_step's records of both set-ups),
-``gpu_memory_<gpu>.json`` (train_memory's records), ``gpu_check_<gpu>.json`` (the environment
-and every part's status, seconds and limit) and ``gpu_check_<gpu>.log`` (every part's whole
-output), and ends with a table of the parts. The limits sum to 475 s, so the whole run stays
-under 8 minutes.
+(``h100``) or ``cpu``: ``gpu_step_<gpu>.json`` (gpu_step's records of every set-up),
+``new_shape_<gpu>.json``, ``gpu_memory_<gpu>.json`` (train_memory's records),
+``gpu_check_<gpu>.json`` (the run id, the environment and every part's status, seconds and
+limit) and ``gpu_check_<gpu>.log`` (every part's whole output), and ends with a table of the
+parts. The limits sum to 480 s, so the whole run stays within 8 minutes.
 
 Without a GPU the same script runs its CPU path, which the test suite runs: ``cuda-tests`` is
 skipped, gpu_step runs the tiny config at 4 x 4 and 8 x 2, the trainer the tiny config on
@@ -91,35 +101,45 @@ class Part:
 
 
 # Limits: each part's estimated H100 time with margin, so that the whole run ends within 8
-# minutes (they sum to 475 s), with what the first run on the lent H100 measured (2026-11-26).
+# minutes (they sum to 480 s), with what the first run on the lent H100 measured (2026-11-26).
 # FLOPs are counted at 400 TFLOP/s, half the 800 TFLOP/s a large bf16 matrix product reaches
 # on the lent H100.
 # - env, ~5 s: one process imports torch, datasets and the rest; installing the carried wheels
 #   ~5 s. Measured 9.8 s.
 # - build, ~10 s: ten C++17 files at -O3 compile in parallel; the slowest takes 8 s on one core
 #   (35 s serial on the 2-core development machine). Measured 10.8 s.
-# - gpu-step 8x60, ~85 s: MLLM-10B with layers / 4 (3.3 B parameters). An LLM token costs
-#   6 x 1.63 B (blocks) + 6 x 0.55 B (LM head) + 2 x 1.63 B (recomputed blocks) = 16.3 GFLOP;
-#   480 examples hold about 333k LLM tokens (5.5 PFLOP), their images and clips about 0.9
-#   PFLOP more: 6.4 PFLOP, 16 s, per emulated step of all ranks. A warm-up and three modes of
-#   one measured step: 4 x 16 = 64 s, plus ~20 s start-up (examples are generated on the
-#   host). The first run timed out at 115 s: the model was then initialised on the host (about
-#   45 s for 3.3 B weights); it is now built on the GPU. First after build: it is the figure
-#   the proof is for.
-# - cuda-tests, ~40 s: collecting the suite ~10 s; the attention tests are a few GFLOP; the
-#   NCCL test starts two one-process groups (~10 s each); the training smoke test is a tiny
-#   torchrun of 3 steps. Measured 39 s.
-# - train, ~45 s: MLLM-10B widths with 4 layers (2.35 B parameters) and 8 examples (~6k LLM
-#   tokens) a step: 6 x 2.35 B x 6k = 85 TFLOP, well under a second; 5 steps plus torchrun
-#   and a 40-example dataset written: ~45 s. Measured 49 s to its fifth step.
-# - gpu-step 32x20, ~95 s: 640 examples, about 450k LLM tokens, 8.6 PFLOP: 22 s per emulated
-#   step; the warm-up runs 8 of the 32 ranks: 3.25 x 22 = 72 s, plus ~20 s start-up.
+# - gpu-step 8x60 and 32x20: below, at GPU_STEP_RUNS (the replaced method's single pass took
+#   81 s and 95 s at layers / 4; the run was then the start-up the issue 38 found).
+# - cuda-tests, ~40 s (limit 50): collecting the suite ~10 s; the attention tests are a few
+#   GFLOP; the NCCL test starts two one-process groups (~10 s each); the training smoke test
+#   is a tiny torchrun of 3 steps. Measured 39 s.
+# - train, ~30 s (limit 45): MLLM-10B widths with 4 layers (2.35 B parameters) and 8 examples
+#   (~6k LLM tokens) a step: 6 x 2.35 B x 6k = 85 TFLOP, well under a second; 5 steps plus
+#   torchrun and a 40-example dataset written. Measured 49 s to its fifth step, then 27 s.
+# - calibration: 30 s reserved for the block-cost measurement (issue 38, items 3-4).
 ENV_LIMIT_S = 20
-# The two gpu_step runs: (emulated ranks, examples per rank, limit in seconds); the reported
-# set-ups on CUDA, one measured step each, and small ones of the tiny config on CPU.
-GPU_STEP_RUNS = {"cuda": ((8, 60, 140), (32, 20, 140)), "cpu": ((4, 4, 140), (8, 2, 140))}
-WARMUP_RANKS = 8  # ranks of gpu_step's warm-up step on CUDA (all of them at 8 ranks)
-SKIPPABLE = ("build", "cuda-tests", "gpu-step", "train")
+# The gpu_step runs: (emulated ranks, examples per rank, limit in seconds); the reported
+# set-ups on CUDA, small ones of the tiny config on CPU. Each rank runs 1 untimed + 3 timed
+# times per mode (gpu_step's sound step), 12 passes over all ranks, 3x the replaced method's 4:
+# the CUDA runs divide the layers by 8 instead of 4 to stay within 8 minutes (LLM 4, vision 4,
+# audio 4 layers; the simulator predicts the same layers). Estimates from the 2026-11-26 H100
+# run (one pass over all ranks, layers / 4: 14.5 s at 8 x 60, 24 s at 32 x 20, host work
+# included), about 0.6x at layers / 8:
+# - 8 x 60: 12 x 9 s = 108 s, plus ~20 s start-up and sampling;
+# - 32 x 20: 12 x 11 s of GPU work (the host's per-rank work is done once per rank and mode, not
+#   per repeat) = ~130 s, plus ~25 s start-up;
+# - 128 x 10 (``--large`` only, outside the 8 minutes): ~2x 32 x 20, ~300 s.
+GPU_STEP_RUNS = {"cuda": ((8, 60, 140), (32, 20, 150)), "cpu": ((4, 4, 140), (8, 2, 140))}
+LARGE_RUN = (128, 10, 420)  # CUDA only, with --large
+GPU_STEP_LAYER_DIVISOR = 8  # on CUDA (above); the CPU path runs the tiny config whole
+GPU_STEP_REPEATS = 3
+# - new-shape, ~10 s: the model built, then per encoder 1 + 5 x (1 + 3) encoder passes of 60
+#   items.
+NEW_SHAPE_LIMIT_S = 20
+# The calibration part (block costs measured on this GPU): built by issue 38's items 3-4; until
+# it sets a command here the part is reported as not built.
+CALIBRATION_COMMAND: tuple[str, ...] = ()
+SKIPPABLE = ("build", "cuda-tests", "gpu-step", "new-shape", "calibration", "train")
 
 
 def cuda_test_files() -> list[str]:
@@ -129,28 +149,34 @@ def cuda_test_files() -> list[str]:
     return [str(t.relative_to(ROOT)) for t in tests if "pytest.mark.cuda" in t.read_text()]
 
 
-def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str) -> list[Part]:
+def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str, large: bool = False) -> list[Part]:
     """The parts after ``env`` for this device (module docstring; limits above)."""
     py = sys.executable
+    step = (py, "-m", "benchmarks.gpu_step", "--repeats", str(GPU_STEP_REPEATS))
+    step += ("--layer-divisor", str(GPU_STEP_LAYER_DIVISOR)) if cuda else ("--device", "cpu")
 
     def gpu_step(ranks: int, per_rank: int, limit_s: int) -> Part:
-        command = [py, "-m", "benchmarks.gpu_step", "--ranks", str(ranks)]
-        command += ["--examples-per-rank", str(per_rank), "--steps", "1"]
-        command += ["--json", str(tmp / f"gpu_step_{ranks}x{per_rank}.json")]
-        command += ["--warmup-ranks", str(WARMUP_RANKS)] if cuda else ["--device", "cpu"]
+        command = [*step, "--ranks", str(ranks), "--examples-per-rank", str(per_rank)]
+        command += ["--steps", "1", "--json", str(tmp / f"gpu_step_{ranks}x{per_rank}.json")]
         return Part(f"gpu-step-{ranks}x{per_rank}", limit_s, RUNTIME, tuple(command))
 
     first, second = GPU_STEP_RUNS["cuda" if cuda else "cpu"]
+    new_shape = (*step, "--new-shape-cost", "--json", str(out / f"new_shape_{gpu}.json"))
     train = (py, "-m", "benchmarks.train_memory", "--json", str(out / f"gpu_memory_{gpu}.json"))
-    return [
-        Part("build", 30, ("setuptools", "pybind11"), (py, "setup.py", "build_ext", "--inplace")),
+    todo = [
+        Part("build", 25, ("setuptools", "pybind11"), (py, "setup.py", "build_ext", "--inplace")),
         gpu_step(*first),
-        Part("cuda-tests", 70, (*RUNTIME, "pytest", "pytest_timeout"),
+        Part("new-shape", NEW_SHAPE_LIMIT_S, RUNTIME, new_shape),
+        Part("cuda-tests", 50, (*RUNTIME, "pytest", "pytest_timeout"),
              (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *cuda_test_files()),
              cuda_only=True),
-        Part("train", 75, (*RUNTIME, *CARRIED), train),
+        Part("calibration", 30, RUNTIME, CALIBRATION_COMMAND, cuda_only=True),
+        Part("train", 45, (*RUNTIME, *CARRIED), train),
         gpu_step(*second),
     ]  # fmt: skip
+    if large and cuda:
+        todo.append(gpu_step(*LARGE_RUN))
+    return todo
 
 
 # -- running a part ------------------------------------------------------------------------
@@ -288,6 +314,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir")
     ap.add_argument("--skip", nargs="+", choices=SKIPPABLE, default=[], help="parts not to run")
     ap.add_argument(
+        "--large",
+        action="store_true",
+        help=f"also gpu_step at {LARGE_RUN[0]} x {LARGE_RUN[1]} (CUDA; outside the 8 minutes)",
+    )
+    ap.add_argument(
         "--download-wheels",
         action="store_true",
         help=f"only fetch the carried wheels ({', '.join(CARRIED)}) into wheels/ for Python "
@@ -321,10 +352,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # env: carried wheels, then one process imports everything and reports the GPU
     carried = install_carried_wheels()
     path = [str(ROOT), str(SITE) if SITE.exists() else "", os.environ.get("PYTHONPATH", "")]
+    # One run id in every record any part writes (provenance.RUN_ID_ENV): the docs' GPU
+    # figures are checked to come from one run.
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env["ORCHMLLM_RUN_ID"] = run_id
     info = probe(env)
     gpu = short_gpu_name(info["gpu"])
-    todo = parts(cuda=info["cuda"], tmp=tmp, out=out, gpu=gpu)
+    todo = parts(cuda=info["cuda"], tmp=tmp, out=out, gpu=gpu, large=args.large)
     missing = check_env([p for p in todo if not p.name.startswith(tuple(args.skip))], info)
     print(
         f"gpu_check: python {info['python']}, torch {info.get('torch')}, "
@@ -352,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(_row(part.name, "not run (env failed)", None, part.limit_s))
             elif part.cuda_only and not info["cuda"]:
                 rows.append(_row(part.name, "skipped (no CUDA GPU)", None, part.limit_s))
+            elif not part.command:
+                rows.append(_row(part.name, "skipped (not built yet)", None, part.limit_s))
             elif part.name == "build" and core_is_current():
                 rows.append(_row(part.name, "ok (core up to date)", 0.0, part.limit_s))
             else:
@@ -364,7 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     merge_gpu_step(tmp, out, gpu)
     shutil.rmtree(tmp, ignore_errors=True)
     total = time.perf_counter() - started
-    report = {"env": info, "wheels": carried, "missing": missing, "total_s": total, "parts": rows}
+    report = {
+        "run_id": run_id, "env": info, "wheels": carried, "missing": missing, "total_s": total,
+        "parts": rows,
+    }  # fmt: skip
     (out / f"gpu_check_{gpu}.json").write_text(json.dumps(report, indent=1) + "\n")
     print_summary(rows)
     written = sorted(p.name for p in out.iterdir() if p.stat().st_mtime >= started_at)

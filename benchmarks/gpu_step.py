@@ -13,8 +13,22 @@ One GPU cannot run many NCCL ranks, so this emulates ``--ranks`` data-parallel r
    the rank's examples in the LLM layout: text embeddings interleaved with stand-in encoder
    outputs (leaf tensors of the encoded lengths; their gradients are what the all-to-all would
    send back), so its compute and memory are those of the real step. Each encoder's backward
-   takes a random upstream gradient of its output's shape. Pieces are timed with CUDA events
-   after warm-up on GPU, with ``time.perf_counter`` on CPU.
+   takes a random upstream gradient of its output's shape.
+
+Timing (the "sound step"): per rank, every mode's exact inputs run once untimed, so every
+shape the timed runs meet is warm (kernel selection, allocator, caches: a new shape's first
+call is what ``--new-shape-cost`` measures); then ``--repeats`` (3) timed rounds, each running
+every mode, in an order rotated each round, so the modes see the same state. A phase's time on
+a rank is the median of its repeats; the record keeps the spread (``<phase>_spread_max``) and
+every repeat's step. CUDA events time the phases on a GPU (read after a synchronize at the end
+of each rank's step); on CPU the thread's CPU time (torch runs single-threaded there), which on
+a shared CPU does not count other processes' time slices.
+
+Self-check: ``llm`` balances only the LLM, so every encoder runs the very same inputs on every
+rank under ``none`` and ``llm``; their encoder phases must time within ``--tolerance`` (5%) of
+each other (slowest rank and mean rank), else the record is marked unsound (``sound``,
+``unsound_phases``). Every record carries ``definitions`` (what each figure means), a
+``run_id`` and, per phase, measured over simulated (``<phase>_<max|mean>_over_sim``).
 
 The emulated step time is, per phase, the slowest rank's time (FSDP's collectives make every
 rank wait for it), summed over phases, plus the dispatch cost: the measured planning time
@@ -55,9 +69,10 @@ since a fresh clone does not have it)::
 
     python setup.py build_ext --inplace
     python -m benchmarks.gpu_step [--quick] [--ranks R] [--examples-per-rank B ...] [--json PATH]
+    python -m benchmarks.gpu_step --new-shape-cost [--json PATH]
 
 ``benchmarks/gpu_check.py`` runs it at the set-ups the project reports (8 ranks x 60 and 32 x
-20), together with the other GPU checks.
+20, layers / 8), together with the other GPU checks.
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -78,7 +94,7 @@ from torch import Tensor
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import TEXT, SyntheticConfig, generate_example
 from orchmllm.models import MLLM, apply_checkpointing, build_model, compute_dtype
-from orchmllm.provenance import write_records
+from orchmllm.provenance import RUN_ID_ENV, write_records
 from orchmllm.recipe import ItemLengths
 from orchmllm.schema import IGNORE_INDEX, LLM, MODALITIES
 from orchmllm.sim.batch import Batch
@@ -301,14 +317,17 @@ class RankResult:
 
 
 class _Clock:
-    """CUDA events on GPU (read after one synchronize), ``perf_counter`` on CPU."""
+    """CUDA events on GPU (read after one synchronize); on CPU the calling thread's CPU time
+    (``time.thread_time``: torch runs single-threaded there, so every op runs in this thread),
+    which, unlike wall time, does not count the time slices other processes take on a shared
+    CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
     def mark(self):
         if not self.cuda:
-            return time.perf_counter()
+            return time.thread_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -424,16 +443,19 @@ class Emulator:
 
 @dataclass
 class StepResult:
-    """One emulated step of one mode."""
+    """One emulated step of one mode: per phase and rank, the median of the timed repeats."""
 
     phases: tuple[str, ...]  # each encoder's, then the LLM's
-    phase_times: np.ndarray  # (phases, ranks) seconds
+    phase_times: np.ndarray  # (phases, ranks) seconds: median of the repeats
+    phase_spread: np.ndarray  # (phases, ranks): (slowest - fastest repeat) / median
+    repeat_steps: np.ndarray  # (repeats,) the step (compute) of each repeat alone
     plan_s: float
     a2a_s: float
     plan_imbalance: dict[str, float]
     peak_bytes: int
     llm_tokens: int
     items: dict[str, int]  # encoder name -> items encoded over all ranks
+    raw_lengths: list[dict[str, Tensor]]  # per rank: encoder name -> raw rows per item
 
     @property
     def dispatch_s(self) -> float:
@@ -448,45 +470,127 @@ class StepResult:
         return float(self.phase_times.mean(axis=1).sum())
 
 
+def emulate_modes(
+    emu: Emulator,
+    batches: Sequence[Sequence[dict]],
+    *,
+    link_bytes_per_s: float,
+    modes: tuple[str, ...] = MODES,
+    repeats: int = 3,
+) -> dict[str, StepResult]:
+    """Plan ``batches`` (one per rank) for every mode and time every rank's step in each.
+
+    Per rank, every mode's exact inputs run once untimed first (each shape the timed runs meet
+    is then warm: kernel selection, allocator, caches), then ``repeats`` timed rounds, each
+    running every mode, in an order rotated each round (so no mode always runs first or
+    follows the same one): all modes see the same state and drift hits them alike. A phase's
+    time is the median of its repeats.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    ranks = len(batches)
+    rows, src = gathered_rows(batches)
+    examples = [ex for b in batches for ex in b]
+    elem = torch.empty((), dtype=emu.dtype).element_size()
+    plans, plan_s = {}, {}
+    for mode in modes:
+        plans[mode], plan_s[mode] = plan_mode(rows, src, emu.cfg, ranks=ranks, mode=mode)
+    phases = emu.cfg.phases
+    times = {m: np.zeros((len(phases), ranks, repeats)) for m in modes}
+    runs: dict[str, list[RankResult]] = {m: [] for m in modes}
+    lengths: dict[str, list] = {m: [] for m in modes}
+    for r in range(ranks):
+        works = {m: rank_work(plans[m], r, examples, emu.cfg, emu.dtype) for m in modes}
+        for m in modes:  # warm: this rank's exact shapes, untimed
+            emu.run(works[m], denom=plans[m].num_targets)
+        for k in range(repeats):
+            for m in modes[k % len(modes) :] + modes[: k % len(modes)]:  # each first in turn
+                run = emu.run(works[m], denom=plans[m].num_targets)
+                times[m][:, r, k] = [run.times[p] for p in phases]
+                runs[m].append(run)
+        for m in modes:
+            lengths[m].append(works[m].raw_lengths)
+    out = {}
+    for m in modes:
+        t = times[m]
+        median = np.median(t, axis=2)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a phase with no item: 0 / 0
+            spread = np.nan_to_num((t.max(axis=2) - t.min(axis=2)) / median)
+        stats = plans[m].stats()
+        out[m] = StepResult(
+            phases=phases,
+            phase_times=median,
+            phase_spread=spread,
+            repeat_steps=t.max(axis=1).sum(axis=0),
+            plan_s=0.0 if m == "none" else plan_s[m],  # training without balancing plans nothing
+            a2a_s=a2a_estimate_s(
+                plans[m], emu.cfg, elem_bytes=elem, link_bytes_per_s=link_bytes_per_s
+            ),
+            plan_imbalance={p: float(stats[p]["imbalance_after"]) for p in phases},
+            peak_bytes=max(run.peak_bytes for run in runs[m]),
+            llm_tokens=sum(run.llm_tokens for run in runs[m][::repeats]),
+            items={
+                n: sum(run.items[n] for run in runs[m][::repeats]) for n in emu.cfg.model.encoders
+            },
+            raw_lengths=lengths[m],
+        )
+    return out
+
+
 def emulate_step(
     emu: Emulator,
     batches: Sequence[Sequence[dict]],
     *,
     mode: str,
     link_bytes_per_s: float,
-    only_ranks: Sequence[int] | None = None,
     repeats: int = 1,
 ) -> StepResult:
-    """Plan ``batches`` (one per rank) for ``mode`` and run every rank's step in turn.
-
-    With ``repeats`` > 1 each rank's step runs that many times and each phase keeps its
-    fastest time: the work is identical, slower runs only measure interference (shared CPU).
-    """
-    ranks = len(batches)
-    rows, src = gathered_rows(batches)
-    plan, plan_s = plan_mode(rows, src, emu.cfg, ranks=ranks, mode=mode)
-    examples = [ex for b in batches for ex in b]
-    elem = torch.empty((), dtype=emu.dtype).element_size()
-    a2a_s = a2a_estimate_s(plan, emu.cfg, elem_bytes=elem, link_bytes_per_s=link_bytes_per_s)
-    phases = emu.cfg.phases
-    times = np.zeros((len(phases), ranks))
-    results = []
-    for r in range(ranks) if only_ranks is None else only_ranks:
-        work = rank_work(plan, r, examples, emu.cfg, emu.dtype)
-        runs = [emu.run(work, denom=plan.num_targets) for _ in range(repeats)]
-        times[:, r] = [min(run.times[p] for run in runs) for p in phases]
-        results.append(runs[0])
-    stats = plan.stats()
-    return StepResult(
-        phases=phases,
-        phase_times=times,
-        plan_s=0.0 if mode == "none" else plan_s,  # training without balancing plans nothing
-        a2a_s=a2a_s,
-        plan_imbalance={p: float(stats[p]["imbalance_after"]) for p in phases},
-        peak_bytes=max(r.peak_bytes for r in results),
-        llm_tokens=sum(r.llm_tokens for r in results),
-        items={n: sum(r.items[n] for r in results) for n in emu.cfg.model.encoders},
+    """One mode of :func:`emulate_modes`."""
+    res = emulate_modes(
+        emu, batches, link_bytes_per_s=link_bytes_per_s, modes=(mode,), repeats=repeats
     )
+    return res[mode]
+
+
+# -- the identical-work self-check -------------------------------------------------------------
+
+# Encoder work is identical under ``none`` and ``llm`` (only the LLM's layout changes), so
+# their encoder phases must time alike; a gap larger than this says the timing is unsound.
+CHECK_TOLERANCE = 0.05
+CHECK_MODES = ("none", "llm")
+
+
+def identical_work_check(
+    steps: Sequence[dict[str, StepResult]], encoders: Sequence[str], *, tolerance: float
+) -> dict:
+    """Each encoder phase under ``llm`` over ``none``, slowest rank (what the step pays) and
+    mean rank (the ideal), over the measured steps; the record is ``sound`` when every ratio
+    is within ``tolerance`` of 1. A phase whose inputs differ between the two modes on some
+    rank cannot be checked (it would mean ``llm`` moved encoder items) and fails the check."""
+    out: dict = {"check_tolerance": tolerance, "check_modes": list(CHECK_MODES)}
+    unsound = []
+    a, b = CHECK_MODES
+    for name in encoders:
+        i = steps[0][a].phases.index(name)
+        same = all(
+            all(
+                torch.equal(x[name], y[name])
+                for x, y in zip(s[a].raw_lengths, s[b].raw_lengths, strict=True)
+            )
+            for s in steps
+        )
+        ratios = {}
+        for stat, reduce in (("max", np.max), ("mean", np.mean)):
+            base = sum(float(reduce(s[a].phase_times[i])) for s in steps)
+            other = sum(float(reduce(s[b].phase_times[i])) for s in steps)
+            ratios[stat] = other / base if base > 0 else 1.0
+            out[f"check_{name}_{stat}_ratio"] = ratios[stat]
+        out[f"check_{name}_identical_work"] = same
+        if not same or any(abs(v - 1.0) > tolerance for v in ratios.values()):
+            unsound.append(name)
+    out["unsound_phases"] = unsound
+    out["sound"] = not unsound
+    return out
 
 
 def _imbalance(times: np.ndarray) -> float:
@@ -498,10 +602,12 @@ def summarize_mode(steps: Sequence[StepResult], *, ranks: int) -> dict:
     """Flat record of one mode over the measured steps (means, worst-rank memory)."""
     step_s = float(np.mean([s.step_s for s in steps]))
     ideal_s = float(np.mean([s.ideal_s for s in steps]))
+    repeat_steps = np.mean([s.repeat_steps + s.dispatch_s for s in steps], axis=0)
     rec = {
         "step_time_s": step_s,
         "ideal_step_s": ideal_s,
         "step_over_ideal": step_s / ideal_s,
+        "step_time_repeats_s": [float(x) for x in repeat_steps],
         "plan_s": float(np.mean([s.plan_s for s in steps])),
         "a2a_est_s": float(np.mean([s.a2a_s for s in steps])),
         "peak_mem_bytes": max(s.peak_bytes for s in steps),
@@ -515,7 +621,35 @@ def summarize_mode(steps: Sequence[StepResult], *, ranks: int) -> dict:
         rec[f"{p}_mean_s"] = float(np.mean([s.phase_times[i].mean() for s in steps]))
         rec[f"{p}_imbalance"] = float(np.mean([_imbalance(s.phase_times[i]) for s in steps]))
         rec[f"{p}_plan_imbalance"] = float(np.mean([s.plan_imbalance[p] for s in steps]))
+        rec[f"{p}_spread_max"] = float(max(s.phase_spread[i].max() for s in steps))
+        rec[f"{p}_rank_s"] = [float(x) for x in np.mean([s.phase_times[i] for s in steps], 0)]
     return rec
+
+
+# What every figure of a record means (written into each record, so a file read alone says).
+DEFINITIONS = {
+    "phase time": "one rank's forward + backward of the phase: the median of `repeats` timed "
+    "runs after one untimed run of the same inputs (warm shapes); modes interleaved per rank",
+    "<phase>_max_s": "slowest rank's phase time (FSDP makes every rank wait for it)",
+    "<phase>_mean_s": "mean rank phase time",
+    "<phase>_rank_s": "every rank's phase time",
+    "<phase>_spread_max": "largest (slowest - fastest repeat) / median over the phase's ranks",
+    "step_time_s": "sum over phases of <phase>_max_s, plus plan_s and a2a_est_s",
+    "step_time_repeats_s": "step_time_s of each timed repeat alone (phases' slowest ranks)",
+    "ideal_step_s": "sum over phases of <phase>_mean_s: every rank holding the mean load, no "
+    "dispatch",
+    "step_over_ideal": "step_time_s / ideal_step_s",
+    "speedup_vs_none": "step_time_s of `none` / this mode's step_time_s (same batches)",
+    "speedup_vs_llm": "step_time_s of `llm` / this mode's step_time_s (same batches)",
+    "tokens_per_s": "LLM tokens per step / ranks / step_time_s",
+    "sim_<figure>": "the simulator's figure for the same set-up and batches "
+    "(orchmllm.sim.emulated)",
+    "<phase>_<max|mean>_over_sim": "<phase>_<max|mean>_s / sim_<phase>_<max|mean>_s",
+    "check_<encoder>_<max|mean>_ratio": "<encoder>_<max|mean>_s under `llm` / under `none`: "
+    "identical work (same items on every rank), so it must be within check_tolerance of 1",
+    "sound": "every check ratio within check_tolerance (else unsound_phases names them)",
+    "run_id": "the run that wrote the record (gpu_check gives all its parts one)",
+}
 
 
 def _progress(line: str) -> None:
@@ -532,11 +666,12 @@ def run_benchmark(
     steps: int,
     seed: int,
     sim: EmulatedSetup,
-    warmup_ranks: int,
-    repeats: int = 1,
+    repeats: int = 3,
+    tolerance: float = CHECK_TOLERANCE,
 ) -> list[dict]:
     """Records for every (examples per rank, mode), all modes on the same sampled batches,
-    each with the simulator's prediction for the same set-up and batches (``sim_*``)."""
+    each with the simulator's prediction for the same set-up and batches (``sim_*``), the
+    per-phase measured/simulated ratios and the identical-work self-check."""
     t0 = time.perf_counter()
     emu = Emulator.build(cfg, device=device, seed=seed)
     _progress(f"model built on {device} in {time.perf_counter() - t0:.1f} s")
@@ -544,39 +679,32 @@ def run_benchmark(
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     records = []
     for per_rank in examples_per_rank:
-        if warmup_ranks:  # unmeasured batches (ids after the measured ones)
-            t0 = time.perf_counter()
-            batches = sample_ranks(cfg, step=steps, ranks=ranks, per_rank=per_rank, seed=seed)
-            only = range(min(warmup_ranks, ranks))
-            emulate_step(emu, batches, mode="full", link_bytes_per_s=link, only_ranks=only)
-            _progress(f"warm-up on {len(only)} ranks in {time.perf_counter() - t0:.1f} s")
-        results: dict[str, list[StepResult]] = {m: [] for m in MODES}
+        results: list[dict[str, StepResult]] = []
         measured = []
         for step in range(steps):
             t0 = time.perf_counter()
             batches = sample_ranks(cfg, step=step, ranks=ranks, per_rank=per_rank, seed=seed)
             measured.append(sim_batch(batches))
             _progress(f"step {step}: sampled in {time.perf_counter() - t0:.1f} s")
-            for mode in MODES:  # interleaved, so drift hits every mode alike
-                t0 = time.perf_counter()
-                results[mode].append(
-                    emulate_step(emu, batches, mode=mode, link_bytes_per_s=link, repeats=repeats)
-                )
-                _progress(
-                    f"step {step} {mode}: emulated step {results[mode][-1].step_s:.3f} s, "
-                    f"measured in {time.perf_counter() - t0:.1f} s"
-                )
-        summary = {m: summarize_mode(results[m], ranks=ranks) for m in MODES}
+            t0 = time.perf_counter()
+            results.append(emulate_modes(emu, batches, link_bytes_per_s=link, repeats=repeats))
+            _progress(
+                f"step {step}: "
+                + ", ".join(f"{m} {results[-1][m].step_s:.4f} s" for m in MODES)
+                + f"; measured in {time.perf_counter() - t0:.1f} s"
+            )
+        summary = {m: summarize_mode([r[m] for r in results], ranks=ranks) for m in MODES}
+        check = identical_work_check(results, list(cfg.model.encoders), tolerance=tolerance)
         predicted = sim.predict(measured, modes=MODES)
         for mode in MODES:
             rec = {
                 "mode": mode,
                 "device": dev_name,
+                "method": "warm-median",  # gpu_step's timing method (DEFINITIONS)
                 "ranks": ranks,
                 "examples_per_rank": per_rank,
                 "steps": steps,
                 "repeats": repeats,
-                "warmup_ranks": min(warmup_ranks, ranks),
                 "dtype": str(emu.dtype).removeprefix("torch."),
                 "llm_layers": cfg.model.llm.layers,
                 **{f"{n}_layers": e.layers for n, e in cfg.model.encoders.items()},
@@ -584,11 +712,92 @@ def run_benchmark(
                 if device.type == "cuda"
                 else "cpu_proxy_params_grads_saved_tensors",
                 **summary[mode],
+                **check,
             }
             rec["speedup_vs_none"] = summary["none"]["step_time_s"] / rec["step_time_s"]
             rec["speedup_vs_llm"] = summary["llm"]["step_time_s"] / rec["step_time_s"]
             rec.update({f"sim_{k}": v for k, v in predicted[mode].items()})
+            for p in cfg.phases:
+                for stat in ("max", "mean"):
+                    simulated = rec[f"sim_{p}_{stat}_s"]
+                    measured_s = rec[f"{p}_{stat}_s"]
+                    rec[f"{p}_{stat}_over_sim"] = measured_s / simulated if simulated else None
+            rec["definitions"] = DEFINITIONS
             records.append(rec)
+    return records
+
+
+# -- the cost of a new shape -------------------------------------------------------------------
+
+
+def _encoder_pass(emu: Emulator, name: str, raw: Tensor, lengths: Tensor) -> float:
+    """One encoder's forward and backward (random upstream gradient), timed; seconds."""
+    clock = _Clock(emu.device)
+    for p in emu.params():
+        p.grad = None
+    if clock.cuda:
+        torch.cuda.synchronize(emu.device)
+    start = clock.mark()
+    out = emu.model.encoders[name](raw, lengths)
+    if out.requires_grad:
+        out.backward(torch.randn_like(out))
+    end = clock.mark()
+    if clock.cuda:
+        torch.cuda.synchronize(emu.device)  # both events done before they are read
+    return clock.seconds(start, end)
+
+
+def new_shape_cost(
+    emu: Emulator, *, items: int, shapes: int, repeats: int, seed: int
+) -> list[dict]:
+    """Per encoder, what its first forward and backward on a new input shape costs over the
+    same call once that shape is warm: ``shapes`` shapes never run before in the process (the
+    first ``items`` items the data mix samples, every length grown by a further step of the
+    encoder's length unit: a new padded width for audio, a new packed total for vision), each
+    run once (first) then ``repeats`` times (warm, median). One throwaway shape runs first, so the
+    process's own start-up is not counted."""
+    cfg = emu.cfg
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for name, enc in cfg.model.encoders.items():
+        base, step = [], 0
+        while len(base) < items and step < 100:  # the first ``items`` items the mix samples
+            (batch,) = sample_ranks(cfg, step=step, ranks=1, per_rank=items, seed=seed)
+            base += [len(a) for ex in batch for a in ex[MODALITIES[name].key]]
+            step += 1
+        base = base[:items]
+        if not base:
+            continue
+        unit = enc.rate.divisor
+        grown = [torch.as_tensor(base, dtype=torch.int64) + k * unit for k in range(shapes + 1)]
+
+        def inputs(lengths: Tensor, width: int = enc.feature_dim) -> tuple[Tensor, Tensor]:
+            raw = torch.randn(int(lengths.sum()), width, generator=gen)
+            return raw.to(emu.device, emu.dtype), lengths.to(emu.device)
+
+        _encoder_pass(emu, name, *inputs(grown[0]))  # process start-up, not a new-shape cost
+        first, warm = [], []
+        for k in range(1, shapes + 1):
+            raw, lengths = inputs(grown[k])
+            first.append(_encoder_pass(emu, name, raw, lengths))
+            warm.append(float(np.median([_encoder_pass(emu, name, raw, lengths)
+                                         for _ in range(repeats)])))  # fmt: skip
+        cost = [f - w for f, w in zip(first, warm, strict=True)]
+        records.append(
+            {
+                "figure": "new_shape_cost",
+                "encoder": name,
+                "items": len(base),
+                "shapes": shapes,
+                "repeats": repeats,
+                "length_unit": unit,
+                "first_s": float(np.median(first)),
+                "warm_s": float(np.median(warm)),
+                "cost_s": float(np.median(cost)),
+                "cost_over_warm": float(np.median(cost) / np.median(warm)),
+                "cost_each_s": cost,
+            }
+        )
     return records
 
 
@@ -646,6 +855,42 @@ def target_lines(records: Sequence[dict]) -> list[str]:
     return lines
 
 
+def print_phases(records: Sequence[dict], phases: Sequence[str]) -> None:
+    """Per phase, measured mean rank time beside the simulator's, and their ratio."""
+    cols = "".join(f" {p[:6] + ' s':>9} {'sim':>8} {'/sim':>6}" for p in phases)
+    print(f"{'ranks':>5} {'B/rank':>6} {'mode':>5}{cols}   (mean rank time per phase)")
+    for r in records:
+        cols = "".join(
+            f" {r[f'{p}_mean_s']:>9.4f} {r[f'sim_{p}_mean_s']:>8.4f}"
+            f" {_ratio_text(r[f'{p}_mean_over_sim']):>6}"
+            for p in phases
+        )
+        print(f"{r['ranks']:>5} {r['examples_per_rank']:>6} {r['mode']:>5}{cols}")
+
+
+def _ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def check_lines(records: Sequence[dict]) -> list[str]:
+    """One line per set-up: the identical-work self-check, sound or naming what failed."""
+    lines = []
+    for r in records:
+        if r["mode"] != "none":
+            continue
+        ratios = ", ".join(
+            f"{k.removeprefix('check_').removesuffix('_ratio')} {v:.3f}"
+            for k, v in r.items()
+            if k.startswith("check_") and k.endswith("_ratio")
+        )
+        verdict = "sound" if r["sound"] else "UNSOUND: " + ", ".join(r["unsound_phases"])
+        lines.append(
+            f"{r['ranks']} ranks x {r['examples_per_rank']}/rank self-check (llm/none on "
+            f"identical work, tolerance {r['check_tolerance']:.0%}): {ratios}: {verdict}"
+        )
+    return lines
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -665,17 +910,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=None,
-        help="mini-batch sizes (default: 60 20 on CUDA, the config's on CPU)",
+        help="mini-batch sizes (default: 60 20 on CUDA, the config's on CPU); with "
+        "--new-shape-cost, the items per encoder call (60 CUDA, 16 CPU)",
     )
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (3 GPU, 2 CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (1 GPU, 2 CPU)")
     ap.add_argument(
-        "--repeats", type=int, default=None, help="runs per rank, fastest kept (1 GPU, 3 CPU)"
-    )
-    ap.add_argument(
-        "--warmup-ranks",
+        "--repeats",
         type=int,
-        default=None,
-        help="ranks of the unmeasured warm-up step, from rank 0 (all on GPU, 1 on CPU; 0: none)",
+        default=3,
+        help="timed runs per rank and mode after one untimed run; the median is kept (3)",
+    )
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=CHECK_TOLERANCE,
+        help="the identical-work self-check: encoder phases under llm and none must time "
+        f"within this fraction of each other (default {CHECK_TOLERANCE})",
+    )
+    ap.add_argument(
+        "--new-shape-cost",
+        action="store_true",
+        help="measure only what an encoder's first call on a new input shape costs over a "
+        "warm call (records with figure new_shape_cost)",
+    )
+    ap.add_argument(
+        "--shapes", type=int, default=5, help="new shapes per encoder for --new-shape-cost"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -687,21 +946,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds on CPU")
     ap.add_argument("--json", default=None, help="write the records (a JSON list) here")
     args = ap.parse_args(argv)
-    for name in ("layer_divisor", "ranks", "steps", "repeats"):
+    for name in ("layer_divisor", "ranks", "steps", "repeats", "shapes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.warmup_ranks is not None and args.warmup_ranks < 0:
-        ap.error(f"--warmup-ranks must be >= 0, got {args.warmup_ranks}")
+    if not 0 < args.tolerance < 1:
+        ap.error(f"--tolerance must be in (0, 1), got {args.tolerance}")
     if args.examples_per_rank and min(args.examples_per_rank) < 1:
         ap.error(f"--examples-per-rank must be >= 1, got {args.examples_per_rank}")
     return args
+
+
+def new_run_id() -> str:
+    """A run id: UTC time to the second and the process id."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
+    # Every record names its run (provenance writes RUN_ID_ENV); gpu_check sets one for all
+    # its parts, so the figures of one check can be told from another's.
+    os.environ.setdefault(RUN_ID_ENV, new_run_id())
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
@@ -712,18 +979,37 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     cfg = load_config(args.config or str(ROOT / "configs" / default_config))
     divisor = args.layer_divisor or (4 if cuda and args.config is None else 1)
     cfg = scale_layers(cfg, divisor)
+    config = args.config or f"configs/{default_config}"
+    if args.new_shape_cost:
+        emu = Emulator.build(cfg, device=device, seed=args.seed)
+        items = args.examples_per_rank[0] if args.examples_per_rank else (60 if cuda else 16)
+        records = new_shape_cost(
+            emu, items=items, shapes=args.shapes, repeats=args.repeats, seed=args.seed
+        )
+        device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        for r in records:
+            r.update(device=device_name, config=config, layer_divisor=divisor,
+                     dtype=str(emu.dtype).removeprefix("torch."))  # fmt: skip
+        print(
+            f"{'encoder':>8} {'items':>5} {'first s':>9} {'warm s':>9} {'cost s':>9} {'/warm':>6}"
+        )
+        for r in records:
+            print(
+                f"{r['encoder']:>8} {r['items']:>5} {r['first_s']:>9.4f} {r['warm_s']:>9.4f}"
+                f" {r['cost_s']:>9.4f} {r['cost_over_warm']:>6.2f}"
+            )
+        if args.json:
+            write_records(args.json, records)
+        return records
     if args.quick:
         ranks, sizes, steps = 4 if not cuda else 8, [4] if not cuda else [20], 1
     else:
         ranks = 8 if cuda else 4
         sizes = [60, 20] if cuda else [cfg.data.examples_per_rank]
-        steps = 3 if cuda else 2
+        steps = 1 if cuda else 2
     ranks = args.ranks or ranks
     sizes = args.examples_per_rank or sizes
     steps = args.steps or steps
-    repeats = args.repeats or (1 if cuda else 3)
-    warmup_ranks = (ranks if cuda else 1) if args.warmup_ranks is None else args.warmup_ranks
-    config = args.config or f"configs/{default_config}"
     sim = EmulatedSetup.load(
         config if Path(config).is_absolute() else ROOT / config,
         layers={
@@ -737,8 +1023,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         f"device={device} config={config} layers/{divisor}: "
         f"llm {cfg.model.llm.layers}, "
         + ", ".join(f"{n} {e.layers}" for n, e in cfg.model.encoders.items())
-        + f"; ranks={ranks} examples/rank={sizes} steps={steps} repeats={repeats} "
-        f"warm-up ranks={warmup_ranks}",
+        + f"; ranks={ranks} examples/rank={sizes} steps={steps} repeats={args.repeats} "
+        f"run {os.environ[RUN_ID_ENV]}",
         flush=True,
     )
     records = run_benchmark(
@@ -749,14 +1035,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         steps=steps,
         seed=args.seed,
         sim=sim,
-        warmup_ranks=warmup_ranks,
-        repeats=repeats,
+        repeats=args.repeats,
+        tolerance=args.tolerance,
     )
     for r in records:  # what benchmarks/reproduce_paper.py needs to simulate the same set-up
         r.update(config=config, layer_divisor=divisor, seed=args.seed, link_gbs=args.link_gbs)
     print_table(records, cfg.phases)
+    print_phases(records, cfg.phases)
     print("targets: the simulator's prediction for this set-up (orchmllm.sim.emulated)")
     for line in target_lines(records):
+        print(line)
+    for line in check_lines(records):
         print(line)
     if not cuda:
         print("(on CPU the prediction is still an H100's: only the speed-ups compare)")

@@ -24,7 +24,8 @@ prints, next to the figures the paper's text reports and the ratio between them:
   the planning time of the real C++ planner and placement solver measured at that scale;
 - validation: for every ``gpu_step_*.json`` record of ``benchmarks/gpu_step.py --json`` under
   ``--gpu-results``, the same set-up (model shape and layer counts, emulated ranks, examples per
-  rank, the very examples, modes) simulated, and simulated vs measured step time and speed-up.
+  rank, the very examples, modes) simulated, and simulated vs measured step time and speed-up,
+  and per phase measured / simulated time (mean and slowest rank) on that identical work.
 
 Every speed-up is a mean with its min-max over ``--seeds`` seeds (5; 2 with ``--quick``). The
 paper's figures are images; only the numbers its text states are compared. Everything here is a
@@ -49,6 +50,7 @@ from orchmllm.config import load_config
 from orchmllm.data.synthetic import BLOCK, block_seed
 from orchmllm.provenance import write_records
 from orchmllm.recipe import ItemLengths
+from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import load_block_records, measured_fits
 from orchmllm.sim.emulated import EmulatedSetup
@@ -983,8 +985,10 @@ def gpu_batch(model: SimModel, ranks: int, per_rank: int, step: int, seed: int) 
 
 
 def validation(sw: Sweep, results_dir: Path) -> None:
-    """Simulated vs measured step time and speed-up for every ``gpu_step_*.json`` record."""
-    files = sorted(results_dir.glob("gpu_step_*.json"))
+    """Simulated vs measured step time and speed-up, and per phase measured / simulated, for
+    every record of ``results_dir`` (a gpu_step ``--json`` file, or a directory of
+    ``gpu_step_*.json`` files)."""
+    files = [results_dir] if results_dir.is_file() else sorted(results_dir.glob("gpu_step_*.json"))
     print("\n== Validation against measurement (benchmarks/gpu_step.py --json records)")
     if not files:
         print(
@@ -994,7 +998,7 @@ def validation(sw: Sweep, results_dir: Path) -> None:
         )
         sw.records.append({"figure": "gpu_validation", "gpu_records": 0})
         return
-    rows, devices = [], set()
+    rows, phase_rows, devices = [], [], set()
     for path in files:
         measured = json.loads(path.read_text())
         for ranks, per_rank in sorted({(r["ranks"], r["examples_per_rank"]) for r in measured}):
@@ -1015,9 +1019,23 @@ def validation(sw: Sweep, results_dir: Path) -> None:
             sim = {mode: p["step_time_s"] for mode, p in predicted.items()}
             for mode, rec in group.items():
                 sim_speedup = sim["none"] / sim[mode] if "none" in sim else None
+                # which gpu_step run and method measured it, and whether its self-check held
+                origin = {  # run_id is this run's own (provenance): gpu_run_id the GPU's
+                    "gpu_run_id": rec.get("run_id"),
+                    "method": rec.get("method"),
+                    "sound": rec.get("sound"),
+                }
+                for out in phase_validation(path.name, rec, predicted[mode], model, origin):
+                    sw.records.append(out)
+                    phase_rows.append(
+                        [path.name, rec["device"], rec["ranks"], per_rank, mode, out["phase"],
+                         out["measured_mean_s"], out["sim_mean_s"], out["mean_ratio"],
+                         out["measured_max_s"], out["sim_max_s"], out["max_ratio"]]
+                    )  # fmt: skip
                 out = {
                     "figure": "gpu_validation",
                     "source": path.name,
+                    **origin,
                     "device": rec["device"],
                     "model": model.name,
                     "layers": [rec[f"{p}_layers"] for p in (*model.config.encoders, "llm")],
@@ -1068,11 +1086,55 @@ def validation(sw: Sweep, results_dir: Path) -> None:
         ],
         rows,
     )
+    if phase_rows:
+        _table(
+            "Per phase, measured / simulated on identical work (the same examples in the same "
+            "layout on every rank; mean rank and slowest rank, s)",
+            ["record", "device", "ranks", "b", "mode", "phase", "measured mean", "sim mean",
+             "meas/sim", "measured max", "sim max", "meas/sim"],
+            phase_rows,
+        )  # fmt: skip
     if "cpu" in devices:
         print(
             "cpu records: the simulator's compute is the H100's, so their step-time ratio "
             "measures only the device; their speed-ups are comparable"
         )
+
+
+def phase_validation(
+    source: str,
+    rec: dict[str, Any],
+    predicted: dict[str, float],
+    model: SimModel,
+    origin: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Per phase of one gpu_step record (those that time phases: mean and slowest rank), the
+    measured time over the simulated one for the same examples and layout. Records of
+    gpu_step's replaced method (no ``method``) ran each rank once on cold shapes: kept, and
+    marked by ``method`` None."""
+    out = []
+    for phase in (*model.config.encoders, LLM):
+        if f"{phase}_mean_s" not in rec or f"{phase}_mean_s" not in predicted:
+            continue
+        measured = {s: rec[f"{phase}_{s}_s"] for s in ("mean", "max")}
+        simulated = {s: predicted[f"{phase}_{s}_s"] for s in ("mean", "max")}
+        out.append(
+            {
+                "figure": "gpu_phase_validation",
+                "source": source,
+                **origin,
+                "device": rec["device"],
+                "model": model.name,
+                "ranks": rec["ranks"],
+                "examples_per_rank": rec["examples_per_rank"],
+                "mode": rec["mode"],
+                "phase": phase,
+                **{f"measured_{s}_s": v for s, v in measured.items()},
+                **{f"sim_{s}_s": v for s, v in simulated.items()},
+                **{f"{s}_ratio": _ratio(measured[s], simulated[s]) for s in measured},
+            }
+        )
+    return out
 
 
 def plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -1305,7 +1367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gpu-results",
         type=Path,
         default=GPU_RESULTS,
-        help="directory of benchmarks/gpu_step.py --json records named gpu_step_*.json",
+        help="a benchmarks/gpu_step.py --json file, or a directory of them named gpu_step_*.json",
     )
     ap.add_argument(
         "--fig8-ranks", type=int, nargs="+", default=None, help=f"Figure 8 scales ({FIG8_RANKS})"

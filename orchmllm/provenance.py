@@ -11,6 +11,8 @@ imported torch and has one.
 tell by itself, e.g. ``"shared VM: 3 other engineers' jobs run beside it"``. numpy's own
 ``NPY_DISABLE_CPU_FEATURES`` is recorded as set (``X86_V4`` turns numpy's AVX-512 sorts off on
 numpy >= 2.4), since it changes the yardstick the planner's times are divided by.
+``ORCHMLLM_RUN_ID`` names the run a record belongs to (``run_id``): benchmarks/gpu_check.py
+gives all its parts one, so every GPU figure in the docs can be checked to come from one run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+# Names the run a record belongs to (a check that runs several benchmarks sets one for all).
+RUN_ID_ENV = "ORCHMLLM_RUN_ID"
 
 # The widest vector extension present decides how fast numpy sorts (the planners' yardstick).
 SIMD = ("avx512f", "avx2", "sse4_2")
@@ -83,6 +88,7 @@ def run_info(*, command_line: str | None = None) -> dict[str, Any]:
         "host_load_avg": [round(x, 2) for x in os.getloadavg()],
         "host_gpu": _gpu(),
         "host_note": os.environ.get("ORCHMLLM_HOST_NOTE"),
+        "run_id": os.environ.get(RUN_ID_ENV),
         "numpy_disabled_features": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
         "python_version": platform.python_version(),
         "numpy_version": _version("numpy"),

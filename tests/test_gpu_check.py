@@ -15,19 +15,29 @@ from tests.conftest import load_script
 ROOT = Path(__file__).resolve().parents[1]
 gpu_check = load_script(ROOT / "benchmarks" / "gpu_check.py")
 
-CPU_PARTS = ["env", "build", "gpu-step-4x4", "cuda-tests", "train", "gpu-step-8x2"]
+CPU_PARTS = [
+    "env", "build", "gpu-step-4x4", "new-shape", "cuda-tests", "calibration", "train",
+    "gpu-step-8x2",
+]  # fmt: skip
 
 
 def test_the_limits_keep_the_run_under_8_minutes():
     todo = gpu_check.parts(cuda=True, tmp=Path("t"), out=Path("o"), gpu="h100")
     assert [p.name for p in todo] == [
-        "build",
-        "gpu-step-8x60",
-        "cuda-tests",
-        "train",
+        "build", "gpu-step-8x60", "new-shape", "cuda-tests", "calibration", "train",
         "gpu-step-32x20",
-    ]
+    ]  # fmt: skip
     assert gpu_check.ENV_LIMIT_S + sum(p.limit_s for p in todo) <= 8 * 60
+    # the sound step: 3 timed repeats at both reported set-ups, on the layers the limits assume
+    for part in (todo[1], todo[-1]):
+        command = list(part.command)
+        assert command[command.index("--repeats") + 1] == "3"
+        assert command[command.index("--layer-divisor") + 1] == "8"
+    # 128 x 10 only when asked for, after the rest, and only on CUDA
+    large = gpu_check.parts(cuda=True, tmp=Path("t"), out=Path("o"), gpu="h100", large=True)
+    assert [p.name for p in large] == [p.name for p in todo] + ["gpu-step-128x10"]
+    cpu = gpu_check.parts(cuda=False, tmp=Path("t"), out=Path("o"), gpu="cpu", large=True)
+    assert "gpu-step-128x10" not in [p.name for p in cpu]
 
 
 @pytest.mark.parametrize(
@@ -87,7 +97,8 @@ def test_cpu_path_in_a_fresh_clone(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == [
-        "gpu_check_cpu.json", "gpu_check_cpu.log", "gpu_memory_cpu.json", "gpu_step_cpu.json"
+        "gpu_check_cpu.json", "gpu_check_cpu.log", "gpu_memory_cpu.json", "gpu_step_cpu.json",
+        "new_shape_cpu.json",
     ]  # fmt: skip
 
     report = json.loads((out / "gpu_check_cpu.json").read_text())
@@ -95,8 +106,9 @@ def test_cpu_path_in_a_fresh_clone(tmp_path):
     status = {r["name"]: r["status"] for r in report["parts"]}
     assert list(status) == CPU_PARTS
     assert status["build"] == "ok (core up to date)"
-    assert status["cuda-tests"] == "skipped (no CUDA GPU)"
-    assert {status[p] for p in ("env", "gpu-step-4x4", "gpu-step-8x2", "train")} == {"ok"}
+    assert status["cuda-tests"] == status["calibration"] == "skipped (no CUDA GPU)"
+    ran = ("env", "gpu-step-4x4", "new-shape", "gpu-step-8x2", "train")
+    assert {status[p] for p in ran} == {"ok"}
     table = proc.stdout[proc.stdout.index("\npart ") :]
     for name in CPU_PARTS:
         assert f"\n{name} " in table, name
@@ -108,14 +120,23 @@ def test_cpu_path_in_a_fresh_clone(tmp_path):
     for r in steps:
         assert r["device"] == "cpu" and r["config"] == "configs/tiny.yaml" and r["steps"] == 1
         assert r["sim_step_time_s"] > 0 and r["sim_speedup_vs_none"] > 0
+        assert r["repeats"] == 3 and isinstance(r["sound"], bool)
+    shapes = json.loads((out / "new_shape_cpu.json").read_text())
+    assert [r["encoder"] for r in shapes] == ["vision", "audio"]
 
     memory = json.loads((out / "gpu_memory_cpu.json").read_text())
     assert [(r["step"], r["phase"]) for r in memory] == [
         (s, p) for s in (0, 1) for p in ("forward", "backward", "optimizer")
     ]
     assert all(r["predicted_bytes"] > 0 for r in memory if r["phase"] != "forward")
+    # one run: every record of every part carries the check's run id
+    assert report["run_id"]
+    assert {r["run_id"] for r in steps + shapes + memory} == {report["run_id"]}
     # the log holds every command run and its whole output
     log = (out / "gpu_check_cpu.log").read_text()
     commands = [line.split()[3] for line in log.splitlines() if line.startswith("$ ")]
-    assert commands == ["benchmarks.gpu_step", "benchmarks.train_memory", "benchmarks.gpu_step"]
+    assert commands == [
+        "benchmarks.gpu_step", "benchmarks.gpu_step", "benchmarks.train_memory",
+        "benchmarks.gpu_step",
+    ]  # fmt: skip
     assert "-m orchmllm.train" in log and "memory model counts" in log

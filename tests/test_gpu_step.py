@@ -34,7 +34,9 @@ def one_thread():
 
 @pytest.mark.integration
 def test_quick_cpu_records(run_benchmark):
-    run = run_benchmark("gpu_step.py", "--device", "cpu", timeout=120)
+    run = run_benchmark(
+        "gpu_step.py", "--device", "cpu", "--repeats", "3", "--tolerance", "0.5", timeout=120
+    )
     records = run.records
     by_mode = {r["mode"]: r for r in records}
     assert sorted(by_mode) == ["full", "llm", "none"] and len(records) == 3
@@ -75,6 +77,82 @@ def test_quick_cpu_records(run_benchmark):
     target = next(line for line in run.stdout.splitlines() if "/rank full:" in line)
     assert f"predicted {full['sim_speedup_vs_none']:.3f}" in target
     assert f"predicted {full['sim_speedup_vs_llm']:.3f}" in target
+    # The sound step: 3 timed repeats per rank and mode after an untimed run, one run id.
+    assert len({r["run_id"] for r in records}) == 1 and records[0]["run_id"]
+    for r in records:
+        assert r["method"] == "warm-median" and r["repeats"] == 3
+        assert len(r["step_time_repeats_s"]) == 3
+        assert {"step_time_s", "ideal_step_s", "speedup_vs_none", "sound"} <= set(r["definitions"])
+        for p in PHASES:
+            assert len(r[f"{p}_rank_s"]) == 4 and r[f"{p}_spread_max"] >= 0
+            assert max(r[f"{p}_rank_s"]) == pytest.approx(r[f"{p}_max_s"])
+            if r[f"sim_{p}_mean_s"] > 0:
+                assert r[f"{p}_mean_over_sim"] == pytest.approx(
+                    r[f"{p}_mean_s"] / r[f"sim_{p}_mean_s"]
+                )
+        assert r["step_time_s"] == pytest.approx(
+            sum(r[f"{p}_max_s"] for p in PHASES) + r["plan_s"] + r["a2a_est_s"]
+        )
+    # The self-check: llm runs none's very encoder inputs on every rank, so the two time alike;
+    # the verdict is the ratios against the tolerance (CPU timing on a shared machine is too
+    # noisy for 5%: the test passes 50% and checks the verdict, not the machine's load).
+    for p in ("vision", "audio"):
+        assert none[f"check_{p}_identical_work"] is True
+    ratios = {k: v for k, v in none.items() if k.startswith("check_") and k.endswith("_ratio")}
+    assert len(ratios) == 4 and all(v > 0 for v in ratios.values())
+    off = {k.split("_")[1] for k, v in ratios.items() if abs(v - 1) > 0.5}
+    assert none["check_tolerance"] == 0.5 and none["unsound_phases"] == sorted(
+        off, key=PHASES.index
+    )
+    assert none["sound"] is (not off) and all(r["sound"] == none["sound"] for r in records)
+    assert "self-check (llm/none on identical work, tolerance 50%)" in run.stdout
+
+
+def _step(times: list[list[float]], lengths: list[int]) -> gpu_step.StepResult:
+    """A StepResult of phases (vision, audio, llm) x ranks; every rank's encoders hold items
+    of ``lengths`` (rank r: one item of lengths[r])."""
+    t = np.asarray(times, dtype=float)
+    return gpu_step.StepResult(
+        phases=tuple(PHASES), phase_times=t, phase_spread=np.zeros_like(t),
+        repeat_steps=np.zeros(3), plan_s=0.0, a2a_s=0.0, plan_imbalance={}, peak_bytes=0,
+        llm_tokens=0, items={},
+        raw_lengths=[{n: torch.tensor([n_]) for n in ("vision", "audio")} for n_ in lengths],
+    )  # fmt: skip
+
+
+def test_identical_work_check_names_the_phase_off_by_more_than_the_tolerance():
+    none = _step([[1.0, 2.0], [1.0, 1.0], [5.0, 5.0]], [4, 8])
+    # vision 3% slower on the slowest rank: within 5%; audio 10% faster: outside
+    llm = _step([[1.03, 2.06], [0.9, 0.9], [4.0, 6.0]], [4, 8])
+    check = gpu_step.identical_work_check([{"none": none, "llm": llm}], ["vision", "audio"],
+                                          tolerance=0.05)  # fmt: skip
+    assert check["check_vision_max_ratio"] == pytest.approx(1.03)
+    assert check["check_audio_mean_ratio"] == pytest.approx(0.9)
+    assert check["unsound_phases"] == ["audio"] and check["sound"] is False
+    loose = gpu_step.identical_work_check([{"none": none, "llm": llm}], ["vision", "audio"],
+                                          tolerance=0.2)  # fmt: skip
+    assert loose["sound"] is True and loose["unsound_phases"] == []
+    # Different inputs under the two modes: nothing to compare, so the check fails.
+    moved = _step([[1.0, 2.0], [1.0, 1.0], [5.0, 5.0]], [8, 4])
+    check = gpu_step.identical_work_check([{"none": none, "llm": moved}], ["vision"],
+                                          tolerance=0.05)  # fmt: skip
+    assert check["check_vision_identical_work"] is False and check["unsound_phases"] == ["vision"]
+
+
+@pytest.mark.integration
+def test_new_shape_cost_records(run_benchmark):
+    run = run_benchmark(
+        "gpu_step.py", "--device", "cpu", "--new-shape-cost", "--shapes", "2", "--repeats", "2",
+        timeout=120,
+    )  # fmt: skip
+    assert [r["encoder"] for r in run.records] == ["vision", "audio"]
+    for r in run.records:
+        assert r["figure"] == "new_shape_cost" and r["device"] == "cpu" and r["run_id"]
+        assert r["items"] == 16 and r["shapes"] == 2 and len(r["cost_each_s"]) == 2
+        assert r["first_s"] > 0 and r["warm_s"] > 0
+        assert r["cost_s"] == pytest.approx(float(np.median(r["cost_each_s"])))
+        assert r["cost_over_warm"] == pytest.approx(r["cost_s"] / r["warm_s"])
+    assert "cost s" in run.stdout
 
 
 def test_target_lines_say_which_side_of_the_prediction():

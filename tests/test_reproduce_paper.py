@@ -281,26 +281,36 @@ def _fake_record(tmp_path: Path) -> Path:
             "layer_divisor": 1,
             "seed": 3,
             "link_gbs": 450.0,
+            "run_id": "run-1",
+            "method": "warm-median",
+            "sound": True,
+            # per phase, mean and slowest rank (the LLM's share of the step, the rest equal)
+            **{f"{p}_{s}_s": t * share * (1.5 if s == "max" else 1.0)
+               for p, share in (("vision", 0.25), ("audio", 0.25), ("llm", 0.5))
+               for s in ("mean", "max")},
         }
         for mode, t in steps.items()
-    ]
+    ]  # fmt: skip
     path = tmp_path / "gpu_step_fake.json"
     path.write_text(json.dumps(records))
     return path
 
 
 def _validation(results_dir, run_benchmark):
-    """The validation section alone, reading gpu_step records from ``results_dir``."""
+    """The validation section alone, reading gpu_step records from ``results_dir`` (a
+    folder or one file)."""
+    out = results_dir.parent if results_dir.is_file() else results_dir
     return run_benchmark(
         "reproduce_paper.py", "--sections", "validation", "--gpu-results", str(results_dir),
-        "--no-plots", "--out", str(results_dir / "out"), timeout=120,
+        "--no-plots", "--out", str(out / "out"), timeout=120,
     )  # fmt: skip
 
 
 @pytest.mark.integration
 def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> None:
-    fake = json.loads(_fake_record(tmp_path).read_text())
-    run = _validation(tmp_path, run_benchmark)
+    path = _fake_record(tmp_path)  # a file (a directory of them: test_no_gpu_record_is_said)
+    fake = json.loads(path.read_text())
+    run = _validation(path, run_benchmark)
     rows = {r["mode"]: r for r in run.records if r.get("figure") == "gpu_validation"}
     assert set(rows) == {"none", "llm", "full"}
     assert "Simulated vs measured" in run.stdout
@@ -315,6 +325,25 @@ def test_validation_compares_simulated_and_measured(tmp_path, run_benchmark) -> 
         assert row["sim_speedup"] == pytest.approx(rows["none"]["sim_step_s"] / row["sim_step_s"])
         assert row["speedup_ratio"] == pytest.approx(row["sim_speedup"] / rec["speedup_vs_none"])
     assert rows["none"]["sim_speedup"] == 1.0
+    # per phase: measured over simulated, for the same examples in the same layout
+    phases = [r for r in run.records if r.get("figure") == "gpu_phase_validation"]
+    assert [(r["mode"], r["phase"]) for r in phases] == [
+        (m, p) for m in ("none", "llm", "full") for p in ("vision", "audio", "llm")
+    ]
+    for row in phases:
+        rec = next(r for r in fake if r["mode"] == row["mode"])
+        assert row["gpu_run_id"] == "run-1" and row["sound"] is True
+        for s in ("mean", "max"):
+            assert row[f"measured_{s}_s"] == rec[f"{row['phase']}_{s}_s"]
+            if row[f"sim_{s}_s"] > 0:
+                want = row[f"measured_{s}_s"] / row[f"sim_{s}_s"]
+                assert row[f"{s}_ratio"] == pytest.approx(want)
+            else:  # tiny's LLM block fit is below zero, clipped: no ratio to a zero time
+                assert row[f"{s}_ratio"] is None and row["phase"] == "llm"
+        assert 0 <= row["sim_mean_s"] <= row["sim_max_s"]
+        assert row["sim_mean_s"] > 0 or row["phase"] == "llm"
+    assert rows["full"]["gpu_run_id"] == "run-1"
+    assert "Per phase, measured / simulated on identical work" in run.stdout
 
 
 @pytest.mark.integration

@@ -78,6 +78,22 @@ def _gpu(mode: str, *, speedup_vs_none: float) -> dict:
     return {**rec, **RUN, "host_gpu": "NVIDIA H100"}
 
 
+def _sound(mode: str, *, speedup_vs_none: float, run_id: str = "run-A", audio: float = 1.02):
+    """A record of the sound step: ``audio`` is the audio phase's llm/none check ratio."""
+    phases = {}
+    for p, (mean, sim) in {"vision": (0.2, 0.25), "audio": (0.1, 0.125), "llm": (0.6, 0.5)}.items():
+        phases |= {f"{p}_mean_s": mean, f"{p}_max_s": 1.5 * mean, f"sim_{p}_mean_s": sim,
+                   f"sim_{p}_max_s": 1.5 * sim, f"{p}_mean_over_sim": mean / sim,
+                   f"{p}_max_over_sim": mean / sim, f"{p}_spread_max": 0.02}  # fmt: skip
+    ok = abs(audio - 1) <= 0.05
+    check = {"check_tolerance": 0.05, "check_vision_max_ratio": 1.01,
+             "check_vision_mean_ratio": 0.99, "check_audio_max_ratio": audio,
+             "check_audio_mean_ratio": 1.0, "sound": ok,
+             "unsound_phases": [] if ok else ["audio"]}  # fmt: skip
+    rec = _gpu(mode, speedup_vs_none=speedup_vs_none)
+    return {**rec, **phases, **check, "method": "warm-median", "repeats": 3, "run_id": run_id}
+
+
 def _write(folder, name: str, records: list[dict]) -> None:
     (folder / name).write_text(json.dumps(records))
 
@@ -108,10 +124,16 @@ def test_a_readme_block_is_rewritten_from_the_records_and_says_when_there_are_no
     assert "(no `train_modes.json` record yet)" in empty and "old" not in empty
     assert empty.startswith("intro\n") and empty.endswith("end\n")
     _write(tmp_path, "gpu_step_h100.json", [_gpu(m, speedup_vs_none=1.2) for m in ("none", "full")])
+    old = results_doc.render_readme(text, tmp_path)
+    assert "No GPU measurement by the sound method yet" in old and "1.200" not in old
+    _write(
+        tmp_path, "gpu_step_h100.json", [_sound(m, speedup_vs_none=1.2) for m in ("none", "full")]
+    )
     filled = results_doc.render_readme(text, tmp_path)
     assert (
         "8 ranks x 60 examples: `full` over `none` 1.200, the simulator predicted 1.300" in filled
     )
+    assert "run `run-A`" in filled
     assert results_doc.render_readme(filled, tmp_path) == filled  # idempotent
     with pytest.raises(ValueError, match="no <!-- results:main-job --> block"):
         results_doc.render_readme("nothing marked", tmp_path)
@@ -161,8 +183,9 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
     _write(
         tmp_path,
         "gpu_step_h100.json",
-        [_gpu(m, speedup_vs_none=1.0 if m == "none" else speedup) for m in ("none", "llm", "full")],
-    )
+        [_sound(m, speedup_vs_none=1.0 if m == "none" else speedup)
+         for m in ("none", "llm", "full")],
+    )  # fmt: skip
     body = _section(results_doc.render(tmp_path), "A training step on a GPU")
     assert "No GPU record" not in body and "GPU NVIDIA H100" in body
     where = "8 ranks x 60/rank, `full`"
@@ -170,6 +193,59 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
     assert line in body
     assert f"| {where}: × `llm` ≥ the prediction 1.100 | 1.200 | met |" in body
     assert "| 9/8/7 |" in body  # each encoder's layers, then the LLM's
+    # the self-check and per-phase measured/simulated, from the same records
+    assert "| 8 x 60 | 5% | vision_max 1.010, vision_mean 0.990, audio_max 1.020, " in body
+    assert "| 8 x 60 | `full` | llm | 0.6000 | 0.5000 | 1.20 |" in body
+    assert "History" not in body
+
+
+def test_an_unsound_set_up_is_named_and_its_targets_not_judged(tmp_path):
+    recs = [_sound(m, speedup_vs_none=1.4, audio=0.9) for m in ("none", "llm", "full")]
+    _write(tmp_path, "gpu_step_h100.json", recs)
+    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    assert "audio_max 0.900" in body and "| **unsound**: audio |" in body
+    assert "the prediction 1.300" not in body  # no verdict on an unsound measurement
+
+
+def test_the_replaced_methods_records_are_history_with_their_flaw_measured(tmp_path):
+    old = [{**_gpu(m, speedup_vs_none=1.0), "audio_mean_s": a} for m, a in
+           (("none", 0.5), ("llm", 0.2), ("full", 0.3))]  # fmt: skip
+    _write(tmp_path, "gpu_step_h100.json", old)
+    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    assert "No record of the sound step yet" in body
+    assert "**History: the replaced method, unsound.**" in body
+    assert "its audio phase timed 2.5x faster at 8 x 60 (mean rank)" in body
+    assert "the prediction" not in body  # no target verdicts on history
+
+
+def test_the_documents_gpu_figures_come_from_one_run(tmp_path):
+    """Records of the sound step from two runs cannot both be quoted: render refuses."""
+    _write(
+        tmp_path, "gpu_step_h100.json", [_sound(m, speedup_vs_none=1.2) for m in ("none", "full")]
+    )
+    shape = {"figure": "new_shape_cost", "device": "NVIDIA H100", "encoder": "audio",
+             "items": 60, "shapes": 5, "first_s": 0.2, "warm_s": 0.05, "cost_s": 0.15,
+             "cost_over_warm": 3.0}  # fmt: skip
+    _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "run_id": "run-A"}])
+    assert results_doc.gpu_runs(tmp_path) == {
+        "run-A": ["gpu_step_h100.json", "new_shape_h100.json"]
+    }
+    assert (
+        "| NVIDIA H100 | audio | 60 | 5 | 200.00 | 50.00 | 150.00 | 3.00 |"
+        in results_doc.render(tmp_path)
+    )
+    _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "run_id": "run-B"}])
+    with pytest.raises(ValueError, match="GPU records from 2 runs"):
+        results_doc.render(tmp_path)
+    with pytest.raises(ValueError, match="GPU records from 2 runs"):
+        results_doc.render_readme("", tmp_path)
+    # CPU records and the replaced method's are not quoted as GPU figures
+    _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "device": "cpu", "run_id": "x"}])
+    assert list(results_doc.gpu_runs(tmp_path)) == ["run-A"]
+
+
+def test_the_committed_gpu_figures_come_from_one_run():
+    assert len(results_doc.gpu_runs(results_doc.RESULTS)) <= 1
 
 
 def _scale_run(run_date: str, *, greedy_ms: float, flag: str | None) -> list[dict]:

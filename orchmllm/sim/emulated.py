@@ -99,8 +99,10 @@ class EmulatedSetup:
     ) -> dict[str, dict[str, float]]:
         """Per mode, the simulated figures gpu_step measures, averaged over ``batches`` (one
         per measured step; every mode sees the same batches): ``step_time_s``, ``ideal_step_s``,
-        ``step_over_ideal``, ``peak_mem_bytes`` (worst rank of the worst step) and, where
-        ``modes`` include the baseline, ``speedup_vs_none`` and ``speedup_vs_llm``."""
+        ``step_over_ideal``, ``peak_mem_bytes`` (worst rank of the worst step), per phase
+        ``<phase>_max_s`` and ``<phase>_mean_s`` (slowest and mean rank compute, what gpu_step
+        times per phase) and, where ``modes`` include the baseline, ``speedup_vs_none`` and
+        ``speedup_vs_llm``."""
         if not batches:
             raise ValueError("batches must hold at least one step's batch")
         m = self.model
@@ -108,7 +110,7 @@ class EmulatedSetup:
         rpn = cluster.net.ranks_per_node
         out: dict[str, dict[str, float]] = {}
         for mode in modes:
-            steps, ideals, peaks = [], [], []
+            steps, ideals, peaks, phase = [], [], [], {}
             for batch in batches:
                 layout = plan(
                     batch, mode, config=m.config, modules=m.modules, placement="node",
@@ -122,12 +124,16 @@ class EmulatedSetup:
                 steps.append(res.step_time_s + (layout.plan_ms * 1e-3 if mode != "none" else 0))
                 ideals.append(sum(res.mean_compute_s.values()))
                 peaks.append(res.peak_memory_bytes)
+                for p, t in res.compute_s.items():
+                    phase.setdefault(f"{p}_max_s", []).append(t)
+                    phase.setdefault(f"{p}_mean_s", []).append(res.mean_compute_s[p])
             step, ideal = float(np.mean(steps)), float(np.mean(ideals))
             out[mode] = {
                 "step_time_s": step,
                 "ideal_step_s": ideal,
                 "step_over_ideal": step / ideal if ideal > 0 else 1.0,
                 "peak_mem_bytes": float(max(peaks)),
+                **{k: float(np.mean(v)) for k, v in phase.items()},
             }
         for base in ("none", "llm"):
             if base in out:
