@@ -24,8 +24,9 @@ stop the later ones:
   ``varlen_attn`` kernel against per-sequence SDPA in bf16 and fp32, every encoder on an empty
   batch, NCCL at world size 1 through the dispatcher and the orchestrator (equal to gloo), the
   single-process NCCL training smoke test, the per-phase CUDA memory report;
-- ``calibration``: block costs measured on this GPU (a hook: reported as not built until
-  :data:`CALIBRATION_COMMAND` names its command);
+- ``calibration``: costs learned on this GPU: the trainer (``torchrun --nproc_per_node=1``) on
+  the tiny config with ``--cost measured`` for 12 steps; each phase's fitted coefficients, R^2
+  and measured imbalance go to ``calibration_<gpu>.jsonl`` (its ``--metrics``);
 - ``train``: ``benchmarks/train_memory.py``: the trainer (``torchrun --nproc_per_node=1``,
   bf16) for 5 steps of ``configs/mllm-10b-1gpu.yaml``, peak memory per phase beside the
   memory model's prediction;
@@ -116,7 +117,8 @@ class Part:
 # - train, ~30 s (limit 45): MLLM-10B widths with 4 layers (2.35 B parameters) and 8 examples
 #   (~6k LLM tokens) a step: 6 x 2.35 B x 6k = 85 TFLOP, well under a second; 5 steps plus
 #   torchrun and a 40-example dataset written. Measured 49 s to its fifth step, then 27 s.
-# - calibration: 30 s reserved for the block-cost measurement (issue 38, items 3-4).
+# - calibration, ~15 s (limit 30): torchrun and the tiny model's start-up (~10 s, as the
+#   cuda-tests' smoke test), then 12 steps of a few milliseconds each.
 ENV_LIMIT_S = 20
 # The gpu_step runs: (emulated ranks, examples per rank, limit in seconds); the reported
 # set-ups on CUDA, small ones of the tiny config on CPU. Each rank runs 1 untimed + 3 timed
@@ -136,9 +138,6 @@ GPU_STEP_REPEATS = 3
 # - new-shape, ~10 s: the model built, then per encoder 1 + 5 x (1 + 3) encoder passes of 60
 #   items.
 NEW_SHAPE_LIMIT_S = 20
-# The calibration part (block costs measured on this GPU): built by issue 38's items 3-4; until
-# it sets a command here the part is reported as not built.
-CALIBRATION_COMMAND: tuple[str, ...] = ()
 SKIPPABLE = ("build", "cuda-tests", "gpu-step", "new-shape", "calibration", "train")
 
 
@@ -163,6 +162,11 @@ def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str, large: bool = False) ->
     first, second = GPU_STEP_RUNS["cuda" if cuda else "cpu"]
     new_shape = (*step, "--new-shape-cost", "--json", str(out / f"new_shape_{gpu}.json"))
     train = (py, "-m", "benchmarks.train_memory", "--json", str(out / f"gpu_memory_{gpu}.json"))
+    calibration = (
+        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        "-m", "orchmllm.train", "--config", "tiny", "--steps", "12", "--cost", "measured",
+        "--quiet", "--metrics", str(out / f"calibration_{gpu}.jsonl"),
+    )  # fmt: skip
     todo = [
         Part("build", 25, ("setuptools", "pybind11"), (py, "setup.py", "build_ext", "--inplace")),
         gpu_step(*first),
@@ -170,7 +174,7 @@ def parts(*, cuda: bool, tmp: Path, out: Path, gpu: str, large: bool = False) ->
         Part("cuda-tests", 50, (*RUNTIME, "pytest", "pytest_timeout"),
              (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *cuda_test_files()),
              cuda_only=True),
-        Part("calibration", 30, RUNTIME, CALIBRATION_COMMAND, cuda_only=True),
+        Part("calibration", 30, RUNTIME, calibration, cuda_only=True),
         Part("train", 45, (*RUNTIME, *CARRIED), train),
         gpu_step(*second),
     ]  # fmt: skip
@@ -387,8 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(_row(part.name, "not run (env failed)", None, part.limit_s))
             elif part.cuda_only and not info["cuda"]:
                 rows.append(_row(part.name, "skipped (no CUDA GPU)", None, part.limit_s))
-            elif not part.command:
-                rows.append(_row(part.name, "skipped (not built yet)", None, part.limit_s))
             elif part.name == "build" and core_is_current():
                 rows.append(_row(part.name, "ok (core up to date)", 0.0, part.limit_s))
             else:
