@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, host_memory, watch
+from orchmllm import checkpoint, compat, host_memory, preempt, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
@@ -51,6 +51,7 @@ from orchmllm.dirlock import DirectoryLock
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
+from orchmllm.preempt import Preempted
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
@@ -167,7 +168,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fails on every healthy rank, naming the ranks that did not arrive. It also bounds the "
         "uneven phases: writing the dataset on a first run, writing a checkpoint",
     )
+    p.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=25.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT (a scheduler preempting the job), every rank stops after "
+        "the step in progress, writes a checkpoint (with --checkpoint-dir) and exits with "
+        f"status {preempt.PREEMPTED}; a job still running SECONDS after the signal is abandoned "
+        "there (keep it below the scheduler's kill delay and torchrun's --shutdown-timeout)",
+    )
+    p.add_argument(
+        "--preempt-signal",
+        default=None,
+        metavar="NAME",
+        help="one more signal that preempts like SIGTERM, e.g. USR1 for SLURM's "
+        "--signal=USR1@90 warning",
+    )
     args = p.parse_args(argv)
+    if not args.preempt_grace > 0:
+        p.error(f"--preempt-grace must be > 0 seconds, got {args.preempt_grace}")
+    try:
+        args.preempt_signals = [
+            preempt.parse_signal(s)
+            for s in (*preempt.DEFAULT_SIGNALS, *filter(None, [args.preempt_signal]))
+        ]
+    except ValueError as exc:
+        p.error(str(exc))
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.grad_accum is not None and args.grad_accum < 1:
@@ -465,26 +492,41 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
     waits for collectives that cannot complete. A non-finite loss or gradient norm stops the
     run before the optimizer step (:class:`NonFiniteStep`) or skips the step
     (``--on-nonfinite skip``). With ``--checkpoint-dir`` the job holds the directory's lock
-    (:func:`orchmllm.checkpoint.claim`) until it ends.
+    (:func:`orchmllm.checkpoint.claim`) until it ends. A stop signal ends it at a step all
+    ranks agree on, with a checkpoint (:mod:`orchmllm.preempt`, :class:`Preempted`).
     """
-    with watch.section("start-up"):
-        run = setup(args)
     lock = None
-    try:
-        start = 0
-        if args.checkpoint_dir:
-            with watch.section("checkpoint load"):
-                lock = checkpoint.claim(
-                    args.checkpoint_dir, stale_after=args.timeout, job=job_token()
-                )
-                start = resume(run)
-        return _loop(run, start, lock), run.model
-    finally:
+
+    def abandon() -> None:  # the grace ran out: leave the directory to the requeued job
         if lock is not None:
             lock.release()
 
+    with preempt.Preemption(
+        args.preempt_signals,
+        grace=args.preempt_grace,
+        saving=bool(args.checkpoint_dir),
+        on_abandon=abandon,
+    ) as preemption:
+        with watch.section("start-up"):
+            run = setup(args)
+        try:
+            start = 0
+            if args.checkpoint_dir:
+                with watch.section("checkpoint load"):
+                    preemption.where = "checkpoint load"
+                    lock = checkpoint.claim(
+                        args.checkpoint_dir, stale_after=args.timeout, job=job_token()
+                    )
+                    start = resume(run)
+            return _loop(run, start, lock, preemption), run.model
+        finally:
+            if lock is not None:
+                lock.release()
 
-def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
+
+def _loop(
+    run: Run, start: int, lock: DirectoryLock | None, preemption: preempt.Preemption
+) -> RunningSummary:
     """The steps from ``start`` on (see :func:`train`)."""
     args = run.args
     world = dist.get_world_size()
@@ -501,6 +543,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         mode="off" if args.quiet else args.progress,
     )
     for step in range(start, run.steps):
+        preemption.where = f"training step {step}"
         t0 = time.perf_counter()
         try:
             group = next(groups)  # the step's micro-steps, planned
@@ -521,6 +564,7 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
                 if not skipped:
                     run.optim.step()
                 run.optim.zero_grad(set_to_none=True)
+            stop = preemption.agreed(run.device) and step + 1 < run.steps
         except NonFiniteStep:  # the same decision on every rank, already named
             progress.close()
             run.loader.close()  # every rank consumed this step's batch: closing is safe
@@ -558,12 +602,24 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             imbalance=f"{record['phases'][LLM]['imbalance_after']:.3f}",
         )
         del group, loss  # nothing of this step outlives it
-        if args.checkpoint_dir and _checkpoint_due(step + 1, run):
+        saved = None
+        if args.checkpoint_dir and (stop or _checkpoint_due(step + 1, run)):
+            preemption.where = f"checkpoint save at step {step + 1}"
             with watch.section(f"checkpoint save at step {step + 1}"):
-                checkpoint.save(
+                saved = checkpoint.save(
                     args.checkpoint_dir, step + 1, model=run.model, optim=run.optim,
                     run=_run_state(run), keep_last=args.keep_last, lock=lock,
                 )  # fmt: skip
+        if stop:
+            progress.close()
+            run.loader.close()  # every rank consumed this step's batch: closing is safe
+            raise Preempted(
+                f"rank {dist.get_rank()}: {preemption.signal_name}: stopped after step {step} "
+                f"of {run.steps}; checkpoint {saved} written and the lock released: rerun the "
+                f"same command to resume at step {step + 1}",
+                signal_name=preemption.signal_name or "",
+                step=step + 1,
+            )
     progress.close()
     run.loader.close()
     return summary
@@ -948,12 +1004,16 @@ def main(argv: list[str] | None = None) -> RunningSummary:
 
 
 def _exit_failed(exc: BaseException) -> NoReturn:
-    traceback.print_exception(exc)
+    preempted = isinstance(exc, Preempted)
+    if preempted:
+        print(f"{exc} (exit status {preempt.PREEMPTED})", file=sys.stderr)
+    else:
+        traceback.print_exception(exc)
     progress = watch.current()
     if progress is not None and not isinstance(exc, watch.StepFailed):
         with contextlib.suppress(Exception):
-            progress.close(f"failed: {type(exc).__name__}")
-    compat.leave_process(1)
+            progress.close("preempted" if preempted else f"failed: {type(exc).__name__}")
+    compat.leave_process(preempt.PREEMPTED if preempted else 1)
 
 
 if __name__ == "__main__":

@@ -389,3 +389,99 @@ def test_a_rank_stopped_in_the_dataset_write_or_in_a_checkpoint_is_named(ref, tm
         checkpoint.verify(checkpoint.step_dir(str(ckpt), s)) == []
         for s in checkpoint.steps(str(ckpt))
     )
+
+
+# -- issue 41: preemption -------------------------------------------------------------------
+
+
+def _metric_lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def test_a_preempted_torchrun_job_saves_where_every_rank_stopped_and_the_rerun_ends_as_if_uninterrupted(  # noqa: E501
+    ref, tmp_path, repo_env
+):
+    """A scheduler preempting a torchrun job of 2 ranks: once step 0 is recorded the workers
+    are paused (so the signal lands inside a step), then SIGTERM goes to torchrun and to
+    every worker (as SLURM signals every process of the job), and they go on. Every rank
+    stops after the same step k, the checkpoint of step k is the only one written (no
+    periodic checkpoints here) and verifies, the lock is gone, each rank says so with exit
+    status 75, and the metrics hold steps 0..k-1. Rerunning the same command resumes at step
+    k, redoes no step and ends with the reference's losses and parameters."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    argv = _module([*_base(ref), *_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt)])
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    job = torchrun(argv, WORLD, log=first, env=repo_env, cwd=ROOT)
+    try:
+        wait_for(lambda: _metric_lines(metrics) >= 1, timeout=180, procs=[job])
+        workers = list(worker_ranks(job.pid).values())
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in [job.pid, *workers]:
+            os.kill(pid, signal.SIGTERM)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        job.wait(timeout=120)
+    finally:
+        stop_all([job])
+    text = first.read_text()
+    stopped = set(re.findall(r"rank \d: SIGTERM: stopped after step (\d+) of", text))
+    assert len(stopped) == 1, text[-4000:]
+    k = int(stopped.pop()) + 1
+    assert 1 <= k < STEPS and _metric_lines(metrics) == k
+    assert len(re.findall(r"resume at step \d+ \(exit status 75\)", text)) == WORLD, text[-4000:]
+    assert checkpoint.steps(str(ckpt)) == [k]
+    assert checkpoint.verify(checkpoint.step_dir(str(ckpt), k)) == []
+    assert sorted(os.listdir(ckpt)) == [f"step-{k:08d}"]  # no lock, no partial checkpoint
+
+    job = torchrun(argv, WORLD, log=second, env=repo_env, cwd=ROOT)
+    try:
+        assert job.wait(timeout=240) == 0, second.read_text()[-4000:]
+    finally:
+        stop_all([job])
+    assert f"resumed at step {k} from" in second.read_text()
+    _assert_same_run(tmp_path / "out", ref)
+
+
+def test_a_preempted_job_without_checkpoints_exits_at_once_and_one_past_its_grace_is_abandoned(
+    ref, tmp_path, repo_env
+):
+    """Without ``--checkpoint-dir`` SIGTERM ends both ranks at once with status 75, each
+    saying nothing was saved. With one, but rank 1 stopped (SIGSTOP) and only rank 0
+    signalled, rank 0 waits in the step's agreement for rank 1 until ``--preempt-grace 2``
+    runs out, then exits 75 naming the grace and the step, and releases the lock."""
+    plain = _module([*_base(ref), "--steps", "50", "--metrics", str(tmp_path / "m.jsonl")])
+    store = launcher_store()
+    procs = launch_ranks(plain, WORLD, port=store.port, logdir=tmp_path / "plain",
+                         env=repo_env, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for(lambda: _metric_lines(tmp_path / "m.jsonl") >= 1, timeout=180, procs=procs)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=10) for p in procs] == [75] * WORLD
+    finally:
+        stop_all(procs)
+    for rank in range(WORLD):
+        err = (tmp_path / "plain" / f"err{rank}").read_text()
+        assert f"rank {rank}: SIGTERM: stopping now; nothing was saved (no --checkpoint-dir)" in err
+
+    ckpt = tmp_path / "ckpt"
+    argv = [*plain, "--checkpoint-dir", str(ckpt), "--preempt-grace", "2",
+            "--metrics", str(tmp_path / "m2.jsonl")]  # fmt: skip
+    store = launcher_store()
+    procs = launch_ranks(argv, WORLD, port=store.port, logdir=tmp_path / "grace",
+                         env=repo_env, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for(lambda: _metric_lines(tmp_path / "m2.jsonl") >= 1, timeout=180, procs=procs)
+        procs[1].send_signal(signal.SIGSTOP)
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=20) == 75
+        assert not (ckpt / ".lock").exists()
+    finally:
+        stop_all(procs)
+    err = (tmp_path / "grace" / "err0").read_text()
+    assert re.search(
+        r"rank 0: SIGTERM: the job did not stop within --preempt-grace 2 s \(training step \d+\); "
+        "abandoned there",
+        err,
+    ), err[-3000:]
