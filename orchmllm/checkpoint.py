@@ -205,14 +205,16 @@ def claim(directory: str, *, stale_after: float, job: str | None) -> DirectoryLo
     """Take ``directory`` for this job (collective): rank 0 takes its lock
     (:class:`~orchmllm.dirlock.DirectoryLock`) and removes the partial checkpoints an earlier
     job left. Returns the lock on rank 0 (None elsewhere); every rank raises
-    :class:`~orchmllm.dirlock.LockHeld` when another live job holds it."""
+    :class:`~orchmllm.dirlock.LockHeld` naming the owner when another live job holds it. A
+    lock whose owner stopped heartbeating is waited for until it is abandoned (less than
+    ``stale_after``, the collectives' timeout: the other ranks wait in a broadcast)."""
 
     lock = None
 
     def take() -> None:
         nonlocal lock
         lock = DirectoryLock(directory, stale_after=stale_after, job=job)
-        took_over = lock.acquire()
+        took_over = lock.acquire(log=_log)
         if took_over:
             _log(f"{directory}: {took_over}")
         for name in sorted(os.listdir(directory)):

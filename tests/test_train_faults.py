@@ -207,10 +207,10 @@ def test_a_second_job_is_refused_a_dead_peer_is_named_and_the_requeued_job_resum
 ):
     """Items 3 and 5. Job A runs; paused (SIGSTOP: a slow step, its lock's heartbeat still
     fresh), the same command is started again (a scheduler's requeue while A runs): job B
-    exits 1 naming A (host, pid) and writes nothing. A goes on; its rank 1 is SIGKILLed: A's
-    rank 0 names rank 1 dead (its process exited) instead of "every rank arrived", and exits
-    1, releasing the lock. The requeued job C resumes from A's newest checkpoint and ends as
-    the uninterrupted run."""
+    exits 1 naming A (host, pid) on every rank and writes nothing. A goes on; its rank 1 is
+    SIGKILLed: A's rank 0 names rank 1 dead (its process exited) instead of "every rank
+    arrived", and exits 1, releasing the lock. The requeued job C resumes from A's newest
+    checkpoint and ends as the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     argv = _module([*_base(ref), *_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt),
                     "--checkpoint-every", "1"])  # fmt: skip
@@ -231,9 +231,10 @@ def test_a_second_job_is_refused_a_dead_peer_is_named_and_the_requeued_job_resum
         b = launch("b")
         for rank, p in enumerate(b):
             assert p.wait(timeout=180) == 1, (tmp_path / "b" / f"err{rank}").read_text()[-3000:]
-        refusal = (tmp_path / "b" / "err0").read_text()
         owner = rf"\(host {socket.gethostname()}, pid {a[0].pid}, job \w+, started .*, last"
-        assert re.search(rf"{re.escape(str(ckpt))} is in use by another job {owner}", refusal)
+        for rank in range(WORLD):  # every rank names the owner, not only rank 0
+            refusal = (tmp_path / "b" / f"err{rank}").read_text()
+            assert re.search(rf"{re.escape(str(ckpt))} is in use by another job {owner}", refusal)
         assert _listing(ckpt) == before
         for p in a:
             p.send_signal(signal.SIGCONT)
@@ -446,18 +447,20 @@ def test_a_preempted_torchrun_job_saves_where_every_rank_stopped_and_the_rerun_e
 def test_a_preempted_job_without_checkpoints_exits_at_once_and_one_past_its_grace_is_abandoned(
     ref, tmp_path, repo_env
 ):
-    """Without ``--checkpoint-dir`` SIGTERM ends both ranks at once with status 75, each
-    saying nothing was saved. With one, but rank 1 stopped (SIGSTOP) and only rank 0
-    signalled, rank 0 waits in the step's agreement for rank 1 until ``--preempt-grace 2``
-    runs out, then exits 75 naming the grace and the step, and releases the lock."""
-    plain = _module([*_base(ref), "--steps", "50", "--metrics", str(tmp_path / "m.jsonl")])
+    """Without ``--checkpoint-dir`` SIGTERM (sent inside a step: the ranks are paused first)
+    ends both ranks at once with status 75, each saying nothing was saved. With one, but rank
+    1 stopped (SIGSTOP) and only rank 0 signalled, rank 0 waits in the step for rank 1 until
+    ``--preempt-grace 2`` runs out, then exits 75 naming the grace and the step, and releases
+    the lock."""
+    plain = _module([*_base(ref), "--metrics", str(tmp_path / "m.jsonl")])
     store = launcher_store()
     procs = launch_ranks(plain, WORLD, port=store.port, logdir=tmp_path / "plain",
                          env=repo_env, cwd=ROOT)  # fmt: skip
     try:
         wait_for(lambda: _metric_lines(tmp_path / "m.jsonl") >= 1, timeout=180, procs=procs)
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
+        for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):  # inside a step
+            for p in procs:
+                p.send_signal(sig)
         assert [p.wait(timeout=10) for p in procs] == [75] * WORLD
     finally:
         stop_all(procs)
