@@ -542,6 +542,7 @@ def _loop(
         rank=dist.get_rank(),
         mode="off" if args.quiet else args.progress,
     )
+    skips: list[int] = []  # the consecutive skipped steps up to now
     for step in range(start, run.steps):
         preemption.where = f"training step {step}"
         t0 = time.perf_counter()
@@ -560,6 +561,8 @@ def _loop(
             loss, tokens, micro_stats = accumulate_gradients(run, group, step=step, memory=memory)
             sums = step_sums(run, loss, tokens)
             skipped = check_finite(sums, step=step, on_nonfinite=args.on_nonfinite)
+            skips = [*skips, step] if skipped else []
+            check_skips(skips, limit=run.cfg.train.max_skipped_steps)
             with memory.phase("optimizer"):
                 if not skipped:
                     run.optim.step()
@@ -755,6 +758,18 @@ def check_finite(sums: StepSums, *, step: int, on_nonfinite: str) -> bool:
     )
 
 
+def check_skips(skips: list[int], *, limit: int) -> None:
+    """Raise :class:`NonFiniteStep` once ``limit`` consecutive steps (``skips``) were skipped:
+    a run whose every step is skipped has diverged, and going on would only burn the
+    allocation (every rank decides alike)."""
+    if len(skips) >= limit:
+        raise NonFiniteStep(
+            f"rank {dist.get_rank()}: {len(skips)} consecutive training steps skipped (steps "
+            f"{skips[0]}-{skips[-1]}; train.max_skipped_steps is {limit}), the first at step "
+            f"{skips[0]}: the run has diverged (the learning rate, the data?); stopped"
+        )
+
+
 def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
     """A phase's metrics for the step record: scalars (imbalance, the slowest rank's load
     before and after, bytes, planning time), plus every rank's load when ``per_rank``
@@ -843,20 +858,36 @@ def _checkpoint_due(done: int, run: Run) -> bool:
     return done == run.steps or (every > 0 and done % every == 0)
 
 
+# Config keys that do not change the training: the balancing (mode, policies, placement), the
+# layout (its global batch is compared instead) and the run's stopping rule.
+# (train.steps, train.seed and recipe.precision are compared as the command line sets them.)
+_FREE_KEYS = (
+    "balance.", "data.examples_per_rank", "train.grad_accum", "train.sync_micro_steps",
+    "train.max_skipped_steps", "train.steps", "train.seed", "recipe.precision",
+)  # fmt: skip
+
+
+def _config_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The config as flat ``section.key`` values (JSON ones) that a resumed run must keep."""
+
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, x in value.items() for k, v in flat(x, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: value}
+
+    fields = json.loads(json.dumps(flat(dataclasses.asdict(cfg), "")))
+    return {k: v for k, v in fields.items() if not k.startswith(_FREE_KEYS)}
+
+
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
-    changes the training itself. Not the balance mode, placement or gradient sync, which do
-    not, nor the world size, examples per rank or micro-steps: the global batch (ranks x
-    examples per rank x micro-steps) stands for them, so a run that keeps it may resume on
-    another number of ranks or micro-steps (see :func:`resume`)."""
+    changes the training itself. Not the balance mode, policies, placement or gradient sync,
+    which do not, nor the world size, examples per rank or micro-steps: the global batch
+    (ranks x examples per rank x micro-steps) stands for them, so a run that keeps it may
+    resume on another number of ranks or micro-steps (see :func:`resume`)."""
     a, cfg = run.args, run.cfg
-    layout_free = dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, examples_per_rank=0),
-        train=dataclasses.replace(cfg.train, grad_accum=0, sync_micro_steps=True),
-    )
     return {
-        "config": repr(layout_free), "steps": run.steps, "precision": cfg.recipe.precision,
+        "config": _config_fields(cfg), "steps": run.steps, "precision": cfg.recipe.precision,
         "seed": cfg.train.seed if a.seed is None else a.seed,
         "global_batch": dist.get_world_size() * cfg.data.examples_per_rank
         * cfg.train.grad_accum,
@@ -888,23 +919,17 @@ def resume(run: Run) -> int:
     turn, so ranks x examples per rank consecutive examples make one micro-step, and K
     consecutive micro-steps one step, on any layout), so the losses go on as in an
     uninterrupted run. Otherwise the refusal says which ``data.examples_per_rank`` would
-    allow it."""
+    allow it. The run is compared before any tensor is loaded (:func:`check_resumable`)."""
     directory = run.args.checkpoint_dir
-    loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
+    loaded = checkpoint.load(
+        directory,
+        model=run.model,
+        optim=run.optim,
+        check=lambda step, state: check_resumable(run, directory, step, state),
+    )
     if loaded is None:
         return 0
     step, state = loaded
-    where = f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)}"
-    mine, theirs = _identity(run), state["run"]
-    for key, value in mine.items():
-        if theirs.get(key) == value:
-            continue
-        if key == "global_batch" and "layout" in state:
-            raise ValueError(f"{where} {_layout_refusal(state['layout'], run)}")
-        raise ValueError(
-            f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
-            "now); resume with the same settings or use another directory"
-        )
     run.loader.load_state_dict(
         loader_position(state["loader"], step, grad_accum=run.cfg.train.grad_accum)
     )
@@ -918,6 +943,43 @@ def resume(run: Run) -> int:
         print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}{moved}")
         sys.stdout.flush()
     return step
+
+
+def check_resumable(run: Run, directory: str, step: int, state: dict[str, Any]) -> None:
+    """Refuse (ValueError, the same on every rank) the checkpoint of ``step`` whose run state
+    ``state`` is another run's. The first line names every differing config key with both
+    values: a model's (a width, a layer count, an encoder added or removed, the vocabulary)
+    would not even load."""
+    where = f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)}"
+    mine, theirs = _identity(run), state["run"]
+    if not isinstance(theirs.get("config"), dict):
+        raise ValueError(
+            f"{where} was written by an older orchmllm that did not record its config key by "
+            "key; resume it with that version or use another directory"
+        )
+    ours, saved = mine["config"], theirs["config"]
+    missing = "(absent)"
+    changed = [
+        f"{key} {saved.get(key, missing)!r} there, {ours.get(key, missing)!r} now"
+        for key in sorted(ours.keys() | saved.keys())
+        if ours.get(key, missing) != saved.get(key, missing)
+    ]
+    if changed:
+        model = any(c.startswith("model.") for c in changed)
+        what = "another model, which cannot load into this one" if model else "another run"
+        raise ValueError(
+            f"{where} was written for {what}: {'; '.join(changed)}. Resume with the same "
+            "config or use another directory"
+        )
+    for key, value in mine.items():
+        if theirs.get(key) == value:
+            continue
+        if key == "global_batch" and "layout" in state:
+            raise ValueError(f"{where} {_layout_refusal(state['layout'], run)}")
+        raise ValueError(
+            f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
+            "now); resume with the same settings or use another directory"
+        )
 
 
 def loader_position(state: dict[str, int], step: int, *, grad_accum: int) -> dict[str, int]:

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -488,3 +489,108 @@ def test_a_preempted_job_without_checkpoints_exits_at_once_and_one_past_its_grac
         "abandoned there",
         err,
     ), err[-3000:]
+
+
+# -- issue 41: a checkpoint of another model, a diverged run ------------------------------
+
+
+def _refusals_worker(rank: int, world: int, base: list[str], tmp: str) -> None:
+    torch.set_num_threads(1)
+    # Another model (a wider LLM, a deeper vision encoder, a larger vocabulary): refused
+    # before any tensor is read, every differing key named with both values.
+    with pytest.raises(
+        ValueError,
+        match=r"^--checkpoint-dir .*step-00000001 was written for another model, which cannot "
+        r"load into this one: model\.encoders\.vision\.layers 2 there, 3 now; model\.llm\.hidden "
+        r"64 there, 96 now; model\.vocab 512 there, 600 now\. Resume with the same config",
+    ):
+        main([*base, "--config", f"{tmp}/wide.yaml", "--checkpoint-dir", f"{tmp}/wide"])
+    # Other balancing policies: the training is the same, the checkpoint resumes.
+    main([*base, "--config", f"{tmp}/policy.yaml", "--checkpoint-dir", f"{tmp}/policy"])
+    # A diverged run (learning rate 1e30, float32) skipping step after step: stopped.
+    with pytest.raises(
+        NonFiniteStep,
+        match=r"2 consecutive training steps skipped \(steps 1-2; train\.max_skipped_steps is "
+        r"2\), the first at step 1: the run has diverged",
+    ):
+        main([*base, "--config", f"{tmp}/diverged.yaml", "--precision", "float32",
+              "--on-nonfinite", "skip"])  # fmt: skip
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_loading_and_a_diverged_run_stops(
+    ref, tmp_path, capfd
+):
+    """A resume with another model (a width, a layer count, the vocabulary) is refused on
+    every rank in the error's first line, naming each changed key with both values, before
+    DCP reads a tensor (no "Size mismatch"); one with other balancing policies resumes. With
+    ``--on-nonfinite skip`` a run at learning rate 1e30 stops after
+    ``train.max_skipped_steps`` (2) consecutive skipped steps, naming the count and the
+    first."""
+    ckpt = str(ref / "ckpt")
+    shutil.copytree(checkpoint.step_dir(ckpt, 1), tmp_path / "wide" / "step-00000001")
+    shutil.copytree(checkpoint.step_dir(ckpt, 3), tmp_path / "policy" / "step-00000003")
+    model = {"llm": {"hidden": 96}, "encoders": {"vision": {"layers": 3}}, "vocab": 600}
+    _config(tmp_path, "wide", model=model, examples_per_rank=PER_RANK)
+    policies = {"policies": {"vision": "binary_search", "llm": "binary_search"}}
+    _config(tmp_path, "policy", balance=policies, examples_per_rank=PER_RANK)
+    diverged = {"lr": 1.0e30, "max_skipped_steps": 2}
+    _config(tmp_path, "diverged", train=diverged, examples_per_rank=PER_RANK)
+    run_distributed(_refusals_worker, WORLD, _base(ref), str(tmp_path), timeout=200)
+    out, err = capfd.readouterr()
+    assert f"resumed at step 3 from {checkpoint.step_dir(str(tmp_path / 'policy'), 3)}" in out
+    assert "Size mismatch" not in err and "CheckpointException" not in err
+
+
+# -- issue 41: a full disk --------------------------------------------------------------------
+
+
+def _full_disk_worker(rank: int, world: int, base: list[str], small: str, tiny: str) -> list:
+    torch.set_num_threads(1)
+    errors = []
+    for directory in (small, tiny):
+        with pytest.raises(checkpoint.NoSpace) as exc:
+            main([*base, "--checkpoint-dir", directory, "--checkpoint-every", "1"])
+        errors.append(str(exc.value))
+    return errors
+
+
+@pytest.fixture
+def small_filesystems(tmp_path):
+    """Two tmpfs mounts, 15 MB (one checkpoint of the reference, 10 MB, fits; a second does
+    not) and 4 MB (none fits); skipped where mounting is not allowed (not root)."""
+    mounts = [tmp_path / "small", tmp_path / "tiny"]
+    done = []
+    try:
+        for path, size in zip(mounts, ("15m", "4m"), strict=True):
+            path.mkdir()
+            cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+            if subprocess.run(cmd, capture_output=True).returncode != 0:
+                pytest.skip("cannot mount a small tmpfs here (needs root)")
+            done.append(path)
+        yield mounts
+    finally:
+        for path in done:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_disk_is_named_in_the_first_line_with_the_bytes_needed_and_free(
+    ref, small_filesystems
+):
+    """A checkpoint directory on a filesystem with room for one checkpoint: the second save
+    is refused before writing, naming the directory, the bytes the last checkpoint took and
+    the bytes free. On one with no room, the write fails and says no space is left (not
+    DCP's "CheckpointException ranks:..."), naming the partial directory, on every rank."""
+    small, tiny = map(str, small_filesystems)
+    results = run_distributed(_full_disk_worker, WORLD, _base(ref), small, tiny, timeout=200)
+    for first, second in results:
+        assert re.match(
+            rf"no space for the checkpoint of step 2 in {re.escape(small)}: it needs about "
+            rf"\d+ bytes \(the size of {re.escape(small)}/step-00000001\), \d+ bytes are free "
+            "there", first
+        ), first  # fmt: skip
+        assert re.match(
+            rf"writing the checkpoint of step 1 to {re.escape(tiny)}/step-00000001.partial "
+            r"failed: no space left: it needs more, \d+ bytes are free there", second
+        ), second  # fmt: skip
+    assert os.listdir(tiny) == []  # the partial checkpoint removed, no lock left
+    assert sorted(os.listdir(small)) == ["step-00000001"]
