@@ -64,6 +64,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
 _CHUNK = 1 << 22  # bytes read at a time while checksumming
+_FULL_BELOW = 1 << 20  # a write that failed with fewer bytes free than this hit a full disk
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -291,9 +292,13 @@ def save(
         dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
         _write_manifest(partial, step)
     except BaseException as exc:
+        full = _no_space(exc)
+        if isinstance(exc, CheckpointException) and not full:  # every rank has it, in step
+            # torch.save's zip writer reports a full disk without errno ("unexpected pos")
+            full = _from_rank0(lambda: shutil.disk_usage(directory).free < _FULL_BELOW)
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        if _no_space(exc):
+        if full:
             what = f"writing the checkpoint of step {step} to {partial} failed: no space left"
             raise NoSpace(_space_message(what, need, directory)) from exc
         raise
