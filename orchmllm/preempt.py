@@ -46,13 +46,6 @@ class Preempted(RuntimeError):
         super().__init__(message)
         self.signal_name, self.step = signal_name, step
 
-    def __reduce__(self):  # keyword fields survive pickling (errors cross process boundaries)
-        return (_preempted, (str(self), self.signal_name, self.step))
-
-
-def _preempted(message: str, signal_name: str, step: int) -> Preempted:
-    return Preempted(message, signal_name=signal_name, step=step)
-
 
 def parse_signal(name: str) -> signal.Signals:
     """A signal by name (``SIGUSR1``, ``USR1``) or number; ValueError naming the value."""
@@ -80,9 +73,9 @@ class Preemption:
         on_abandon: called (in the watcher thread) before a forced exit, e.g. to release a
             lock; errors in it are reported, not raised.
 
-    Only the main thread can take signals; elsewhere :meth:`install` does nothing and
-    :attr:`signal_name` stays None. Use as a context manager: leaving restores the previous
-    handlers.
+    A context manager: entering installs the handlers (only the main thread can take
+    signals: elsewhere it does nothing and :attr:`signal_name` stays None), leaving restores
+    the previous ones.
     """
 
     def __init__(

@@ -51,7 +51,6 @@ from orchmllm.dirlock import DirectoryLock
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
 from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
-from orchmllm.preempt import Preempted
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.step_plan import MODES, StepOptions, default_phases
@@ -493,7 +492,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
     run before the optimizer step (:class:`NonFiniteStep`) or skips the step
     (``--on-nonfinite skip``). With ``--checkpoint-dir`` the job holds the directory's lock
     (:func:`orchmllm.checkpoint.claim`) until it ends. A stop signal ends it at a step all
-    ranks agree on, with a checkpoint (:mod:`orchmllm.preempt`, :class:`Preempted`).
+    ranks agree on, with a checkpoint (:mod:`orchmllm.preempt`).
     """
     lock = None
 
@@ -616,7 +615,7 @@ def _loop(
         if stop:
             progress.close()
             run.loader.close()  # every rank consumed this step's batch: closing is safe
-            raise Preempted(
+            raise preempt.Preempted(
                 f"rank {dist.get_rank()}: {preemption.signal_name}: stopped after step {step} "
                 f"of {run.steps}; checkpoint {saved} written and the lock released: rerun the "
                 f"same command to resume at step {step + 1}",
@@ -1066,7 +1065,7 @@ def main(argv: list[str] | None = None) -> RunningSummary:
 
 
 def _exit_failed(exc: BaseException) -> NoReturn:
-    preempted = isinstance(exc, Preempted)
+    preempted = isinstance(exc, preempt.Preempted)
     if preempted:
         print(f"{exc} (exit status {preempt.PREEMPTED})", file=sys.stderr)
     else:
