@@ -78,8 +78,8 @@ class DirectoryLock:
 
     :meth:`acquire` takes it (raising :class:`LockHeld`), a daemon thread rewrites it every
     ``stale_after / 5`` seconds (:attr:`interval`), :meth:`release` removes it. A lock whose
-    owner missed two heartbeats is waited for (a requeued job finding a dead job's lock on
-    another host), at most until it counts as abandoned. :attr:`lost` names the owner
+    owner on another host missed two heartbeats is waited for (a requeued job finding a dead
+    job's lock there), at most until it counts as abandoned. :attr:`lost` names the owner
     that took it over if that happened (this process stalled past ``stale_after``).
     """
 
@@ -102,10 +102,11 @@ class DirectoryLock:
 
     def acquire(self, log: Callable[[str], object] | None = None) -> str | None:
         """Take the lock; returns why a previous owner's lock was taken over (None: there
-        was none). Raises :class:`LockHeld` naming a live owner (heartbeat fresh). An owner
-        that missed two heartbeats is waited for until its lock is abandoned (at most
-        ``stale_after`` seconds after its last heartbeat), saying so once through ``log``;
-        if it beats again meanwhile it is live after all."""
+        was none). Raises :class:`LockHeld` naming a live owner (heartbeat fresh, or its
+        process running on this host). An owner on another host that missed two heartbeats
+        (a dead job there: its process cannot be checked from here) is waited for until its
+        lock is abandoned (at most ``stale_after`` seconds after its last heartbeat), saying
+        so once through ``log``; if it beats again meanwhile it is live after all."""
         os.makedirs(self.directory, exist_ok=True)
         took_over, told, rounds = None, None, 0
         while rounds < 8:  # each round succeeds, waits, or removes an abandoned lock
@@ -120,7 +121,7 @@ class DirectoryLock:
             why = self._abandoned(held)
             if why is None:
                 age = time.time() - held.beat
-                if age <= 2 * self.interval:
+                if age <= 2 * self.interval or held.process.here():  # a live process here
                     raise LockHeld(
                         f"{self.directory} is in use by another job ({held.describe()}): two "
                         "jobs writing one checkpoint directory would overwrite each other's "
