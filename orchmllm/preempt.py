@@ -94,7 +94,7 @@ class Preemption:
         self.signal_name: str | None = None  # the first stop signal received
         self.where = "start-up"  # what the job is doing, for the message of a forced exit
         self._at: float | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a second signal may run the handler inside the first
         self._previous: dict[signal.Signals, object] = {}
         self._old_wakeup: int | None = None
         self._pipe: tuple[socket.socket, socket.socket] | None = None
