@@ -135,7 +135,8 @@ def test_every_rank_of_a_refused_job_names_the_owner_and_a_silent_owner_is_waite
     assert re.search(
         r"its lock's owner \(host elsewhere, pid 1, job old, started .*, last heartbeat 2\.\d s "
         r"ago\) stopped heartbeating; waiting up to 2 s more for the lock to count as abandoned "
-        r"\(4 s without a heartbeat\)", err
+        r"\(4 s without a heartbeat\)",
+        err,
     ), err
     assert re.search(r"took over the lock of host elsewhere, pid 1.*: no heartbeat for 4 s", err)
     assert not os.path.exists(tmp_path / LOCK_NAME)

@@ -206,12 +206,13 @@ def test_damaged_checkpoints_are_named_and_the_run_resumes_as_if_uninterrupted(
 def test_a_second_job_is_refused_a_dead_peer_is_named_and_the_requeued_job_resumes(
     ref, tmp_path, repo_env
 ):
-    """Items 3 and 5. Job A runs; paused (SIGSTOP: a slow step, its lock's heartbeat still
-    fresh), the same command is started again (a scheduler's requeue while A runs): job B
-    exits 1 naming A (host, pid) on every rank and writes nothing. A goes on; its rank 1 is
-    SIGKILLed: A's rank 0 names rank 1 dead (its process exited, or still exiting: seen
-    before it is a zombie) instead of "every rank arrived", and exits 1, releasing the lock. The requeued job C resumes from A's newest
-    checkpoint and ends as the uninterrupted run."""
+    """Items 3 and 5. Job A runs; paused (SIGSTOP: a slow step; its process runs on this
+    host, so it is live), the same command is started again (a scheduler's requeue while A
+    runs): job B exits 1 naming A (host, pid) on every rank and writes nothing. A goes on;
+    its rank 1 is SIGKILLed: A's rank 0 names rank 1 dead (its process exited, or still
+    exiting: seen before it is a zombie) instead of "every rank arrived", and exits 1,
+    releasing the lock. The requeued job C resumes from A's newest checkpoint and ends as
+    the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     argv = _module([*_base(ref), *_outputs(tmp_path / "out"), "--checkpoint-dir", str(ckpt),
                     "--checkpoint-every", "1"])  # fmt: skip
