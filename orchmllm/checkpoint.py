@@ -29,6 +29,7 @@ before anything is read or written. DIR must be one filesystem all nodes share.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,12 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchmllm.dirlock import DirectoryLock
 
 __all__ = [
     "MANIFEST",
+    "NoSpace",
     "NoUsableCheckpoint",
     "claim",
     "latest_step",
@@ -61,10 +64,16 @@ __all__ = [
 MANIFEST = "manifest.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
 _CHUNK = 1 << 22  # bytes read at a time while checksumming
+_FULL_BELOW = 1 << 20  # a write that failed with fewer bytes free than this hit a full disk
 
 
 class NoUsableCheckpoint(RuntimeError):
     """Checkpoints exist but none verifies (the message gives each one's reason)."""
+
+
+class NoSpace(OSError):
+    """A checkpoint does not fit on its filesystem (the message: the path, the bytes it
+    needs, the bytes free)."""
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -205,14 +214,16 @@ def claim(directory: str, *, stale_after: float, job: str | None) -> DirectoryLo
     """Take ``directory`` for this job (collective): rank 0 takes its lock
     (:class:`~orchmllm.dirlock.DirectoryLock`) and removes the partial checkpoints an earlier
     job left. Returns the lock on rank 0 (None elsewhere); every rank raises
-    :class:`~orchmllm.dirlock.LockHeld` when another live job holds it."""
+    :class:`~orchmllm.dirlock.LockHeld` naming the owner when another live job holds it. A
+    lock whose owner stopped heartbeating is waited for until it is abandoned (less than
+    ``stale_after``, the collectives' timeout: the other ranks wait in a broadcast)."""
 
     lock = None
 
     def take() -> None:
         nonlocal lock
         lock = DirectoryLock(directory, stale_after=stale_after, job=job)
-        took_over = lock.acquire()
+        took_over = lock.acquire(log=_log)
         if took_over:
             _log(f"{directory}: {took_over}")
         for name in sorted(os.listdir(directory)):
@@ -251,19 +262,25 @@ def save(
     ``run``: the state every rank shares (JSON values: the loader's ``state_dict()``, what
     the run is), given back by :func:`load`. ``lock``: the directory's lock (rank 0's, from
     :func:`claim`): the save refuses to write once another job took it over. Returns the
-    checkpoint's directory. A failed write (a full disk) removes its partial directory and
-    raises on every rank; earlier checkpoints are kept.
+    checkpoint's directory. A failed write removes its partial directory and raises on every
+    rank; earlier checkpoints are kept. A full disk raises :class:`NoSpace`, checked before
+    writing when an earlier checkpoint tells the size.
     """
     final = step_dir(directory, step)
     partial = f"{final}.partial"
 
-    def prepare() -> None:
+    def prepare() -> tuple[int, str] | None:
         if lock is not None:
             lock.check()
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a write that a killed job left
+        need = _last_size(directory)
+        if need is not None and shutil.disk_usage(directory).free < need[0]:
+            what = f"no space for the checkpoint of step {step} in {directory}"
+            raise NoSpace(_space_message(what, need, directory))
+        return need
 
-    _from_rank0(prepare)
+    need = _from_rank0(prepare)
     model_state, optim_state = get_state_dict(model, optim)
     state = {
         "model": model_state,
@@ -274,9 +291,16 @@ def save(
     try:
         dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
         _write_manifest(partial, step)
-    except BaseException:
+    except BaseException as exc:
+        full = _no_space(exc)
+        if isinstance(exc, CheckpointException) and not full:  # every rank has it, in step
+            # torch.save's zip writer reports a full disk without errno ("unexpected pos")
+            full = _from_rank0(lambda: shutil.disk_usage(directory).free < _FULL_BELOW)
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
+        if full:
+            what = f"writing the checkpoint of step {step} to {partial} failed: no space left"
+            raise NoSpace(_space_message(what, need, directory)) from exc
         raise
 
     def publish() -> None:
@@ -290,6 +314,37 @@ def save(
     if keep_last:
         _from_rank0(lambda: prune(directory, keep_last=keep_last, newest=step))
     return final
+
+
+def _last_size(directory: str) -> tuple[int, str] | None:
+    """The bytes of the newest complete checkpoint by its manifest, and its path (None:
+    there is none to tell)."""
+    for step in steps(directory):
+        path = step_dir(directory, step)
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                files = json.load(f)["files"]
+            return sum(int(v["size"]) for v in files.values()), path
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _space_message(what: str, need: tuple[int, str] | None, directory: str) -> str:
+    free = shutil.disk_usage(directory).free
+    needs = f"about {need[0]} bytes (the size of {need[1]})" if need else "more"
+    return f"{what}: it needs {needs}, {free} bytes are free there. Free some space"
+
+
+def _no_space(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (DCP's CheckpointException holds every rank's) is a full disk."""
+    if exc is None:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    if isinstance(exc, CheckpointException):
+        return any(_no_space(e) for e, _ in exc.failures.values())
+    return _no_space(exc.__cause__ or exc.__context__)
 
 
 def prune(directory: str, *, keep_last: int, newest: int) -> list[int]:
@@ -306,15 +361,21 @@ def prune(directory: str, *, keep_last: int, newest: int) -> list[int]:
 
 
 def load(
-    directory: str, *, model: torch.nn.Module, optim: torch.optim.Optimizer
+    directory: str,
+    *,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    check: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """Restore the newest checkpoint in ``directory`` that verifies into ``model``, ``optim``
     and this rank's RNG; returns ``(step, run state)``, or None when there is no complete
     checkpoint (collective: rank 0 lists the directory, so every rank loads the same one).
 
     A newer checkpoint that does not verify is reported (stderr, rank 0) with why, and the
-    next older one is tried. DCP reshards model and optimizer onto this world size; a rank
-    the checkpoint has no RNG state for keeps its own.
+    next older one is tried. ``check(step, run state)`` is called (every rank) before any
+    tensor is read: it raises to refuse the checkpoint of another run, which DCP would
+    otherwise fail on, or load, tensor by tensor. DCP reshards model and optimizer onto this
+    world size; a rank the checkpoint has no RNG state for keeps its own.
 
     Raises:
         NoUsableCheckpoint: complete checkpoints exist but none verifies.
@@ -327,6 +388,10 @@ def load(
             rejected.append(f"{path}: " + "; ".join(problems))
             _log(f"checkpoint {path} is not usable: {'; '.join(problems)}; trying an older one")
             continue
+        run = {"run": ""}
+        dcp.load(run, checkpoint_id=path, no_dist=not _distributed())
+        if check is not None:
+            check(step, json.loads(run["run"]))
         model_state, optim_state = get_state_dict(model, optim)
         state = {"model": model_state, "optim": optim_state, "run": ""}
         rng = _rng_key()

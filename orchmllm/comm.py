@@ -14,6 +14,7 @@ a rank that skipped a call makes the others fail instead of hanging.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "all_gather_rows",
     "move",
     "move_many",
+    "roll_call",
     "all_gather_move",
     "check_agreement",
     "fingerprint",
@@ -50,6 +52,9 @@ _NATIVE = frozenset(
         torch.bool,
     }
 )
+
+
+ROLL_CALL_S = 3.0  # how long a roll call waits for the ranks that are still there
 
 
 class MismatchError(RuntimeError):
@@ -99,6 +104,38 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def roll_call(group: dist.ProcessGroup | None, *, call: str, timeout: float) -> list[int]:
+    """After a failed collective: the ranks of ``group`` that do not say they are there within
+    ``ROLL_CALL_S`` seconds (or ``timeout``, if shorter), by the job's key-value store (the
+    default group's). ``call`` names the collective, the same on every rank and unique in the
+    job (a step's number). Every rank whose collective failed calls it, at about the same
+    time (a timeout or a dead rank's closed connections end it everywhere at once); a rank
+    that cannot reach the store returns [] (nothing known)."""
+    try:
+        rank, size = _rank_and_size(group)
+        name = group.group_name if group is not None else dist.group.WORLD.group_name
+        store = dist.PrefixStore(f"orchmllm/roll-call/{name}/{call}", compat.default_store())
+        store.set(str(rank), "here")
+        store.add("count", 1)
+        deadline = time.monotonic() + min(timeout, ROLL_CALL_S)
+        while store.add("count", 0) < size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [r for r in range(size) if not store.check([str(r)])]
+    except Exception:  # the store is gone too: nothing to add
+        return []
+
+
+def absent_message(what: str, exc: BaseException, absent: str, *, timeout: float) -> str:
+    """The error of collective ``what`` that failed with ``exc`` while ranks ``absent`` (as
+    the message shows them) did not answer :func:`roll_call`."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return (
+        f"{what} failed ({type(exc).__name__}: {first}); rank(s) {absent} did not answer a "
+        f"roll call within {min(timeout, ROLL_CALL_S):.0f} s: failed, stopped or dead (their "
+        "own logs say why), or busy elsewhere"
+    )
 
 
 def _meta_device(group: dist.ProcessGroup | None) -> torch.device:

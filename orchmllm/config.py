@@ -448,6 +448,9 @@ class TrainConfig:
             micro-step (memory of one micro-step), or, when false, only after the last: one
             reduce-scatter a step, but between micro-steps every rank holds the whole model's
             unsharded gradients (for a model small next to its accelerator's memory).
+        max_skipped_steps: with ``--on-nonfinite skip``, the run stops (an error naming the
+            count and the first skipped step) after this many consecutive skipped steps: a
+            diverged run skips every step from then on.
     """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("seed", "weight_decay")
@@ -458,6 +461,7 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1
     sync_micro_steps: bool = True
+    max_skipped_steps: int = 5
 
     def __post_init__(self) -> None:
         if not is_integer(self.seed) or self.seed < 0:

@@ -19,6 +19,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from orchmllm.watch import Process
@@ -62,6 +63,9 @@ class LockHeld(RuntimeError):
         super().__init__(message)
         self.owner = owner
 
+    def __reduce__(self):  # the owner survives pickling (rank 0 sends the error to the others)
+        return (type(self), (str(self), self.owner))
+
 
 class DirectoryLock:
     """The lock of ``directory`` for this process (see the module docstring).
@@ -73,7 +77,9 @@ class DirectoryLock:
             (an earlier restart attempt) is taken over at once. None: no such job.
 
     :meth:`acquire` takes it (raising :class:`LockHeld`), a daemon thread rewrites it every
-    ``stale_after / 5`` seconds, :meth:`release` removes it. :attr:`lost` names the owner
+    ``stale_after / 5`` seconds (:attr:`interval`), :meth:`release` removes it. A lock whose
+    owner on another host missed two heartbeats is waited for (a requeued job finding a dead
+    job's lock there), at most until it counts as abandoned. :attr:`lost` names the owner
     that took it over if that happened (this process stalled past ``stale_after``).
     """
 
@@ -83,6 +89,7 @@ class DirectoryLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_NAME)
         self.stale_after = float(stale_after)
+        self.interval = self.stale_after / 5
         self.job = job
         p = Process.this()
         now = time.time()
@@ -93,28 +100,46 @@ class DirectoryLock:
 
     # -- acquiring ---------------------------------------------------------------------
 
-    def acquire(self) -> str | None:
+    def acquire(self, log: Callable[[str], object] | None = None) -> str | None:
         """Take the lock; returns why a previous owner's lock was taken over (None: there
-        was none). Raises :class:`LockHeld` naming a live owner."""
+        was none). Raises :class:`LockHeld` naming a live owner (heartbeat fresh, or its
+        process running on this host). An owner on another host that missed two heartbeats
+        (a dead job there: its process cannot be checked from here) is waited for until its
+        lock is abandoned (at most ``stale_after`` seconds after its last heartbeat), saying
+        so once through ``log``; if it beats again meanwhile it is live after all."""
         os.makedirs(self.directory, exist_ok=True)
-        took_over = None
-        for _ in range(8):  # each round either succeeds or removes an abandoned lock
+        took_over, told, rounds = None, None, 0
+        while rounds < 8:  # each round succeeds, waits, or removes an abandoned lock
             if self._create():
                 self._start_heartbeat()
                 return took_over
             held = self._read(self.path)
             if held is None:  # vanished, or being written this instant
                 time.sleep(0.05)
+                rounds += 1
                 continue
             why = self._abandoned(held)
             if why is None:
-                raise LockHeld(
-                    f"{self.directory} is in use by another job ({held.describe()}): two jobs "
-                    "writing one checkpoint directory would overwrite each other's "
-                    "checkpoints. Stop that job or wait for it; its lock counts as abandoned "
-                    f"{self.stale_after:.0f} s after its last heartbeat",
-                    held,
-                )
+                age = time.time() - held.beat
+                if age <= 2 * self.interval or held.process.here():  # a live process here
+                    raise LockHeld(
+                        f"{self.directory} is in use by another job ({held.describe()}): two "
+                        "jobs writing one checkpoint directory would overwrite each other's "
+                        "checkpoints. Stop that job or wait for it; its lock counts as "
+                        f"abandoned {self.stale_after:.0f} s after its last heartbeat",
+                        held,
+                    )
+                if told != held.token and log is not None:
+                    log(
+                        f"{self.directory}: its lock's owner ({held.describe()}) stopped "
+                        f"heartbeating; waiting up to {self.stale_after - age:.0f} s more for "
+                        f"the lock to count as abandoned ({self.stale_after:.0f} s without a "
+                        "heartbeat)"
+                    )
+                told = held.token
+                time.sleep(min(self.interval / 2, max(self.stale_after - age, 0.0) + 0.05))
+                continue
+            rounds += 1
             if self._set_aside(held):
                 took_over = f"took over the lock of {held.describe()}: {why}"
         raise RuntimeError(f"could not take the lock {self.path}: it keeps changing")

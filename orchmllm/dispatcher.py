@@ -12,8 +12,11 @@ global batch has the same gradient with or without dispatch.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
-from orchmllm.agreement import agreed_plan
+from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.plan import Rearrangement
@@ -33,6 +36,7 @@ from orchmllm.validate import check_caps
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
 
 LAYOUTS = ("packed", "padded")
+_CREATED = itertools.count()  # dispatchers are built on every rank together: the same ids
 
 
 PlanMismatchError = comm.MismatchError
@@ -184,6 +188,7 @@ class BatchDispatcher:
         self.deterministic = plan_is_deterministic(placement=placement, policies=(policy,))
         # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
         self.cost = cost
+        self._id, self._calls = next(_CREATED), 0
         self.stats_cost = cost if cost is not None else CostModel(layout)
 
     # -- public -------------------------------------------------------------------------
@@ -231,12 +236,25 @@ class BatchDispatcher:
             PlanMismatchError: the ranks pass different tensor names, dtypes, trailing
                 shapes, ``requires_grad``, options or plans; or, with ``check_plan``, they
                 computed different plans.
-            RuntimeError: a collective did not complete within ``timeout``.
+            PeerFailed: a collective did not complete within ``timeout`` (or a peer's
+                connection closed), naming the ranks that did not arrive (a roll call in the
+                job's store, :func:`orchmllm.comm.roll_call`).
         """
         items = {} if items is None else dict(items)
         local_lengths = self._check_inputs(tokens, lengths, items)
         if plan is not None and not isinstance(plan, Rearrangement):
             raise ValueError(f"plan must be a Rearrangement or None, got {type(plan).__name__}")
+        with self._named("dispatch"):
+            return self._dispatch(tokens, lengths, items, plan, local_lengths)
+
+    def _dispatch(
+        self,
+        tokens: dict[str, torch.Tensor],
+        lengths: torch.Tensor,
+        items: dict[str, torch.Tensor],
+        plan: Rearrangement | None,
+        local_lengths: np.ndarray,
+    ) -> Dispatched:
         rank, world = self.topology.rank, self.topology.size
 
         t0 = time.perf_counter()
@@ -331,8 +349,13 @@ class BatchDispatcher:
 
         Raises:
             ValueError: ``tensor``'s rows do not match the dispatched items.
-            RuntimeError: the move did not complete within ``timeout``.
+            PeerFailed: the move did not complete within ``timeout``, naming the ranks that
+                did not arrive (as :meth:`dispatch`).
         """
+        with self._named("undo"):
+            return self._undo(dispatched, tensor, items=items)
+
+    def _undo(self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool) -> torch.Tensor:
         plan = dispatched.plan
         glob = dispatched.global_lengths
         back = plan.inverse()
@@ -357,6 +380,27 @@ class BatchDispatcher:
         return _pad(out, orig_lengths, pad_to, self.pad_value)
 
     # -- helpers ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _named(self, what: str) -> Iterator[None]:
+        """This dispatcher's next collective call, ``what``: a collective that fails (timed
+        out, a peer's connection closed) is raised as :class:`PeerFailed` naming the ranks
+        that did not answer a roll call, as the trainer names them; errors the ranks raise
+        together (mismatches, a peer's reported failure) pass unchanged."""
+        self._calls += 1
+        call = f"dispatcher-{self._id}-{self._calls}"
+        try:
+            yield
+        except RuntimeError as exc:
+            if isinstance(exc, PlanMismatchError | PeerFailed):
+                raise
+            absent = comm.roll_call(self.topology.group, call=call, timeout=self.topology.timeout)
+            if not absent:
+                raise
+            where = f"rank {self.topology.rank}: BatchDispatcher.{what} (call {self._calls})"
+            raise PeerFailed(
+                comm.absent_message(where, exc, str(absent), timeout=self.topology.timeout)
+            ) from exc
 
     def _to_packed(
         self, t: torch.Tensor, lengths: torch.Tensor, layout: str | None = None

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, host_memory, launch, watch
+from orchmllm import checkpoint, compat, host_memory, launch, preempt, watch
 from orchmllm.balance import PLACEMENTS
 from orchmllm.calibrator import Calibrator
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
@@ -188,7 +188,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fails on every healthy rank, naming the ranks that did not arrive. It also bounds the "
         "uneven phases: writing the dataset on a first run, writing a checkpoint",
     )
+    p.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=25.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT (a scheduler preempting the job), every rank stops after "
+        "the step in progress, writes a checkpoint (with --checkpoint-dir) and exits with "
+        f"status {preempt.PREEMPTED}; a job still running SECONDS after the signal is abandoned "
+        "there (keep it below the scheduler's kill delay and torchrun's --shutdown-timeout)",
+    )
+    p.add_argument(
+        "--preempt-signal",
+        default=None,
+        metavar="NAME",
+        help="one more signal that preempts like SIGTERM, e.g. USR1 for SLURM's "
+        "--signal=USR1@90 warning",
+    )
     args = p.parse_args(argv)
+    if not args.preempt_grace > 0:
+        p.error(f"--preempt-grace must be > 0 seconds, got {args.preempt_grace}")
+    try:
+        args.preempt_signals = [
+            preempt.parse_signal(s)
+            for s in (*preempt.DEFAULT_SIGNALS, *filter(None, [args.preempt_signal]))
+        ]
+    except ValueError as exc:
+        p.error(str(exc))
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.grad_accum is not None and args.grad_accum < 1:
@@ -519,26 +545,41 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
     waits for collectives that cannot complete. A non-finite loss or gradient norm stops the
     run before the optimizer step (:class:`NonFiniteStep`) or skips the step
     (``--on-nonfinite skip``). With ``--checkpoint-dir`` the job holds the directory's lock
-    (:func:`orchmllm.checkpoint.claim`) until it ends.
+    (:func:`orchmllm.checkpoint.claim`) until it ends. A stop signal ends it at a step all
+    ranks agree on, with a checkpoint (:mod:`orchmllm.preempt`).
     """
-    with watch.section("start-up"):
-        run = setup(args)
     lock = None
-    try:
-        start = 0
-        if args.checkpoint_dir:
-            with watch.section("checkpoint load"):
-                lock = checkpoint.claim(
-                    args.checkpoint_dir, stale_after=args.timeout, job=job_token()
-                )
-                start = resume(run)
-        return _loop(run, start, lock), run.model
-    finally:
+
+    def abandon() -> None:  # the grace ran out: leave the directory to the requeued job
         if lock is not None:
             lock.release()
 
+    with preempt.Preemption(
+        args.preempt_signals,
+        grace=args.preempt_grace,
+        saving=bool(args.checkpoint_dir),
+        on_abandon=abandon,
+    ) as preemption:
+        with watch.section("start-up"):
+            run = setup(args)
+        try:
+            start = 0
+            if args.checkpoint_dir:
+                with watch.section("checkpoint load"):
+                    preemption.where = "checkpoint load"
+                    lock = checkpoint.claim(
+                        args.checkpoint_dir, stale_after=args.timeout, job=job_token()
+                    )
+                    start = resume(run)
+            return _loop(run, start, lock, preemption), run.model
+        finally:
+            if lock is not None:
+                lock.release()
 
-def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
+
+def _loop(
+    run: Run, start: int, lock: DirectoryLock | None, preemption: preempt.Preemption
+) -> RunningSummary:
     """The steps from ``start`` on (see :func:`train`)."""
     args = run.args
     world = dist.get_world_size()
@@ -555,7 +596,9 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
         rank=dist.get_rank(),
         mode="off" if args.quiet else args.progress,
     )
+    skips: list[int] = []  # the consecutive skipped steps up to now
     for step in range(start, run.steps):
+        preemption.where = f"training step {step}"
         t0 = time.perf_counter()
         try:
             group = next(groups)  # the step's micro-steps, planned
@@ -573,10 +616,13 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             sums = step_sums(run, loss, tokens)
             calibration = calibrate(run, step)
             skipped = check_finite(sums, step=step, on_nonfinite=args.on_nonfinite)
+            skips = [*skips, step] if skipped else []
+            check_skips(skips, limit=run.cfg.train.max_skipped_steps)
             with memory.phase("optimizer"):
                 if not skipped:
                     run.optim.step()
                 run.optim.zero_grad(set_to_none=True)
+            stop = preemption.agreed(run.device) and step + 1 < run.steps
         except NonFiniteStep:  # the same decision on every rank, already named
             progress.close()
             run.loader.close()  # every rank consumed this step's batch: closing is safe
@@ -618,12 +664,24 @@ def _loop(run: Run, start: int, lock: DirectoryLock | None) -> RunningSummary:
             imbalance=f"{record['phases'][LLM]['imbalance_after']:.3f}",
         )
         del group, loss  # nothing of this step outlives it
-        if args.checkpoint_dir and _checkpoint_due(step + 1, run):
+        saved = None
+        if args.checkpoint_dir and (stop or _checkpoint_due(step + 1, run)):
+            preemption.where = f"checkpoint save at step {step + 1}"
             with watch.section(f"checkpoint save at step {step + 1}"):
-                checkpoint.save(
+                saved = checkpoint.save(
                     args.checkpoint_dir, step + 1, model=run.model, optim=run.optim,
                     run=_run_state(run), keep_last=args.keep_last, lock=lock,
                 )  # fmt: skip
+        if stop:
+            progress.close()
+            run.loader.close()  # every rank consumed this step's batch: closing is safe
+            raise preempt.Preempted(
+                f"rank {dist.get_rank()}: {preemption.signal_name}: stopped after step {step} "
+                f"of {run.steps}; checkpoint {saved} written and the lock released: rerun the "
+                f"same command to resume at step {step + 1}",
+                signal_name=preemption.signal_name or "",
+                step=step + 1,
+            )
     progress.close()
     run.loader.close()
     if trackers is not None:
@@ -785,6 +843,18 @@ def check_finite(sums: StepSums, *, step: int, on_nonfinite: str) -> bool:
     )
 
 
+def check_skips(skips: list[int], *, limit: int) -> None:
+    """Raise :class:`NonFiniteStep` once ``limit`` consecutive steps (``skips``) were skipped:
+    a run whose every step is skipped has diverged, and going on would only burn the
+    allocation (every rank decides alike)."""
+    if len(skips) >= limit:
+        raise NonFiniteStep(
+            f"rank {dist.get_rank()}: {len(skips)} consecutive training steps skipped (steps "
+            f"{skips[0]}-{skips[-1]}; train.max_skipped_steps is {limit}), the first at step "
+            f"{skips[0]}: the run has diverged (the learning rate, the data?); stopped"
+        )
+
+
 def phase_record(stats: dict[str, Any], *, per_rank: bool) -> dict[str, Any]:
     """A phase's metrics for the step record: scalars (imbalance, the slowest rank's load
     before and after, bytes, planning time), plus every rank's load when ``per_rank``
@@ -879,20 +949,36 @@ def _checkpoint_due(done: int, run: Run) -> bool:
     return done == run.steps or (every > 0 and done % every == 0)
 
 
+# Config keys that do not change the training: the balancing (mode, policies, placement), the
+# layout (its global batch is compared instead) and the run's stopping rule.
+# (train.steps, train.seed and recipe.precision are compared as the command line sets them.)
+_FREE_KEYS = (
+    "balance.", "data.examples_per_rank", "train.grad_accum", "train.sync_micro_steps",
+    "train.max_skipped_steps", "train.steps", "train.seed", "recipe.precision",
+)  # fmt: skip
+
+
+def _config_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The config as flat ``section.key`` values (JSON ones) that a resumed run must keep."""
+
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, x in value.items() for k, v in flat(x, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: value}
+
+    fields = json.loads(json.dumps(flat(dataclasses.asdict(cfg), "")))
+    return {k: v for k, v in fields.items() if not k.startswith(_FREE_KEYS)}
+
+
 def _identity(run: Run) -> dict[str, Any]:
     """What a checkpoint must have been written by to resume this run: everything that
-    changes the training itself. Not the balance mode, placement or gradient sync, which do
-    not, nor the world size, examples per rank or micro-steps: the global batch (ranks x
-    examples per rank x micro-steps) stands for them, so a run that keeps it may resume on
-    another number of ranks or micro-steps (see :func:`resume`)."""
+    changes the training itself. Not the balance mode, policies, placement or gradient sync,
+    which do not, nor the world size, examples per rank or micro-steps: the global batch
+    (ranks x examples per rank x micro-steps) stands for them, so a run that keeps it may
+    resume on another number of ranks or micro-steps (see :func:`resume`)."""
     a, cfg = run.args, run.cfg
-    layout_free = dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, examples_per_rank=0),
-        train=dataclasses.replace(cfg.train, grad_accum=0, sync_micro_steps=True),
-    )
     return {
-        "config": repr(layout_free), "steps": run.steps, "precision": cfg.recipe.precision,
+        "config": _config_fields(cfg), "steps": run.steps, "precision": cfg.recipe.precision,
         "seed": cfg.train.seed if a.seed is None else a.seed,
         "global_batch": dist.get_world_size() * cfg.data.examples_per_rank
         * cfg.train.grad_accum,
@@ -924,23 +1010,17 @@ def resume(run: Run) -> int:
     turn, so ranks x examples per rank consecutive examples make one micro-step, and K
     consecutive micro-steps one step, on any layout), so the losses go on as in an
     uninterrupted run. Otherwise the refusal says which ``data.examples_per_rank`` would
-    allow it."""
+    allow it. The run is compared before any tensor is loaded (:func:`check_resumable`)."""
     directory = run.args.checkpoint_dir
-    loaded = checkpoint.load(directory, model=run.model, optim=run.optim)
+    loaded = checkpoint.load(
+        directory,
+        model=run.model,
+        optim=run.optim,
+        check=lambda step, state: check_resumable(run, directory, step, state),
+    )
     if loaded is None:
         return 0
     step, state = loaded
-    where = f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)}"
-    mine, theirs = _identity(run), state["run"]
-    for key, value in mine.items():
-        if theirs.get(key) == value:
-            continue
-        if key == "global_batch" and "layout" in state:
-            raise ValueError(f"{where} {_layout_refusal(state['layout'], run)}")
-        raise ValueError(
-            f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
-            "now); resume with the same settings or use another directory"
-        )
     run.loader.load_state_dict(
         loader_position(state["loader"], step, grad_accum=run.cfg.train.grad_accum)
     )
@@ -954,6 +1034,43 @@ def resume(run: Run) -> int:
         print(f"resumed at step {step} from {checkpoint.step_dir(directory, step)}{moved}")
         sys.stdout.flush()
     return step
+
+
+def check_resumable(run: Run, directory: str, step: int, state: dict[str, Any]) -> None:
+    """Refuse (ValueError, the same on every rank) the checkpoint of ``step`` whose run state
+    ``state`` is another run's. The first line names every differing config key with both
+    values: a model's (a width, a layer count, an encoder added or removed, the vocabulary)
+    would not even load."""
+    where = f"--checkpoint-dir {directory!r}: {checkpoint.step_dir(directory, step)}"
+    mine, theirs = _identity(run), state["run"]
+    if not isinstance(theirs.get("config"), dict):
+        raise ValueError(
+            f"{where} was written by an older orchmllm that did not record its config key by "
+            "key; resume it with that version or use another directory"
+        )
+    ours, saved = mine["config"], theirs["config"]
+    missing = "(absent)"
+    changed = [
+        f"{key} {saved.get(key, missing)!r} there, {ours.get(key, missing)!r} now"
+        for key in sorted(ours.keys() | saved.keys())
+        if ours.get(key, missing) != saved.get(key, missing)
+    ]
+    if changed:
+        model = any(c.startswith("model.") for c in changed)
+        what = "another model, which cannot load into this one" if model else "another run"
+        raise ValueError(
+            f"{where} was written for {what}: {'; '.join(changed)}. Resume with the same "
+            "config or use another directory"
+        )
+    for key, value in mine.items():
+        if theirs.get(key) == value:
+            continue
+        if key == "global_batch" and "layout" in state:
+            raise ValueError(f"{where} {_layout_refusal(state['layout'], run)}")
+        raise ValueError(
+            f"{where} was written by another run ({key} {theirs.get(key)!r} there, {value!r} "
+            "now); resume with the same settings or use another directory"
+        )
 
 
 def loader_position(state: dict[str, int], step: int, *, grad_accum: int) -> dict[str, int]:
@@ -1048,12 +1165,16 @@ def main(argv: list[str] | None = None) -> RunningSummary:
 
 
 def _exit_failed(exc: BaseException) -> NoReturn:
-    traceback.print_exception(exc)
+    preempted = isinstance(exc, preempt.Preempted)
+    if preempted:
+        print(f"{exc} (exit status {preempt.PREEMPTED})", file=sys.stderr)
+    else:
+        traceback.print_exception(exc)
     progress = watch.current()
     if progress is not None and not isinstance(exc, watch.StepFailed):
         with contextlib.suppress(Exception):
-            progress.close(f"failed: {type(exc).__name__}")
-    compat.leave_process(1)
+            progress.close("preempted" if preempted else f"failed: {type(exc).__name__}")
+    compat.leave_process(preempt.PREEMPTED if preempted else 1)
 
 
 if __name__ == "__main__":

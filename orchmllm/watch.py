@@ -69,31 +69,57 @@ class Process:
         return self.host == socket.gethostname()
 
     def gone(self) -> str | None:
-        """Why this process is known to be gone ("exited ..."), or None: running, or on
-        another host (see :meth:`here`)."""
+        """Why this process is known to be gone ("exited ...", "exiting ..."), or None:
+        running, or on another host (see :meth:`here`).
+
+        A killed process closes its sockets (its peers' collectives fail at once) before it
+        becomes a zombie: in between /proc still lists it as running, and a peer that looked
+        only at its state called it alive. So a process that is exiting (the kernel's
+        PF_EXITING) or has a SIGKILL pending counts as gone too."""
         if not self.here():
             return None
         stat = _stat(self.pid)
         if stat is None:
             return "exited"
-        state, start = stat
+        state, start, flags = stat
         if self.start and start and start != self.start:
             return "exited (its pid now belongs to another process)"
         if state in ("Z", "X"):
             return "exited (a zombie not yet reaped)"
+        if flags & _PF_EXITING:
+            return "exiting (killed or ending, not yet a zombie)"
+        if _kill_pending(self.pid):
+            return "being killed (SIGKILL pending)"
         return None
 
     def __str__(self) -> str:
         return f"process {self.pid} on {self.host}"
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and start time (clock ticks after boot) from /proc; None:
-    no such process. Without /proc: ("?", 0) for a process that exists."""
+_PF_EXITING = 0x4  # the kernel's per-task flag: do_exit() has begun
+_SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in /proc's pending-signal masks
+
+
+def _kill_pending(pid: int) -> bool:
+    """Whether a SIGKILL is queued for process ``pid`` (sent; the shared mask keeps it while
+    the process dies)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [
+                int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))
+            ]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(m & _SIGKILL_BIT for m in masks)
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """A process's state letter, start time (clock ticks after boot) and kernel flags from
+    /proc; None: no such process. Without /proc: ("?", 0, 0) for a process that exists."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
-        return fields[0], int(fields[19])
+        return fields[0], int(fields[19]), int(fields[6])
     except FileNotFoundError:
         return None
     except (OSError, ValueError, IndexError):
@@ -103,7 +129,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
             return None
         except PermissionError:
             pass
-        return "?", 0
+        return "?", 0, 0
 
 
 @dataclass(frozen=True)

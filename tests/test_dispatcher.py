@@ -5,6 +5,7 @@ reports one check.
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -13,10 +14,11 @@ import torch.distributed as dist
 
 import orchmllm
 from orchmllm import comm, dispatcher
+from orchmllm.agreement import PeerFailed
 from orchmllm.data.loader import BalancedDataLoader
 from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
 from orchmllm.plan import Rearrangement
-from orchmllm.testing import assert_check_passed, run_checks
+from orchmllm.testing import assert_check_passed, run_checks, run_distributed
 from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
@@ -456,3 +458,29 @@ def test_placement_without_ranks_per_node_is_refused_before_any_group():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"placement='ilp' needs ranks_per_node: pass topology="):
         BatchDispatcher(placement="ilp")
+
+
+def _absent_rank_worker(rank: int, world: int) -> str | None:
+    """Rank 1 does not come to the second dispatch (busy elsewhere past the timeout, as a
+    stopped or hung rank); rank 0's error, or None on rank 1."""
+    d = BatchDispatcher(topology=Topology.build(timeout=2.0))
+    tokens = {"x": torch.arange(6.0)[:, None]}
+    d.dispatch(tokens, torch.tensor([2, 4]))
+    if rank == 1:
+        time.sleep(2.0 + comm.ROLL_CALL_S + 2.0)
+        return None
+    try:
+        d.dispatch(tokens, torch.tensor([2, 4]))
+    except PeerFailed as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.integration
+def test_a_dispatch_that_times_out_names_the_rank_that_did_not_arrive():
+    """In a user's own loop (no trainer, nothing of the trainer's progress reporting), a
+    dispatch that waits past the timeout for a rank fails naming that rank, not with the
+    backend's bare "timed out"."""
+    message = run_distributed(_absent_rank_worker, 2, timeout=60)[0]
+    assert message.startswith("rank 0: BatchDispatcher.dispatch (call 2) failed ("), message
+    assert "rank(s) [1] did not answer a roll call within 2 s: failed, stopped or dead" in message

@@ -53,6 +53,7 @@ FLOORS = {
     "orchmllm.testing": 3,
     "orchmllm.watch": 3,
     "orchmllm.dirlock": 3,
+    "orchmllm.preempt": 3,
     "orchmllm.host_memory": 3,
     "orchmllm.orchestrator": 4,
     "orchmllm.calibrator": 4,

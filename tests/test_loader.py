@@ -1302,3 +1302,49 @@ def test_workers_fork_from_the_thread_that_iterates_not_the_prefetch_thread(sour
         examples = [ex for batch in loader for ex in batch]
         assert len(examples) == 12  # every example, once
         assert {ex["thread"] for ex in examples} == {threading.current_thread().name}
+
+
+def _empty_worker(rank, world):
+    """Datasets that yield no step: each error's message, or None when nothing raised."""
+    out = {}
+    cases = {
+        "empty": lambda: BalancedDataLoader(
+            _dataset(0), batch_size=2, length_column="n_tokens", collate_fn=_ids,
+            options=LoaderOptions(name="captions"), topology=_own(),
+        ),
+        "short": lambda: BalancedDataLoader(
+            _dataset(1), batch_size=4, length_column="n_tokens", collate_fn=_ids,
+            sampling=SamplingOptions(drop_last=True), topology=_own(),
+        ),
+        "stream": lambda: _epoch(BalancedDataLoader(
+            _Shard(0, rank, world), batch_size=4, length_fn=_len_ids, collate_fn=_ids,
+            options=LoaderOptions(name="stream"), topology=_own(),
+        )),
+    }  # fmt: skip
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.integration
+def test_a_dataset_that_yields_no_step_raises_naming_it_and_the_batch_size():
+    """An empty map-style dataset, one example for 2 ranks x 4 with drop_last, and a stream
+    whose shards are empty (found at the end of its first epoch): each raises on every rank,
+    naming the loader, the dataset and the batch size, instead of an epoch of 0 steps."""
+    for out in run_distributed(_empty_worker, 2, timeout=60):
+        assert out["empty"] == (
+            "captions: the dataset (Dataset, 0 examples) yields no step of 2 ranks x batch_size "
+            "2: a loop over it would end at once. Give it more examples or take smaller batches"
+        )
+        assert (
+            "the dataset (Dataset, 1 examples) yields no step of 2 ranks x batch_size 4, "
+            "drop_last" in out["short"]
+        )
+        assert out["stream"].startswith(
+            "stream: the dataset (_Shard, no examples on any rank) yields no step of 2 ranks x "
+            "batch_size 4"
+        )

@@ -470,7 +470,7 @@ def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
     )
 
 
-def test_bad_arguments_are_rejected(tmp_path):
+def test_bad_arguments_are_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--balance", "everything"])
     with pytest.raises(SystemExit):
@@ -487,6 +487,19 @@ def test_bad_arguments_are_rejected(tmp_path):
                 ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(["--config", TINY, *bad])
+    preempt_args = (
+        (["--preempt-grace", "0"], "--preempt-grace must be > 0 seconds, got 0.0"),
+        (["--preempt-signal", "NOPE"], "--preempt-signal must name a signal"),
+    )
+    for bad, why in preempt_args:
+        with pytest.raises(SystemExit):
+            parse_args(["--config", TINY, *bad])
+        assert why in capsys.readouterr().err
+    assert parse_args(["--config", TINY, "--preempt-signal", "usr1"]).preempt_signals == [
+        signal.SIGTERM, signal.SIGINT, signal.SIGUSR1
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="train.max_skipped_steps must be a positive integer"):
+        load_config(_config(tmp_path, "bad", train={"max_skipped_steps": 0}))
     with pytest.raises(ValueError, match="balance.placement 'telepathy' is no placement"):
         load_config(_config(tmp_path, "bad", {"placement": "telepathy"}))
     with pytest.raises(ValueError, match="balance.policies.audio 'fastest' is no policy"):

@@ -7,6 +7,8 @@ named by every healthy one) is in test_train.
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -126,3 +128,41 @@ def test_a_failed_section_is_diagnosed_and_names_it(store):
         watch.install(None)
         peer.close()
     assert watch.is_failure(ValueError()) and not watch.is_failure(SystemExit(1))
+
+
+_THREADED_CHILD = (
+    "import sys, threading, time\n"
+    "for _ in range(4): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "print('ready', flush=True); time.sleep(60)\n"
+)
+
+
+@pytest.mark.integration  # starts processes
+def test_a_killed_peer_is_dead_from_the_instant_it_is_killed(store):
+    """The race: a SIGKILLed process closes its sockets (its peers' collectives fail at once)
+    before it becomes a zombie, and in between /proc lists it as running; a diagnosis then
+    called it alive. 20 times: a multi-threaded process, the entry of rank 1 (arrived,
+    heartbeat fresh), SIGKILL, and at once the diagnosis: rank 1 dead, every time."""
+    verdicts = []
+    for _ in range(20):
+        me = watch.Progress(store, rank=0, world_size=2, timeout=60)
+        me.arrive("train", 3)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _THREADED_CHILD], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout.readline() == "ready\n"
+            proc = watch.Process(socket.gethostname(), child.pid, 0)
+            entry = {"t": time.time(), "steps": {"train": 3}, "state": "running",
+                     "section": "", "proc": [proc.host, proc.pid, proc.start]}  # fmt: skip
+            store.set("orchmllm/progress/1", json.dumps(entry))
+            child.kill()
+            err = me.diagnose(RuntimeError("Connection closed by peer"), stream="train",
+                              elapsed_s=0.0)  # fmt: skip
+            verdicts.append((err.missing, str(err).splitlines()[-1]))
+        finally:
+            child.kill()
+            child.wait()
+            me.close()
+    for missing, line in verdicts:
+        assert missing == [1] and line.startswith("  rank 1: dead: its process"), line

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm, compat, watch
+from orchmllm import comm, watch
 from orchmllm.agreement import PeerFailed, agreed_plan
 from orchmllm.plan import Rearrangement
 from orchmllm.topology import Topology
@@ -38,7 +38,6 @@ from orchmllm.topology import Topology
 OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
 CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
-ROLL_CALL_S = 3.0  # how long a roll call waits for the ranks that are still there
 _INT64 = 8
 
 Planner = Callable[[np.ndarray, np.ndarray, int], Any]
@@ -150,13 +149,12 @@ def gather_step(
         absent = roll_call(g, step=step)
         if not absent:
             raise
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise PeerFailed(
-            f"the metadata exchange of step {step} failed ({type(exc).__name__}: {first}); "
-            f"rank(s) {_ranks(np.asarray(absent))} did not answer a roll call within "
-            f"{min(g.timeout, ROLL_CALL_S):.0f} s: failed, stopped or dead (their own logs say "
-            "why), or busy elsewhere"
-        ) from exc
+            comm.absent_message(
+                f"the metadata exchange of step {step}", exc, _ranks(np.asarray(absent)),
+                timeout=g.timeout,
+            )
+        ) from exc  # fmt: skip
     bytes_sent = len(mine) * _INT64 * (g.size - 1)
     if error is not None:
         raise error
@@ -180,24 +178,11 @@ def gather_step(
 
 
 def roll_call(g: Group, *, step: int) -> list[int]:
-    """After a failed exchange of ``step``: the ranks of ``g`` that do not say they are there
-    within ``ROLL_CALL_S`` seconds (or the group's timeout, if shorter), by the job's
-    key-value store (the default group's). Every rank whose exchange failed calls it, at
-    about the same time (a dead rank's connections close for everyone at once); a rank
-    that cannot reach the store returns [] (nothing known)."""
+    """After a failed exchange of ``step``: the ranks of ``g`` that did not answer a roll
+    call (:func:`orchmllm.comm.roll_call`)."""
     if not g.distributed:
         return []
-    try:
-        name = g.group.group_name if g.group is not None else dist.group.WORLD.group_name
-        store = dist.PrefixStore(f"orchmllm/roll-call/{name}/{step}", compat.default_store())
-        store.set(str(g.rank), "here")
-        store.add("count", 1)
-        deadline = time.monotonic() + min(g.timeout, ROLL_CALL_S)
-        while store.add("count", 0) < g.size and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return [r for r in range(g.size) if not store.check([str(r)])]
-    except Exception:  # the store is gone too: nothing to add
-        return []
+    return comm.roll_call(g.group, call=str(step), timeout=g.timeout)
 
 
 def leave_epoch(g: Group, *, consumed: int, step: int) -> None:

@@ -441,6 +441,35 @@ class BalancedDataLoader:
         self.last_stats: dict[str, float] = {}
         # An EpochMismatch not yet raised in the loop; close() and the next iteration raise it.
         self._failure: ex.EpochMismatch | None = None
+        self._check_yields_a_step()
+
+    def _check_yields_a_step(self) -> None:
+        """Raise when an epoch would have no step (an empty dataset, fewer examples than one
+        step takes): a loop over it would end at once without a word. Streams of unknown
+        length are checked at the end of their first epoch (:class:`_EpochIterator`)."""
+        try:
+            steps = len(self)
+        except TypeError:
+            return
+        if steps == 0:
+            raise ValueError(self._no_step())
+
+    def _no_step(self) -> str:
+        try:
+            size = f"{len(self.source)} examples"
+        except TypeError:
+            size = "no examples on any rank"
+        per = (
+            f"batch_size {self.batch_size}"
+            if self.max_tokens_per_rank is None
+            else f"max_tokens_per_rank {self.max_tokens_per_rank}"
+        )
+        drop = ", drop_last" if self.sampling.drop_last else ""
+        return (
+            f"{self.name}: the dataset ({type(self.source).__name__}, {size}) yields no step "
+            f"of {self.num_replicas} ranks x {per}{drop}: a loop over it would end at once. "
+            "Give it more examples or take smaller batches"
+        )
 
     def _known_lengths(self, lengths: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
         """Every example's length by dataset index, when known before loading: always in
@@ -922,6 +951,7 @@ class _EpochIterator(Iterator[Any]):
         def leave(step: int, consumed: int) -> None:
             loader._leave(ep, step, consumed)
 
+        self.from_start, self.steps = ep.start == 0, 0
         self.prefetcher = Prefetcher(
             produce,
             start=ep.start,
@@ -939,12 +969,15 @@ class _EpochIterator(Iterator[Any]):
         except StopIteration:
             lo._step = 0
             self.close()
+            if self.from_start and not self.steps:  # a stream that turned out empty
+                raise ValueError(lo._no_step()) from None
             raise
         except ex.EpochMismatch as exc:
             if exc is lo._failure:  # raised here: close() need not raise it again
                 lo._failure = None
             raise
         lo._step = step.info.step + 1
+        self.steps += 1
         lo.last_step = step.info
         step.stats["wait_ms"] = 1e3 * (self.prefetcher.wait_s - waited)
         lo.last_stats = step.stats
