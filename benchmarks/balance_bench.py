@@ -31,15 +31,15 @@ greedy's plan is not proven optimal: the same branch and bound with ``EXACT_CHEC
 under ``--quick``). Targets: greedy worse than a peer on 0 instances; proven optimal on every
 instance within the exact size (at most ``_core.EXACT_ITEMS`` non-zero items); plan time (CPU,
 balance() as a user calls it) at most 10x numpy's argsort at every size, max over distributions.
-Also greedy_stay's moved tokens against the exact minimum at the makespan it reaches at 4, 8 and
-16 ranks (a scipy HiGHS MILP; target: max ratio <= 1.2). Scale (skipped under ``--quick``):
-greedy alone and greedy + ``placement="auto"`` at 16,384 ranks x 60 items on every distribution,
-repeated, as ratios to numpy's faster argsort (quicksort or stable) of the same lengths in the
-same run (targets: greedy <= 2x; the whole ``placement="auto"`` call under 100 ms, the max over
-repeats and distributions; its median is printed too); and the whole step plan, ``plan_step``
-at 16,384 ranks x 15 examples of mllm-10b's mix (two encoders and the LLM, every phase
-balanced), with StepOptions' default placement and training's (``orchmllm.config``), wall
-time over repeats (target: the max under 100 ms; ``step_plan_cases``).
+Also greedy_stay's moved tokens against the exact minimum at the makespan it reaches at 4, 8 and 16
+ranks (a HiGHS MILP started from greedy_stay's plan, to a zero gap; target: max ratio <= 1.2). Scale
+(skipped under ``--quick``): greedy alone and greedy + ``placement="auto"`` at 16,384 ranks x 60
+items on every distribution, repeated, as ratios to numpy's faster argsort (quicksort or stable) of
+the same lengths in the same run (targets: greedy <= 2x; the whole ``placement="auto"`` call under
+100 ms, the max over repeats and distributions; its median is printed too); and the whole step plan,
+``plan_step`` at 16,384 ranks x 15 examples of mllm-10b's mix (two encoders and the LLM, every phase
+balanced), with StepOptions' default placement and training's (``orchmllm.config``), wall time over
+repeats (target: the max under 100 ms; ``step_plan_cases``).
 Wrapper: ``balance()`` at 8 ranks x 4 items against its C++ core alone, timed in alternating
 rounds (target: at most 10 us more).
 
@@ -239,6 +239,10 @@ def movement_cost(
     return moved
 
 
+# HiGHS's primal heuristics that min_moved_exact turns off when it is given a plan to start from
+_HIGHS_HEURISTICS = ("feasibility_jump", "rins", "rens", "root_reduced_cost")
+
+
 def min_moved_exact(
     lengths: np.ndarray,
     src: np.ndarray,
@@ -246,35 +250,67 @@ def min_moved_exact(
     makespan: float,
     *,
     ranks_per_node: int | None = None,
+    start: np.ndarray | None = None,
+    node_limit: int | None = None,
+    time_limit_s: float = 20.0,
 ) -> tuple[float, bool]:
     """Fewest tokens any plan with max load <= ``makespan`` moves (with ``ranks_per_node``:
     the movement greedy_stay weighs, tokens leaving their node counted twice): a MILP over
-    binary x[i, r] (item i on rank r), solved by scipy's HiGHS. Returns (value, exact): past
-    the time limit the value is HiGHS's dual bound, below the optimum, so a ratio over it is
-    an upper bound on the true ratio."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+    binary x[i, r] (item i on rank r), solved by HiGHS to a zero gap. Returns (value, exact):
+    past the limit the value is HiGHS's dual bound, below the optimum, so a ratio over it is
+    an upper bound on the true ratio.
+
+    ``start``, a plan within the makespan, is HiGHS's first incumbent: what is left is to
+    prove no plan moves less, so presolve and the primal heuristics, which cost more than the
+    proof here, are off (4x faster on the tests' instances). ``node_limit`` stops the search
+    after that many branch-and-bound nodes instead of ``time_limit_s`` seconds, so the answer
+    does not depend on the machine's load (the tests' proofs)."""
+    import highspy
+    from scipy.sparse import coo_matrix, vstack
 
     n = lengths.size
     cols = np.arange(n * d)
     item, rank = cols // d, cols % d
-    cost = movement_cost(lengths[item], src[item], rank, ranks_per_node)
     one = coo_matrix((np.ones(n * d), (item, cols)), shape=(n, n * d))
     load = coo_matrix((lengths[item].astype(np.float64), (rank, cols)), shape=(d, n * d))
-    res = milp(
-        cost,
-        constraints=[LinearConstraint(one, 1, 1), LinearConstraint(load, -np.inf, makespan)],
-        integrality=np.ones(n * d),
-        bounds=Bounds(0, 1),
-        options={"time_limit": 20},
-    )
-    if res.success:
-        return float(res.fun), True
-    if res.status == 1 and res.get("mip_dual_bound") is not None:  # time limit
-        return max(float(res.mip_dual_bound), 0.0), False
-    if res.status == 1:  # time limit before any bound: the caller's own bound stands in
-        return math.nan, False
-    raise RuntimeError(f"HiGHS found no bound: {res.message}")
+    a = vstack([one, load]).tocsc()
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n * d, n + d
+    lp.col_cost_ = movement_cost(lengths[item], src[item], rank, ranks_per_node).astype(float)
+    lp.col_lower_, lp.col_upper_ = np.zeros(n * d), np.ones(n * d)
+    lp.row_lower_ = np.concatenate([np.ones(n), np.full(d, -highspy.kHighsInf)])
+    lp.row_upper_ = np.concatenate([np.ones(n), np.full(d, float(makespan))])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * (n * d)
+    solver = highspy.Highs()
+    options = {"output_flag": False, "mip_rel_gap": 0.0}
+    if node_limit is not None:
+        options["mip_max_nodes"] = int(node_limit)
+    else:
+        options["time_limit"] = float(time_limit_s)
+    if start is not None:
+        options.update(presolve="off", mip_heuristic_effort=0.0)
+        options.update({f"mip_heuristic_run_{h}": False for h in _HIGHS_HEURISTICS})
+    for key, value in options.items():
+        solver.setOptionValue(key, value)
+    solver.passModel(lp)
+    if start is not None:
+        x = np.zeros(n * d)
+        x[np.arange(n) * d + np.asarray(start)] = 1.0
+        incumbent = highspy.HighsSolution()
+        incumbent.col_value, incumbent.value_valid = list(x), True
+        solver.setSolution(incumbent)
+    solver.run()
+    info, status = solver.getInfo(), solver.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return float(info.objective_function_value), True
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise RuntimeError(f"no plan within makespan {makespan}")
+    bound = info.mip_dual_bound
+    if math.isfinite(bound):  # a limit: the bound HiGHS reached
+        return max(float(bound), 0.0), False
+    return math.nan, False  # a limit before any bound: the caller's own bound stands in
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +581,7 @@ def movement_cases(ranks, per_ranks, seed: int, *, ranks_per_node: int | None = 
                 plan_ms = _cpu_ms(plan, 3)
                 makespan = float(a.loads.max())
                 exact, solved = min_moved_exact(
-                    lengths, src, d, makespan, ranks_per_node=ranks_per_node
+                    lengths, src, d, makespan, ranks_per_node=ranks_per_node, start=a.dst
                 )
                 if math.isnan(exact):  # no bound from HiGHS: the fractional one (a lower bound)
                     exact = a.stats["tokens_moved_lower_bound"]

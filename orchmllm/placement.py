@@ -34,7 +34,8 @@ Methods of :func:`place_batches`:
   size and the budget alone, never on a clock, so every rank planning independently gets the
   same placement.
   ``ilp`` with a binding time limit returns whatever the solver reached in time, which can
-  differ between machines: plan it on one rank and broadcast it.
+  differ between machines: plan it on one rank and broadcast it, or bound it by a count of
+  branch-and-bound nodes instead (``node_limit=``), which every machine reaches alike.
 
 :func:`movement_aware_dst` is the ``greedy_stay`` policy: the paper's greedy rebuilds every
 batch from scratch, so nearly every token moves; this keeps items on their source rank unless
@@ -72,6 +73,8 @@ _EXACT_TOKENS = 1 << 53
 # cvxpy solver name -> its time-limit option (seconds). A solver outside this table is refused:
 # every ILP solve must be time-limited.
 TIME_LIMIT_OPTIONS = {"CBC": "maximumSeconds", "HIGHS": "time_limit", "GUROBI": "TimeLimit"}
+# ... and its limit on branch-and-bound nodes (``node_limit=``: a count, the same on every machine).
+NODE_LIMIT_OPTIONS = {"CBC": "maximumNodes", "HIGHS": "mip_max_nodes", "GUROBI": "NodeLimit"}
 
 # Measured on CBC through cvxpy 1.9 (2-core x86), in CPU seconds: building the model costs about
 # _COMPILE_S + _COMPILE_S_PER_VAR * binaries, and CBC's root processing, which ignores its
@@ -85,9 +88,12 @@ _SOLVER_SHARE = 0.8
 # ``auto`` must give every rank the same plan, so it cannot let a clock decide anything: it
 # runs the ILP only on models this small (16 ranks of 8: two nodes), and only when the budget
 # covers what solving one to proven optimality costs (cvxpy + CBC, CPU seconds measured on a
-# busy 2-core x86), and keeps the result only when proven optimal.
+# busy 2-core x86), and keeps the result only when proven optimal. Its solve stops after
+# AUTO_ILP_NODE_LIMIT branch-and-bound nodes, a count, so that no clock decides whether a rank
+# proves it (such models close in a few dozen; a runaway guard, never reached in practice).
 AUTO_ILP_MAX_BINARIES = 32
 AUTO_ILP_MIN_BUDGET_S = 0.15
+AUTO_ILP_NODE_LIMIT = 10_000
 # ``auto``'s node assignment is exact up to AUTO_EXACT_NODES nodes; on larger clusters each
 # batch's search settles at most AUTO_SEARCH_COLUMNS node columns, and a batch whose search
 # would go further takes a free slot. At 16,384 ranks (2048 nodes) of greedy batches the exact
@@ -97,7 +103,6 @@ AUTO_ILP_MIN_BUDGET_S = 0.15
 # with 64, where the whole 16,384-rank step plan took 161-167 ms instead of 144-151 ms.
 AUTO_EXACT_NODES = 64
 AUTO_SEARCH_COLUMNS = 16
-_AUTO_SAFETY_S = 2.0  # a runaway guard for those tiny models, never reached in practice
 # solver -> seconds its one-time setup took in this process (see prepare_ilp)
 _PREPARED: dict[str, float] = {}
 # ILP failure messages already warned about in this process (see _warn_once)
@@ -180,14 +185,18 @@ def place_batches(
     method: str = "auto",
     time_limit_s: float = 0.05,
     solver: str = "CBC",
+    node_limit: int | None = None,
 ) -> Placement:
     """Permute the balanced batches ``dst`` over the ranks to cut inter-node traffic.
 
     ``lengths`` are tokens per item (the volume an item moves), ``src``/``dst`` its current and
     planned rank. ``time_limit_s`` bounds the whole ``ilp`` call (CBC's CPU-time limit scaled
     by the CPU share this process gets); ``auto`` is deterministic instead (module docstring).
-    ``solver`` is the cvxpy solver of the ILP (one of ``TIME_LIMIT_OPTIONS``). Never raises on
-    solver trouble: it warns and returns the ``assign`` placement.
+    ``solver`` is the cvxpy solver of the ILP (one of ``TIME_LIMIT_OPTIONS``). ``node_limit``
+    bounds the ``ilp`` solve by that many branch-and-bound nodes instead of ``time_limit_s``,
+    so that every machine, loaded or not, reaches the same placement (the ILP's size, not a
+    clock, then bounds its time). Never raises on solver trouble: it warns and returns the
+    ``assign`` placement.
 
     The ILP's one-time setup (:func:`prepare_ilp`: cvxpy's import and the solver's first load,
     1-3 s) is paid before the clock starts and reported apart as ``placement_setup_ms`` (0
@@ -203,6 +212,11 @@ def place_batches(
         raise ValueError(f"time_limit_s must be a finite number > 0, got {time_limit_s!r}")
     if solver not in TIME_LIMIT_OPTIONS:
         raise ValueError(f"solver must be one of {tuple(TIME_LIMIT_OPTIONS)}, got {solver!r}")
+    if node_limit is not None and not (
+        isinstance(node_limit, numbers.Integral) and not isinstance(node_limit, bool)
+        and node_limit >= 0
+    ):  # fmt: skip
+        raise ValueError(f"node_limit must be an int >= 0 or None, got {node_limit!r}")
 
     tiny = d * (d // c) <= AUTO_ILP_MAX_BINARIES and time_limit_s >= AUTO_ILP_MIN_BUDGET_S
     use_ilp = method == "ilp" or (method == "auto" and tiny)
@@ -217,8 +231,14 @@ def place_batches(
         bounded = method == "auto" and d // c > AUTO_EXACT_NODES
         node_of, on_node_bound = _assign_nodes(volumes, AUTO_SEARCH_COLUMNS if bounded else 0)
         if use_ilp:
+            timed = method == "ilp" and node_limit is None
             node_of, optimal, ilp_improved = _refine_ilp(
-                volumes, node_of, solver, clock=clock if method == "ilp" else None
+                volumes,
+                node_of,
+                solver,
+                clock=clock if timed else None,
+                node_limit=AUTO_ILP_NODE_LIMIT if method == "auto" else node_limit,
+                proven_only=method == "auto",
             )
         perm = _assign_ranks(volumes, node_of)
     before = _traffic(l, s, t, d, c)
@@ -401,15 +421,22 @@ def _ilp_estimate_s(v: _Volumes) -> float:
 
 
 def _refine_ilp(
-    v: _Volumes, warm: np.ndarray, solver: str, *, clock: _Clock | None
+    v: _Volumes,
+    warm: np.ndarray,
+    solver: str,
+    *,
+    clock: _Clock | None,
+    node_limit: int | None,
+    proven_only: bool,
 ) -> tuple[np.ndarray, bool, bool]:
     """Algorithm 3 from the warm start ``warm``.
 
     Returns ``(node_of, proven_optimal, improved)``; ``node_of`` is never worse than ``warm``.
     With a ``clock`` (method ``ilp``) the solve is bounded by its budget and returns the best
     found, warning when the model cannot be solved in the budget at all (:func:`prepare_ilp`
-    has paid the one-time setup already). Without (``auto``), the result is used only if proven
-    optimal, so it does not depend on the machine's speed.
+    has paid the one-time setup already). Without, ``node_limit`` bounds it, so the result does
+    not depend on the machine's speed; ``proven_only`` (``auto``) uses it only if proven
+    optimal.
     """
     keep = (warm, False, False)
     if clock is not None and _ilp_estimate_s(v) / clock.cpu_share() > clock.remaining():
@@ -428,12 +455,13 @@ def _refine_ilp(
         import cvxpy as cp
 
         problem, x = _ilp_problem(v, warm_value)
-        cpu_left = _AUTO_SAFETY_S
         if clock is not None:
             cpu_left = clock.remaining() * clock.cpu_share() * _SOLVER_SHARE
             if cpu_left <= 0:
                 return keep
-        _solve(problem, solver, cpu_left)
+            _solve(problem, solver, {TIME_LIMIT_OPTIONS[solver]: max(cpu_left, 1e-3)})
+        else:
+            _solve(problem, solver, {NODE_LIMIT_OPTIONS[solver]: node_limit})
     except Exception as exc:  # noqa: BLE001 - a solver problem must never stop training
         _warn_once(
             f"placement ILP failed ({type(exc).__name__}: {exc}); returning the assign placement"
@@ -441,7 +469,7 @@ def _refine_ilp(
         return keep
 
     proven = problem.status == cp.OPTIMAL
-    if clock is None and not proven:
+    if proven_only and not proven:
         return keep
     node_of = _rounded_assignment(x.value, v.c)
     if node_of is not None and v.max_inter(node_of) < warm_value:
@@ -481,10 +509,11 @@ def _ilp_problem(v: _Volumes, warm_value: int) -> tuple[Any, Any]:
     return cp.Problem(cp.Minimize(worst), constraints), x
 
 
-def _solve(problem: Any, solver: str, cpu_s: float) -> None:
+def _solve(problem: Any, solver: str, limit: dict[str, float]) -> None:
+    """Solve within ``limit`` (the solver's time- or node-limit option and its value)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate" on time-outs
-        problem.solve(solver=solver, **{TIME_LIMIT_OPTIONS[solver]: max(cpu_s, 1e-3)})
+        problem.solve(solver=solver, **limit)
 
 
 def prepare_ilp(solver: str = "CBC") -> float:
@@ -505,7 +534,7 @@ def prepare_ilp(solver: str = "CBC") -> float:
     one = np.ones(2, dtype=np.int64)
     try:
         problem, _ = _ilp_problem(_Volumes(one, np.arange(2), np.arange(2)[::-1], 2, 1), 2)
-        _solve(problem, solver, 1.0)
+        _solve(problem, solver, {TIME_LIMIT_OPTIONS[solver]: 1.0})
     except Exception:  # noqa: BLE001 - the solve that needs the solver warns about it
         pass
     _PREPARED[solver] = time.perf_counter() - start

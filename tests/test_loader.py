@@ -25,7 +25,7 @@ from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import EpochMismatch, PeerFailed
 from orchmllm.data.lengths import dataset_lengths, map_lengths
-from orchmllm.data.loader import BalancedDataLoader, PlannedBatch
+from orchmllm.data.loader import DATALOADER_KEYWORDS, BalancedDataLoader, PlannedBatch
 from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.planners import BalancePlanner, LayoutMismatchWarning
@@ -1124,10 +1124,12 @@ def test_option_groups_are_checked_when_built_and_shared_between_loaders():
     assert list(first) == list(second)
     assert list(first) != list(BalancedDataLoader(ds, **kw))  # seed 0 shuffles otherwise
     assert dataclasses.replace(sampling, seed=5).seed == 5 and sampling.seed == 4
-    # Every option has one place: a group's field is no keyword of the loader.
+    # A group's field is a keyword of the loader only where it is DataLoader's own keyword
+    # (the same name there), so a DataLoader call carries over as it is typed.
     groups = (SamplingOptions, PlanningOptions, LoaderOptions)
     fields = {f.name for g in groups for f in dataclasses.fields(g)}
-    assert not fields & set(inspect.signature(BalancedDataLoader).parameters)
+    both = fields & set(inspect.signature(BalancedDataLoader).parameters)
+    assert both == set(DATALOADER_KEYWORDS) <= set(inspect.signature(DataLoader).parameters)
     with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
         LoaderOptions(prefetch=-1)
     with pytest.raises(ValueError, match="num_replicas must be >= 1 or None, got 0"):
@@ -1348,3 +1350,135 @@ def test_a_dataset_that_yields_no_step_raises_naming_it_and_the_batch_size():
             "stream: the dataset (_Shard, no examples on any rank) yields no step of 2 ranks x "
             "batch_size 4"
         )
+
+
+KW_N, KW_BATCH = 23, 3  # odd: drop_last=True drops one example of the sampler's epoch
+_WORKER_TAG = -1  # set in each loading worker by _tag_worker; -1 in the loop's process
+
+
+def _tag_worker(worker_id: int) -> None:
+    global _WORKER_TAG
+    _WORKER_TAG = 100 + worker_id
+
+
+class _Drawn(torch.utils.data.Dataset):
+    """Each example with a draw from its loading process's torch RNG (seeded, in a worker,
+    from the DataLoader's generator) and the tag of that process (set by worker_init_fn)."""
+
+    def __len__(self) -> int:
+        return KW_N
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        return i, int(torch.randint(1 << 30, ())), _WORKER_TAG
+
+
+def _keywords_worker(rank, world):
+    """The same loader spelled with DataLoader's keywords and with the option groups; the
+    worker settings that only DataLoader's workers see (generator, worker_init_fn)."""
+    ds = _dataset(KW_N)
+    kw = dict(batch_size=KW_BATCH, length_column="n_tokens", collate_fn=_ids)
+    as_dataloader = BalancedDataLoader(
+        ds, shuffle=True, num_workers=2, pin_memory=False, drop_last=True, prefetch_factor=1,
+        persistent_workers=True, timeout=T, topology=_own(), **kw,
+    )  # fmt: skip
+    as_groups = BalancedDataLoader(
+        ds, sampling=SamplingOptions(shuffle=True, drop_last=True),
+        options=LoaderOptions(num_workers=2, persistent_workers=True, prefetch_factor=1),
+        topology=_own(), **kw,
+    )  # fmt: skip
+    unshuffled = BalancedDataLoader(ds, shuffle=False, num_workers=2, topology=_own(), **kw)
+    res = {
+        "keywords": _two_epochs(as_dataloader),
+        "groups": _two_epochs(as_groups),
+        "unshuffled": _two_epochs(unshuffled),
+        "settings": (as_dataloader.sampling, as_dataloader.options, len(as_dataloader)),
+    }
+
+    def drawn(seed):
+        loader = BalancedDataLoader(
+            _Drawn(), batch_size=KW_BATCH, lengths=np.ones(KW_N, np.int64), collate_fn=_as_is,
+            num_workers=2, worker_init_fn=_tag_worker,
+            generator=torch.Generator().manual_seed(seed), topology=_own(),
+        )  # fmt: skip
+        return sorted(ex for batch in loader for ex in batch)
+
+    res["drawn"] = [drawn(seed) for seed in (7, 7, 8)]
+    return res
+
+
+@pytest.mark.integration
+def test_dataloader_keywords_give_the_loader_of_the_option_groups():
+    out = run_distributed(_keywords_worker, WORLD, timeout=60)
+    for r in out:
+        assert r["keywords"] == r["groups"]  # the same batches, step by step, both epochs
+        sampling, options, steps = r["settings"]
+        assert (sampling.shuffle, sampling.drop_last, options.num_workers) == (True, True, 2)
+        assert (options.persistent_workers, options.prefetch_factor, options.timeout) == (
+            True, 1, T,
+        )  # fmt: skip
+        assert steps == len(r["keywords"][0]) == -(-(KW_N // WORLD) // KW_BATCH)
+    for epoch in (0, 1):
+        # As DataLoader(sampler=DistributedSampler(shuffle=True, drop_last=True)): the
+        # sampler's examples of the epoch, each seen exactly once over the ranks.
+        seen = [i for r in out for batch in r["keywords"][epoch] for i in batch]
+        expected = []
+        for rank in range(WORLD):
+            sampler = DistributedSampler(range(KW_N), WORLD, rank, shuffle=True, drop_last=True)
+            sampler.set_epoch(epoch)
+            expected += list(sampler)
+        assert len(seen) == len(set(seen)) == KW_N - 1
+        assert sorted(seen) == sorted(expected)
+        unshuffled = sorted(i for r in out for batch in r["unshuffled"][epoch] for i in batch)
+        assert unshuffled == sorted([*range(KW_N), 0])  # drop_last=False pads with example 0
+    first = [[i for batch in r["keywords"][0] for i in batch] for r in out]
+    second = [[i for batch in r["keywords"][1] for i in batch] for r in out]
+    assert first != second  # shuffle=True reshuffles per epoch
+    assert [[i for b in r["unshuffled"][0] for i in b] for r in out] == [
+        [i for b in r["unshuffled"][1] for i in b] for r in out
+    ]
+    loaded = sorted(i for r in out for i, _, _ in r["drawn"][0])
+    assert len(loaded) == KW_N + 1 and set(loaded) == set(range(KW_N))  # padded by one
+    for r in out:
+        same, again, other = r["drawn"]
+        assert same == again  # the generator decides the workers' draws
+        assert [d for _, d, _ in same] != [d for _, d, _ in other]
+        assert {tag for _, _, tag in same} == {100, 101}  # loaded in both workers, initialised
+
+
+def test_a_setting_given_both_ways_must_agree_and_a_dataloader_keeps_its_own():
+    ds = _dataset(12)
+    kw = dict(batch_size=3, length_column="n_tokens", collate_fn=_ids)
+    with pytest.raises(
+        ValueError,
+        match=r"num_workers=1 and options=LoaderOptions\(num_workers=2\) disagree: give "
+        r"num_workers one way",
+    ):
+        BalancedDataLoader(ds, num_workers=1, options=LoaderOptions(num_workers=2), **kw)
+    with pytest.raises(
+        ValueError, match=r"drop_last=False and sampling=SamplingOptions\(drop_last=True\)"
+    ):
+        BalancedDataLoader(ds, drop_last=False, sampling=SamplingOptions(drop_last=True), **kw)
+    # Both ways alike, or a group field left at its default: the keyword sets it.
+    both = BalancedDataLoader(
+        ds, shuffle=False, num_workers=0, sampling=SamplingOptions(shuffle=False, seed=4), **kw
+    )
+    assert (both.sampling.shuffle, both.sampling.seed, both.options.num_workers) == (False, 4, 0)
+    assert sorted(i for batch in both for i in batch) == list(range(12))
+    assert not BalancedDataLoader(
+        ds, shuffle=False, sampling=SamplingOptions(seed=4), **kw
+    ).sampling.shuffle
+    with pytest.raises(ValueError, match="prefetch_factor=4 needs num_workers > 0"):
+        BalancedDataLoader(ds, prefetch_factor=4, **kw)
+    with pytest.raises(ValueError, match="timeout must be >= 0, got -1"):
+        BalancedDataLoader(ds, timeout=-1, **kw)
+    dl = DataLoader(ds, batch_size=3, collate_fn=_ids)
+    with pytest.raises(ValueError, match=r"set them on it .*got \{'generator': "):
+        BalancedDataLoader(dl, length_column="n_tokens", generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"set them on it \(DistributedSampler.*'shuffle': False"):
+        BalancedDataLoader(dl, length_column="n_tokens", shuffle=False)
+    # The orchestrated loader forwards DataLoader's keywords, and only those.
+    orchestrator = Orchestrator(StepOptions(PHASES))
+    planned = orchestrated_loader(ds, orchestrator, batch_size=2, shuffle=False, drop_last=True)
+    assert (planned.sampling.shuffle, planned.sampling.drop_last) == (False, True)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['length_fn'\]"):
+        orchestrated_loader(ds, orchestrator, batch_size=2, length_fn=len)

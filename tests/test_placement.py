@@ -156,6 +156,11 @@ def test_assign_is_exact(seed):
     assert got.kept == kept[same_nodes].max()
 
 
+# CBC's branch-and-bound nodes for a proven placement: a count, never the clock (these close
+# at the root or in a few nodes).
+ILP_NODES = 10_000
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_ilp_is_exact(seed):
     rng = np.random.default_rng(100 + seed)
@@ -163,7 +168,7 @@ def test_ilp_is_exact(seed):
     lengths, src = _instance(rng, d, 4)
     dst = _greedy(lengths, src, d)
     placed = place_batches(
-        lengths, src, dst, num_ranks=d, ranks_per_node=c, method="ilp", time_limit_s=20.0
+        lengths, src, dst, num_ranks=d, ranks_per_node=c, method="ilp", node_limit=ILP_NODES
     )
     _check_loads_kept(lengths, dst, placed, d)
     assert placed.stats["placement_optimal"] == 1.0
@@ -173,6 +178,23 @@ def test_ilp_is_exact(seed):
     same_node = (np.arange(d)[:, None] // c) == (perms[:, None, :] // c)  # [perm, rank, batch]
     inter = v.sum(axis=1)[None, :] - (v[None] * same_node).sum(axis=2)
     assert placed.stats["inter_node_tokens_max_rank_after"] == inter.max(axis=1).min()
+
+
+def test_ilp_node_limit_bounds_the_search_by_a_count():
+    """16 ranks of 8, where CBC must branch: stopped at the root it proves nothing and keeps
+    no worse than assign; with nodes to spare it proves the optimum auto proves."""
+    rng = np.random.default_rng(11)
+    d, c = 16, 8
+    lengths, src = _instance(rng, d, 6)
+    dst = _greedy(lengths, src, d)
+    kw = dict(num_ranks=d, ranks_per_node=c)
+    assign = place_batches(lengths, src, dst, method="assign", **kw)
+    root = place_batches(lengths, src, dst, method="ilp", node_limit=0, **kw)
+    proven = place_batches(lengths, src, dst, method="ilp", node_limit=ILP_NODES, **kw)
+    auto = place_batches(lengths, src, dst, method="auto", time_limit_s=0.5, **kw)
+    worst = "inter_node_tokens_max_rank_after"
+    assert (root.stats["placement_optimal"], proven.stats["placement_optimal"]) == (0.0, 1.0)
+    assert proven.stats[worst] == auto.stats[worst] <= root.stats[worst] <= assign.stats[worst]
 
 
 def test_auto_is_exact_and_deterministic_at_two_nodes():
@@ -404,6 +426,8 @@ def test_balance_dispatches_placement(rng):
         (dict(num_ranks=0), "num_ranks"),
         (dict(method="fastest"), "method"),
         (dict(time_limit_s=0), "time_limit_s"),
+        (dict(node_limit=-1), "node_limit must be an int >= 0 or None, got -1"),
+        (dict(node_limit=2.5), "node_limit"),
         (dict(solver="MOSEK_PRO"), "solver"),
         (dict(src=[0, 1, 2, 9]), "src"),
         (dict(dst=[0, 1]), "dst"),
@@ -556,6 +580,18 @@ def test_node_aware_greedy_stay_moves_the_least_on_small_instances(balance_bench
     assert balance_bench.movement_cost(l, src, a.dst, rpn).sum() == fewest
 
 
+# HiGHS's branch-and-bound nodes for a proof of the fewest tokens moved: a count, so a proof
+# never depends on the machine's load (the proofs below close in 1-19 nodes).
+PROOF_NODES = 1000
+
+
+def _proof(a) -> dict:
+    """min_moved_exact's arguments for a proof: greedy_stay's plan as HiGHS's first incumbent
+    (HiGHS then only proves the bound; a plan moving less would still replace it) and a node
+    limit, not a time limit."""
+    return {"start": a.dst, "node_limit": PROOF_NODES}
+
+
 @pytest.mark.parametrize("per_rank", [4, 8])
 def test_node_aware_greedy_stay_reaches_the_proven_minimum(balance_bench, per_rank):
     """8 ranks on 2 nodes, 4 or 8 LibriSpeech clips each: node-aware greedy_stay moves the
@@ -568,7 +604,7 @@ def test_node_aware_greedy_stay_reaches_the_proven_minimum(balance_bench, per_ra
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src, ranks_per_node=rpn)
     fewest, proven = balance_bench.min_moved_exact(
-        lengths, src, d, float(a.loads.max()), ranks_per_node=rpn
+        lengths, src, d, float(a.loads.max()), ranks_per_node=rpn, **_proof(a)
     )
     assert proven
     moved = balance_bench.movement_cost(lengths, src, a.dst, rpn).sum()
@@ -589,7 +625,9 @@ def test_greedy_stay_reaches_the_proven_minimum_where_keep_sets_run_out(
     lengths = sample_lengths(dist, d * per_rank, rng=11 * d + per_rank)
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src)
-    fewest, proven = balance_bench.min_moved_exact(lengths, src, d, float(a.loads.max()))
+    fewest, proven = balance_bench.min_moved_exact(
+        lengths, src, d, float(a.loads.max()), **_proof(a)
+    )
     assert proven
     assert a.stats["tokens_moved"] == pytest.approx(fewest, abs=1e-6)
 
@@ -603,7 +641,9 @@ def test_greedy_stay_reaches_the_proven_minimum_at_16_ranks(balance_bench):
     lengths = sample_lengths("uniform", d * per_rank, rng=11 * d + per_rank)
     src = np.repeat(np.arange(d, dtype=np.int64), per_rank)
     a = orchmllm.balance(lengths, d, "greedy_stay", src=src)
-    fewest, proven = balance_bench.min_moved_exact(lengths, src, d, float(a.loads.max()))
+    fewest, proven = balance_bench.min_moved_exact(
+        lengths, src, d, float(a.loads.max()), **_proof(a)
+    )
     assert proven
     assert a.stats["tokens_moved"] == pytest.approx(fewest, abs=1e-6)
 

@@ -55,7 +55,13 @@ from orchmllm.data.lengths import (
     example_length,
     is_hf_dataset,
 )
-from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions, given
+from orchmllm.data.options import (
+    LoaderOptions,
+    PlanningOptions,
+    SamplingOptions,
+    given,
+    with_keywords,
+)
 from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
 from orchmllm.data.prefetch import Prefetcher
 from orchmllm.data.sampling import (
@@ -70,6 +76,20 @@ from orchmllm.topology import Topology
 
 # How examples cross the ranks (``mode=``): not the balance modes of orchmllm.step_plan.MODES.
 EXCHANGE_MODES = ("auto", "index", "move", "local")
+# DataLoader's own keywords the loader takes besides batch_size and collate_fn: the ones a
+# wrapper (orchestrated_loader, an adapted model's loader) forwards as they are.
+DATALOADER_KEYWORDS = (
+    "shuffle",
+    "drop_last",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "timeout",
+    "worker_init_fn",
+    "generator",
+    "multiprocessing_context",
+)
 _CREATED = itertools.count(1)  # loaders created by this process, for their default names
 _HANDSHAKE = (
     "world_size",
@@ -163,8 +183,10 @@ def _check_source(
     max_tokens_per_rank: int | None,
     lengths: Any,
     options: LoaderOptions,
+    sampled: dict[str, bool],
 ) -> None:
-    """Options this kind of source cannot honour fail here, saying what to use instead."""
+    """Options this kind of source cannot honour fail here, saying what to use instead
+    (``sampled``: the sampling keywords given to the loader itself)."""
     if isinstance(source, DataLoader):
         for name, value in (
             ("batch_size", batch_size),
@@ -175,11 +197,17 @@ def _check_source(
                     f"{name} comes from the dataloader's batches; do not pass it too (or pass "
                     "the dataset instead of the DataLoader)"
                 )
-        if options.num_workers or options.persistent_workers:
+        default = sr.Workers()
+        workers = {k: v for k, v in vars(sr.Workers.of(options)).items() if v != vars(default)[k]}
+        if workers:
             raise ValueError(
-                "num_workers and persistent_workers come from the dataloader: set them on it "
-                f"(DataLoader(..., num_workers=N)); got num_workers={options.num_workers}, "
-                f"persistent_workers={options.persistent_workers}"
+                "the worker settings come from the dataloader: set them on it "
+                f"(DataLoader(..., num_workers=N)); got {workers}"
+            )
+        if sampled:
+            raise ValueError(
+                "shuffle and drop_last come from the dataloader's sampler: set them on it "
+                f"(DistributedSampler(..., shuffle=, drop_last=)); got {sampled}"
             )
         return
     if batch_size is None and max_tokens_per_rank is None:
@@ -310,12 +338,15 @@ class BalancedDataLoader:
     loss by the global count of loss-bearing items (``orchmllm.global_num_items``) and the
     gradients equal an unbalanced run's.
 
-    The common case is a few keywords, ``BalancedDataLoader(dataset, batch_size=8,
-    length_column="n_tokens", collate_fn=collate)``; the rest comes in three small option
+    It takes ``DataLoader``'s own keywords as a ``DataLoader`` does
+    (``BalancedDataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
+    length_column="n_tokens", collate_fn=collate)``); what is ours comes in three small option
     objects, each checked when built and shareable between loaders: ``sampling=``
     (:class:`SamplingOptions`: shuffle, seed, drop_last, num_replicas), ``planning=``
     (:class:`PlanningOptions`: policy, cost, a planner of your own and its rows) and
-    ``options=`` (:class:`LoaderOptions`: prefetch, workers, pinning, name, metrics).
+    ``options=`` (:class:`LoaderOptions`: prefetch, workers, pinning, name, metrics). A
+    ``DataLoader`` keyword sets the same field of its group; giving a setting both ways with
+    different values is an error.
 
     Args:
         source: A map-style dataset (HF ``datasets.Dataset`` or anything with
@@ -340,6 +371,22 @@ class BalancedDataLoader:
         lengths: One length per dataset index (map-style datasets only).
         collate_fn: Turns a list of examples into a batch; runs on the balanced examples.
             Default: the ``DataLoader`` source's own, else torch's ``default_collate``.
+        shuffle: Reshuffle every epoch, as ``DataLoader``'s with a ``DistributedSampler``
+            (the order from ``SamplingOptions.seed`` and the epoch). This and ``drop_last``
+            default to the ``sampling`` group's (``True``, ``False`` unless set); for a
+            ``DataLoader`` source set them on its sampler.
+        drop_last: Drop the tail that does not divide evenly over the ranks.
+        num_workers: Worker processes loading the examples, as ``DataLoader``'s. This and
+            the worker settings below default to the ``options`` group's (DataLoader's
+            defaults unless set; see :class:`LoaderOptions`); for a ``DataLoader`` source
+            set them on it.
+        pin_memory: Pin the yielded batches' tensors.
+        persistent_workers: Keep the workers between epochs.
+        prefetch_factor: Batches each worker loads ahead.
+        timeout: Seconds to wait for a batch from the workers.
+        worker_init_fn: Called in each worker with its id.
+        generator: The ``torch.Generator`` the workers' base seed is drawn from.
+        multiprocessing_context: How the workers start.
         mode: ``"index"`` (ranks exchange dataset indices and lengths, each loads its
             balanced share: needs a map-style dataset with lengths known up front),
             ``"move"`` (each rank loads what it sampled, examples then move to their
@@ -384,15 +431,40 @@ class BalancedDataLoader:
         length_fn: LengthFn | None = None,
         lengths: Sequence[int] | np.ndarray | None = None,
         collate_fn: Callable[[list], Any] | None = None,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        timeout: float | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        generator: torch.Generator | None = None,
+        multiprocessing_context: Any = None,
         mode: str = "auto",
         sampling: SamplingOptions | None = None,
         planning: PlanningOptions | None = None,
         options: LoaderOptions | None = None,
         topology: Topology | None = None,
     ) -> None:
-        self.sampling = given(sampling, SamplingOptions, "sampling")
+        sampled = {"shuffle": shuffle, "drop_last": drop_last}
+        sampled = {name: value for name, value in sampled.items() if value is not None}
+        self.sampling = with_keywords(
+            given(sampling, SamplingOptions, "sampling"), "sampling", **sampled
+        )
         self.planning = given(planning, PlanningOptions, "planning")
-        self.options = given(options, LoaderOptions, "options")
+        self.options = with_keywords(
+            given(options, LoaderOptions, "options"),
+            "options",
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            generator=generator,
+            multiprocessing_context=multiprocessing_context,
+        )
         length_args = {"length_fn": length_fn, "length_column": length_column, "lengths": lengths}
         lengths_from = [name for name, value in length_args.items() if value is not None]
         _check_lengths_args(lengths_from, mode, self.planning)
@@ -404,6 +476,7 @@ class BalancedDataLoader:
             max_tokens_per_rank=max_tokens_per_rank,
             lengths=lengths,
             options=self.options,
+            sampled=sampled,
         )
         self.batch_size, self.max_tokens_per_rank = batch_size, max_tokens_per_rank
         self.length_column, self.length_fn = length_column, length_fn
@@ -492,8 +565,7 @@ class BalancedDataLoader:
 
     def _make_reader(self) -> sr.MapLoader | sr.IterStream | sr.LoaderBatches:
         """What loads this rank's examples (one object for all epochs: persistent workers)."""
-        opts = self.options
-        workers = sr.Workers(opts.num_workers, opts.persistent_workers)
+        workers = sr.Workers.of(self.options)
         if isinstance(self.source, DataLoader):
             return sr.LoaderBatches(self.source)
         if not sr.is_map_style(self.source):

@@ -12,15 +12,17 @@ one frozen dataclass that can be shared between loaders or kept in a config
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:  # the options themselves are torch-free
+    import torch
+
     from orchmllm.data.exchange import Planner
 
-__all__ = ["LoaderOptions", "PlanningOptions", "SamplingOptions", "given"]
+__all__ = ["LoaderOptions", "PlanningOptions", "SamplingOptions", "given", "with_keywords"]
 
 T = TypeVar("T")
 
@@ -90,13 +92,24 @@ class LoaderOptions:
     """How the loader runs and what it reports: prefetching, worker processes, pinning, the
     one-off length computation, its name, metrics and log lines.
 
+    The worker settings are ``DataLoader``'s, with its names and meaning (the loader's own
+    keywords set them too); for a ``DataLoader`` source set them on that DataLoader.
+
     Attributes:
         prefetch: Steps prepared ahead in a background thread (0: synchronous).
         num_workers: DataLoader worker processes that load (and in index mode collate)
-            examples, as ``DataLoader(num_workers=)``; for a ``DataLoader`` source set it
-            on that DataLoader. An ``IterableDataset`` must split itself between workers.
+            examples, as ``DataLoader(num_workers=)``. An ``IterableDataset`` must split
+            itself between workers.
         pin_memory: Pin the yielded batches' tensors (for fast copies to the accelerator).
         persistent_workers: Keep the workers between epochs (needs ``num_workers > 0``).
+        prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``; None:
+            DataLoader's default).
+        timeout: Seconds to wait for a batch from the workers (0: no limit).
+        worker_init_fn: Called in each worker with its id, after seeding, before loading.
+        generator: The ``torch.Generator`` the workers' base seed is drawn from (so their
+            random numbers repeat with it); the sampling order comes from ``seed``.
+        multiprocessing_context: How workers start (``"fork"``, ``"spawn"``...; None: the
+            platform's default).
         num_proc: Processes for the one-off ``Dataset.map`` that computes lengths.
         length_columns: The only columns ``length_fn`` reads on an HF dataset, so that
             computing lengths never decodes images or audio.
@@ -111,6 +124,11 @@ class LoaderOptions:
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    timeout: float = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    generator: torch.Generator | None = None
+    multiprocessing_context: Any = None
     num_proc: int | None = None
     length_columns: Sequence[str] | None = None
     name: str | None = None
@@ -121,8 +139,14 @@ class LoaderOptions:
         for name in ("prefetch", "num_workers", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.persistent_workers and not self.num_workers:
-            raise ValueError("persistent_workers=True needs num_workers > 0, got num_workers=0")
+        if self.timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {self.timeout}")
+        for name in ("persistent_workers", "prefetch_factor"):
+            value = getattr(self, name)
+            if value not in (None, False) and not self.num_workers:
+                raise ValueError(f"{name}={value!r} needs num_workers > 0, got num_workers=0")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be >= 1 or None, got {self.prefetch_factor}")
 
 
 def given(value: T | None, cls: type[T], name: str) -> T:
@@ -132,3 +156,31 @@ def given(value: T | None, cls: type[T], name: str) -> T:
     if not isinstance(value, cls):
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     return value
+
+
+def with_keywords(group: T, name: str, **keywords: Any) -> T:
+    """``group`` with the settings given as keywords (those not None), for the loader's
+    ``DataLoader`` keywords (``shuffle=``, ``num_workers=``...) that set fields of its option
+    groups.
+
+    A field the group sets to another value than both its default and the keyword's is an
+    error naming both spellings; the result is checked as the group is when built.
+
+    Args:
+        group: A :class:`SamplingOptions` or :class:`LoaderOptions`.
+        name: The argument the group came as (``"sampling"``, ``"options"``), for errors.
+        **keywords: Field names of ``group`` and their values (None: not given).
+
+    Raises:
+        ValueError: A keyword and the group disagree, or the result fails the group's checks.
+    """
+    given_now = {k: v for k, v in keywords.items() if v is not None}
+    defaults = {f.name: f.default for f in fields(group) if f.default is not MISSING}
+    for key, value in given_now.items():
+        current = getattr(group, key)
+        if current != defaults[key] and current != value:
+            raise ValueError(
+                f"{key}={value!r} and {name}={type(group).__name__}({key}={current!r}) "
+                f"disagree: give {key} one way"
+            )
+    return replace(group, **given_now) if given_now else group

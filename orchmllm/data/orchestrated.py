@@ -18,7 +18,7 @@ import numpy as np
 
 from orchmllm.cost import CostModel
 from orchmllm.data import stats as st
-from orchmllm.data.loader import BalancedDataLoader
+from orchmllm.data.loader import DATALOADER_KEYWORDS, BalancedDataLoader
 from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.synthetic import as_example
 from orchmllm.orchestrator import LocalBatch, Orchestrator
@@ -149,6 +149,7 @@ def orchestrated_loader(
     sampling: SamplingOptions | None = None,
     options: LoaderOptions | None = None,
     topology: Topology | None = None,
+    **dataloader_kwargs: Any,
 ) -> BalancedDataLoader:
     """A loader that plans every phase of each step ahead of it, for the orchestrator.
 
@@ -175,6 +176,9 @@ def orchestrated_loader(
             ``run`` with the prefetched plan only moves data on the data-parallel group,
             but then do not call ``orchestrator.run`` without a plan (or ``plan_batch``)
             while the loader prefetches: both would gather on the one metadata group.
+        **dataloader_kwargs: ``DataLoader``'s own keywords (``shuffle``, ``num_workers``,
+            ... :data:`~orchmllm.data.loader.DATALOADER_KEYWORDS`), as
+            ``BalancedDataLoader`` takes them.
 
     Returns:
         The loader. Each iteration yields per step a :class:`PlannedBatch` whose ``batch``
@@ -184,7 +188,14 @@ def orchestrated_loader(
 
     Raises:
         ValueError: As ``BalancedDataLoader``.
+        TypeError: A keyword that is not one of ``DataLoader``'s the loader takes.
     """
+    unknown = sorted(set(dataloader_kwargs) - set(DATALOADER_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"orchestrated_loader got unexpected keyword arguments {unknown}; besides its own "
+            f"it takes DataLoader's {list(DATALOADER_KEYWORDS)}"
+        )
     return BalancedDataLoader(
         source,
         batch_size=batch_size,
@@ -196,4 +207,5 @@ def orchestrated_loader(
         ),
         options=options,
         topology=topology,
+        **dataloader_kwargs,
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -41,18 +41,27 @@ class Local:
 
 @dataclass(frozen=True)
 class Workers:
-    """DataLoader worker settings for loading (``num_workers=0``: in the calling thread)."""
+    """DataLoader worker settings for loading (``num_workers=0``: in the calling thread), with
+    DataLoader's names and defaults."""
 
     num_workers: int = 0
     persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    timeout: float = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    generator: Any = None
+    multiprocessing_context: Any = None
+
+    @classmethod
+    def of(cls, settings: Any) -> Workers:
+        """The worker settings of a ``DataLoader`` or a ``LoaderOptions``."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
     def loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
-        return DataLoader(
-            dataset,
-            num_workers=self.num_workers,
-            persistent_workers=self.persistent_workers,
-            **kwargs,
-        )
+        settings = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.num_workers:  # DataLoader refuses a prefetch_factor without workers
+            settings.pop("prefetch_factor")
+        return DataLoader(dataset, **settings, **kwargs)
 
 
 def as_list(examples: list) -> list:
@@ -198,23 +207,15 @@ class LoaderBatches:
             )
         self.dl = dl
         self.indexed = not isinstance(dl.dataset, IterableDataset)
-        kwargs: dict[str, Any] = {
-            "num_workers": dl.num_workers,
-            "collate_fn": as_list,
-            "timeout": dl.timeout,
-            "worker_init_fn": dl.worker_init_fn,
-            "multiprocessing_context": dl.multiprocessing_context,
-            "generator": dl.generator,
-            "persistent_workers": dl.persistent_workers,
-        }
-        if dl.num_workers:
-            kwargs["prefetch_factor"] = dl.prefetch_factor
+        workers = Workers.of(dl)
         if self.indexed:  # resume skips index batches, never loading the skipped examples
             self.sampler = Batches()
-            self.loader = DataLoader(Indexed(dl.dataset), batch_sampler=self.sampler, **kwargs)
+            self.loader = workers.loader(
+                Indexed(dl.dataset), batch_sampler=self.sampler, collate_fn=as_list
+            )
         else:
-            self.loader = DataLoader(
-                dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, **kwargs
+            self.loader = workers.loader(
+                dl.dataset, batch_size=dl.batch_size, drop_last=dl.drop_last, collate_fn=as_list
             )
 
     def __call__(self, epoch: int, skip: int) -> Iterator[Local]:

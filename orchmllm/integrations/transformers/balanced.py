@@ -138,13 +138,16 @@ class BalancedModel(nn.Module):
         batch_size: int | None = None,
         sampling: orchmllm.SamplingOptions | None = None,
         options: orchmllm.LoaderOptions | None = None,
+        **dataloader_kwargs: Any,
     ) -> orchmllm.BalancedDataLoader:
         """The balanced loader over ``dataset``'s processor rows (each turned into orchmllm's
         schema by the adapter): it samples like ``DistributedSampler`` and plans each step
         ahead in a background thread. Iterate it and pass each batch to this model.
 
         ``dataset`` may be a ``DataLoader`` (a Trainer's): its sampler, batches and workers are
-        kept, its collate function is replaced by the adapter's, and ``batch_size`` is None."""
+        kept, its collate function is replaced by the adapter's, and ``batch_size`` is None.
+        ``DataLoader``'s own keywords (``shuffle=``, ``num_workers=``...) are taken as the
+        ``BalancedDataLoader`` takes them."""
         self._loader = orchmllm.orchestrated_loader(
             dataset,
             self.orchestrator,
@@ -153,6 +156,7 @@ class BalancedModel(nn.Module):
             sampling=sampling,
             options=options,
             topology=self.orchestrator.topology,
+            **dataloader_kwargs,
         )
         return self._loader
 
