@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     cuda = torch.cuda.is_available()  # the trainer computes on the GPU whenever there is one
     full = cuda and not args.quick
     default = "mllm-10b-1gpu.yaml" if full else "tiny.yaml"
-    config = (Path(args.config) if args.config else ROOT / "configs" / default).resolve()
+    # absolute, not resolved: configs/ links to the packaged configs, and records name it
+    config = (Path(args.config) if args.config else ROOT / "configs" / default).absolute()
     steps = args.steps or (5 if full else 2)
     with tempfile.TemporaryDirectory(prefix="train_memory_") as tmp:
         report = run_trainer(config, steps=steps, workdir=Path(tmp), timeout=args.timeout)

@@ -130,7 +130,11 @@ class Calibrator:
     def watch(self, model: nn.Module) -> None:
         """Cut FSDP's all-gather waits out of the phases' times: a mark before and after
         FSDP's pre-forward hook of every sharded module of ``model`` (FSDP's hook comes
-        first among the appended ones, and first of all before a prepended one)."""
+        first among the appended ones, and first of all before a prepended one).
+
+        Args:
+            model: the sharded model (after ``fully_shard``); call once.
+        """
         for module in model.modules():
             if compat.is_fsdp_module(module):
                 module.register_forward_pre_hook(lambda *_: self._mark(), prepend=True)
@@ -158,21 +162,43 @@ class Calibrator:
         cls, options: StepOptions, *, device: torch.device, **settings: Any
     ) -> Calibrator:
         """The calibrator of a step's phases: each encoder phase and the LLM in its policy's
-        cost form, the encoders in the units their policies balance. ``settings``: as the
-        constructor's (``steps``, ``every``, ``window``, ``fit``)."""
+        cost form, the encoders in the units their policies balance.
+
+        Args:
+            options: the step's options (its phases, their policies and strides).
+            device: where the phases run.
+            settings: as the constructor's (``steps``, ``every``, ``window``, ``fit``).
+
+        Returns:
+            The :class:`Calibrator`.
+        """
         kinds = {p.name: cost_kind(p.policy) for p in options.phases}
         kinds[LLM] = cost_kind(options.llm_policy)
         strides = {p.name: p.stride for p in options.phases}
         return cls(kinds, strides, device=device, **settings)
 
     def active(self, step: int) -> bool:
-        """Whether optimizer step ``step`` is timed."""
+        """Whether a step is timed.
+
+        Args:
+            step: the optimizer step (or, in a wrapped model, the forward) counted from 0.
+
+        Returns:
+            True for the first ``steps`` steps.
+        """
         return step < self.steps
 
     @contextlib.contextmanager
     def timed(self, name: str, lengths: torch.Tensor | np.ndarray) -> Iterator[None]:
-        """Time the body as phase ``name`` over items of ``lengths`` (the units its policy
-        balances)."""
+        """Time the body as a phase's batch (less FSDP's all-gather waits inside it).
+
+        Args:
+            name: the phase.
+            lengths: its items' lengths in the units its policy balances.
+
+        Returns:
+            A context manager; the time is recorded when it exits.
+        """
         a, b = features(self.kinds[name], np.asarray(torch.as_tensor(lengths).cpu()))
         self._marks = [self._clock()]
         try:
@@ -183,7 +209,15 @@ class Calibrator:
         self._pending.append((self.names.index(name), a, b, marks))
 
     def encoders(self, encoders: Mapping[str, Callable]) -> dict[str, Callable]:
-        """``encoders`` with each call timed as its phase (``encoder(rows, lengths, ...)``)."""
+        """Encoders whose calls are timed.
+
+        Args:
+            encoders: phase name -> ``encoder(rows, lengths, ...)``, as
+                ``Orchestrator.run`` takes them (raw rows per item in ``lengths``).
+
+        Returns:
+            The same mapping with each call timed as its phase, over ``lengths // stride``.
+        """
 
         def timed(name: str, encoder: Callable) -> Callable:
             def call(rows: torch.Tensor, lengths: torch.Tensor, *rest):
@@ -207,8 +241,15 @@ class Calibrator:
     def end_step(self, step: int, *, group: dist.ProcessGroup | None = None) -> CalibrationReport:
         """Gather the step's records of every rank and, on a refit step, fit every phase.
 
-        A collective on ``group`` (default: the training group): every rank calls it at the
-        same steps (those :meth:`active`).
+        A collective on ``group``: every rank calls it at the same steps (those
+        :meth:`active`).
+
+        Args:
+            step: the step just ended.
+            group: the process group (None: the default, the training group).
+
+        Returns:
+            The :class:`CalibrationReport`, equal on every rank (its fits on refit steps).
         """
         mine = torch.as_tensor(self._records(), device=self._wire_device())
         world = dist.get_world_size(group)

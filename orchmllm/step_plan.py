@@ -261,8 +261,13 @@ class StepOptions:
         return not policies or plan_is_deterministic(placement=self.placement, policies=policies)
 
     def with_costs(self, costs: Mapping[str, CostModel | None]) -> StepOptions:
-        """These options with other cost models: phase name (or ``"llm"``) -> its cost (None:
-        the policy's default); phases not named keep theirs.
+        """These options with other cost models; phases not named keep theirs.
+
+        Args:
+            costs: phase name (or ``"llm"``) -> its cost model (None: the policy's default).
+
+        Returns:
+            New options; these are unchanged.
 
         Raises:
             ValueError: a name that is no phase of these options.

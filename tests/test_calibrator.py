@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from orchmllm.preempt import Preemption
 from orchmllm.testing import run_distributed
 from orchmllm.train import _loop, parse_args, setup
 from tests.conftest import ROOT
@@ -56,7 +57,8 @@ def _worker(rank: int, world: int, config: str, tmp_path: str, cost: str, mode: 
         "--timeout", "60", "--metrics", os.path.join(tmp_path, f"{mode}-{cost}.jsonl"),
     ]  # fmt: skip
     run = setup(parse_args(argv))
-    _loop(run, 0, None)
+    with Preemption((), grace=60, saving=False) as preemption:  # no signal stops this run
+        _loop(run, 0, None, preemption)
     final = run.loader.planner.at(0, STEPS).options  # the costs the last steps planned with
     return {**{p.name: p.cost for p in final.phases}, "llm": final.llm_cost}
 

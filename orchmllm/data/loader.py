@@ -611,6 +611,9 @@ class BalancedDataLoader:
         (the steps the loop consumed plus the prefetch depth, plus one), the same step on
         every rank: call it on every rank between the same two steps.
 
+        Args:
+            costs: phase name (or ``"llm"``) -> its new cost model.
+
         Raises:
             TypeError: the planner's costs cannot change (only the orchestrator's can).
         """
