@@ -66,6 +66,7 @@ FLOORS = {
     "orchmllm.report": 7,
     "orchmllm.progress": 7,
     "orchmllm.phase_memory": 7,
+    "orchmllm.memory_oracle": 7,  # torch's tracker of the trainer's step (imports train)
     "orchmllm.provenance": 7,
     "orchmllm.integrations": 8,
 }

@@ -1,0 +1,336 @@
+"""The memory model against torch's own tracker, at the world sizes users run.
+
+Two measurements, both per phase (forward, backward, optimizer) of a step whose AdamW state
+exists, above the bytes live when it starts:
+
+- the trainer's real step (``train.setup``/``forward_backward``, the orchestrator, FSDP2) on 1,
+  2 and 4 real gloo ranks, each rank measured by ``FSDPMemTracker``
+  (:class:`orchmllm.memory_oracle.PhaseTracker`: the step's tensors) and by the allocator
+  (``torch.profiler``'s memory events, as ``tests/test_memory_measured.py``). The allocator
+  sees what the tracker cannot: the CPU attention kernel's workspaces (the model predicts
+  them: ``attn_*`` features) and gloo's own buffers; what is left after both is gloo's
+  (the "gloo" column);
+- :func:`orchmllm.memory_oracle.step_peaks` at 8 and 64 ranks (the fake process group), on a
+  rank batch that every rank holds alike.
+
+Vocab 32768 with a hidden of 64 (so the LM head dominates, as in a real model), bf16-mixed
+with checkpointing every block and without. The memory model's prediction is compared with
+the tracker without the attention workspaces (the tracker's scope) at every world size, and
+with the allocator with them at one rank; at two ranks and more gloo's buffers move the
+allocator's figure from run to run (once rank 0 held 8.39 MB more in the backward and the
+optimizer step, the next run not), so there the allocator is printed, not asserted. Every
+ratio must lie in [0.9, 1.1]; the cells where the model misses are marked
+``xfail(strict=True)`` with the measured ratio (``MISSES``), so a fix turns them into failures
+to clean up. The first test measures every case (seven process start-ups: minutes on a
+loaded two-core machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from orchmllm.testing import run_distributed
+from tests.conftest import ROOT
+from tests.test_memory_measured import _phase_peaks
+
+# the first test measures every case (7 process start-ups on a loaded 2-core machine)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+PHASES = ("forward", "backward", "optimizer")
+VOCAB = 32768
+RECIPES = {"bf16 ckpt": ("bf16-mixed", 1), "bf16 plain": ("bf16-mixed", 0)}
+GLOO_WORLDS = (1, 2, 4)
+FAKE_WORLDS = (8, 64)
+# what every rank holds at 8 and 64 ranks: vision items' patches, audio clips' mel frames,
+# the LLM's sequences (text plus the encoded items)
+RANK_ITEMS = {"vision": (64, 128), "audio": (200,)}
+RANK_TEXT = (90, 110, 60)
+
+
+class _Both:
+    """Each phase under the profiler's mark and the tracker (``forward_backward``'s
+    ``memory=``)."""
+
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"##{name}"), self.tracker.phase(name):
+            yield
+
+
+def _predict(config, recipe, batch, layout, moves, world: int) -> dict[str, dict]:
+    """The memory model's per-rank phase peaks: all of it, and without the attention
+    kernels' workspaces (what a tensor tracker sees)."""
+    from orchmllm.sim.memory import MemoryModel
+
+    memory = MemoryModel(
+        device="cpu", threads=torch.get_num_threads(), shard_group=world, previous_batch=False
+    )
+    features = memory.rank_features(config, recipe, batch, layout)
+    bare = {
+        k: (0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v) for k, v in features.items()
+    }
+    out = {}
+    for key, f in (("full", features), ("tensors", bare)):
+        peaks = memory.phase_peaks(config, recipe, f, num_ranks=world, moves=moves)
+        out[key] = {p: np.asarray(v, dtype=np.float64).tolist() for p, v in peaks.items()}
+    out["static"] = memory.static_bytes(config, recipe, world)
+    return out
+
+
+def _trainer_worker(rank: int, world: int, config: str, precision: str, ckpt: int,
+                    data_dir: str) -> dict:  # fmt: skip
+    """The trainer's second step on this rank: tracked, profiled and predicted."""
+    from orchmllm import train
+    from orchmllm.memory_oracle import PhaseTracker, RankBatch
+    from orchmllm.sim.memory import step_of_plan
+
+    argv = [
+        "--config", config, "--precision", precision, "--checkpointing", str(ckpt),
+        "--data-dir", data_dir, "--prefetch", "0", "--quiet", "--steps", "2", "--timeout", "120",
+    ]  # fmt: skip
+    run = train.setup(train.parse_args(argv))
+    batches = iter(run.loader)
+    planned = next(batches)
+    loss, out = train.forward_backward(run, planned)
+    run.optim.step()
+    run.optim.zero_grad(set_to_none=True)
+    planned = next(batches)
+    loss = out = None  # the static footprint alone when the measured step starts
+    gc.collect()
+    tracker = PhaseTracker(run.model, run.optim)
+    marks = _Both(tracker)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        loss, out = train.forward_backward(run, planned, memory=marks)
+        with marks.phase("optimizer"):
+            run.optim.step()
+            run.optim.zero_grad(set_to_none=True)
+    del loss, out
+    run.loader.close()
+    batch, layout, moves = step_of_plan(planned.plan)
+    cfg = run.cfg
+    predicted = _predict(cfg.model, cfg.recipe, batch, layout, moves, world)
+    return {
+        "tracked": tracker.result.peaks,
+        "static": tracker.result.static,
+        "by_kind": tracker.result.by_kind,
+        "allocator": _phase_peaks(prof),
+        "predicted": predicted,
+        "rank_batch": RankBatch.of_layout(cfg.model, batch, layout, rank),
+    }
+
+
+def _recipes_worker(rank: int, world: int, config: str, data_dir: str) -> dict:
+    """Every recipe on the same ranks (one start-up of the processes for all), then the
+    oracle's own step of the first recipe on these gloo ranks, each on its trainer items."""
+    from orchmllm.config import load_config
+    from orchmllm.memory_oracle import rank_step_peaks
+
+    out = {
+        name: _trainer_worker(rank, world, config, precision, ckpt, data_dir)
+        for name, (precision, ckpt) in RECIPES.items()
+    }
+    cfg = load_config(config)
+    name, (precision, ckpt) = next(iter(RECIPES.items()))
+    recipe = type(cfg.recipe)(precision=precision, checkpointing=ckpt)
+    r = rank_step_peaks(cfg.model, recipe, out[name]["rank_batch"])
+    out[name]["oracle_on_gloo"] = r.peaks
+    return out
+
+
+def _oracle_case(args: tuple) -> dict:
+    """One fake-process-group measurement (in a process of its own: it owns the group)."""
+    from orchmllm.memory_oracle import step_peaks
+
+    config, recipe, world, rank_batch = args
+    r = step_peaks(config, recipe, world, rank_batch)
+    return {"tracked": r.peaks, "static": r.static, "by_kind": r.by_kind}
+
+
+def _config(tmp_path: Path) -> str:
+    raw = {
+        "base": str(ROOT / "configs" / "tiny.yaml"),
+        "model": {"vocab": VOCAB},
+        "data": {"examples_per_rank": 2, "mix": {"caption": 0.5, "asr": 0.5}},
+    }
+    path = tmp_path / "vocab32k.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _symmetric(config, world: int):
+    """A batch in which every rank samples and runs ``RANK_ITEMS`` and ``RANK_TEXT``
+    (nothing moves), as the memory model reads it."""
+    from orchmllm.recipe import ItemLengths
+    from orchmllm.sim.batch import Batch
+    from orchmllm.sim.layout import Layout
+
+    n = len(RANK_TEXT)
+    text = np.tile(np.asarray(RANK_TEXT, np.int64), world)
+    items, where = {}, {}
+    for name, raw in RANK_ITEMS.items():
+        owner = np.concatenate([np.arange(len(raw)) % n + r * n for r in range(world)])
+        items[name] = ItemLengths(owner.astype(np.int64), np.tile(np.asarray(raw, np.int64), world))
+        where[name] = owner // n
+    batch = Batch(world, text, items)
+    return batch, Layout(np.arange(world * n) // n, where)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> dict:
+    """Every case measured once: (world, recipe) -> rank -> figures."""
+    from orchmllm.config import load_config
+    from orchmllm.memory_oracle import RankBatch
+
+    tmp = tmp_path_factory.mktemp("oracle")
+    config = _config(tmp)
+    cfg = load_config(config)
+    out: dict = {}
+    for world in GLOO_WORLDS:
+        ranks = run_distributed(_recipes_worker, world, config, str(tmp / "data"), timeout=400)
+        for name in RECIPES:
+            out[world, name] = [r[name] for r in ranks]
+    jobs = []
+    for name, (precision, ckpt) in RECIPES.items():
+        recipe = type(cfg.recipe)(precision=precision, checkpointing=ckpt)
+        for world in FAKE_WORLDS:
+            batch, layout = _symmetric(cfg.model, world)
+            rank_batch = RankBatch.of_layout(cfg.model, batch, layout, 0)
+            pred = _predict(cfg.model, recipe, batch, layout, frozenset(), world)
+            jobs.append(((world, name), (cfg.model, recipe, world, rank_batch), pred))
+    # the trainer's rank 0 again on the fake group, on its own items
+    for world in GLOO_WORLDS:
+        precision, ckpt = RECIPES["bf16 ckpt"]
+        recipe = type(cfg.recipe)(precision=precision, checkpointing=ckpt)
+        rb = out[world, "bf16 ckpt"][0]["rank_batch"]
+        jobs.append(((world, "fake", "bf16 ckpt"), (cfg.model, recipe, world, rb), None))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        results = pool.map(_oracle_case, [j[1] for j in jobs], chunksize=1)
+    for (key, _, pred), r in zip(jobs, results, strict=True):
+        out[key] = [r | ({"predicted": pred} if pred else {})]
+    _print(out)
+    return out
+
+
+def _print(out: dict) -> None:
+    lines = [
+        f"{'world':>5} {'recipe':<11}{'rank':>5} {'phase':<10}{'tracked MB':>11}"
+        f"{'model MB':>9}{'ratio':>7}{'alloc MB':>10}{'model+ws':>9}{'ratio':>7}{'gloo MB':>8}"
+    ]
+    for key, ranks in out.items():
+        if len(key) == 3 or "predicted" not in ranks[0]:
+            continue
+        world, recipe = key
+        for rank, r in enumerate(ranks):
+            p = r["predicted"]
+            for ph in PHASES:
+                t, m = r["tracked"][ph], p["tensors"][ph][rank]
+                cells = f"{t / 1e6:>11.3f}{m / 1e6:>9.3f}{t / m:>7.3f}"
+                if "allocator" in r:
+                    a, f = r["allocator"][ph], p["full"][ph][rank]
+                    gloo = a - t - (f - m)
+                    cells += f"{a / 1e6:>10.3f}{f / 1e6:>9.3f}{a / f:>7.3f}{gloo / 1e6:>8.3f}"
+                lines.append(f"{world:>5} {recipe:<11}{rank:>5} {ph:<10}{cells}")
+            lines.append(
+                f"{world:>5} {recipe:<11}{rank:>5} {'static':<10}{r['static'] / 1e6:>11.3f}"
+                f"{p['static'] / 1e6:>9.3f}{r['static'] / p['static']:>7.3f}"
+            )
+    print("\n".join(lines))
+    for world in GLOO_WORLDS:
+        t, f = out[world, "bf16 ckpt"][0]["tracked"], out[world, "fake", "bf16 ckpt"][0]["tracked"]
+        g = out[world, "bf16 ckpt"][0]["oracle_on_gloo"]
+        print(f"rank 0 at {world} ranks, the trainer's tracked bytes over the oracle's step on "
+              f"the fake group: {({ph: round(t[ph] / f[ph], 4) for ph in PHASES})}, on gloo: "
+              f"{({ph: round(t[ph] / g[ph], 4) for ph in PHASES})}")  # fmt: skip
+
+
+def _ratio(table: dict, world: int, recipe: str, phase: str, what: str) -> list[float]:
+    ranks = table[world, recipe]
+    if what == "tracked":
+        return [r["tracked"][phase] / r["predicted"]["tensors"][phase][i] for i, r in
+                enumerate(ranks)]  # fmt: skip
+    return [r["allocator"][phase] / r["predicted"]["full"][phase][i] for i, r in enumerate(ranks)]
+
+
+CELLS = [
+    (world, recipe, phase, what)
+    for world in GLOO_WORLDS + FAKE_WORLDS
+    for recipe in RECIPES
+    for phase in PHASES
+    for what in (("tracked", "allocator") if world == 1 else ("tracked",))
+]
+# Where the memory model misses, all in the backward and all by one fp32 buffer the size of
+# the LM head's gradient (vocab x hidden x 4 bytes, 8.39 MB here): at one rank FSDP2 divides
+# the reduce-scatter input by the gradient divide factor into a new tensor (the oracle on one
+# rank sees it as well: test_tracker_on_the_fake_group_equals_the_trainer_on_gloo); on gloo
+# ranks the LLM unit's reduce-scatter input stays alive through the embedding's backward (the
+# fake group's step, like the model, frees it: the same test).
+_MISS = "backward, one fp32 vocab x hidden buffer the model misses ({}): measured ratio {}"
+_DIVIDE = "FSDP2's divided copy of the reduce-scatter input at one rank"
+_HELD = "the reduce-scatter input gloo keeps alive"
+MISSES: dict[tuple, str] = {
+    (1, recipe, "backward", what): _MISS.format(_DIVIDE, "1.274")
+    for recipe in RECIPES
+    for what in ("tracked", "allocator")
+}
+MISSES |= {(2, r, "backward", "tracked"): _MISS.format(_HELD, "1.37-1.39") for r in RECIPES}
+MISSES |= {(4, r, "backward", "tracked"): _MISS.format(_HELD, "1.41-1.43") for r in RECIPES}
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=MISSES[c]))
+        if c in MISSES
+        else c
+        for c in CELLS
+    ],
+    ids=lambda c: f"{c[0]}ranks-{c[1].replace(' ', '_')}-{c[2]}-{c[3]}",
+)
+def test_model_within_ten_percent_of_torch(table, cell):
+    world, recipe, phase, what = cell
+    ratios = _ratio(table, world, recipe, phase, what)
+    assert all(0.9 <= x <= 1.1 for x in ratios), ratios
+
+
+def test_tracker_on_the_fake_group_equals_the_trainer_on_gloo(table):
+    """The oracle's one-process step (the fake group, the rank's own items from the encoders
+    on) tracks what the trainer's rank 0 tracks on as many gloo ranks (orchestrator
+    included): the same forward and optimizer step within 5%, and at one rank the same
+    backward. On 2 and 4 gloo ranks the backward holds one fp32 buffer of the LM head's size
+    more (within 5% of vocab x hidden x 4 bytes): the LLM unit's reduce-scatter input, which
+    the fake group's collectives do not keep alive and gloo's do."""
+    from orchmllm.config import load_config
+
+    held = 4 * VOCAB * load_config(str(ROOT / "configs" / "tiny.yaml")).model.llm.hidden
+    for world in GLOO_WORLDS:
+        t = table[world, "bf16 ckpt"][0]["tracked"]
+        f = table[world, "fake", "bf16 ckpt"][0]["tracked"]
+        for ph in ("forward", "optimizer") + (("backward",) if world == 1 else ()):
+            assert 0.95 <= t[ph] / f[ph] <= 1.05, (world, ph, t[ph], f[ph])
+        if world > 1:
+            assert t["backward"] - f["backward"] == pytest.approx(held, rel=0.05), (world, t, f)
+
+
+def test_the_oracle_step_on_gloo_tracks_what_the_trainer_tracks(table):
+    """The oracle's step (no orchestrator) on the same gloo ranks tracks the trainer's own
+    step within 5% in every phase, the backward's extra buffer included: that buffer is
+    gloo's doing, not the orchestrator's."""
+    for world in GLOO_WORLDS:
+        for rank, r in enumerate(table[world, "bf16 ckpt"]):
+            for ph in PHASES:
+                ratio = r["tracked"][ph] / r["oracle_on_gloo"][ph]
+                assert 0.95 <= ratio <= 1.05, (world, rank, ph, ratio)
