@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import orchmllm
+from orchmllm.integrations.hf_compat import pil_image_processor
 from orchmllm.integrations.transformers import lengths as omlen
 from orchmllm.integrations.transformers import tiny
 from orchmllm.schema import IGNORE_INDEX
@@ -95,7 +96,7 @@ class Processor:
 
     def __init__(self, texts: list[str]) -> None:
         self.tokenizer = tiny.train_tokenizer(texts, specials=SPECIALS)
-        self.image_processor = transformers.Qwen2VLImageProcessorPil()
+        self.image_processor = pil_image_processor("Qwen2VL")()
         self.feature_extractor = transformers.WhisperFeatureExtractor()
         self.image_token, self.video_token, self.audio_token = "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"
         self.lengths = omlen.lengths_for(self, family="qwen2.5-omni")

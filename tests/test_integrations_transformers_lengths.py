@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers", exc_type=ModuleNotFoundError)
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
 
+from orchmllm.integrations.hf_compat import pil_image_processor  # noqa: E402
 from orchmllm.integrations.transformers import lengths as L  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
 from orchmllm.integrations.transformers.tiles import (  # noqa: E402
@@ -75,7 +76,7 @@ def image_files(tmp_path_factory) -> list[tuple[str, tuple[int, int]]]:
     ids=["defaults", "budget", "patch16"],
 )
 def test_qwen_image_equals_processor(settings, image_files):
-    processor = transformers.Qwen2VLImageProcessorPil(**settings)
+    processor = pil_image_processor("Qwen2VL")(**settings)
     rule = L.QwenVision.from_processor(processor)
     for path, size in image_files:
         assert L.image_size(path) == size  # the header alone
@@ -91,7 +92,7 @@ def test_qwen_video_frames_and_size_rules():
     with the video processor's default budget: the video processor itself needs
     torchvision, see the next test)."""
     rule = L.QwenVision()
-    frame = transformers.Qwen2VLImageProcessorPil(
+    frame = pil_image_processor("Qwen2VL")(
         min_pixels=rule.video_min_pixels, max_pixels=rule.video_max_pixels
     )
     for w, h in [(64, 48), (320, 240), (1280, 720), (100, 700)]:
@@ -109,7 +110,7 @@ def test_qwen_video_equals_video_processor():
 
     for sample in (False, True):
         processor = transformers.Qwen2VLVideoProcessor(do_sample_frames=sample, fps=2)
-        image = transformers.Qwen2VLImageProcessorPil()
+        image = pil_image_processor("Qwen2VL")()
         rule = L.QwenVision.from_processor(image, video_processor=processor)
         for frames, (w, h), fps in [(5, (140, 100), 10.0), (40, (320, 240), 25.0)]:
             video = np.random.default_rng(0).integers(0, 255, (frames, h, w, 3), dtype=np.uint8)
@@ -134,7 +135,7 @@ def _images_only(processor_class: type) -> type:
 
 def _llava(tokenizer, *, crop=True, strategy="default", extra=1):
     return transformers.LlavaProcessor(
-        image_processor=transformers.CLIPImageProcessorPil(do_center_crop=crop),
+        image_processor=pil_image_processor("CLIP")(do_center_crop=crop),
         tokenizer=tokenizer,
         patch_size=14,
         vision_feature_select_strategy=strategy,
@@ -150,7 +151,7 @@ def _onevision(tokenizer, *, tile=384, strategy="full", aspect="anyres_max_9"):
     if tile != 384:
         image["image_grid_pinpoints"] = [[tile * h, tile * w] for h in (1, 2, 3) for w in (1, 2, 3)]
     return _images_only(transformers.LlavaOnevisionProcessor)(
-        image_processor=transformers.LlavaOnevisionImageProcessorPil(**image),
+        image_processor=pil_image_processor("LlavaOnevision")(**image),
         tokenizer=tokenizer,
         num_image_tokens=(tile // 14) ** 2,
         vision_feature_select_strategy=strategy,
@@ -160,7 +161,7 @@ def _onevision(tokenizer, *, tile=384, strategy="full", aspect="anyres_max_9"):
 
 def _qwen3(tokenizer):
     """Qwen3-VL's processor on its 16-pixel patches (the image processor is Qwen2-VL's)."""
-    image = transformers.Qwen2VLImageProcessorPil(patch_size=16)
+    image = pil_image_processor("Qwen2VL")(patch_size=16)
     return _images_only(transformers.Qwen3VLProcessor)(image_processor=image, tokenizer=tokenizer)
 
 
@@ -177,7 +178,7 @@ def _internvl(tokenizer, *, max_patches=12, thumbnail=True):
     ):
         setattr(tokenizer, name, token)
         setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(token))  # fmt: skip
-    image = transformers.GotOcr2ImageProcessorPil(
+    image = pil_image_processor("GotOcr2")(
         size={"height": 448, "width": 448},
         crop_to_patches=True,
         max_patches=max_patches,
@@ -325,7 +326,7 @@ def test_bad_metadata_names_the_argument(tokenizer):
     with pytest.raises(ValueError, match="an image must be"):
         L.image_size(3.5)
     processor = transformers.LlavaProcessor(
-        image_processor=transformers.CLIPImageProcessorPil(),
+        image_processor=pil_image_processor("CLIP")(),
         tokenizer=tokenizer,
         patch_size=14,
         image_token="<image>",

@@ -28,6 +28,7 @@ __all__ = [
     "features",
     "model_class",
     "part",
+    "pil_image_processor",
     "rope_config",
     "rope_index",
 ]
@@ -55,6 +56,15 @@ def model_class(name: str) -> type:
             f"transformers >= {OLDEST}"
         )
     return cls
+
+
+def pil_image_processor(name: str) -> type:
+    """The image processor ``<name>ImageProcessor`` that runs on PIL and numpy (no
+    torchvision): ``...ImageProcessorPil`` where this release has one, else the older
+    releases' plain (slow) ``...ImageProcessor``, which is that one."""
+    return getattr(transformers, f"{name}ImageProcessorPil", None) or model_class(
+        f"{name}ImageProcessor"
+    )
 
 
 def part(model: nn.Module, name: str) -> Any:
