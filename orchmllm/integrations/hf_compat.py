@@ -23,6 +23,7 @@ from torch import nn
 
 __all__ = [
     "OLDEST",
+    "plain_loss",
     "Features",
     "MissingFamily",
     "features",
@@ -174,3 +175,23 @@ def rope_index(
     if unknown:
         raise TypeError(f"{type(model).__name__}.get_rope_index does not take {unknown}")
     return fn(input_ids, **{k: v for k, v in kwargs.items() if _takes(fn, k)})[0]
+
+
+def plain_loss(model: nn.Module, batch: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+    """A plain (unbalanced) step's loss: the model's own forward on a padded ``batch`` with
+    ``labels``, and its own ``loss_function`` summed over the targets and divided by
+    ``num_items_in_batch`` (all ranks' targets). The forward is not asked for the loss: some
+    releases' Qwen3-VL and Omni forwards drop ``num_items_in_batch`` (a per-rank mean).
+
+    Args:
+        model: the HF model, or a ``DistributedDataParallel`` around it.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    hf = getattr(model, "module", model)
+    return hf.loss_function(
+        logits=logits,
+        labels=batch["labels"],
+        vocab_size=logits.shape[-1],
+        num_items_in_batch=num_items_in_batch,
+    )
