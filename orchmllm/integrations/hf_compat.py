@@ -25,6 +25,7 @@ __all__ = [
     "OLDEST",
     "plain_loss",
     "Features",
+    "checkpointing",
     "MissingFamily",
     "features",
     "model_class",
@@ -78,6 +79,15 @@ def part(model: nn.Module, name: str) -> Any:
     if name == "language_model" and not hasattr(model, name):
         return inner
     return getattr(model, name)
+
+
+def checkpointing(model: nn.Module, enable: bool, *args: Any, **kwargs: Any) -> None:
+    """Turn the HF model's activation checkpointing on (with the Trainer's arguments) or off:
+    ``activation_checkpointing_enable``, or older releases' ``gradient_checkpointing_enable``."""
+    action = "enable" if enable else "disable"
+    name = f"activation_checkpointing_{action}"
+    fn = getattr(model, name, None) or getattr(model, f"gradient_checkpointing_{action}")
+    fn(*args, **kwargs)
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
