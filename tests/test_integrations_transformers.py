@@ -315,3 +315,10 @@ def test_nothing_below_the_integrations_imports_transformers():
                 names = [node.module or ""]
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "transformers"]
     assert not found
+
+
+def test_a_family_the_installed_transformers_lacks_names_itself():
+    """A family's classes missing from the installed transformers (every adapted one exists
+    from 4.57, the extras' minimum): the error names the class and the release that has it."""
+    with pytest.raises(hf_compat.MissingFamily, match=r"no NoSuchVLModel: .* >= 4\.57"):
+        hf_compat.model_class("NoSuchVLModel")
