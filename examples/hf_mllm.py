@@ -27,6 +27,8 @@ phase and the language model on packed sequences, sharded with FSDP2::
     -        loss = model(**batch, num_items_in_batch=n).loss * world_size
     +        loss = model(batch).loss * world_size
 
+(Some transformers releases' Qwen3-VL and Omni forwards drop ``num_items_in_batch``, so the
+plain run here takes the model's own loss function on its logits: ``hf_compat.plain_loss``.)
 Both see the same global batch each step, so they print the same losses; the balanced run's
 ranks are closer to equal in every phase (the imbalance is max/mean over ranks of the raw rows
 each tower encoded and the tokens the language model ran).
@@ -52,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import orchmllm
+from orchmllm.integrations import hf_compat
 from orchmllm.integrations import transformers as omt  # orchmllm
 from orchmllm.integrations.transformers import tiny
 from orchmllm.progress import PROGRESS, StepProgress
@@ -104,10 +107,11 @@ def train(args: argparse.Namespace) -> list[dict]:
         for step, batch in enumerate(loader):
             if args.balance == "none":
                 n = orchmllm.global_num_items((batch["labels"][:, 1:] != -100).sum())
-                out = model(**batch, num_items_in_batch=n)
-                loss = out.loss * world
                 if args.loss == "exact":
-                    loss = exact_loss(out.logits[:, :-1], batch["labels"][:, 1:], n) * world
+                    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                    loss = exact_loss(logits[:, :-1], batch["labels"][:, 1:], n) * world
+                else:
+                    loss = hf_compat.plain_loss(model, batch, n) * world
                 taken = mine[step * args.batch_size : (step + 1) * args.batch_size]
                 loads = plain_loads(adapter, [dataset[i] for i in taken])
             else:

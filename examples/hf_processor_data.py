@@ -39,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import orchmllm
+from orchmllm.integrations import hf_compat
+from orchmllm.integrations.hf_compat import pil_image_processor, rope_config
 from orchmllm.integrations.transformers import lengths as omlen
 from orchmllm.integrations.transformers import tiny
 from orchmllm.schema import IGNORE_INDEX
@@ -95,7 +97,7 @@ class Processor:
 
     def __init__(self, texts: list[str]) -> None:
         self.tokenizer = tiny.train_tokenizer(texts, specials=SPECIALS)
-        self.image_processor = transformers.Qwen2VLImageProcessorPil()
+        self.image_processor = pil_image_processor("Qwen2VL")()
         self.feature_extractor = transformers.WhisperFeatureExtractor()
         self.image_token, self.video_token, self.audio_token = "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"
         self.lengths = omlen.lengths_for(self, family="qwen2.5-omni")
@@ -163,7 +165,7 @@ def build_model(tokenizer: transformers.PreTrainedTokenizerFast, image, audio, *
     vision.update(window_size=4 * image.patch_size * image.merge_size, fullatt_block_indexes=[1])
     audio_config = {"num_mel_bins": audio.feature_size, "encoder_layers": 2, "d_model": 16}
     audio_config.update(encoder_attention_heads=2, encoder_ffn_dim=32, output_dim=tiny.HIDDEN)
-    text = tiny._text_config(vocab_size=len(tokenizer), rope_parameters=tiny.MROPE)
+    text = tiny._text_config(vocab_size=len(tokenizer), **rope_config(100.0, **tiny.MROPE))
     text.update(bos_token_id=None, eos_token_id=ids["<|im_end|>"])
     config = transformers.Qwen2_5OmniThinkerConfig(
         text_config=text,
@@ -238,7 +240,7 @@ def train(args: argparse.Namespace) -> list[dict]:
                 for k, v in batch.items()
             }
             n = orchmllm.global_num_items((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-            loss = model(**batch, num_items_in_batch=n).loss * world
+            loss = hf_compat.plain_loss(model, batch, n) * world  # its own loss, all targets
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)

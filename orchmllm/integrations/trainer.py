@@ -226,11 +226,19 @@ class BalancedTrainerMixin:
         super().__init__(*args, **kwargs)
         install_resume()
         vlm = self._adapted_model()
-        if vlm is not None and _fuses_lm_head(type(self)):
-            # TRL patched the model's forward with its fused LM head, which would run the HF
-            # backbone unbalanced; the balanced model serves the same per-token outputs from
-            # its own phases (forward(..., fused_lm_head=True)), so the patch comes off.
-            vars(vlm).pop("forward", None)
+        # TRL patched the model's forward with its fused LM head, which would run the HF
+        # backbone unbalanced; the balanced model serves the same per-token outputs from its
+        # own phases (forward(..., fused_lm_head=True)), so the patch comes off. An older TRL
+        # patches nothing and reads the labels before the forward: it cannot serve.
+        fuses = vlm is not None and _fuses_lm_head(type(self))
+        if fuses and vars(vlm).pop("forward", None) is None:
+            raise ValueError(
+                f"{type(self).__name__}: this TRL's SFTTrainer does not ask the model for "
+                "per-token log-probabilities (its fused LM head, TRL's add_fused_lm_head): it "
+                "reads the batch's labels before the forward, and an adapted VLM's targets "
+                "exist only after balancing. Use BalancedTrainer, or a TRL with "
+                "trl.trainer.add_fused_lm_head"
+            )
 
     def get_train_dataloader(self) -> BalancedDataLoader:
         """The Trainer's own training loader, its batches balanced before collation."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import orchmllm
+from orchmllm.integrations import hf_compat
 from orchmllm.schema import IGNORE_INDEX, MODALITIES, TEXT
 
 # The attention implementations that build the block-diagonal mask of packed sequences from
@@ -218,7 +219,7 @@ class Adapter:
 
     def language_model(self, model: nn.Module) -> nn.Module:
         """The decoder the LLM phase runs (without its head)."""
-        return model.model.language_model
+        return hf_compat.part(model, "language_model")
 
     def position_ids(self, batch: orchmllm.LLMBatch) -> torch.Tensor:
         """Positions of the packed sequences: restarting at 0 for each, ``[1, tokens]`` (the

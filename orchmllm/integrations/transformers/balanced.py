@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers.utils import ModelOutput
 
 import orchmllm
+from orchmllm.integrations import hf_compat
 from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
 from orchmllm.schema import IGNORE_INDEX, LLM
 
@@ -126,10 +127,14 @@ class BalancedModel(nn.Module):
         """The HF model's activation checkpointing (a Trainer's ``gradient_checkpointing``,
         the HF model's arguments): its blocks recompute their activations in backward, inside
         the balanced phases."""
-        self.model.activation_checkpointing_enable(*args, **kwargs)
+        hf_compat.checkpointing(self.model, True, *args, **kwargs)
 
     def activation_checkpointing_disable(self) -> None:
-        self.model.activation_checkpointing_disable()
+        hf_compat.checkpointing(self.model, False)
+
+    # the names older Trainers call
+    gradient_checkpointing_enable = activation_checkpointing_enable
+    gradient_checkpointing_disable = activation_checkpointing_disable
 
     def loader(
         self,

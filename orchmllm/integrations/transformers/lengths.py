@@ -359,7 +359,8 @@ class CroppedTiles:
         """An image of ``width`` x ``height`` pixels: its tiles, their tokens, and the
         ``<img>`` and ``</img>`` around them."""
         _positive("height", height), _positive("width", width)
-        tiles = self.image_processor.get_number_of_image_patches(height, width)
+        # images_kwargs: none over the processor's settings (older releases need the dict)
+        tiles = self.image_processor.get_number_of_image_patches(height, width, images_kwargs={})
         return ItemLength(PHASE_OF["image"], tiles, tiles * self.tokens_per_tile, 1, 1)
 
 

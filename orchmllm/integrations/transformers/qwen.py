@@ -6,9 +6,9 @@ an image or a video, its raw rows are its patches (``pixel_values`` rows), its r
 ``(t, h, w)``, whether it is a video and its seconds per temporal patch. The tower runs once per
 step on every item of the rank (its attention is per frame, so packing items changes nothing).
 Each token's M-RoPE offsets and the position step after its item come from the model's own
-functions (``get_vision_position_ids``, Omni's ``get_llm_pos_ids_for_vision``) and travel with
-the token to the LLM layout, where :func:`.adapter.mrope_positions` rebuilds ``get_rope_index``
-over the packed sequences.
+functions (``get_rope_index`` on the item alone, Omni's ``get_llm_pos_ids_for_vision``) and
+travel with the token to the LLM layout, where :func:`.adapter.mrope_positions` rebuilds
+``get_rope_index`` over the packed sequences.
 
 Qwen3-VL separates a video's frames by timestamp text, so each frame is an item (its tokens
 are one run; the tower attends per frame, so the features are the same); its DeepStack
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import orchmllm
+from orchmllm.integrations import hf_compat
 from orchmllm.integrations.transformers.adapter import (
     TEXT_ROPE,
     Adapter,
@@ -129,32 +130,45 @@ class Qwen2VLAdapter(Adapter):
         meta: Mapping[str, torch.Tensor],
     ) -> orchmllm.Encoded:
         grid = meta["grid_thw"]
-        out = model.model.get_image_features(rows, grid, return_dict=True)
+        out = hf_compat.features(model, "get_image_features", rows, grid)
         rope = [
             self.rope(model, g, int(v), s)
             for g, v, s in zip(grid, meta["video"][:, 0], meta["seconds"][:, 0], strict=True)
         ]
         values = {"rope": torch.cat(rope)}
         values.update(self.extra_values(out))
-        return orchmllm.Encoded(torch.cat(out.pooler_output), values)
+        return orchmllm.Encoded(out.tokens(), values)
 
-    def extra_values(self, out: Any) -> dict[str, torch.Tensor]:
+    def extra_values(self, out: hf_compat.Features) -> dict[str, torch.Tensor]:
         """Per-token values besides positions (Qwen3-VL: DeepStack features)."""
         return {}
-
-    def interval(self, video: int, seconds: torch.Tensor) -> float | torch.Tensor:
-        """The temporal position step per temporal patch (``get_rope_index``'s)."""
-        return 1
 
     def rope(
         self, model: nn.Module, grid: torch.Tensor, video: int, seconds: torch.Tensor
     ) -> torch.Tensor:
-        """One item's rope rows: ``get_vision_position_ids`` from 0, then ``max(h, w)``
-        merged patches on."""
-        offsets = model.model.get_vision_position_ids(
-            0, grid, 1, self.merge, self.interval(video, seconds), device=grid.device
-        )
-        return item_rope(offsets, int(max(grid[1], grid[2])) // self.merge)
+        """One item's rope rows, from the model's own ``get_rope_index`` on the item alone
+        (after its vision-start token, before one text token, whose position is where the
+        positions move on to): the rule differs between releases (how far the positions move
+        on after an item, how a video's seconds round), so it is not restated here."""
+        n = int(grid.prod()) // self.merge**2
+        kind = "video" if video else "image"
+        ids = [self.config.vision_start_token_id, *[self.tokens[kind]] * n, 0]
+        types = [0, *[1 + video] * n, 0]
+        grids = {"image_grid_thw": None, "video_grid_thw": None, f"{kind}_grid_thw": grid[None]}
+        if video and self.seconds_key == "second_per_grid_ts":
+            # float32, as the processor's tensor is, so positions round as the model's do
+            grids["second_per_grid_ts"] = seconds.to(torch.float32).reshape(1)
+        device = grid.device
+        pos = (
+            hf_compat.rope_index(
+                model,
+                torch.tensor([ids], device=device),
+                torch.tensor([types], device=device),
+                **grids,
+            )[:, 0]
+            - 1
+        )  # [3, n + 2], from the item's first token
+        return item_rope(pos[:, 1:-1], int(pos[0, -1]))
 
     def position_ids(self, batch: orchmllm.LLMBatch) -> torch.Tensor:
         return mrope_positions(batch.token_values("rope", TEXT_ROPE), batch.lengths)
@@ -165,12 +179,6 @@ class Qwen2_5VLAdapter(Qwen2VLAdapter):
     by ``tokens_per_second * second_per_grid_ts``."""
 
     seconds_key = "second_per_grid_ts"
-
-    def interval(self, video: int, seconds: torch.Tensor) -> float | torch.Tensor:
-        if not video:
-            return 1
-        # float32, as the processor's tensor is, so positions round as the model's do
-        return self.config.vision_config.tokens_per_second * seconds.to(torch.float32).cpu()
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -184,9 +192,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         base = super()._items
         return [item for f in frames for item in base(frame, f, video, seconds)]
 
-    def extra_values(self, out: Any) -> dict[str, torch.Tensor]:
-        layers = [torch.cat(per_item) for per_item in out.deepstack_features]
-        return {"deepstack": torch.stack(layers, 1)}  # [tokens, layers, hidden]
+    def extra_values(self, out: hf_compat.Features) -> dict[str, torch.Tensor]:
+        return {"deepstack": torch.stack(out.deepstack_features, 1)}  # [tokens, layers, hidden]
 
     def language_kwargs(self, batch: orchmllm.LLMBatch) -> dict[str, Any]:
         if "vision" in batch.absent:  # no image anywhere: no DeepStack, as the plain forward
@@ -251,10 +258,14 @@ class Qwen2_5OmniThinkerAdapter(Qwen2VLAdapter):
         mask = torch.arange(width, device=rows.device) < lengths[:, None]
         features = rows.new_zeros(len(lengths), width, self.n_mels)
         features[mask] = rows
-        out = model.model.get_audio_features(
-            features.transpose(1, 2), feature_attention_mask=mask.long(), return_dict=True
+        out = hf_compat.features(
+            model,
+            "get_audio_features",
+            features.transpose(1, 2),
+            feature_attention_mask=mask.long(),
         )
-        _, tokens = model.model.audio_tower._get_feat_extract_output_lengths(lengths)
+        tower = hf_compat.part(model, "audio_tower")
+        _, tokens = tower._get_feat_extract_output_lengths(lengths)
         rope = [
             item_rope(torch.arange(n, device=rows.device).expand(3, -1), n) for n in tokens.tolist()
         ]
@@ -267,7 +278,7 @@ class Qwen2_5OmniThinkerAdapter(Qwen2VLAdapter):
         next position after an item's largest."""
         per_grid = seconds.float().cpu() if video else 1
         t_index = (torch.arange(grid[0]) * per_grid * self.config.position_id_per_seconds).long()
-        offsets = model.model.get_llm_pos_ids_for_vision(
+        offsets = hf_compat.part(model, "get_llm_pos_ids_for_vision")(
             0, 0, self.merge, t_index, grid[1:2], grid[2:3]
         ).to(grid.device)
         return item_rope(offsets, int(offsets.max()) + 1)

@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
 import orchmllm
+from orchmllm.integrations import hf_compat
 from orchmllm.integrations.transformers.adapter import (
     Adapter,
     Item,
@@ -73,9 +74,8 @@ class LlavaAdapter(Adapter):
         lengths: torch.Tensor,
         meta: Mapping[str, torch.Tensor],
     ) -> orchmllm.Encoded:
-        out = model.model.get_image_features(pixel_values=self.tiles(rows), return_dict=True)
-        # per tile (a list, or a [tiles, tokens, hidden] tensor as InternVL's): tiles in order
-        return orchmllm.Encoded(torch.cat(list(out.pooler_output)))
+        out = hf_compat.features(model, "get_image_features", pixel_values=self.tiles(rows))
+        return orchmllm.Encoded(out.tokens())  # tiles in order
 
 
 class InternVLAdapter(LlavaAdapter):
@@ -168,14 +168,16 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             )
         if no_video:
             videos = [rows.new_zeros(1, rows.shape[1])]
-        image_tokens = model.model.get_image_features(
-            pixel_values=self.tiles(torch.cat(images)), image_sizes=sizes, return_dict=True
-        ).pooler_output
-        frames = model.model.get_video_features(
-            pixel_values_videos=self.tiles(torch.cat(videos))[None], return_dict=True
-        ).pooler_output[0, :-1]  # every frame pooled, as one video: its newline dropped ...
-        per_frame = frames.shape[0] // sum(len(v) for v in videos)
-        newline = model.model.image_newline[None].to(frames.dtype)
+        image_tokens = hf_compat.features(
+            model, "get_image_features", pixel_values=self.tiles(torch.cat(images)),
+            image_sizes=sizes,
+        ).pooler_output  # fmt: skip
+        per_frame = self.video_tokens(1) - 1
+        count = per_frame * sum(len(v) for v in videos)
+        frames = hf_compat.features(
+            model, "get_video_features", self.tiles(torch.cat(videos))[None]
+        ).pooler_output[0, :count]  # every frame pooled, as one video (a newline dropped) ...
+        newline = hf_compat.part(model, "image_newline")[None].to(frames.dtype)
         video_tokens = [  # ... and one appended per video, as the model gives each video
             torch.cat([f, newline])
             for f in torch.split(frames, [len(v) * per_frame for v in videos])

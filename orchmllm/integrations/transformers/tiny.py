@@ -22,6 +22,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from orchmllm.integrations.hf_compat import MissingFamily, model_class, rope_config
 from orchmllm.schema import IGNORE_INDEX
 
 VOCAB, HIDDEN = 256, 32
@@ -52,7 +53,7 @@ def _text_config(**extra: object) -> dict:
     }
 
 
-MROPE = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
+MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1]}
 QWEN_VISION = {"depth": 2, "num_heads": 2, "in_channels": 3, "patch_size": 2}
 QWEN_VISION.update(temporal_patch_size=2, spatial_merge_size=2)
 QWEN_TOKENS = {
@@ -67,31 +68,31 @@ TILE_TOWER.update(hidden_size=16, intermediate_size=32, num_attention_heads=2)
 
 def _qwen2_vl() -> transformers.PreTrainedModel:
     vision = {**QWEN_VISION, "embed_dim": 16, "hidden_size": HIDDEN, "mlp_ratio": 2}
-    config = transformers.Qwen2VLConfig(
-        text_config=_text_config(rope_parameters=MROPE), vision_config=vision, **QWEN_TOKENS
+    config = model_class("Qwen2VLConfig")(
+        text_config=_text_config(**rope_config(100.0, **MROPE)), vision_config=vision, **QWEN_TOKENS
     )
-    return transformers.Qwen2VLForConditionalGeneration(config)
+    return model_class("Qwen2VLForConditionalGeneration")(config)
 
 
 def _qwen2_5_vl() -> transformers.PreTrainedModel:
     vision = {**QWEN_VISION, "hidden_size": 16, "intermediate_size": 32, "out_hidden_size": HIDDEN}
     vision.update(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=_text_config(rope_parameters=MROPE), vision_config=vision, **QWEN_TOKENS
+    config = model_class("Qwen2_5_VLConfig")(
+        text_config=_text_config(**rope_config(100.0, **MROPE)), vision_config=vision, **QWEN_TOKENS
     )
-    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+    return model_class("Qwen2_5_VLForConditionalGeneration")(config)
 
 
 def _qwen3_vl() -> transformers.PreTrainedModel:
     vision = {**QWEN_VISION, "hidden_size": 16, "intermediate_size": 32, "out_hidden_size": HIDDEN}
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
-    rope = {**MROPE, "mrope_interleaved": True}
-    config = transformers.Qwen3VLConfig(
-        text_config=_text_config(head_dim=8, rope_parameters=rope),
+    rope = rope_config(100.0, **MROPE, mrope_interleaved=True)
+    config = model_class("Qwen3VLConfig")(
+        text_config=_text_config(head_dim=8, **rope),
         vision_config=vision,
         **QWEN_TOKENS,
     )
-    return transformers.Qwen3VLForConditionalGeneration(config)
+    return model_class("Qwen3VLForConditionalGeneration")(config)
 
 
 def _qwen2_5_omni() -> transformers.PreTrainedModel:
@@ -100,8 +101,8 @@ def _qwen2_5_omni() -> transformers.PreTrainedModel:
     audio = {"num_mel_bins": N_MELS, "encoder_layers": 2, "encoder_attention_heads": 2}
     audio.update(encoder_ffn_dim=32, d_model=16, output_dim=HIDDEN, n_window=16)
     audio.update(max_source_positions=256)
-    config = transformers.Qwen2_5OmniThinkerConfig(
-        text_config=_text_config(rope_parameters=MROPE),
+    config = model_class("Qwen2_5OmniThinkerConfig")(
+        text_config=_text_config(**rope_config(100.0, **MROPE)),
         vision_config=vision,
         audio_config=audio,
         image_token_index=IMAGE_TOKEN,
@@ -113,7 +114,7 @@ def _qwen2_5_omni() -> transformers.PreTrainedModel:
         audio_end_token_id=AUDIO_END,
         position_id_per_seconds=5,
     )
-    return transformers.Qwen2_5OmniThinkerForConditionalGeneration(config)
+    return model_class("Qwen2_5OmniThinkerForConditionalGeneration")(config)
 
 
 def _llava() -> transformers.PreTrainedModel:
@@ -128,7 +129,7 @@ def _llava() -> transformers.PreTrainedModel:
 
 def _llava_onevision() -> transformers.PreTrainedModel:
     side = [[SIDE * h, SIDE * w] for h in (1, 2, 3) for w in (1, 2, 3)]
-    config = transformers.LlavaOnevisionConfig(
+    config = model_class("LlavaOnevisionConfig")(
         vision_config=transformers.SiglipVisionConfig(**TILE_TOWER),
         text_config=transformers.Qwen2Config(**_text_config()),
         image_token_index=IMAGE_TOKEN,
@@ -136,18 +137,18 @@ def _llava_onevision() -> transformers.PreTrainedModel:
         image_grid_pinpoints=side,
         vision_aspect_ratio="anyres_max_4",
     )
-    return transformers.LlavaOnevisionForConditionalGeneration(config)
+    return model_class("LlavaOnevisionForConditionalGeneration")(config)
 
 
 def _internvl() -> transformers.PreTrainedModel:
     tower = {**TILE_TOWER, "image_size": [SIDE, SIDE], "patch_size": [2, 2]}
-    config = transformers.InternVLConfig(
-        vision_config=transformers.InternVLVisionConfig(**tower),
+    config = model_class("InternVLConfig")(
+        vision_config=model_class("InternVLVisionConfig")(**tower),
         text_config=transformers.Qwen2Config(**_text_config()),
         image_token_id=IMAGE_TOKEN,
         image_seq_length=(SIDE // 4) ** 2,
     )
-    return transformers.InternVLForConditionalGeneration(config)
+    return model_class("InternVLForConditionalGeneration")(config)
 
 
 # -- items as the processors give them ------------------------------------------------------
@@ -276,11 +277,16 @@ def build_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32)
 
     Raises:
         ValueError: an unknown ``name``.
+        MissingFamily: the installed transformers lacks the family's classes.
     """
     if name not in FAMILIES:
         raise ValueError(f"name must be one of {list(FAMILIES)}, got {name!r}")
     torch.manual_seed(seed)
-    return FAMILIES[name].build().to(dtype=dtype)
+    try:
+        model = FAMILIES[name].build()
+    except MissingFamily as e:
+        raise MissingFamily(f"the {name} family: {e}") from None
+    return model.to(dtype=dtype)
 
 
 def make_rows(
