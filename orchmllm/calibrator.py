@@ -14,8 +14,8 @@ During the first ``steps`` optimizer steps of a run with ``balance.cost: measure
    policy balances;
 2. after the step (:meth:`Calibrator.end_step`, a collective on the training group, where the
    step's other collectives are) the records of every rank are gathered in rank order into a
-   window per phase; every ``every`` steps rank 0 fits each phase
-   (:func:`orchmllm.measured_cost.fit_phase`) and broadcasts the coefficients, so every rank
+   window per phase; every ``every`` steps every rank fits each phase
+   (:func:`orchmllm.measured_cost.fit_phase`) on the same gathered records, so every rank
    holds the same models, bit for bit. A bad fit keeps the phase's cost as it was (the last
    trusted fit, else the configured or default one), with a warning;
 3. the caller hands the models to the loader (:meth:`BalancedDataLoader.set_costs`), which
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchmllm import compat
+from orchmllm import comm, compat
 from orchmllm.cost import CostModel, imbalance
 from orchmllm.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
 from orchmllm.schema import LLM
@@ -238,71 +238,46 @@ class Calibrator:
         self._pending.clear()
         return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
 
-    def end_step(self, step: int, *, group: dist.ProcessGroup | None = None) -> CalibrationReport:
+    def end_step(
+        self, step: int, *, group: dist.ProcessGroup | None = None, timeout: float | None = None
+    ) -> CalibrationReport:
         """Gather the step's records of every rank and, on a refit step, fit every phase.
 
         A collective on ``group``: every rank calls it at the same steps (those
-        :meth:`active`).
+        :meth:`active`). Every rank fits the same gathered records, bit for bit in rank
+        order, so every rank gets the same coefficients (the loader's per-step check of the
+        planners' signatures would name a rank that did not).
 
         Args:
             step: the step just ended.
             group: the process group (None: the default, the training group).
+            timeout: seconds the gather may wait for the other ranks (None: the group's).
 
         Returns:
             The :class:`CalibrationReport`, equal on every rank (its fits on refit steps).
         """
-        mine = torch.as_tensor(self._records(), device=self._wire_device())
-        world = dist.get_world_size(group)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([len(mine)], device=mine.device), group=group)
-        width = int(max(s.item() for s in sizes))
-        padded = torch.full((width, 4), float("nan"), dtype=torch.float64, device=mine.device)
-        padded[: len(mine)] = mine
-        table = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(table, padded, group=group)
-        per_rank = [t[: int(s.item())].cpu().numpy() for t, s in zip(table, sizes, strict=True)]
-        times = np.zeros((len(self.names), world))
-        for rank, rows in enumerate(per_rank):
-            for index, a, b, ms in rows:
-                self.window[self.names[int(index)]].append((a, b, ms))
-                times[int(index), rank] += ms
+        # float64 records travel as their int64 bits: comm's row gather, exact.
+        rows, src = comm.all_gather_rows(
+            self._records().view(np.int64), group=group, timeout=timeout
+        )
+        rows = rows.view(np.float64)
+        times = np.zeros((len(self.names), dist.get_world_size(group)))
+        for (index, a, b, ms), rank in zip(rows, src, strict=True):
+            self.window[self.names[int(index)]].append((a, b, ms))
+            times[int(index), rank] += ms
         measured = {name: imbalance(times[i]) for i, name in enumerate(self.names)}
         report = CalibrationReport(step, measured)
         if (step + 1) % self.every == 0 or step + 1 == self.steps:
-            report.fits = self._agreed_fits(group)
+            report.fits = {
+                name: fit_phase(self.kinds[name], np.asarray(self.window[name]), self.fit)
+                for name in self.names
+            }
+            if dist.get_rank(group) == 0:
+                for name, fit in report.fits.items():
+                    if not fit.ok:
+                        print(
+                            f"orchmllm: the {name} phase keeps its cost: {fit.reason}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         return report
-
-    def _wire_device(self) -> torch.device:
-        return self.device if self.cuda else torch.device("cpu")
-
-    def _agreed_fits(self, group: dist.ProcessGroup | None) -> dict[str, PhaseFit]:
-        """Rank 0 fits every phase on its window and broadcasts the coefficients; the other
-        ranks take them (and only rank 0 knows why a fit was refused: it warns)."""
-        coef = torch.full((len(self.names), 6), float("nan"), dtype=torch.float64)
-        fits: dict[str, PhaseFit] = {}
-        if dist.get_rank(group) == 0:
-            for i, name in enumerate(self.names):
-                fit = fit_phase(self.kinds[name], np.asarray(self.window[name]), self.fit)
-                fits[name] = fit
-                m = fit.model
-                coef[i] = torch.tensor(
-                    [float(fit.ok), fit.r2, fit.samples, *(
-                        (m.alpha, m.beta, m.const) if m else (np.nan,) * 3
-                    )], dtype=torch.float64,
-                )  # fmt: skip
-                if not fit.ok:
-                    print(
-                        f"orchmllm: the {name} phase keeps its default cost: {fit.reason}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        wire = coef.to(self._wire_device())
-        dist.broadcast(wire, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        if dist.get_rank(group) == 0:
-            return fits
-        out = {}
-        for i, name in enumerate(self.names):
-            ok, r2, n, alpha, beta, const = wire[i].cpu().tolist()
-            model = CostModel(self.kinds[name], alpha, beta, const) if ok else None
-            out[name] = PhaseFit(model, r2, int(n), None if ok else "refused on rank 0")
-        return out

@@ -735,7 +735,7 @@ def calibrate(run: Run, step: int) -> dict[str, dict] | None:
     (None: not timed)."""
     if run.calibrator is None or not run.calibrator.active(step):
         return None
-    report = run.calibrator.end_step(step)
+    report = run.calibrator.end_step(step, timeout=run.args.timeout)
     if report.costs():
         run.loader.set_costs(report.costs())
     return report.record()

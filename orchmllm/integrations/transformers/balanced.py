@@ -274,7 +274,7 @@ class BalancedModel(nn.Module):
         """Gather this forward's phase times of every rank (a collective) and plan with the
         trusted fits: the loader's steps from one its prefetcher has not begun, and the plans
         made in :meth:`forward` from the next one."""
-        report = cal.end_step(self._forwards)
+        report = cal.end_step(self._forwards, timeout=self.orchestrator.topology.timeout)
         self.calibration = report.record()
         costs = report.costs()
         if costs:
