@@ -214,7 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--save", default=None, help="write parameters and AdamW state here at the end")
     p.add_argument(
-        "--cost", choices=("default", "measured"), default="default",
+        "--cost", choices=orchmllm.COSTS, default="default",
         help="measured: fit every phase's cost to the first steps' times on all ranks",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ except ImportError as exc:
 
 from orchmllm.balance import Assignment, InfeasibleCapError, balance
 from orchmllm.cost import CostModel
+from orchmllm.measured_cost import COSTS
 from orchmllm.plan import Rearrangement
 from orchmllm.policies import POLICIES, PolicyInput, register_policy, unregister_policy
 from orchmllm.step_plan import (
@@ -56,6 +57,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "COSTS",
     "POLICIES",
     "Assignment",
     "CostModel",

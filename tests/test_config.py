@@ -193,6 +193,12 @@ def test_the_paper_configs_inherit_from_mllm_10b():
         ({"balance": {"policies": {"llm": "gredy"}}}, "'gredy' is no policy; did you mean"),
         ({"balance": {"placement": "autto"}}, "'autto' is no placement; did you mean 'auto'"),
         ({"balance": {"ranks_per_node": 0}}, "balance.ranks_per_node"),
+        ({"balance": {"cost": "measurd"}}, "'measurd' is no cost; did you mean 'measured'"),
+        ({"balance": {"min_r2": 2}}, "balance.min_r2 must be in"),
+        ({"balance": {"costs": {"visoin": {}}}}, "did you mean 'vision'?"),
+        ({"balance": {"costs": {"vision": {"gamma": 1}}}}, "balance.costs.vision has no key"),
+        ({"balance": {"costs": {"vision": {"alpha": "x"}}}}, "balance.costs.vision"),
+        ({"train": {"weight_decay": -0.1}}, "train.weight_decay must be a number >= 0"),
         ({"data": []}, "data must be a mapping"),
     ],
 )

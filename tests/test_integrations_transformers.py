@@ -401,6 +401,10 @@ def test_wrap_refuses_an_attention_that_cannot_pack(families):
             omt.wrap(model)
     finally:
         text._attn_implementation = saved
+    with pytest.raises(
+        ValueError, match="cost must be one of .'default', 'measured'., got 'timed'"
+    ):
+        omt.wrap(model, cost="timed")
 
 
 def test_nothing_below_the_integrations_imports_transformers():

@@ -383,8 +383,8 @@ def wrap(
             f"the language model's attention implementation {attention!r} cannot attend "
             f"within packed sequences; use one of {PACKING_ATTENTION}"
         )
-    if cost not in ("default", "measured"):
-        raise ValueError(f"cost must be 'default' or 'measured', got {cost!r}")
+    if cost not in orchmllm.COSTS:
+        raise ValueError(f"cost must be one of {orchmllm.COSTS}, got {cost!r}")
     options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
     orchestrator = orchmllm.Orchestrator(options, topology=topology)
     calibrator = None
