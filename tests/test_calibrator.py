@@ -4,8 +4,9 @@
 follows its patches) starting from a deliberately wrong vision cost: every batch costs the
 same, so the planner deals images out by count. With ``--cost measured`` every rank times its
 phases, every rank fits the gathered times alike, and the ranks plan with the fits from a step
-no prefetcher has begun: the measured vision imbalance (max/mean of the ranks' vision time) falls once they do, every
-rank holds the same fitted models, and the losses are those of ``--balance none``.
+no prefetcher has begun: the measured vision imbalance (max/mean of the ranks' vision time)
+falls once they do, every rank holds the same fitted models, and the losses are those of
+``--balance none``.
 """
 
 from __future__ import annotations
