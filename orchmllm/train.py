@@ -736,8 +736,9 @@ def calibrate(run: Run, step: int) -> dict[str, dict] | None:
     if run.calibrator is None or not run.calibrator.active(step):
         return None
     report = run.calibrator.end_step(step, timeout=run.args.timeout)
-    if report.costs():
-        run.loader.set_costs(report.costs())
+    costs = report.costs()
+    if costs:
+        run.loader.set_costs(costs)
     return report.record()
 
 
