@@ -107,12 +107,15 @@ def make_model(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
 # TRL's SFTTrainer on a VLM's processor rows: no dataset preparation (the rows are tokenised
 # already), every column kept for the model (pixels, grids), no truncation; and no bf16
 # autocast (SFTConfig's default), which TRL's LM head kernel would apply to float64 weights
-# while the model's own layers stay float64.
+# while the model's own layers stay float64. SFTConfig turns gradient checkpointing on; older
+# transformers (4.57) make it reentrant by default, which DDP with unused parameters (a tower
+# without items on a rank) refuses ("marked ready twice"), in the plain run as in ours.
 VLM_SFT = {
     "dataset_kwargs": {"skip_prepare_dataset": True},
     "remove_unused_columns": False,
     "max_length": None,
     "bf16": False,
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
 }
 
 

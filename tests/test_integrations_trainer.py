@@ -143,7 +143,7 @@ def vlm_runs(tmp_path_factory) -> dict[str, dict]:
         for balance in ("none", "auto") if FUSED_HEAD else ():
             runs[f"{model}/sft-{balance}"] = [*VLM_COMMON, "--model", model, "--trainer", "sft",
                                               "--balance", balance]  # fmt: skip
-        for trainer in ("trainer", "sft"):
+        for trainer in ("trainer", "sft") if FUSED_HEAD else ("trainer",):
             for balance in ("none", "auto"):
                 runs[f"{model}/absent-{trainer}-{balance}"] = [
                     *ABSENT, "--model", model, "--trainer", trainer, "--balance", balance
@@ -233,6 +233,8 @@ def test_a_vlm_step_without_images_anywhere_keeps_the_plain_optimizer_state(
     parameter's step count is the plain run's exactly (fewer steps than the run's for the
     tower: the case occurred), and so is the set of parameters with optimizer state (LLaVA's
     unused last vision layer has none); values agree to the float32 loss's rounding."""
+    if trainer == "sft" and not FUSED_HEAD:
+        pytest.skip("this TRL cannot serve an adapted VLM (no fused LM head; refused below)")
     plain, balanced = (vlm_runs[f"{model}/absent-{trainer}-{b}"] for b in ("none", "auto"))
     a = plain["state"]
     steps = len(plain["losses"])

@@ -33,6 +33,7 @@ __all__ = [
     "pil_image_processor",
     "rope_config",
     "rope_index",
+    "rope_reads_token_types",
 ]
 
 #: The oldest transformers release the integrations are tested with; it has every adapted
@@ -185,6 +186,12 @@ def rope_index(
     if unknown:
         raise TypeError(f"{type(model).__name__}.get_rope_index does not take {unknown}")
     return fn(input_ids, **{k: v for k, v in kwargs.items() if _takes(fn, k)})[0]
+
+
+def rope_reads_token_types(model: nn.Module) -> bool:
+    """Whether this release's ``get_rope_index`` reads the tokens' types
+    (``mm_token_type_ids``); older ones find the items from the placeholder ids themselves."""
+    return _takes(part(model, "get_rope_index"), "mm_token_type_ids")
 
 
 def plain_loss(model: nn.Module, batch: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:

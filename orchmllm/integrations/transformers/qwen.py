@@ -67,10 +67,13 @@ class Qwen2VLAdapter(Adapter):
 
     fields = {"vision": VISION_FIELDS}
     seconds_key: str | None = None  # the row field with a video's seconds per temporal patch
-    mm_token_types = True  # the plain model's M-RoPE needs the row's mm_token_type_ids
+    mm_token_types = True  # the plain model's M-RoPE needs the row's mm_token_type_ids (where
+    # this release reads them: see __init__)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
+        # releases before mm_token_type_ids find the items from the placeholders themselves
+        self.mm_token_types = self.mm_token_types and hf_compat.rope_reads_token_types(model)
         vision = self.config.vision_config
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
