@@ -22,12 +22,13 @@ Peers (issue 28): on every distribution of ``orchmllm.workloads``, the eight str
 video, 30 s audio with a hard cap, all-equal, 70% zeros, 10% 16k-128k documents) and any
 ``--lengths NAME=FILE`` a user adds, at ``PEER_SIZES`` (8 x 2 to 512 x 16): greedy's max load
 against the plain-Python LPT, Karmarkar-Karp and MULTIFIT references, verl's equal-count
-Karmarkar-Karp (its algorithm as ``orchmllm.reference.ref_karmarkar_karp(equal_counts=True)``,
-written from the description, not verl's code), prtpy's LPT, KK, MULTIFIT and complete greedy
-search with a 1 s limit (0.05 s under ``--quick``; up to 16 x 8; skipped with a note when prtpy
-is missing) and numberpartitioning's greedy and KK (likewise), and the exact optimum where
-greedy's plan is not proven optimal: the same branch and bound with ``EXACT_CHECK_NODES``
-(within the exact size), else HiGHS (scipy MILP, 10 s limit, up to ``HIGHS_MAX_CELLS``; not
+Karmarkar-Karp (its algorithm as
+``orchmllm.planner.reference.ref_karmarkar_karp(equal_counts=True)``, written from the
+description, not verl's code), prtpy's LPT, KK, MULTIFIT and complete greedy search with a
+1 s limit (0.05 s under ``--quick``; up to 16 x 8; skipped with a note when prtpy is missing)
+and numberpartitioning's greedy and KK (likewise), and the exact optimum where greedy's plan
+is not proven optimal: the same branch and bound with ``EXACT_CHECK_NODES`` (within the exact
+size), else HiGHS (scipy MILP, 10 s limit, up to ``HIGHS_MAX_CELLS``; not
 under ``--quick``). Targets: greedy worse than a peer on 0 instances; proven optimal on every
 instance within the exact size (at most ``_core.EXACT_ITEMS`` non-zero items); plan time (CPU,
 balance() as a user calls it) at most 10x numpy's argsort at every size, max over distributions.
@@ -66,18 +67,18 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import orchmllm._core as _core
 
-from orchmllm import _core
-from orchmllm.balance import balance
 from orchmllm.config import BalanceConfig
-from orchmllm.cost import CostModel, fit_packed, fit_padded, load_calibration
-from orchmllm.placement import REFINE_STEPS_PER_RANK
-from orchmllm.policies import PADDED_POLICIES, POLICIES, plan_dst
+from orchmllm.planner.balance import balance
+from orchmllm.planner.cost import CostModel, fit_packed, fit_padded, load_calibration
+from orchmllm.planner.placement import REFINE_STEPS_PER_RANK
+from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, plan_dst
+from orchmllm.planner.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
+from orchmllm.planner.step_plan import StepOptions, plan_step
 from orchmllm.provenance import write_records
-from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
 from orchmllm.sim.layout import segment_rows, step_options
 from orchmllm.sim.sweep import load_model, sample_pool
-from orchmllm.step_plan import StepOptions, plan_step
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
 # H100 block at hidden 1280, fitted on the packaged measurement: the quadratic objective.
@@ -85,7 +86,8 @@ QUAD = fit_packed(
     [r for r in load_calibration("h100_block_fwd_bwd.json") if r["hidden"] == 1280]
 ).model
 PACKED_TARGET = ("greedy", "greedy_cost", "kk")
-# Policies with a C++ implementation (identity copies src; greedy_stay is orchmllm.placement's).
+# Policies with a C++ implementation (identity copies src; greedy_stay is
+# orchmllm.planner.placement's).
 CORE = tuple(p for p in POLICIES if p not in ("identity", "greedy_stay"))
 # Benchmark variants: name -> (policy, extra balance() keywords).
 VARIANTS = {p: (p, {}) for p in POLICIES} | {"greedy_alg1": ("greedy", {"refine": False})}

@@ -120,7 +120,7 @@ def _case(ds, cfg: dict, topology) -> dict:
 def _cases(rank: int, world: int, data: dict, cfgs: list[dict]) -> list[dict]:
     """All cases in one set of processes (start-up is not what is measured), one after
     another on one topology (one gloo group for all the loaders)."""
-    from orchmllm.topology import Topology
+    from orchmllm.dist.topology import Topology
 
     torch.set_num_threads(1)
     ds = _dataset(data["items_per_rank"] * world * data["steps"], data["seed"], data["median"])

@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 
 import orchmllm
-from orchmllm.placement import place_batches, prepare_ilp
+from orchmllm.planner.placement import place_batches, prepare_ilp
 from orchmllm.provenance import write_records
 from orchmllm.sim.layout import plan as plan_layout
 from orchmllm.sim.sweep import load_model, sample_pool

@@ -133,7 +133,7 @@ NOTES = (
     "chunks). Assumed: 6 GB reserved per GPU, 2 us per all-to-all peer.",
     "Mini-batch (Fig. 8): the memory model replays the trainer's step under that recipe "
     "(checked per phase against the CPU allocator by tests/test_memory_measured.py), and "
-    "`python -m orchmllm.plan_memory` prints the same mini-batches. Where they sit above the "
+    "`python -m orchmllm.sim.plan_memory` prints the same mini-batches. Where they sit above the "
     "paper's, the likelier cause is the workload, not the memory model: the sensitivity "
     "table shows the mini-batches falling as every length grows, and Table 2's forward time "
     "matches the paper's only at a length scale well above 1 (the derived table). The "
@@ -274,7 +274,7 @@ def calibration() -> list[dict[str, Any]]:
             }
         )
     _table(
-        "Calibration on h100_table1_blocks.json (per-shape least squares, orchmllm.cost)",
+        "Calibration on h100_table1_blocks.json (per-shape least squares, orchmllm.planner.cost)",
         ["shape", "attention", "records", "linear TF/s", "attn TF/s", "max rel err"],
         rows,
     )
@@ -391,7 +391,7 @@ def _fig8_point(
 ) -> dict[str, Any]:
     """One seed of one Figure 8 point, at the largest mini-batches that fit (``own``: from
     the memory model under the config's training recipe, by ``fitting_minibatches``, the
-    search ``python -m orchmllm.plan_memory`` runs, so the two print the same mini-batches)
+    search ``python -m orchmllm.sim.plan_memory`` runs, so the two print the same mini-batches)
     and at the paper's (``paper``), on the same ``steps`` pooled steps.
 
     ``prev`` (this seed's mini-batches at the previous scale) only sets where the searches

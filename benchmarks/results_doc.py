@@ -595,7 +595,7 @@ def reproduce_paper(recs: Records) -> list[str]:
     lines += [
         "**Figure 8, decomposed.** Both mini-batches (per rank) are the largest the memory "
         "model lets run under each config's training recipe (the ones `python -m "
-        "orchmllm.plan_memory` prints), without balancing (`b none`) and with OrchMLLM "
+        "orchmllm.sim.plan_memory` prints), without balancing (`b none`) and with OrchMLLM "
         "(`b full`). `balance ×` "
         "is the speed-up of balancing at `b none`, `mini-batch ×` the speed-up of going from "
         "`b none` to `b full`, `product ×` the MFU ratio full/none.",

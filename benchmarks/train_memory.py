@@ -12,7 +12,7 @@ phase's prediction is the static bytes (fp32 master weights, AdamW's moments) pl
 phase's peak, the previous step's batch alive until the backward ends as in the trainer's
 loop. Step 0 has no optimizer state yet (AdamW creates it in its first step), so its backward
 lies below the model's; compare from step 1. Left out by the model: the CUDA context and
-allocator fragmentation (what ``--reserve`` covers in ``orchmllm.plan_memory``).
+allocator fragmentation (what ``--reserve`` covers in ``orchmllm.sim.plan_memory``).
 
 On CUDA the default is ``configs/mllm-10b-1gpu.yaml`` for 5 steps; with ``--quick`` or without
 a GPU, ``configs/tiny.yaml`` for 2 steps. On CPU there is no allocator counter: the measured

@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from orchmllm.planner.step_plan import MODES
 from orchmllm.provenance import write_records
 from orchmllm.report import load_metrics, summarize
-from orchmllm.step_plan import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 NPROC = 4

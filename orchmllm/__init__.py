@@ -12,19 +12,20 @@ from typing import Any
 __version__ = "0.1.0"  # the one place it is set (pyproject.toml reads it)
 
 try:
-    from orchmllm import _core  # noqa: F401  (the compiled planner; not in a fresh checkout)
+    import orchmllm._core  # noqa: F401  (the compiled planner; not in a fresh checkout)
 except ImportError as exc:
     raise ImportError(
         "orchmllm._core, the compiled C++ planner, is not built for this Python: run "
         "`python setup.py build_ext --inplace` in the checkout's root (or `pip install -e .`)"
     ) from exc
 
-from orchmllm.balance import Assignment, InfeasibleCapError, balance
-from orchmllm.cost import CostModel
-from orchmllm.measured_cost import COSTS
-from orchmllm.plan import Rearrangement
-from orchmllm.policies import POLICIES, PolicyInput, register_policy, unregister_policy
-from orchmllm.step_plan import (
+from orchmllm import _moved  # noqa: F401  (old module paths keep importing)
+from orchmllm.planner.balance import Assignment, InfeasibleCapError, balance
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.measured_cost import COSTS
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.policies import POLICIES, PolicyInput, register_policy, unregister_policy
+from orchmllm.planner.step_plan import (
     EncoderPhase,
     ItemField,
     StepOptions,
@@ -34,12 +35,12 @@ from orchmllm.step_plan import (
 )
 
 _LAZY = {
-    "BatchDispatcher": "orchmllm.dispatcher",
-    "Orchestrator": "orchmllm.orchestrator",
-    "Calibrator": "orchmllm.calibrator",
-    "LocalBatch": "orchmllm.orchestrator",
-    "LLMBatch": "orchmllm.orchestrator",
-    "Encoded": "orchmllm.orchestrator",
+    "BatchDispatcher": "orchmllm.dist.dispatcher",
+    "Orchestrator": "orchmllm.dist.orchestrator",
+    "Calibrator": "orchmllm.dist.calibrator",
+    "LocalBatch": "orchmllm.dist.orchestrator",
+    "LLMBatch": "orchmllm.dist.orchestrator",
+    "Encoded": "orchmllm.dist.orchestrator",
     "BalancedDataLoader": "orchmllm.data.loader",
     "accumulate": "orchmllm.data.accumulation",
     "LoaderOptions": "orchmllm.data.options",
@@ -49,11 +50,11 @@ _LAZY = {
     "collate_layout": "orchmllm.data.planners",
     "BalancedCollator": "orchmllm.data.collate",
     "orchestrated_loader": "orchmllm.data.orchestrated",
-    "global_num_items": "orchmllm.loss",
-    "token_log_probs": "orchmllm.loss",
-    "chunked_cross_entropy": "orchmllm.loss",
+    "global_num_items": "orchmllm.dist.loss",
+    "token_log_probs": "orchmllm.dist.loss",
+    "chunked_cross_entropy": "orchmllm.dist.loss",
     "TrainRecipe": "orchmllm.config",
-    "Topology": "orchmllm.topology",
+    "Topology": "orchmllm.dist.topology",
 }
 
 __all__ = [

@@ -18,7 +18,7 @@ Two features are optional and degrade instead of failing:
 Other APIs, all older than the declared minimum torch, are not probed (``all_to_all_single``
 with split sizes, ``Work.wait(timeout=)``, ``new_group(backend=, timeout=)``, ``nn.RMSNorm``):
 ``.ci/oldest-torch`` runs the whole suite on that minimum. The all-to-all's autograd is the
-library's own ``autograd.Function`` (:mod:`orchmllm.comm`), not ``torch.distributed.nn``;
+library's own ``autograd.Function`` (:mod:`orchmllm.dist.comm`), not ``torch.distributed.nn``;
 ``torch.distributed.checkpoint`` (``dcp.save``/``dcp.load`` and ``state_dict.get_state_dict``/
 ``set_state_dict``, used by :mod:`orchmllm.checkpoint`) is older than the minimum too.
 """

@@ -36,10 +36,10 @@ from typing import Any, ClassVar
 
 import yaml
 
-from orchmllm.balance import PLACEMENTS
-from orchmllm.cost import CostModel
-from orchmllm.measured_cost import COSTS, cost_kind
-from orchmllm.policies import POLICIES
+from orchmllm.planner.balance import PLACEMENTS
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.measured_cost import COSTS, cost_kind
+from orchmllm.planner.policies import POLICIES
 from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
 
 __all__ = [
@@ -352,11 +352,11 @@ class BalanceConfig:
         placement: ``none``, ``assign``, ``ilp`` or ``auto`` (node-wise placement).
         ranks_per_node: None: ``LOCAL_WORLD_SIZE`` from the launcher.
         costs: phase name -> ``{alpha, beta, const}`` of its cost model, in the form its
-            policy balances (packed or padded, :class:`orchmllm.cost.CostModel`); a phase left
-            out balances its policy's default cost.
+            policy balances (packed or padded, :class:`orchmllm.planner.cost.CostModel`); a
+            phase left out balances its policy's default cost.
         cost: ``default``: plan with ``costs`` throughout; ``measured``: time every phase in
             the first ``calibrate_steps`` steps, fit each phase's cost to the times of all
-            ranks and plan with the fits (:mod:`orchmllm.calibrator`; the trainer's
+            ranks and plan with the fits (:mod:`orchmllm.dist.calibrator`; the trainer's
             ``--cost``).
         calibrate_steps: with ``cost: measured``, the steps timed.
         calibrate_every: with ``cost: measured``, refit every this many timed steps.

@@ -7,7 +7,7 @@ network filesystem) nor on the owner removing it (a killed job cannot), so the l
 created exclusively (``O_EXCL``) whose owner rewrites it as a heartbeat; it is stale, and
 taken over, when its heartbeat is older than ``stale_after`` seconds, when its process is
 known to be gone (same host), or when it belongs to this same job (an earlier restart attempt
-of it, named by :func:`orchmllm.topology.job_token`). Taking a stale lock renames it aside
+of it, named by :func:`orchmllm.dist.topology.job_token`). Taking a stale lock renames it aside
 first, so of two jobs taking it together only one succeeds.
 """
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from orchmllm.watch import Process
+from orchmllm.dist.watch import Process
 
 __all__ = ["DirectoryLock", "LockHeld", "Owner"]
 
@@ -73,7 +73,7 @@ class DirectoryLock:
     Args:
         directory: the directory to lock (created if missing).
         stale_after: seconds after its last heartbeat at which a lock counts as abandoned.
-        job: this job's token (:func:`orchmllm.topology.job_token`): a lock of the same job
+        job: this job's token (:func:`orchmllm.dist.topology.job_token`): a lock of the same job
             (an earlier restart attempt) is taken over at once. None: no such job.
 
     :meth:`acquire` takes it (raising :class:`LockHeld`), a daemon thread rewrites it every

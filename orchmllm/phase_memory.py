@@ -52,7 +52,7 @@ class PhaseMemory:
 
     def end_step(self, step: int, plan: Any) -> None:
         """Append step ``step``'s line: its phases and its global batch (``plan``, the
-        step's :class:`~orchmllm.step_plan.StepPlan`)."""
+        step's :class:`~orchmllm.planner.step_plan.StepPlan`)."""
         if self.path is None:
             return
         batch = {

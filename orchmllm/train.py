@@ -38,9 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from orchmllm import checkpoint, compat, host_memory, launch, preempt, watch
-from orchmllm.balance import PLACEMENTS
-from orchmllm.calibrator import Calibrator
+from orchmllm import checkpoint, compat, host_memory, launch, preempt
 from orchmllm.config import PRECISIONS, RunConfig, TrainRecipe, load_config
 from orchmllm.data import SyntheticConfig, synthetic
 from orchmllm.data.accumulation import accumulate
@@ -49,14 +47,17 @@ from orchmllm.data.options import LoaderOptions, SamplingOptions
 from orchmllm.data.orchestrated import orchestrated_loader
 from orchmllm.data.synthetic import load_dataset, save_dataset
 from orchmllm.dirlock import DirectoryLock
-from orchmllm.measured_cost import COSTS, FitOptions
+from orchmllm.dist import watch
+from orchmllm.dist.calibrator import Calibrator
+from orchmllm.dist.orchestrator import LLMBatch, Orchestrator
+from orchmllm.dist.topology import Topology, attempt_store, job_token
 from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
-from orchmllm.orchestrator import LLMBatch, Orchestrator
 from orchmllm.phase_memory import PhaseMemory
+from orchmllm.planner.balance import PLACEMENTS
+from orchmllm.planner.measured_cost import COSTS, FitOptions
+from orchmllm.planner.step_plan import MODES, StepOptions, default_phases
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
-from orchmllm.step_plan import MODES, StepOptions, default_phases
-from orchmllm.topology import Topology, attempt_store, job_token
 from orchmllm.tracking import Trackers
 
 NONFINITE = ("stop", "skip")
@@ -240,9 +241,9 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[bool, torch.device]:
     """Join the torchrun group (NCCL on CUDA, gloo otherwise) unless one already exists.
 
     A group created here also publishes this rank's progress in the launcher's store
-    (:mod:`orchmllm.watch`), so a step that times out names the ranks that did not arrive.
+    (:mod:`orchmllm.dist.watch`), so a step that times out names the ranks that did not arrive.
     Both use this launch attempt's own namespace of the store
-    (:func:`orchmllm.topology.attempt_store`): under ``torchrun --max-restarts`` a restarted
+    (:func:`orchmllm.dist.topology.attempt_store`): under ``torchrun --max-restarts`` a restarted
     attempt must not read the keys of the attempt that died.
     Returns (whether we created the group, the device this rank computes on).
     """
@@ -538,7 +539,7 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
 
     Each step's record goes to ``--metrics`` as soon as the step ends (rank 0), so memory
     holds only running aggregates however long the run. A step that fails (a collective
-    timed out, a peer failed, left or died) raises :class:`orchmllm.watch.StepFailed` naming
+    timed out, a peer failed, left or died) raises :class:`orchmllm.dist.watch.StepFailed` naming
     the ranks that did not arrive, when this process publishes its progress (see
     :func:`init_distributed`); so does a failure in start-up, the dataset write or a
     checkpoint, each a section of its own. The loader is then abandoned, not closed: closing
@@ -1107,7 +1108,7 @@ def _layout_refusal(layout: dict[str, int], run: Run) -> str:
 
 
 def _step_failed(exc: BaseException, stream: str, t0: float) -> NoReturn:
-    """Raise ``exc`` as the diagnosis of the step it ended (see :mod:`orchmllm.watch`)."""
+    """Raise ``exc`` as the diagnosis of the step it ended (see :mod:`orchmllm.dist.watch`)."""
     progress = watch.current()
     if progress is None or not watch.is_failure(exc):
         raise exc

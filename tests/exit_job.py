@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import orchmllm
-from orchmllm import topology
+from orchmllm.dist import topology
 
 WORLD = 2
 KEEP: list = []  # what a script's top level holds when it ends

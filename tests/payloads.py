@@ -4,8 +4,8 @@ which example, modality, item and row it is, so an assembled sequence can be che
 import numpy as np
 import torch
 
+from orchmllm.planner.step_plan import EncoderPhase, local_metadata
 from orchmllm.schema import AUDIO, IGNORE_INDEX, IMAGE, TEXT
-from orchmllm.step_plan import EncoderPhase, local_metadata
 
 WIDTH = 4  # raw feature width = hidden, so an identity encoder keeps payloads intact
 PHASES = (

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchmllm
-from orchmllm.balance import InfeasibleCapError, balance
-from orchmllm.cost import CostModel
-from orchmllm.placement import MAX_RANKS
-from orchmllm.policies import PADDED_POLICIES, POLICIES, REGISTRY, default_cost
-from orchmllm.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
+from orchmllm.planner.balance import InfeasibleCapError, balance
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.placement import MAX_RANKS
+from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, REGISTRY, default_cost
+from orchmllm.planner.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
 from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 from tests.conftest import brute_force_min_load
 
@@ -448,7 +448,7 @@ def test_stats_with_src():
 
 
 def test_greedy_stay_and_placement_dispatch():
-    pytest.importorskip("orchmllm.placement")
+    pytest.importorskip("orchmllm.planner.placement")
     lengths = sample_lengths("text", 8 * 8, rng=8)
     src = np.repeat(np.arange(8), 8)
     stay = balance(lengths, 8, "greedy_stay", src=src)
@@ -464,7 +464,7 @@ def test_greedy_stay_and_placement_dispatch():
 
 
 def test_greedy_stay_passes_ranks_per_node_and_reports_the_movement_bound():
-    from orchmllm.placement import movement_aware_dst, movement_lower_bound, traffic
+    from orchmllm.planner.placement import movement_aware_dst, movement_lower_bound, traffic
 
     d, c = 64, 8
     rng = np.random.default_rng(5)
@@ -500,7 +500,7 @@ def test_greedy_stay_passes_ranks_per_node_and_reports_the_movement_bound():
 def test_planner_floor_imports_at_module_top_and_placement_sits_below_balance():
     """No ``orchmllm`` import inside a function (the old balance <-> placement circle hid
     there), and placement.py never imports balance.py or the policies."""
-    root = Path(orchmllm.__file__).parent
+    root = Path(orchmllm.__file__).parent / "planner"
     for name in (
         "balance.py",
         "policies.py",
@@ -520,7 +520,7 @@ def test_planner_floor_imports_at_module_top_and_placement_sits_below_balance():
                     assert not any(m and m.startswith("orchmllm") for m in mods), (name, fn.name)
     placement = ast.parse((root / "placement.py").read_text())
     imported = {n.module for n in ast.walk(placement) if isinstance(n, ast.ImportFrom)}
-    assert not imported & {"orchmllm.balance", "orchmllm.policies"}
+    assert not imported & {"orchmllm.planner.balance", "orchmllm.planner.policies"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orchmllm.policies import POLICIES
+from orchmllm.planner.policies import POLICIES
 from orchmllm.workloads import DISTRIBUTIONS
 from tests.conftest import ROOT, load_script
 

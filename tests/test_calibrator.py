@@ -1,4 +1,4 @@
-"""orchmllm.calibrator in the trainer: costs learned from the run, the same on every rank.
+"""orchmllm.dist.calibrator in the trainer: costs learned from the run, the same on every rank.
 
 2 gloo ranks train the tiny model (a wider vision encoder on larger images, so that its time
 follows its patches) starting from a deliberately wrong vision cost: every batch costs the

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchmllm import comm
-from orchmllm.plan import Rearrangement
+from orchmllm.dist import comm
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
 from orchmllm.testing import assert_check_passed, run_checks
-from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from orchmllm.cost import CALIBRATIONS, CostModel, fit_packed, fit_padded, load_calibration
+from orchmllm.planner.cost import CALIBRATIONS, CostModel, fit_packed, fit_padded, load_calibration
 
 
 def test_packed_batch_cost_matches_formula():

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 
 from orchmllm import compat
 from orchmllm.config import load_config
-from orchmllm.dispatcher import BatchDispatcher
-from orchmllm.loss import chunked_cross_entropy, token_log_probs
+from orchmllm.dist.dispatcher import BatchDispatcher
+from orchmllm.dist.loss import chunked_cross_entropy, token_log_probs
+from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
+from orchmllm.dist.topology import Topology
 from orchmllm.models import build_model, packed_attention
-from orchmllm.orchestrator import LocalBatch, Orchestrator
-from orchmllm.step_plan import StepOptions
+from orchmllm.planner.step_plan import StepOptions
 from orchmllm.testing import run_distributed
-from orchmllm.topology import Topology
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
 pytestmark = [

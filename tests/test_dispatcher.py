@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 import orchmllm
-from orchmllm import comm, dispatcher
-from orchmllm.agreement import PeerFailed
 from orchmllm.data.loader import BalancedDataLoader
-from orchmllm.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
-from orchmllm.plan import Rearrangement
+from orchmllm.dist import comm, dispatcher
+from orchmllm.dist.agreement import PeerFailed
+from orchmllm.dist.dispatcher import BatchDispatcher, PlanMismatchError, debug_enabled
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
 from orchmllm.testing import assert_check_passed, run_checks, run_distributed
-from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
 

@@ -1,12 +1,12 @@
 import numpy as np
+import orchmllm._core as _core
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchmllm import _core
-from orchmllm.balance import balance
-from orchmllm.cost import CostModel
-from orchmllm.exact import min_makespan
+from orchmllm.planner.balance import balance
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.exact import min_makespan
 from tests.conftest import brute_force_min_load
 
 PACKED = CostModel("packed")

@@ -4,16 +4,16 @@ the step header's planner agreement on real gloo groups."""
 import numpy as np
 import pytest
 
-from orchmllm import comm
 from orchmllm.data import exchange as ex
 from orchmllm.data.orchestrated import OrchestratorPlanner
 from orchmllm.data.planners import BalancePlanner
-from orchmllm.orchestrator import Orchestrator
-from orchmllm.plan import Rearrangement
+from orchmllm.dist import comm
+from orchmllm.dist.orchestrator import Orchestrator
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.step_plan import StepOptions, default_phases
 from orchmllm.schema import EncodingRates
-from orchmllm.step_plan import StepOptions, default_phases
 from orchmllm.testing import assert_check_passed, run_checks
-from orchmllm.topology import Topology
 
 TIMEOUT = 20.0
 

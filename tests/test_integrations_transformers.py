@@ -25,8 +25,8 @@ import orchmllm  # noqa: E402
 from orchmllm.integrations import hf_compat  # noqa: E402
 from orchmllm.integrations import transformers as omt  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
+from orchmllm.planner.step_plan import KIND, RAW  # noqa: E402
 from orchmllm.schema import IMAGE, TEXT  # noqa: E402
-from orchmllm.step_plan import KIND, RAW  # noqa: E402
 
 FAMILIES = list(tiny.FAMILIES)
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni"]

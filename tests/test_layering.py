@@ -25,38 +25,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "orchmllm"
 # Module (or package prefix) -> floor. A new module must be placed here.
 FLOORS = {
     "orchmllm.schema": 1,
+    "orchmllm._moved": 1,  # old module paths -> new ones (imports by name, at use)
     "orchmllm.config": 2,  # checks policy and placement names in the planner's registry
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest
     "orchmllm._core": 2,
-    "orchmllm.cost": 2,
-    "orchmllm.validate": 2,
-    "orchmllm.stats": 2,
-    "orchmllm.reference": 2,
-    "orchmllm.policies": 2,
-    "orchmllm.exact": 2,
-    "orchmllm.balance": 2,
-    "orchmllm.placement": 2,
-    "orchmllm.plan": 2,
+    "orchmllm.planner": 2,
     "orchmllm.workloads": 2,
     "orchmllm.workload_facts": 2,
     "orchmllm.recipe": 2,
-    "orchmllm.step_plan": 2,
-    "orchmllm.measured_cost": 2,
-    "orchmllm.sim": 2.5,
-    "orchmllm.plan_memory": 2.5,  # the simulator's memory model as a command
+    "orchmllm.sim": 2.5,  # with plan_memory, the simulator's memory model as a command
     "orchmllm.compat": 3,
-    "orchmllm.comm": 3,
-    "orchmllm.agreement": 3,
-    "orchmllm.topology": 3,
-    "orchmllm.loss": 3,
-    "orchmllm.dispatcher": 3,
+    "orchmllm.dist": 3,
     "orchmllm.testing": 3,
-    "orchmllm.watch": 3,
     "orchmllm.dirlock": 3,
     "orchmllm.preempt": 3,
     "orchmllm.host_memory": 3,
-    "orchmllm.orchestrator": 4,
-    "orchmllm.calibrator": 4,
+    "orchmllm.dist.orchestrator": 4,
+    "orchmllm.dist.calibrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
     "orchmllm.checkpoint": 7,
@@ -170,7 +155,7 @@ def test_the_import_graph_has_no_cycle():
 
 def test_one_place_opens_a_process_group():
     """``Topology`` owns the process groups: ``new_group`` is called once in the package, in
-    orchmllm/topology.py, so no module opens (and leaks) a group of its own."""
+    orchmllm/dist/topology.py, so no module opens (and leaks) a group of its own."""
     calls = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -179,7 +164,7 @@ def test_one_place_opens_a_process_group():
                 name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
                 if name == "new_group":
                     calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-    assert len(calls) == 1 and calls[0].startswith("orchmllm/topology.py:"), calls
+    assert len(calls) == 1 and calls[0].startswith("orchmllm/dist/topology.py:"), calls
 
 
 def test_floor_table_rejects_an_unknown_module():

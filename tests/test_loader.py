@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
-from orchmllm import agreement
 from orchmllm.data import exchange as ex
 from orchmllm.data.collate import BalancedCollator
 from orchmllm.data.exchange import EpochMismatch, PeerFailed
@@ -32,13 +31,14 @@ from orchmllm.data.planners import BalancePlanner, LayoutMismatchWarning
 from orchmllm.data.sampling import local_batches, token_budget_batches
 from orchmllm.data.stats import METRICS
 from orchmllm.data.synthetic import SyntheticConfig, as_example, build_dataset
-from orchmllm.dispatcher import BatchDispatcher
-from orchmllm.orchestrator import LocalBatch, Orchestrator
-from orchmllm.plan import Rearrangement
+from orchmllm.dist import agreement
+from orchmllm.dist.dispatcher import BatchDispatcher
+from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.step_plan import StepOptions, assembly, default_phases
 from orchmllm.schema import EncodingRates, example_metadata
-from orchmllm.step_plan import StepOptions, assembly, default_phases
 from orchmllm.testing import run_distributed
-from orchmllm.topology import Topology
 from tests.payloads import PHASES, payload_batches
 
 T = 30.0  # collective timeout inside the workers

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orchmllm
-from orchmllm.loss import chunked_cross_entropy, token_log_probs
+from orchmllm.dist.loss import chunked_cross_entropy, token_log_probs
 from orchmllm.schema import IGNORE_INDEX
 from orchmllm.testing import assert_check_passed, run_checks
 

@@ -1,4 +1,4 @@
-"""orchmllm.measured_cost: a phase's cost fitted to timed batches, or a reason to keep the
+"""orchmllm.planner.measured_cost: a phase's cost fitted to timed batches, or a reason to keep the
 default."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchmllm.cost import CostModel
-from orchmllm.measured_cost import FitOptions, cost_kind, features, fit_phase
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.measured_cost import FitOptions, cost_kind, features, fit_phase
 
 
 def _records(model: CostModel, batches: list[list[int]], rng, noise: float) -> np.ndarray:

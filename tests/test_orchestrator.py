@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from orchmllm.data import EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import Encoded, LocalBatch, Orchestrator
-from orchmllm.schema import IMAGE, TEXT, Modality, register_modality
-from orchmllm.step_plan import (
+from orchmllm.dist.orchestrator import Encoded, LocalBatch, Orchestrator
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.step_plan import (
     MODES,
     EncoderPhase,
     ItemField,
@@ -19,8 +19,8 @@ from orchmllm.step_plan import (
     assembly,
     default_phases,
 )
+from orchmllm.schema import IMAGE, TEXT, Modality, register_modality
 from orchmllm.testing import run_distributed
-from orchmllm.topology import Topology
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 
 pytestmark = pytest.mark.integration  # every test here starts processes

@@ -8,15 +8,15 @@ import time
 import warnings
 
 import numpy as np
+import orchmllm._core as _core
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import orchmllm
-from orchmllm import _core
-from orchmllm.cost import CostModel
-from orchmllm.placement import (
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.placement import (
     AUTO_EXACT_NODES,
     MAX_RANKS,
     METHODS,
@@ -299,7 +299,7 @@ def test_time_limit_is_honoured(rng):
 _FIRST_ILP = """
 import json, sys, time
 import numpy as np
-from orchmllm.placement import place_batches, prepare_ilp
+from orchmllm.planner.placement import place_batches, prepare_ilp
 assert "cvxpy" not in sys.modules
 prepared = prepare_ilp() if sys.argv[1] == "prepare" else 0.0
 rng = np.random.default_rng(0)
@@ -735,7 +735,7 @@ import sys, warnings
 sys.modules["cylp"] = None  # as on a machine without cylp: cvxpy finds no CBC
 import numpy as np
 import orchmllm
-from orchmllm.placement import place_batches
+from orchmllm.planner.placement import place_batches
 rng = np.random.default_rng(0)
 d = 16
 lengths = rng.integers(1, 1000, d * 10)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchmllm.plan import Rearrangement, expand_rows
+from orchmllm.planner.plan import Rearrangement, expand_rows
 
 
 @st.composite

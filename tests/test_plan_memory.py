@@ -1,10 +1,10 @@
-"""python -m orchmllm.plan_memory: the predicted memory per GPU and the largest mini-batch."""
+"""python -m orchmllm.sim.plan_memory: the predicted memory per GPU and the largest mini-batch."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchmllm import plan_memory
+from orchmllm.sim import plan_memory
 from tests.conftest import ROOT, load_script
 
 CONFIG = str(ROOT / "configs" / "mllm-10b.yaml")

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import orchmllm
-from orchmllm.balance import PLACEMENTS, plan_is_deterministic
 from orchmllm.data.orchestrated import OrchestratorPlanner
 from orchmllm.data.planners import (
     BalancePlanner,
@@ -15,9 +14,10 @@ from orchmllm.data.planners import (
     collate_layout,
     warn_on_layout_mismatch,
 )
-from orchmllm.orchestrator import Orchestrator
+from orchmllm.dist.orchestrator import Orchestrator
+from orchmllm.planner.balance import PLACEMENTS, plan_is_deterministic
+from orchmllm.planner.step_plan import StepOptions, default_phases
 from orchmllm.schema import EncodingRates
-from orchmllm.step_plan import StepOptions, default_phases
 
 
 @pytest.mark.parametrize("policy", ["greedy", "kk", "identity"])

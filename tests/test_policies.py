@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchmllm
-from orchmllm.balance import InfeasibleCapError, balance, plan_is_deterministic
-from orchmllm.cost import CostModel
-from orchmllm.policies import (
+from orchmllm.planner.balance import InfeasibleCapError, balance, plan_is_deterministic
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.policies import (
     PADDED_POLICIES,
     POLICIES,
     REGISTRY,
@@ -27,8 +27,8 @@ from orchmllm.policies import (
     register_policy,
     unregister_policy,
 )
+from orchmllm.planner.step_plan import EncoderPhase, StepOptions, plan_step
 from orchmllm.schema import AUDIO, IMAGE
-from orchmllm.step_plan import EncoderPhase, StepOptions, plan_step
 from orchmllm.testing import assert_check_passed, run_checks
 from tests.payloads import WIDTH, expected_sequence, gathered, payload_batches, payload_embed
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from orchmllm.cost import CostModel
 from orchmllm.data import stats as st
-from orchmllm.plan import Rearrangement
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.plan import Rearrangement
 
 
 def test_phase_stats_measure_the_plan_under_the_cost_model_and_split_bytes_by_node():

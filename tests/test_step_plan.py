@@ -5,14 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from orchmllm import step_plan
-from orchmllm.cost import CostModel
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
-from orchmllm.orchestrator import LocalBatch
-from orchmllm.policies import default_cost
-from orchmllm.schema import IGNORE_INDEX
-from orchmllm.step_plan import (
+from orchmllm.dist.orchestrator import LocalBatch
+from orchmllm.planner import step_plan
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.policies import default_cost
+from orchmllm.planner.step_plan import (
     MODES,
     StepOptions,
     assembly,
@@ -20,6 +19,7 @@ from orchmllm.step_plan import (
     local_metadata,
     plan_step,
 )
+from orchmllm.schema import IGNORE_INDEX
 from tests.payloads import (
     PHASES,
     WIDTH,

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchmllm import topology  # the fork hook is registered on import
+from orchmllm.dist import topology  # the fork hook is registered on import
+from orchmllm.dist.topology import Topology
 from orchmllm.testing import run_distributed
-from orchmllm.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def _close_stops_users_then_frees_the_group(rank: int, world: int) -> list:
 def test_close_stops_its_users_then_frees_its_group():
     """Closing a topology runs its users' close first (a collective on the group, still
     open), then destroys its gloo group and lets it go: the group's threads are joined there,
-    not left to interpreter finalisation (orchmllm.topology: "Exit")."""
+    not left to interpreter finalisation (orchmllm.dist.topology: "Exit")."""
     expected = [True, ("stopped", 1), ("group freed", True), ("threads left", 0)]
     assert run_distributed(_close_stops_users_then_frees_the_group, 2, timeout=60) == [expected] * 2
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from orchmllm import watch
+from orchmllm.dist import watch
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from orchmllm.data import stats as st
 from orchmllm.data.lengths import LengthFn, example_length
 from orchmllm.data.options import PlanningOptions, given
 from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
-from orchmllm.topology import Topology
+from orchmllm.dist.topology import Topology
 
 _NOT_IN_WORKERS = (
     "BalancedCollator runs collectives and cannot run in DataLoader workers; use "
@@ -47,7 +47,7 @@ class BalancedCollator:
         planning: How the plan is made (:class:`~orchmllm.data.options.PlanningOptions`:
             policy, cost, a planner of your own and its per-example ``meta_fn`` rows; not
             ``batch_meta_fn``, which needs ``BalancedDataLoader(mode="local")``).
-        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the
+        topology: The job's process groups (:class:`orchmllm.dist.topology.Topology`): the
             collator talks on its gloo metadata group only, with its timeout. None builds
             one over the default group that this collator owns (dropping the collator
             destroys it), as :class:`~orchmllm.data.loader.BalancedDataLoader` does.

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm, watch
-from orchmllm.agreement import PeerFailed, agreed_plan
-from orchmllm.plan import Rearrangement
-from orchmllm.topology import Topology
+from orchmllm.dist import comm, watch
+from orchmllm.dist.agreement import PeerFailed, agreed_plan
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
 
 OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
@@ -134,7 +134,7 @@ def gather_step(
     Pass ``error`` when this rank could not prepare its rows: the peers are told, the
     error is re-raised here and :class:`PeerFailed` is raised on every other rank. Pass
     the ``planner`` that will plan the step: ranks whose planners differ (see
-    :func:`planner_signature`) raise :class:`~orchmllm.comm.MismatchError` together.
+    :func:`planner_signature`) raise :class:`~orchmllm.dist.comm.MismatchError` together.
     """
     watch.arrive("exchange", step)
     if error is not None:
@@ -179,7 +179,7 @@ def gather_step(
 
 def roll_call(g: Group, *, step: int) -> list[int]:
     """After a failed exchange of ``step``: the ranks of ``g`` that did not answer a roll
-    call (:func:`orchmllm.comm.roll_call`)."""
+    call (:func:`orchmllm.dist.comm.roll_call`)."""
     if not g.distributed:
         return []
     return comm.roll_call(g.group, call=str(step), timeout=g.timeout)
@@ -296,7 +296,7 @@ class StepInfo:
         src: int64 ``(n,)``, the rank that sampled each item.
         indices: int64 ``(n,)``, the dataset index of each item in index mode; None in the
             other modes.
-        plan: the planner's output (a :class:`~orchmllm.plan.Rearrangement` for the default
+        plan: the planner's output (a :class:`~orchmllm.planner.plan.Rearrangement` for the default
             planner).
         plan_s: seconds to gather the metadata and plan.
         prep_s: seconds for the whole step (load, gather, plan, move, collate).

@@ -25,7 +25,7 @@ Batches are cut by count (``batch_size``) or by a per-rank token budget
 
 Balancing moves examples between ranks, so a loss averaged per rank would weight them
 differently than before: normalise the loss by the global count of loss-bearing items
-(``orchmllm.global_num_items``), as in the module docstring of :mod:`orchmllm.dispatcher`.
+(``orchmllm.global_num_items``), as in the module docstring of :mod:`orchmllm.dist.dispatcher`.
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ from orchmllm.data.sampling import (
     steps_per_epoch,
     token_budget_batches,
 )
-from orchmllm.plan import Rearrangement
-from orchmllm.topology import Topology
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
 
-# How examples cross the ranks (``mode=``): not the balance modes of orchmllm.step_plan.MODES.
+# How examples cross the ranks (``mode=``): not the balance modes of
+# orchmllm.planner.step_plan.MODES.
 EXCHANGE_MODES = ("auto", "index", "move", "local")
 # DataLoader's own keywords the loader takes besides batch_size and collate_fn: the ones a
 # wrapper (orchestrated_loader, an adapted model's loader) forwards as they are.
@@ -115,7 +116,7 @@ class PlannedBatch:
     Attributes:
         batch: This rank's local mini-batch, collated, as sampled (nothing moved yet).
         plan: The planner's output for the step, identical on every rank: a
-            :class:`~orchmllm.plan.Rearrangement` (execute it with
+            :class:`~orchmllm.planner.plan.Rearrangement` (execute it with
             ``BatchDispatcher.dispatch(..., plan=plan)``) or, from
             :func:`~orchmllm.data.orchestrated.orchestrated_loader`, a ``StepPlan`` (pass it
             to ``Orchestrator.run(batch, encoders, plan=plan, assembly=assembly)``).
@@ -124,7 +125,7 @@ class PlannedBatch:
         assembly: This rank's share of the plan, computed in the background thread with it
             when the planner has an ``assembly(plan, rank)`` method (from
             :func:`~orchmllm.data.orchestrated.orchestrated_loader`: the
-            :class:`~orchmllm.step_plan.Assembly` of this rank's LLM sequences, so that
+            :class:`~orchmllm.planner.step_plan.Assembly` of this rank's LLM sequences, so that
             ``Orchestrator.run`` only moves data and runs the encoders); else None.
     """
 
@@ -396,7 +397,7 @@ class BalancedDataLoader:
         sampling: A :class:`SamplingOptions` (None: the defaults).
         planning: A :class:`PlanningOptions` (None: the ``greedy`` policy).
         options: A :class:`LoaderOptions` (None: the defaults).
-        topology: The job's process groups (:class:`orchmllm.topology.Topology`): the loader
+        topology: The job's process groups (:class:`orchmllm.dist.topology.Topology`): the loader
             talks on its gloo metadata group only, with its timeout. None builds one over the
             default group that this loader owns, so that loaders never share a group:
             several may be iterated together (dropping the loader destroys its group). A
@@ -607,7 +608,7 @@ class BalancedDataLoader:
 
     def set_costs(self, costs: Mapping[str, Any]) -> None:
         """Plan with new cost models (phase name -> ``CostModel``; costs learned from the
-        run, :mod:`orchmllm.calibrator`) from the first step the prefetcher cannot have begun
+        run, :mod:`orchmllm.dist.calibrator`) from the first step the prefetcher cannot have begun
         (the steps the loop consumed plus the prefetch depth, plus one), the same step on
         every rank: call it on every rank between the same two steps.
 
@@ -718,7 +719,7 @@ class BalancedDataLoader:
         self._handshake()
         it = _EpochIterator(self, self._begin(self.epoch, self._step))
         self._active = weakref.ref(it)
-        # Closed before the topology's groups go, at exit too (orchmllm.topology: "Exit").
+        # Closed before the topology's groups go, at exit too (orchmllm.dist.topology: "Exit").
         self.topology.on_close(it, _EpochIterator.close)
         return it
 

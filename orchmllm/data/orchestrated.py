@@ -1,9 +1,9 @@
 """The prefetching loader wired to the MLLM Global Orchestrator (paper sections 6-7).
 
 Each step the background thread collates the local mini-batch into a
-:class:`~orchmllm.orchestrator.LocalBatch`, all-gathers its segment table (the only
+:class:`~orchmllm.dist.orchestrator.LocalBatch`, all-gathers its segment table (the only
 metadata the orchestrator needs) and computes every phase's plan with
-:func:`~orchmllm.step_plan.plan_step`, all while the previous step trains. The training
+:func:`~orchmllm.planner.step_plan.plan_step`, all while the previous step trains. The training
 loop gets ``PlannedBatch(batch, plan, info, stats, assembly)`` and calls
 ``orchestrator.run(batch.batch, encoders, plan=batch.plan, assembly=batch.assembly)``: only
 the all-to-alls (and the encoders) remain on the critical path.
@@ -16,16 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.cost import CostModel
 from orchmllm.data import stats as st
 from orchmllm.data.loader import DATALOADER_KEYWORDS, BalancedDataLoader
 from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOptions
 from orchmllm.data.synthetic import as_example
-from orchmllm.orchestrator import LocalBatch, Orchestrator
-from orchmllm.plan import Rearrangement
-from orchmllm.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
-from orchmllm.step_plan import assembly as rank_assembly
-from orchmllm.topology import Topology
+from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
+from orchmllm.planner.step_plan import assembly as rank_assembly
 
 
 class _Collate:
@@ -45,7 +45,7 @@ class OrchestratorPlanner:
     when they make the plan more than a function of the gathered rows: ``placement="ilp"``).
 
     The phases' cost models may change during a run (costs learned from it:
-    :mod:`orchmllm.calibrator`): :meth:`set_costs` schedules new ones from a step on, which
+    :mod:`orchmllm.dist.calibrator`): :meth:`set_costs` schedules new ones from a step on, which
     every rank names alike and the prefetcher has not begun, and the loader plans each step
     with :meth:`at` that step, so every rank plans every step with the same costs."""
 
@@ -183,7 +183,7 @@ def orchestrated_loader(
     Returns:
         The loader. Each iteration yields per step a :class:`PlannedBatch` whose ``batch``
         is this rank's ``LocalBatch``, ``plan`` the step's ``StepPlan`` (equal on every
-        rank), ``assembly`` this rank's :class:`~orchmllm.step_plan.Assembly` of it and
+        rank), ``assembly`` this rank's :class:`~orchmllm.planner.step_plan.Assembly` of it and
         ``stats`` the per-phase metrics (vision, audio, ..., llm).
 
     Raises:

@@ -2,7 +2,7 @@
 
 The loader calls a planner in its background thread on the metadata every rank gathered
 (see :data:`orchmllm.data.exchange.Planner`). Single-phase balancing returns a
-:class:`~orchmllm.plan.Rearrangement` the loader executes itself; any other planner
+:class:`~orchmllm.planner.plan.Rearrangement` the loader executes itself; any other planner
 (e.g. the multimodal orchestrator's per-phase plans) is handed to the training loop.
 
 Most plans are a pure function of the gathered metadata, so every rank computes the same
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import balance, plan_is_deterministic
-from orchmllm.plan import Rearrangement
-from orchmllm.policies import PADDED_POLICIES
+from orchmllm.planner.balance import balance, plan_is_deterministic
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.policies import PADDED_POLICIES
 
 LAYOUTS = ("padded", "packed")
 # Collate classes whose batch layout is known, by (module, class); matched by name so that
@@ -49,15 +49,15 @@ class BalancePlanner:
     The loader's default planner (``BalancePlanner(policy, cost)``); build one yourself to
     pass ``ranks_per_node`` or ``placement``. Called as ``planner(meta, src, num_ranks)``
     (:data:`~orchmllm.data.exchange.Planner`), it returns a
-    :class:`~orchmllm.plan.Rearrangement`; arguments are checked by :func:`orchmllm.balance`
+    :class:`~orchmllm.planner.plan.Rearrangement`; arguments are checked by :func:`orchmllm.balance`
     when it plans.
 
     Attributes:
         policy: the balancing policy, a name in ``orchmllm.POLICIES``.
-        cost: an ``orchmllm.cost.CostModel``, or None for the policy's default.
+        cost: an ``orchmllm.planner.cost.CostModel``, or None for the policy's default.
         ranks_per_node: ranks per node, for ``greedy_stay`` and ``placement``.
         placement: ``none``, or how batches are permuted over ranks to keep traffic inside
-            nodes (``orchmllm.placement``).
+            nodes (``orchmllm.planner.placement``).
     """
 
     policy: str = "greedy"

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.cost import CostModel, imbalance
-from orchmllm.plan import Rearrangement
-from orchmllm.policies import POLICIES, default_cost
+from orchmllm.planner.cost import CostModel, imbalance
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.policies import POLICIES, default_cost
 
 METRICS = (
     "imbalance_before",

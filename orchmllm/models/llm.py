@@ -7,7 +7,7 @@ import functools
 from torch import Tensor, nn
 
 from orchmllm.config import LLMConfig
-from orchmllm.loss import chunked_cross_entropy
+from orchmllm.dist.loss import chunked_cross_entropy
 
 from .attention import packed_attention, positions_from_lengths
 from .layers import Block, check_lengths
@@ -55,7 +55,8 @@ class LLM(nn.Module):
             targets: int64 ``[T]``, the next token at each position (``IGNORE_INDEX`` where
                 nothing is predicted); None returns logits.
             denom: the summed loss is divided by it (the global target count).
-            loss_chunk: tokens per chunk of the loss (:func:`orchmllm.loss.chunked_cross_entropy`).
+            loss_chunk: tokens per chunk of the loss
+                (:func:`orchmllm.dist.loss.chunked_cross_entropy`).
 
         Returns:
             ``[T, vocab]`` logits without ``targets``; with them the summed cross-entropy over

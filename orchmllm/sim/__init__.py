@@ -1,6 +1,6 @@
 """Cluster-scale simulator: what post-balancing does at thousands of GPUs, without GPUs.
 
-The same planner the training uses (``orchmllm.balance``, ``orchmllm.placement``) lays out a
+The same planner the training uses (``orchmllm.balance``, ``orchmllm.planner.placement``) lays out a
 sampled global batch; a compute model calibrated on measured H100 blocks (recompute charged
 under activation checkpointing), a communication model of the paper's cluster from the H100's
 published link speeds and a memory model that replays the trainer's step under the run's training

@@ -2,7 +2,7 @@
 
 :func:`step_moments` replays ``orchmllm.train``'s step on a :class:`~orchmllm.sim.trace.Trace`
 for a model config and a training recipe (:class:`~orchmllm.config.TrainRecipe`): the forward
-of every encoder and the LLM (``orchmllm.models``), the chunked loss (``orchmllm.loss``), the
+of every encoder and the LLM (``orchmllm.models``), the chunked loss (``orchmllm.dist.loss``), the
 backward (with the recomputation of checkpointed blocks), FSDP2's parameter and gradient
 buffers and AdamW's step. Sizes are forms in per-rank features (:data:`FEATURES` names them;
 :func:`orchmllm.sim.memory.rank_features` computes them from a batch and its layout), so the
@@ -10,8 +10,9 @@ result is every rank's live bytes at every moment that can be a peak.
 
 Each function below mirrors one piece of code and says where each buffer comes from:
 
-- the model code (``orchmllm/models/*.py``, ``orchmllm/loss.py``, ``orchmllm/orchestrator.py``,
-  ``orchmllm/comm.py``): which tensors exist, how long Python holds them;
+- the model code (``orchmllm/models/*.py``, ``orchmllm/dist/loss.py``,
+  ``orchmllm/dist/orchestrator.py``, ``orchmllm/dist/comm.py``): which tensors exist, how long
+  Python holds them;
 - PyTorch autograd (``tools/autograd/derivatives.yaml``): what each op saves for backward and
   which gradients its backward allocates; the engine runs nodes in reverse creation order,
   adds a second gradient into the first in place, and frees a node's saved tensors after it;
@@ -50,7 +51,7 @@ from orchmllm.schema import LLM
 from orchmllm.sim.trace import Form, Moments, Storage, Trace, added, const, scaled
 
 DEVICES = ("cpu", "cuda")
-RAW_BYTES = 4  # raw rows are float32 (orchmllm.orchestrator.LocalBatch)
+RAW_BYTES = 4  # raw rows are float32 (orchmllm.dist.orchestrator.LocalBatch)
 ID_BYTES = 8  # token ids, targets, positions: int64
 MASK_BYTES = 1  # bool masks
 

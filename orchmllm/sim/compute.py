@@ -2,7 +2,7 @@
 
 A Transformer block's forward+backward time is ``alpha*sum(l) + beta*sum(l^2) + const`` for a
 packed batch and ``alpha*b*max(l) + beta*b*max(l)^2 + const`` for a padded one (paper eq. 2,
-``orchmllm.cost``). Both coefficients are FLOPs divided by an achieved rate:
+``orchmllm.planner.cost``). Both coefficients are FLOPs divided by an achieved rate:
 
 - ``alpha = 6 * P_block / R_lin``: every token passes the block's ``P_block`` weights once
   forward (2 FLOPs per weight) and twice backward;
@@ -10,8 +10,8 @@ packed batch and ``alpha*b*max(l) + beta*b*max(l)^2 + const`` for a padded one (
   sequence (halved when causal), backward twice that.
 
 Calibration fits ``alpha, beta, const`` per measured shape on
-``data/h100_table1_blocks.json`` with ``orchmllm.cost.fit_packed``/``fit_padded``, which also
-yields the achieved rates ``R_lin`` and ``R_attn`` of that shape. A shape that was not measured
+``data/h100_table1_blocks.json`` with ``orchmllm.planner.cost.fit_packed``/``fit_padded``, which
+also yields the achieved rates ``R_lin`` and ``R_attn`` of that shape. A shape that was not measured
 takes ``R_lin`` from the measured shape with the nearest hidden size of any attention kind (the
 per-token GEMMs do not care how attention is batched), ``R_attn`` and ``const`` from the nearest
 hidden size with the same attention kind, so ``alpha`` scales with its weights and ``beta`` with
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.cost import FORWARD_FRACTION, CostModel, fit_packed, fit_padded
+from orchmllm.planner.cost import FORWARD_FRACTION, CostModel, fit_packed, fit_padded
 from orchmllm.schema import LLM
 
 ATTENTION_KINDS = ("causal", "bidir", "padded")

@@ -10,7 +10,7 @@ Modes:
 - ``llm``: OrchMLLM with only the LLM dispatcher (the paper's Figure 10 ablation, its
   stand-in for pre-balancing methods that balance one phase): encoders run where their items
   were sampled, the LLM phase gets a balanced layout of whole examples, text and encoder
-  outputs move there (as ``orchmllm.orchestrator`` does in its ``llm`` mode).
+  outputs move there (as ``orchmllm.dist.orchestrator`` does in its ``llm`` mode).
 - ``disttrain``: DistTrain's intra-microbatch reordering (Zhang et al., section 6.1, Alg. 2)
   of the global batch, read literally: sort the samples by size in *ascending* order, give each
   to the data-parallel group with the smallest summed size so far (ties: fewer samples, then
@@ -22,7 +22,7 @@ Modes:
   with the policy tailored to how its module is batched (``policies``).
 
 ``placement="node"`` is the step planner's ``auto`` node-wise rearrangement of every runtime
-move, over the bytes the move carries (see :mod:`orchmllm.step_plan`).
+move, over the bytes the move carries (see :mod:`orchmllm.planner.step_plan`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig
+from orchmllm.planner.step_plan import MODES as STEP_MODES
+from orchmllm.planner.step_plan import EncoderPhase, StepOptions, plan_step
 from orchmllm.schema import LLM, MODALITIES, TEXT
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule
-from orchmllm.step_plan import MODES as STEP_MODES
-from orchmllm.step_plan import EncoderPhase, StepOptions, plan_step
 
 MODES = (*STEP_MODES, "disttrain")
 # The simulator's placement names -> the step planner's placement method.

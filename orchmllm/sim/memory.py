@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig, TrainRecipe
+from orchmllm.planner.step_plan import StepPlan
 from orchmllm.recipe import ItemLengths
 from orchmllm.schema import LLM
 from orchmllm.sim.allocations import DEVICES, Dtypes, StepSetup, step_moments, units
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.trace import Moments
-from orchmllm.step_plan import StepPlan
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -324,7 +324,7 @@ def _moves(r) -> bool:
 
 
 def step_of_plan(plan: StepPlan) -> tuple[Batch, Layout, frozenset[str]]:
-    """A trainer step's plan (:class:`~orchmllm.step_plan.StepPlan`) as the memory model
+    """A trainer step's plan (:class:`~orchmllm.planner.step_plan.StepPlan`) as the memory model
     reads it: the global batch, where each phase runs it, and which moves run (a move where
     every item stays is skipped, as ``Orchestrator._move`` skips it)."""
     items = {n: ItemLengths(p.example, p.raw) for n, p in plan.phases.items()}

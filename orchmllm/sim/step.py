@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchmllm.config import ModelConfig, TrainRecipe
-from orchmllm.cost import FORWARD_FRACTION
+from orchmllm.planner.cost import FORWARD_FRACTION
 from orchmllm.schema import LLM
 from orchmllm.sim import comm
 from orchmllm.sim.allocations import COMMUNICATORS
@@ -126,7 +126,7 @@ def dispatch_collectives(
 ) -> tuple[list[tuple[str, comm.Volumes]], list[tuple[str, comm.Volumes]]]:
     """The all-to-alls of one step as ``(dispatcher, volumes)``, forward and backward.
 
-    As ``orchmllm.orchestrator`` runs them: raw encoder inputs to the encoder layouts (``full``
+    As ``orchmllm.dist.orchestrator`` runs them: raw encoder inputs to the encoder layouts (``full``
     only), then one move per encoder output and one for text to the LLM layout; backward, each
     encoder output's gradient goes back. ``none`` and ``disttrain`` move nothing.
     """

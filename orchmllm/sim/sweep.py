@@ -4,7 +4,7 @@ A case is one (model, ranks, mode, placement, policies, mini-batch) over a few s
 :func:`run_case` returns one flat record (the benchmark's JSON row). :func:`largest_minibatch`
 is the paper's rule for the mini-batch (the largest that never runs out of memory), applied to
 the memory model; :func:`fitting_minibatches` applies it to one seed's sampled steps the way
-``python -m orchmllm.plan_memory`` and ``benchmarks/reproduce_paper.py`` both do.
+``python -m orchmllm.sim.plan_memory`` and ``benchmarks/reproduce_paper.py`` both do.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ During the first ``steps`` optimizer steps of a run with ``balance.cost: measure
    cut out: :meth:`Calibrator.watch` puts a hook before and after FSDP's own pre-forward hook
    of every sharded module (where the all-gather is awaited), and a phase's time is its
    span less those waits, its own work. Beside each time it keeps the batch's features in
-   the phase policy's cost form (:func:`orchmllm.measured_cost.features`) in the units the
+   the phase policy's cost form (:func:`orchmllm.planner.measured_cost.features`) in the units the
    policy balances;
 2. after the step (:meth:`Calibrator.end_step`, a collective on the training group, where the
    step's other collectives are) the records of every rank are gathered in rank order into a
    window per phase; every ``every`` steps every rank fits each phase
-   (:func:`orchmllm.measured_cost.fit_phase`) on the same gathered records, so every rank
+   (:func:`orchmllm.planner.measured_cost.fit_phase`) on the same gathered records, so every rank
    holds the same models, bit for bit. A bad fit keeps the phase's cost as it was (the last
    trusted fit, else the configured or default one), with a warning;
 3. the caller hands the models to the loader (:meth:`BalancedDataLoader.set_costs`), which
@@ -40,11 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchmllm import comm, compat
-from orchmllm.cost import CostModel, imbalance
-from orchmllm.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
+from orchmllm.dist import comm
+
+from orchmllm import compat
+from orchmllm.planner.cost import CostModel, imbalance
+from orchmllm.planner.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
 from orchmllm.schema import LLM
-from orchmllm.step_plan import StepOptions
+from orchmllm.planner.step_plan import StepOptions
 
 __all__ = ["Calibrator", "CalibrationReport"]
 
@@ -91,7 +93,7 @@ class Calibrator:
 
     Args:
         kinds: phase name (encoders and ``"llm"``) -> its policy's cost form
-            (:func:`orchmllm.measured_cost.cost_kind`).
+            (:func:`orchmllm.planner.measured_cost.cost_kind`).
         strides: encoder phase name -> raw rows per encoder position (the policy balances
             ``raw // stride``); the LLM balances tokens.
         device: where the phases run (CUDA events there; the host clock otherwise).

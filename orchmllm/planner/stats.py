@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
-from orchmllm.cost import CostModel
+from orchmllm.planner.cost import CostModel
 
 __all__ = ["LazyStats", "exact_total", "lower_bound", "plan_stats"]
 

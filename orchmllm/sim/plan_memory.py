@@ -1,6 +1,6 @@
 """Will a run fit? The trainer's predicted memory per GPU, and the largest mini-batch that fits.
 
-    python -m orchmllm.plan_memory --config configs/mllm-10b.yaml --gpu-memory 80 --gpus 64
+    python -m orchmllm.sim.plan_memory --config configs/mllm-10b.yaml --gpu-memory 80 --gpus 64
 
 For the config's model and training recipe (``recipe:``: precision, activation checkpointing,
 loss chunk) on ``--gpus`` GPUs of ``--gpu-memory`` GB, FSDP sharding over ``--shard-group``
@@ -46,7 +46,7 @@ MODES = ("none", "full")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m orchmllm.plan_memory", description=__doc__.split("\n")[0]
+        prog="python -m orchmllm.sim.plan_memory", description=__doc__.split("\n")[0]
     )
     p.add_argument("--config", required=True, help="run config YAML")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")

@@ -1,17 +1,17 @@
 """Cost models learned from the running job: one least-squares fit per phase.
 
 The planner's default costs are token counts, or fits to H100 block timings
-(:mod:`orchmllm.cost`); a user's GPU, kernels and model differ. With ``balance.cost: measured``
-every rank times each phase it runs during the first steps of the job and records, beside the
-time, its batch's features in the phase policy's own cost form (:func:`features`: packed
+(:mod:`orchmllm.planner.cost`); a user's GPU, kernels and model differ. With ``balance.cost:
+measured`` every rank times each phase it runs during the first steps of the job and records, beside
+the time, its batch's features in the phase policy's own cost form (:func:`features`: packed
 ``sum(l)``, ``sum(l^2)``; padded ``b*max(l)``, ``b*max(l)^2``). Here those records, gathered
-from every rank, become a :class:`~orchmllm.cost.CostModel` per phase (:func:`fit_phase`),
+from every rank, become a :class:`~orchmllm.planner.cost.CostModel` per phase (:func:`fit_phase`),
 or a reason to keep the default: too few records, no term that grows with the batch, or a
 fit that explains too little of the times (R^2 below a floor). The coefficients are fitted
 non-negative, as a cost is.
 
 Pure and torch-free: the runtime that times, gathers and swaps the plans' costs is
-:mod:`orchmllm.calibrator`. The fit is of forward times: a phase's backward costs a fixed
+:mod:`orchmllm.dist.calibrator`. The fit is of forward times: a phase's backward costs a fixed
 multiple of its forward (two matmuls per forward matmul), so the fitted model is proportional
 to the phase's whole cost, which is all balancing needs (it compares ranks within a phase).
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from orchmllm.cost import KINDS, CostModel
-from orchmllm.policies import PADDED_POLICIES
+from orchmllm.planner.cost import KINDS, CostModel
+from orchmllm.planner.policies import PADDED_POLICIES
 
 __all__ = ["COSTS", "FitOptions", "PhaseFit", "cost_kind", "features", "fit_phase"]
 
@@ -38,11 +38,11 @@ def cost_kind(policy: str) -> str:
 
 
 def features(kind: str, lengths: np.ndarray) -> tuple[float, float]:
-    """A batch's two cost features in ``kind``'s form (:class:`~orchmllm.cost.CostModel`):
+    """A batch's two cost features in ``kind``'s form (:class:`~orchmllm.planner.cost.CostModel`):
     packed ``(sum(l), sum(l^2))``, padded ``(b*max(l), b*max(l)^2)``; ``(0, 0)`` when empty.
 
     Raises:
-        ValueError: ``kind`` is not one of ``orchmllm.cost.KINDS``.
+        ValueError: ``kind`` is not one of ``orchmllm.planner.cost.KINDS``.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

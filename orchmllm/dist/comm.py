@@ -1,7 +1,7 @@
 """Collectives for post-balancing: a metadata all-gather and a plan-driven all-to-all.
 
 Only lengths (a few int64 per item) are all-gathered; every rank then computes the same
-:class:`~orchmllm.plan.Rearrangement`, so the split sizes of the all-to-all are known
+:class:`~orchmllm.planner.plan.Rearrangement`, so the split sizes of the all-to-all are known
 locally and the payload moves in one ``all_to_all_single`` per wire dtype, without a size
 exchange. Each rank sends at most its own batch, so traffic per rank does not grow with
 the number of ranks (paper section 5.2.1). The all-gather strawman the paper compares
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import compat
-from orchmllm.plan import Rearrangement, expand_rows
+from orchmllm.planner.plan import Rearrangement, expand_rows
 
 __all__ = [
     "MismatchError",

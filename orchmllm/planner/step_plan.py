@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.balance import CLOCKED_PLACEMENTS, PLACEMENTS, balance, plan_is_deterministic
-from orchmllm.cost import CostModel, imbalance
-from orchmllm.placement import place_batches
-from orchmllm.plan import Rearrangement, expand_rows
-from orchmllm.policies import PADDED_POLICIES, POLICIES, default_cost
+from orchmllm.planner.balance import CLOCKED_PLACEMENTS, PLACEMENTS, balance, plan_is_deterministic
+from orchmllm.planner.cost import CostModel, imbalance
+from orchmllm.planner.placement import place_batches
+from orchmllm.planner.plan import Rearrangement, expand_rows
+from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, default_cost
 from orchmllm.schema import (
     LLM,
     MODALITIES,
@@ -195,12 +195,12 @@ class StepOptions:
         llm_cost: the LLM phase's cost model, used as :attr:`EncoderPhase.cost` is (None:
             the policy's default).
         placement: ``none``, or how each phase's balanced batches are permuted over the ranks
-            to keep the moved bytes inside nodes (``orchmllm.placement``: ``assign``,
+            to keep the moved bytes inside nodes (``orchmllm.planner.placement``: ``assign``,
             ``ilp``, ``auto``); in effect only with ``ranks_per_node`` set and more than one
             node.
         ranks_per_node: consecutive ranks per node (None: unknown, placement off).
         text_token_bytes: what the LLM move carries per text token (default: an int64 id and
-            an int64 loss-mask entry, as :class:`orchmllm.orchestrator.LocalBatch` holds
+            an int64 loss-mask entry, as :class:`orchmllm.dist.orchestrator.LocalBatch` holds
             them).
         encoded_token_bytes: what it carries per encoder output row (the LLM hidden size
             times the activation dtype's bytes; None counts an encoded token like a text
@@ -209,8 +209,8 @@ class StepOptions:
     Raises:
         ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
             ``llm_policy`` is not in ``orchmllm.POLICIES``; ``placement`` is not in
-            :data:`orchmllm.balance.PLACEMENTS`; ``ranks_per_node`` is not an integer >= 1 or
-            None; a byte count is < 1.
+            :data:`orchmllm.planner.balance.PLACEMENTS`; ``ranks_per_node`` is not an integer
+            >= 1 or None; a byte count is < 1.
     """
 
     phases: tuple[EncoderPhase, ...]
@@ -591,14 +591,14 @@ def plan_step(
 
     Pure: same inputs, same plan, no collective; with ``placement="ilp"`` the CBC time limit
     can stop the solve elsewhere on a busy machine, so such a plan is computed on one rank
-    and broadcast (:meth:`orchmllm.orchestrator.Orchestrator.plan`). A step of at least
+    and broadcast (:meth:`orchmllm.dist.orchestrator.Orchestrator.plan`). A step of at least
     :data:`PARALLEL_MIN_SEGMENTS` segments plans its phases in threads, to the same plan.
 
     Args:
         rows: every rank's :func:`local_metadata` rows in rank order, int64 ``(n, 5)`` (or
             ``(n, 4)``: no item states its tokens).
         src: the rank of each row, non-decreasing (``rows``/``src`` are what
-            ``orchmllm.comm.all_gather_rows`` returns).
+            ``orchmllm.dist.comm.all_gather_rows`` returns).
         options: how to plan (:class:`StepOptions`).
         num_ranks: the ranks to plan for (the data-parallel group size).
 

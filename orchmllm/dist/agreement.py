@@ -39,7 +39,7 @@ def agreed_plan(
     rank 0 of ``group`` alone, broadcast to the others on ``group`` (a CPU group) within
     ``timeout`` seconds. Collective in the second case: every rank calls it together.
 
-    Used for every plan that :func:`orchmllm.balance.plan_is_deterministic` rejects. If
+    Used for every plan that :func:`orchmllm.planner.balance.plan_is_deterministic` rejects. If
     ``compute()`` raises on rank 0,
     the error is raised there and :class:`PeerFailed` on the other ranks.
     """

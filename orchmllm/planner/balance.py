@@ -1,10 +1,10 @@
 """Post-balancing: which rank should compute which item, so the slowest rank finishes sooner.
 
-``balance()`` is the public entry point, in named steps: check the arguments
-(``orchmllm.validate``), run one policy of the registry (``orchmllm.policies``: the built-ins
-in the C++ core, GIL released, each also written plainly in ``orchmllm.reference``), steer the
-plan under the per-rank caps, place its batches on nodes (``orchmllm.placement``) and return
-an :class:`Assignment` with per-rank loads and statistics (``orchmllm.stats``, computed on
+``balance()`` is the public entry point, in named steps: check the arguments (``validate``),
+run one policy of the registry (``policies``: the built-ins in the C++ core, GIL released, each
+also written plainly in ``reference``), steer the plan under the per-rank caps, place its
+batches on nodes (``placement``; all four modules of ``orchmllm.planner``) and return
+an :class:`Assignment` with per-rank loads and statistics (``orchmllm.planner.stats``, computed on
 first read).
 
 Caps are steered, not only checked: ``max_items_per_rank`` (items per rank) and
@@ -14,7 +14,7 @@ find a plan.
 The policy plans first (the greedy and padded ones enforce the item cap as they go); a plan
 over a cap is replaced by the capped ``greedy_cost`` portfolio (packed) or the exact
 ``padded_cost`` (padded), then, for packed policies on at most ``EXACT_MAX_CELLS`` items x
-ranks, by the exact minimum makespan under the item cap (``orchmllm.exact``: a branch and
+ranks, by the exact minimum makespan under the item cap (``orchmllm.planner.exact``: a branch and
 bound in the C++ core with a node limit). ``greedy_stay``'s fallbacks are placed whole on the
 ranks holding most of their tokens. When nothing fits, :class:`InfeasibleCapError` (a
 ``ValueError``) names the smallest value that works: exact for padded policies and small
@@ -46,19 +46,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from orchmllm import _core
-from orchmllm.cost import CostModel
-from orchmllm.exact import EXACT_MAX_CELLS, min_makespan
-from orchmllm.placement import (
+import orchmllm._core as _core
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.exact import EXACT_MAX_CELLS, min_makespan
+from orchmllm.planner.placement import (
     MAX_RANKS,
     REFINE_STEPS_PER_RANK,
     check_num_ranks,
     movement_lower_bound,
     place_batches,
 )
-from orchmllm.policies import Planned, Policy, get_policy, plan_dst, plan_policy
-from orchmllm.stats import LazyStats, lower_bound, plan_stats
-from orchmllm.validate import (
+from orchmllm.planner.policies import Planned, Policy, get_policy, plan_dst, plan_policy
+from orchmllm.planner.stats import LazyStats, lower_bound, plan_stats
+from orchmllm.planner.validate import (
     check_caps,
     check_count,
     check_finite_cost,
@@ -161,19 +161,19 @@ def balance(
     Args:
         lengths: tokens per item (non-negative integers, 1-D).
         num_ranks: ranks to balance over.
-        policy: a name in ``orchmllm.POLICIES``: a built-in (``orchmllm.policies``) or one
+        policy: a name in ``orchmllm.POLICIES``: a built-in (``orchmllm.planner.policies``) or one
             added with ``orchmllm.register_policy``.
         src: current rank of every item (needed by ``identity``, ``greedy_stay`` and a
             placement; adds movement statistics).
         cost: the cost model balanced (``None``: the policy's default,
-            ``orchmllm.policies.default_cost``).
+            ``orchmllm.planner.policies.default_cost``).
         ranks_per_node: ranks per node, for ``greedy_stay`` and ``placement``.
         placement: ``none``, or how batches are permuted over ranks to keep traffic inside
-            nodes (``orchmllm.placement``).
+            nodes (``orchmllm.planner.placement``).
         max_items_per_rank: at most this many items on any rank (module docstring: caps).
         max_load_per_rank: at most this cost on any rank, e.g. a memory budget in tokens.
         tolerance: ``greedy_tolerance``'s window (fraction of the mean rank sum, default
-            ``orchmllm.policies.DEFAULT_TOLERANCE``), or ``greedy_stay``'s makespan slack
+            ``orchmllm.planner.policies.DEFAULT_TOLERANCE``), or ``greedy_stay``'s makespan slack
             over ``greedy``.
         refine: the move/swap local search after ``greedy``/``greedy_cost`` (default on);
             ``False`` keeps the paper's Alg. 1 exactly.
@@ -435,7 +435,7 @@ def _steer_caps(req: _Request, dst: np.ndarray) -> np.ndarray:
     """``dst`` if it meets the caps, else the first plan that does among, in order: the
     capped portfolio ``greedy_cost`` (packed policies) or the exact ``padded_cost`` (padded
     ones); for packed policies on at most ``EXACT_MAX_CELLS`` items x ranks, the exact
-    minimum makespan under the item cap (:func:`orchmllm.exact.min_makespan`). Plans of a
+    minimum makespan under the item cap (:func:`orchmllm.planner.exact.min_makespan`). Plans of a
     policy that plans from ``src`` are first placed whole on the ranks holding most of their
     tokens (``place_batches(method="assign")``), so fallbacks still move little. Raises
     :class:`InfeasibleCapError` when none fits, naming the smallest value that works.
@@ -468,7 +468,7 @@ def _steer_caps(req: _Request, dst: np.ndarray) -> np.ndarray:
     # The item cap alone always fits by now (every fallback enforces it): the load cap is left.
     best_loads = cost.loads(lengths, best, d)
     best_load = float(best_loads.max())
-    proven = record.padded  # padded_cost is exact for its cost (orchmllm.policies)
+    proven = record.padded  # padded_cost is exact for its cost (orchmllm.planner.policies)
     if not record.padded and lengths.size * d <= EXACT_MAX_CELLS:
         exact = min_makespan(cost.item_costs(lengths), d, max_items=caps.items)
         exact_loads = cost.loads(lengths, exact.dst, d)

@@ -3,9 +3,9 @@ tie-breaking, same floating-point operation order), so tests can check that the 
 gives the same ``dst`` and ``benchmarks/balance_bench.py`` can measure its speed-up.
 
 Each ``ref_*`` function is a built-in policy's ``reference`` in
-:data:`orchmllm.policies.REGISTRY` (``balance(..., backend="python")`` runs it); the
-algorithms and their edges are described in :mod:`orchmllm.policies`. Inputs are what
-:func:`orchmllm.policies.plan_dst` hands them: validated, non-empty, not all zero.
+:data:`orchmllm.planner.policies.REGISTRY` (``balance(..., backend="python")`` runs it); the
+algorithms and their edges are described in :mod:`orchmllm.planner.policies`. Inputs are what
+:func:`orchmllm.planner.policies.plan_dst` hands them: validated, non-empty, not all zero.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orchmllm import _core
+import orchmllm._core as _core
 
 __all__ = [
     "ref_binary_search",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchmllm import _core
+import orchmllm._core as _core
 
 __all__ = ["Rearrangement", "RankSchedule", "expand_rows"]
 

@@ -2,10 +2,10 @@
 
 Each rank passes the mini-batch it sampled. Only the lengths are all-gathered (on a CPU
 group, so it can overlap with GPU work); every rank then runs the same balancing policy on
-the same numbers, builds the same :class:`~orchmllm.plan.Rearrangement`, and moves its
+the same numbers, builds the same :class:`~orchmllm.planner.plan.Rearrangement`, and moves its
 examples with one all-to-all per dtype. A plan that is not a pure function of the lengths
 (``placement="ilp"``, time-limited) is computed on rank 0 and broadcast instead
-(:func:`~orchmllm.agreement.agreed_plan`). :meth:`BatchDispatcher.undo` moves results
+(:func:`~orchmllm.dist.agreement.agreed_plan`). :meth:`BatchDispatcher.undo` moves results
 computed on the balanced layout back (autograd-aware), so a loss normalised over the
 global batch has the same gradient with or without dispatch.
 """
@@ -24,14 +24,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm
-from orchmllm.agreement import PeerFailed, agreed_plan
-from orchmllm.balance import balance, plan_is_deterministic
-from orchmllm.cost import CostModel, imbalance
-from orchmllm.plan import Rearrangement
-from orchmllm.policies import POLICIES
-from orchmllm.topology import Topology
-from orchmllm.validate import check_caps
+from orchmllm.dist import comm
+from orchmllm.dist.agreement import PeerFailed, agreed_plan
+from orchmllm.planner.balance import balance, plan_is_deterministic
+from orchmllm.planner.cost import CostModel, imbalance
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.policies import POLICIES
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.validate import check_caps
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]
 
@@ -62,7 +62,7 @@ class Dispatched:
             ``[B, max(lengths), ...]``, ``pad_value`` elsewhere).
         lengths: int64 ``[B]``, the new items' lengths.
         items: name -> item-major tensor ``[B, ...]``.
-        plan: the :class:`~orchmllm.plan.Rearrangement` executed, the same on every rank.
+        plan: the :class:`~orchmllm.planner.plan.Rearrangement` executed, the same on every rank.
         stats: the step's metrics (see :meth:`BatchDispatcher.dispatch`).
         global_lengths: the gathered lengths in global item order (``plan.items_at(rank)``
             indexes them).
@@ -114,7 +114,7 @@ class BatchDispatcher:
     Args:
         policy: a name from ``orchmllm.POLICIES`` (None: ``greedy`` for the packed layout,
             ``padded_cost`` for the padded one).
-        topology: the job's process groups (:class:`orchmllm.topology.Topology`): the
+        topology: the job's process groups (:class:`orchmllm.dist.topology.Topology`): the
             data-parallel group the batch moves on, the gloo group the lengths are gathered
             on, ranks per node (for ``greedy_stay``, ``placement`` and the intra-/inter-node
             byte counts) and the timeout of every collective. None builds one over the
@@ -122,7 +122,7 @@ class BatchDispatcher:
             loader prefetching in a thread (dropping the dispatcher destroys the group);
             share one topology between objects that do not gather at the same time.
         placement: ``none``, or how balanced batches are permuted over the ranks to keep
-            traffic inside nodes (``orchmllm.placement``; needs the topology's
+            traffic inside nodes (``orchmllm.planner.placement``; needs the topology's
             ``ranks_per_node``); ``ilp`` is time-limited, so its plan is computed on rank 0
             and broadcast.
         cost: the cost model the policy balances (None: the policy's default); the load
@@ -142,7 +142,7 @@ class BatchDispatcher:
 
     Raises:
         ValueError: an unknown ``layout`` or ``policy``, a ``cost`` that is not a
-            :class:`~orchmllm.cost.CostModel`, a cap that is not an integer >= 1 (items) or
+            :class:`~orchmllm.planner.cost.CostModel`, a cap that is not an integer >= 1 (items) or
             a number > 0 (load), or a ``placement`` with a topology without
             ``ranks_per_node``.
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -229,16 +229,16 @@ class BatchDispatcher:
         Raises:
             ValueError: this rank's ``lengths``, ``tokens`` or ``items`` are malformed
                 (raised before any collective, on that rank alone), ``plan`` is not a
-                :class:`~orchmllm.plan.Rearrangement`, or it does not match the gathered
+                :class:`~orchmllm.planner.plan.Rearrangement`, or it does not match the gathered
                 lengths.
             InfeasibleCapError: a cap no plan meets (on every rank; with a broadcast plan,
-                on rank 0, and :class:`~orchmllm.agreement.PeerFailed` on the others).
+                on rank 0, and :class:`~orchmllm.dist.agreement.PeerFailed` on the others).
             PlanMismatchError: the ranks pass different tensor names, dtypes, trailing
                 shapes, ``requires_grad``, options or plans; or, with ``check_plan``, they
                 computed different plans.
             PeerFailed: a collective did not complete within ``timeout`` (or a peer's
                 connection closed), naming the ranks that did not arrive (a roll call in the
-                job's store, :func:`orchmllm.comm.roll_call`).
+                job's store, :func:`orchmllm.dist.comm.roll_call`).
         """
         items = {} if items is None else dict(items)
         local_lengths = self._check_inputs(tokens, lengths, items)

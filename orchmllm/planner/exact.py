@@ -1,7 +1,7 @@
 """Exact smallest makespan under a per-rank item cap, for small instances.
 
-:func:`orchmllm.balance.balance` steers its caps with heuristics first; when they miss a load
-cap, only an exact answer can tell "no plan exists" from "the heuristic missed one". This is
+:func:`orchmllm.balance` steers its caps with heuristics first; when they miss a load cap,
+only an exact answer can tell "no plan exists" from "the heuristic missed one". This is
 that answer: a depth-first branch and bound in the C++ core (``cpp/exact.cpp``), bounded by a
 count of search nodes, never a clock, so every rank reaches the same result.
 """
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchmllm import _core
+import orchmllm._core as _core
 
 # Items x ranks at most: beyond it the search rarely proves anything within its node budget.
 EXACT_MAX_CELLS = 1024

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.cost import CostModel
+from orchmllm.planner.cost import CostModel
 from orchmllm.schema import is_integer
 
 __all__ = [

@@ -17,7 +17,7 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   default because the slowest rank sets the step time; ``refine=False`` is the paper's Alg. 1
   exactly.
 - With ``refine=True`` both are a portfolio (C++ ``lpt``, reference
-  ``orchmllm.reference.ref_lpt``): refined LPT always; refined Karmarkar-Karp when items x
+  ``orchmllm.planner.reference.ref_lpt``): refined LPT always; refined Karmarkar-Karp when items x
   ranks <= ``_core.PORTFOLIO_KK_WORK`` (2^20), above that its equal-counts variant (verl's)
   when items <= ``_core.PORTFOLIO_KK_EQUAL_ITEMS`` (8,192); refined MULTIFIT (bisection on
   first-fit decreasing, at most ``_core.MULTIFIT_ROUNDS`` rounds) when items <=
@@ -41,16 +41,16 @@ Policies (packed = batch cost is additive over items; padded = cost depends on c
   first, a batch grows while ``count x its longest item <= b`` (the paper writes the current
   item's length, which in descending order underestimates the padding), new batches open
   until ``num_ranks`` exist, and the remaining shorter items go to the smallest length sum.
-- ``greedy_stay``: movement-aware greedy (``orchmllm.placement.movement_aware_dst``): within
+- ``greedy_stay``: movement-aware greedy (``orchmllm.planner.placement.movement_aware_dst``): within
   ``tolerance`` (default 0.5%) of the default ``greedy``'s makespan while keeping most items
   on their source rank; with ``ranks_per_node`` the moved items stay on their node where they
   fit. Its statistics add ``tokens_moved_lower_bound``, the fewest tokens any plan with the
-  same makespan must move (``orchmllm.placement.movement_lower_bound``).
+  same makespan must move (``orchmllm.planner.placement.movement_lower_bound``).
 
 
 Every fact about a policy (its cost kind, whether it enforces the item cap, is refined, is a
 pure function of its inputs, needs ``src``; the function that plans it and its plain Python
-version in ``orchmllm.reference``) is its record. :data:`POLICIES` and
+version in ``orchmllm.planner.reference``) is its record. :data:`POLICIES` and
 :data:`PADDED_POLICIES` are live views of the registry, so a policy registered later is
 accepted wherever a policy name is: ``orchmllm.balance``, ``EncoderPhase``, ``StepOptions``,
 ``BatchDispatcher``, the loader and the run configs.
@@ -68,10 +68,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from orchmllm import _core
-from orchmllm.cost import CostModel
-from orchmllm.placement import REFINE_STEPS_PER_RANK, movement_aware_dst
-from orchmllm.reference import (
+import orchmllm._core as _core
+from orchmllm.planner.cost import CostModel
+from orchmllm.planner.placement import REFINE_STEPS_PER_RANK, movement_aware_dst
+from orchmllm.planner.reference import (
     ref_binary_search,
     ref_conv,
     ref_greedy_tolerance,
@@ -79,8 +79,8 @@ from orchmllm.reference import (
     ref_lpt,
     ref_padded_cost,
 )
-from orchmllm.stats import exact_total
-from orchmllm.validate import check_ranks
+from orchmllm.planner.stats import exact_total
+from orchmllm.planner.validate import check_ranks
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -141,7 +141,7 @@ class Policy:
         name: the name ``policy=`` accepts.
         fn: plans it: ``fn(PolicyInput)`` returns the destination rank of every item (the
             built-ins run the C++ core, GIL released).
-        reference: the same plan in plain Python (``orchmllm.reference``), or None: then
+        reference: the same plan in plain Python (``orchmllm.planner.reference``), or None: then
             ``backend="python"`` runs ``fn`` too.
         padded: its cost model is kind ``padded`` (count x longest), else ``packed``
             (additive over items).
@@ -224,7 +224,7 @@ def _karmarkar_karp(fn: Callable, job: PolicyInput, *, equal_counts: bool) -> np
 
 
 def _stay(job: PolicyInput) -> np.ndarray:
-    # orchmllm.placement's movement-aware greedy validates its own options and runs
+    # orchmllm.planner.placement's movement-aware greedy validates its own options and runs
     # _core.movement_aware.
     extra = {} if job.tolerance is None else {"tolerance": float(job.tolerance)}
     w = job.cost.item_costs(job.lengths)

@@ -3,9 +3,9 @@
 Each rank samples its own mini-batch of interleaved multimodal examples. Per step the
 orchestrator
 
-1. all-gathers the examples' segment tables once (:func:`orchmllm.step_plan.local_metadata`:
+1. all-gathers the examples' segment tables once (:func:`orchmllm.planner.step_plan.local_metadata`:
    one int64 row per segment), a few KB;
-2. plans with the pure step planner (:func:`orchmllm.step_plan.plan_step`; a loader runs it in
+2. plans with the pure step planner (:func:`orchmllm.planner.step_plan.plan_step`; a loader runs it in
    a background thread instead): each encoder phase balances its own items, the LLM phase whole
    examples; a time-limited ILP placement is solved on one rank and broadcast;
 3. executes (:meth:`Orchestrator.run`): raw encoder inputs move to the encoder layout, every
@@ -18,7 +18,7 @@ orchestrator
 The orchestrator knows phases (a segment kind, a divisor from raw units to LLM tokens, a
 policy), not a model: encoders and the token embedding are callables of the caller.
 
-Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.step_plan.ItemField`:
+Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.planner.step_plan.ItemField`:
 an image's grid, a video's seconds per frame) has each item carry a small record from the
 example (``item_meta``) to its encoder, moved with its rows; an encoder may return per-token
 values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack features), which
@@ -43,12 +43,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchmllm import comm
-from orchmllm.agreement import agreed_plan
-from orchmllm.placement import prepare_ilp
-from orchmllm.plan import Rearrangement
+from orchmllm.dist import comm
+from orchmllm.dist.agreement import agreed_plan
+from orchmllm.planner.placement import prepare_ilp
+from orchmllm.planner.plan import Rearrangement
 from orchmllm.schema import IGNORE_INDEX, TEXT
-from orchmllm.step_plan import (
+from orchmllm.planner.step_plan import (
     EX,
     KIND,
     RAW,
@@ -61,8 +61,8 @@ from orchmllm.step_plan import (
     plan_step,
     segment_lengths,
 )
-from orchmllm.step_plan import assembly as rank_assembly
-from orchmllm.topology import Topology
+from orchmllm.planner.step_plan import assembly as rank_assembly
+from orchmllm.dist.topology import Topology
 
 __all__ = ["Encoded", "LLMBatch", "LocalBatch", "Orchestrator"]
 
@@ -74,7 +74,7 @@ class LocalBatch:
     Build it with :meth:`from_examples` and pass it to :meth:`Orchestrator.run`.
 
     Attributes:
-        metadata: this rank's :func:`~orchmllm.step_plan.local_metadata` rows, int64
+        metadata: this rank's :func:`~orchmllm.planner.step_plan.local_metadata` rows, int64
             ``(segments, 4)``, a NumPy array (what :meth:`Orchestrator.gather` gathers).
         raw: phase name -> float32 ``[raw rows, feature_dim]``, the phase's items' rows
             concatenated.
@@ -215,7 +215,7 @@ class LLMBatch:
             (``targets != IGNORE_INDEX``; not the per-token mask of :class:`LocalBatch`).
         num_targets: the prediction targets over all ranks (normalises the loss).
         example_ids: global ids (gather order) of this rank's sequences.
-        stats: per-phase statistics (:meth:`~orchmllm.step_plan.StepPlan.stats` plus the
+        stats: per-phase statistics (:meth:`~orchmllm.planner.step_plan.StepPlan.stats` plus the
             bytes moved, see :meth:`Orchestrator.run`).
         encoded: encoder outputs in the LLM layout, one ``[rows, hidden]`` per phase, in phase
             order.
@@ -353,14 +353,14 @@ class Orchestrator:
 
     A plan that is not a pure function of the gathered metadata (``placement="ilp"``: CBC is
     stopped by a clock) is computed on rank 0 of the topology's gloo metadata group and
-    broadcast there (:func:`orchmllm.agreement.agreed_plan`); such an orchestrator also pays
-    the ILP's one-time setup here (:func:`orchmllm.placement.prepare_ilp` on the rank that
+    broadcast there (:func:`orchmllm.dist.agreement.agreed_plan`); such an orchestrator also pays
+    the ILP's one-time setup here (:func:`orchmllm.planner.placement.prepare_ilp` on the rank that
     solves), not in the first step.
 
     Args:
-        options: how every step is planned (:class:`~orchmllm.step_plan.StepOptions`: the
+        options: how every step is planned (:class:`~orchmllm.planner.step_plan.StepOptions`: the
             encoder phases, mode, policies, placement, ranks per node, byte counts).
-        topology: the job's process groups (:class:`orchmllm.topology.Topology`: the
+        topology: the job's process groups (:class:`orchmllm.dist.topology.Topology`: the
             data-parallel group the moves use, the gloo group metadata is gathered on, ranks
             per node, the timeout), e.g. shared with the loader. None builds one over the
             default group that this orchestrator owns (a collective: construct it on every
@@ -368,11 +368,11 @@ class Orchestrator:
             is one fact: the options take the topology's when they have none.
 
     Attributes:
-        options: the :class:`~orchmllm.step_plan.StepOptions` every step is planned with.
-        topology: the :class:`~orchmllm.topology.Topology` it gathers and moves on.
+        options: the :class:`~orchmllm.planner.step_plan.StepOptions` every step is planned with.
+        topology: the :class:`~orchmllm.dist.topology.Topology` it gathers and moves on.
 
     Raises:
-        TypeError: ``options`` is not a :class:`~orchmllm.step_plan.StepOptions`.
+        TypeError: ``options`` is not a :class:`~orchmllm.planner.step_plan.StepOptions`.
         ValueError: the options and the topology name different ``ranks_per_node``.
     """
 
@@ -430,7 +430,7 @@ class Orchestrator:
             src: the rank of each row.
 
         Returns:
-            The :class:`~orchmllm.step_plan.StepPlan`, the same on every rank.
+            The :class:`~orchmllm.planner.step_plan.StepPlan`, the same on every rank.
 
         Raises:
             ValueError: rows the planner rejects (:func:`plan_step`).
@@ -455,7 +455,7 @@ class Orchestrator:
             batch: this rank's :class:`LocalBatch`.
 
         Returns:
-            The :class:`~orchmllm.step_plan.StepPlan`, the same on every rank.
+            The :class:`~orchmllm.planner.step_plan.StepPlan`, the same on every rank.
 
         Raises:
             ValueError: as :meth:`gather` and :meth:`plan`.
@@ -514,7 +514,7 @@ class Orchestrator:
             plan: the step's plan made ahead for exactly this batch (e.g.
                 ``PlannedBatch.plan`` from :func:`~orchmllm.data.orchestrated.orchestrated_loader`);
                 None plans now (:meth:`plan_batch`).
-            assembly: this rank's :func:`~orchmllm.step_plan.assembly` of ``plan``, computed
+            assembly: this rank's :func:`~orchmllm.planner.step_plan.assembly` of ``plan``, computed
                 ahead with it (``PlannedBatch.assembly``), so that nothing but the moves and
                 the encoders runs here; None computes it now.
 

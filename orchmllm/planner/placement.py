@@ -57,14 +57,14 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm import _core
+import orchmllm._core as _core
 
 METHODS = ("identity", "assign", "ilp", "auto")
 # The most ranks a plan may have: far beyond any data-parallel group, and small enough that
 # every policy's per-rank arrays stay small (num_ranks=10**9 planned for minutes).
 MAX_RANKS = 1 << 20
-# greedy's local search (orchmllm.policies): at most this many steps per rank. It lives here,
-# below policies.py, because the movement-aware policy must reach greedy's makespan as
+# greedy's local search (orchmllm.planner.policies): at most this many steps per rank. It lives
+# here, below policies.py, because the movement-aware policy must reach greedy's makespan as
 # balance() runs it.
 REFINE_STEPS_PER_RANK = 2
 # Volumes are float64 bincounts of tokens, exact up to this total.
