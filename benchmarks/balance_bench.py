@@ -75,7 +75,8 @@ from orchmllm.planner.cost import CostModel, fit_packed, fit_padded, load_calibr
 from orchmllm.planner.placement import REFINE_STEPS_PER_RANK
 from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, plan_dst
 from orchmllm.planner.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
-from orchmllm.planner.step_plan import StepOptions, plan_step
+from orchmllm.planner.step_options import StepOptions
+from orchmllm.planner.step_plan import plan_step
 from orchmllm.provenance import write_records
 from orchmllm.sim.layout import segment_rows, step_options
 from orchmllm.sim.sweep import load_model, sample_pool

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from orchmllm.planner.step_plan import MODES
+from orchmllm.planner.step_options import MODES
 from orchmllm.provenance import write_records
 from orchmllm.report import load_metrics, summarize
 

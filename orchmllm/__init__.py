@@ -25,14 +25,9 @@ from orchmllm.planner.cost import CostModel
 from orchmllm.planner.measured_cost import COSTS
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.policies import POLICIES, PolicyInput, register_policy, unregister_policy
-from orchmllm.planner.step_plan import (
-    EncoderPhase,
-    ItemField,
-    StepOptions,
-    StepPlan,
-    local_metadata,
-    plan_step,
-)
+from orchmllm.planner.segments import local_metadata
+from orchmllm.planner.step_options import EncoderPhase, ItemField, StepOptions
+from orchmllm.planner.step_plan import StepPlan, plan_step
 
 _LAZY = {
     "BatchDispatcher": "orchmllm.dist.dispatcher",

@@ -3,7 +3,9 @@
 The package's top level once held every module; they now live in subpackages named for their
 concern. ``import orchmllm.<old>`` (or ``from orchmllm.<old> import x``) still works: it gives
 the module at its new place, the same object (nothing is imported twice), and a
-``DeprecationWarning`` that names the place to import it from.
+``DeprecationWarning`` that names the place to import it from. An old path that is also a
+public name of the package (``orchmllm.balance``, the function) raises an error naming the
+module's place instead: importing it would rebind that name to the module.
 """
 
 from __future__ import annotations
@@ -33,7 +35,19 @@ class _MovedModules(MetaPathFinder, Loader):
     same object, so nothing is imported twice), with a DeprecationWarning naming that place."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
-        return spec_from_loader(name, self) if name in MOVED else None
+        if name not in MOVED:
+            return None
+        package, _, child = name.rpartition(".")
+        taken = getattr(sys.modules.get(package), child, None)
+        if taken is not None and not isinstance(taken, ModuleType):
+            # importing would rebind the package's public name (orchmllm.balance, the
+            # function) to the module: refuse, naming the module's place
+            raise ModuleNotFoundError(
+                f"{name} is a function now; its module moved to {MOVED[name]}: import it "
+                "from there",
+                name=name,
+            )
+        return spec_from_loader(name, self)
 
     def create_module(self, spec: ModuleSpec) -> ModuleType:
         warnings.warn(

@@ -55,7 +55,7 @@ from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, stora
 from orchmllm.phase_memory import PhaseMemory
 from orchmllm.planner.balance import PLACEMENTS
 from orchmllm.planner.measured_cost import COSTS, FitOptions
-from orchmllm.planner.step_plan import MODES, StepOptions, default_phases
+from orchmllm.planner.step_options import MODES, StepOptions, default_phases
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.tracking import Trackers

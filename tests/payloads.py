@@ -4,7 +4,8 @@ which example, modality, item and row it is, so an assembled sequence can be che
 import numpy as np
 import torch
 
-from orchmllm.planner.step_plan import EncoderPhase, local_metadata
+from orchmllm.planner.segments import local_metadata
+from orchmllm.planner.step_options import EncoderPhase
 from orchmllm.schema import AUDIO, IGNORE_INDEX, IMAGE, TEXT
 
 WIDTH = 4  # raw feature width = hidden, so an identity encoder keeps payloads intact

@@ -24,7 +24,7 @@ from orchmllm.dist.loss import chunked_cross_entropy, token_log_probs
 from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
 from orchmllm.dist.topology import Topology
 from orchmllm.models import build_model, packed_attention
-from orchmllm.planner.step_plan import StepOptions
+from orchmllm.planner.step_options import StepOptions
 from orchmllm.testing import run_distributed
 from tests.payloads import PHASES, WIDTH, expected_sequence, payload_batches, payload_embed
 

@@ -11,7 +11,7 @@ from orchmllm.dist import comm
 from orchmllm.dist.orchestrator import Orchestrator
 from orchmllm.dist.topology import Topology
 from orchmllm.planner.plan import Rearrangement
-from orchmllm.planner.step_plan import StepOptions, default_phases
+from orchmllm.planner.step_options import StepOptions, default_phases
 from orchmllm.schema import EncodingRates
 from orchmllm.testing import assert_check_passed, run_checks
 

@@ -25,7 +25,7 @@ import orchmllm  # noqa: E402
 from orchmllm.integrations import hf_compat  # noqa: E402
 from orchmllm.integrations import transformers as omt  # noqa: E402
 from orchmllm.integrations.transformers import tiny  # noqa: E402
-from orchmllm.planner.step_plan import KIND, RAW  # noqa: E402
+from orchmllm.planner.segments import KIND, RAW  # noqa: E402
 from orchmllm.schema import IMAGE, TEXT  # noqa: E402
 
 FAMILIES = list(tiny.FAMILIES)

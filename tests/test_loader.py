@@ -35,8 +35,9 @@ from orchmllm.dist import agreement
 from orchmllm.dist.dispatcher import BatchDispatcher
 from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
 from orchmllm.dist.topology import Topology
+from orchmllm.planner.assembly import assembly
 from orchmllm.planner.plan import Rearrangement
-from orchmllm.planner.step_plan import StepOptions, assembly, default_phases
+from orchmllm.planner.step_options import StepOptions, default_phases
 from orchmllm.schema import EncodingRates, example_metadata
 from orchmllm.testing import run_distributed
 from tests.payloads import PHASES, payload_batches

@@ -291,7 +291,8 @@ def test_bad_settings_are_named() -> None:
 def test_a_plans_moves_are_the_ones_the_orchestrator_runs(rng) -> None:
     """A real step plan as the model reads it: the batch, each phase's layout, and a move
     wherever some item changes rank or slot."""
-    from orchmllm.planner.step_plan import StepOptions, default_phases, plan_step
+    from orchmllm.planner.step_options import StepOptions, default_phases
+    from orchmllm.planner.step_plan import plan_step
     from orchmllm.sim.layout import segment_rows
 
     run = load_config(CONFIGS / "tiny.yaml")

@@ -11,12 +11,12 @@ from orchmllm.data import EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.dist.orchestrator import Encoded, LocalBatch, Orchestrator
 from orchmllm.dist.topology import Topology
-from orchmllm.planner.step_plan import (
+from orchmllm.planner.assembly import assembly
+from orchmllm.planner.step_options import (
     MODES,
     EncoderPhase,
     ItemField,
     StepOptions,
-    assembly,
     default_phases,
 )
 from orchmllm.schema import IMAGE, TEXT, Modality, register_modality

@@ -16,7 +16,7 @@ from orchmllm.data.planners import (
 )
 from orchmllm.dist.orchestrator import Orchestrator
 from orchmllm.planner.balance import PLACEMENTS, plan_is_deterministic
-from orchmllm.planner.step_plan import StepOptions, default_phases
+from orchmllm.planner.step_options import StepOptions, default_phases
 from orchmllm.schema import EncodingRates
 
 

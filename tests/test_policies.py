@@ -27,7 +27,8 @@ from orchmllm.planner.policies import (
     register_policy,
     unregister_policy,
 )
-from orchmllm.planner.step_plan import EncoderPhase, StepOptions, plan_step
+from orchmllm.planner.step_options import EncoderPhase, StepOptions
+from orchmllm.planner.step_plan import plan_step
 from orchmllm.schema import AUDIO, IMAGE
 from orchmllm.testing import assert_check_passed, run_checks
 from tests.payloads import WIDTH, expected_sequence, gathered, payload_batches, payload_embed

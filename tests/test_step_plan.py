@@ -8,17 +8,13 @@ import pytest
 from orchmllm.data import AUDIO, IMAGE, TEXT, EncodingRates, Rate, SyntheticConfig
 from orchmllm.data.synthetic import iter_examples
 from orchmllm.dist.orchestrator import LocalBatch
-from orchmllm.planner import step_plan
+from orchmllm.planner import segments, step_options, step_plan
+from orchmllm.planner.assembly import assembly
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.policies import default_cost
-from orchmllm.planner.step_plan import (
-    MODES,
-    StepOptions,
-    assembly,
-    default_phases,
-    local_metadata,
-    plan_step,
-)
+from orchmllm.planner.segments import local_metadata
+from orchmllm.planner.step_options import MODES, StepOptions, default_phases
+from orchmllm.planner.step_plan import plan_step
 from orchmllm.schema import IGNORE_INDEX
 from tests.payloads import (
     PHASES,
@@ -151,7 +147,7 @@ def test_items_that_state_their_tokens_are_planned_by_them():
     for ex, e in zip(batch, segs, strict=True):
         ex["segments"] = e
     rows = local_metadata(batch)
-    assert rows.shape == (6, 5) and rows[:, step_plan.TOKENS].tolist() == [-1, 5, -1, -1, -1, 3]
+    assert rows.shape == (6, 5) and rows[:, segments.TOKENS].tolist() == [-1, 5, -1, -1, -1, 3]
     src = np.zeros(len(rows), np.int64)
     plan = plan_step(rows, src, StepOptions(PHASES), num_ranks=1)
     assert plan.seq_len.tolist() == [3 + 5 + 2, 4 + 6 // 2 + 3]
@@ -171,7 +167,7 @@ def test_item_records_are_declared_checked_and_optional():
     """A phase's ``fields`` declare the per-item record its items carry (LocalBatch.item_meta);
     a record of another shape or a missing one is refused, naming the example and field; an
     example without items needs neither the record nor the modality's field."""
-    grid = step_plan.ItemField("grid", width=3)
+    grid = step_options.ItemField("grid", width=3)
     phases = (dataclasses.replace(PHASES[0], fields=(grid,)), PHASES[1])
     ex = payload_example(0, [[TEXT, 2], [IMAGE, 4], [TEXT, 1], [IMAGE, 2]])
     text_only = payload_example(1, [[TEXT, 3]])
@@ -185,7 +181,7 @@ def test_item_records_are_declared_checked_and_optional():
     with pytest.raises(ValueError, match=r"examples\[0\] has 2 vision items but no item_meta"):
         LocalBatch.from_examples([{**ex, "item_meta": {}}], phases)
     with pytest.raises(ValueError, match="dtype must be one of"):
-        step_plan.ItemField("grid", dtype="float32")
+        step_options.ItemField("grid", dtype="float32")
     with pytest.raises(ValueError, match="distinct names"):
         dataclasses.replace(PHASES[0], fields=(grid, grid))
 

@@ -26,7 +26,7 @@ import yaml
 from orchmllm import checkpoint
 from orchmllm.config import load_config
 from orchmllm.data.synthetic import SyntheticConfig, save_dataset
-from orchmllm.planner.step_plan import MODES
+from orchmllm.planner.step_options import MODES
 from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.schema import Modality, register_modality, unregister_modality
 from orchmllm.testing import launch_ranks, launcher_store, run_distributed, wait_for

@@ -75,7 +75,7 @@ from orchmllm.dist.topology import Topology
 from orchmllm.planner.plan import Rearrangement
 
 # How examples cross the ranks (``mode=``): not the balance modes of
-# orchmllm.planner.step_plan.MODES.
+# orchmllm.planner.step_options.MODES.
 EXCHANGE_MODES = ("auto", "index", "move", "local")
 # DataLoader's own keywords the loader takes besides batch_size and collate_fn: the ones a
 # wrapper (orchestrated_loader, an adapted model's loader) forwards as they are.
@@ -125,7 +125,7 @@ class PlannedBatch:
         assembly: This rank's share of the plan, computed in the background thread with it
             when the planner has an ``assembly(plan, rank)`` method (from
             :func:`~orchmllm.data.orchestrated.orchestrated_loader`: the
-            :class:`~orchmllm.planner.step_plan.Assembly` of this rank's LLM sequences, so that
+            :class:`~orchmllm.planner.assembly.Assembly` of this rank's LLM sequences, so that
             ``Orchestrator.run`` only moves data and runs the encoders); else None.
     """
 

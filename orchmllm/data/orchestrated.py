@@ -22,10 +22,12 @@ from orchmllm.data.options import LoaderOptions, PlanningOptions, SamplingOption
 from orchmllm.data.synthetic import as_example
 from orchmllm.dist.orchestrator import LocalBatch, Orchestrator
 from orchmllm.dist.topology import Topology
+from orchmllm.planner.assembly import Assembly
+from orchmllm.planner.assembly import assembly as rank_assembly
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.plan import Rearrangement
-from orchmllm.planner.step_plan import Assembly, EncoderPhase, StepOptions, StepPlan, plan_step
-from orchmllm.planner.step_plan import assembly as rank_assembly
+from orchmllm.planner.step_options import EncoderPhase, StepOptions
+from orchmllm.planner.step_plan import StepPlan, plan_step
 
 
 class _Collate:
@@ -183,7 +185,7 @@ def orchestrated_loader(
     Returns:
         The loader. Each iteration yields per step a :class:`PlannedBatch` whose ``batch``
         is this rank's ``LocalBatch``, ``plan`` the step's ``StepPlan`` (equal on every
-        rank), ``assembly`` this rank's :class:`~orchmllm.planner.step_plan.Assembly` of it and
+        rank), ``assembly`` this rank's :class:`~orchmllm.planner.assembly.Assembly` of it and
         ``stats`` the per-phase metrics (vision, audio, ..., llm).
 
     Raises:

@@ -46,7 +46,7 @@ from orchmllm import compat
 from orchmllm.planner.cost import CostModel, imbalance
 from orchmllm.planner.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
 from orchmllm.schema import LLM
-from orchmllm.planner.step_plan import StepOptions
+from orchmllm.planner.step_options import StepOptions
 
 __all__ = ["Calibrator", "CalibrationReport"]
 

@@ -3,7 +3,7 @@
 Each rank samples its own mini-batch of interleaved multimodal examples. Per step the
 orchestrator
 
-1. all-gathers the examples' segment tables once (:func:`orchmllm.planner.step_plan.local_metadata`:
+1. all-gathers the examples' segment tables once (:func:`orchmllm.planner.segments.local_metadata`:
    one int64 row per segment), a few KB;
 2. plans with the pure step planner (:func:`orchmllm.planner.step_plan.plan_step`; a loader runs it in
    a background thread instead): each encoder phase balances its own items, the LLM phase whole
@@ -18,7 +18,7 @@ orchestrator
 The orchestrator knows phases (a segment kind, a divisor from raw units to LLM tokens, a
 policy), not a model: encoders and the token embedding are callables of the caller.
 
-Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.planner.step_plan.ItemField`:
+Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.planner.step_options.ItemField`:
 an image's grid, a video's seconds per frame) has each item carry a small record from the
 example (``item_meta``) to its encoder, moved with its rows; an encoder may return per-token
 values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack features), which
@@ -48,20 +48,11 @@ from orchmllm.dist.agreement import agreed_plan
 from orchmllm.planner.placement import prepare_ilp
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.schema import IGNORE_INDEX, TEXT
-from orchmllm.planner.step_plan import (
-    EX,
-    KIND,
-    RAW,
-    Assembly,
-    EncoderPhase,
-    ItemField,
-    StepOptions,
-    StepPlan,
-    local_metadata,
-    plan_step,
-    segment_lengths,
-)
-from orchmllm.planner.step_plan import assembly as rank_assembly
+from orchmllm.planner.assembly import Assembly
+from orchmllm.planner.segments import EX, KIND, RAW, local_metadata, segment_lengths
+from orchmllm.planner.step_options import EncoderPhase, ItemField, StepOptions
+from orchmllm.planner.step_plan import StepPlan, plan_step
+from orchmllm.planner.assembly import assembly as rank_assembly
 from orchmllm.dist.topology import Topology
 
 __all__ = ["Encoded", "LLMBatch", "LocalBatch", "Orchestrator"]
@@ -74,7 +65,7 @@ class LocalBatch:
     Build it with :meth:`from_examples` and pass it to :meth:`Orchestrator.run`.
 
     Attributes:
-        metadata: this rank's :func:`~orchmllm.planner.step_plan.local_metadata` rows, int64
+        metadata: this rank's :func:`~orchmllm.planner.segments.local_metadata` rows, int64
             ``(segments, 4)``, a NumPy array (what :meth:`Orchestrator.gather` gathers).
         raw: phase name -> float32 ``[raw rows, feature_dim]``, the phase's items' rows
             concatenated.
@@ -358,7 +349,7 @@ class Orchestrator:
     solves), not in the first step.
 
     Args:
-        options: how every step is planned (:class:`~orchmllm.planner.step_plan.StepOptions`: the
+        options: how every step is planned (:class:`~orchmllm.planner.step_options.StepOptions`: the
             encoder phases, mode, policies, placement, ranks per node, byte counts).
         topology: the job's process groups (:class:`orchmllm.dist.topology.Topology`: the
             data-parallel group the moves use, the gloo group metadata is gathered on, ranks
@@ -368,11 +359,11 @@ class Orchestrator:
             is one fact: the options take the topology's when they have none.
 
     Attributes:
-        options: the :class:`~orchmllm.planner.step_plan.StepOptions` every step is planned with.
+        options: the :class:`~orchmllm.planner.step_options.StepOptions` every step is planned with.
         topology: the :class:`~orchmllm.dist.topology.Topology` it gathers and moves on.
 
     Raises:
-        TypeError: ``options`` is not a :class:`~orchmllm.planner.step_plan.StepOptions`.
+        TypeError: ``options`` is not a :class:`~orchmllm.planner.step_options.StepOptions`.
         ValueError: the options and the topology name different ``ranks_per_node``.
     """
 
@@ -514,7 +505,7 @@ class Orchestrator:
             plan: the step's plan made ahead for exactly this batch (e.g.
                 ``PlannedBatch.plan`` from :func:`~orchmllm.data.orchestrated.orchestrated_loader`);
                 None plans now (:meth:`plan_batch`).
-            assembly: this rank's :func:`~orchmllm.planner.step_plan.assembly` of ``plan``, computed
+            assembly: this rank's :func:`~orchmllm.planner.assembly.assembly` of ``plan``, computed
                 ahead with it (``PlannedBatch.assembly``), so that nothing but the moves and
                 the encoders runs here; None computes it now.
 

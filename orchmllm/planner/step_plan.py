@@ -28,337 +28,35 @@ where their items were sampled, the pre-balancing ablation); ``full`` balances e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from orchmllm.planner.balance import CLOCKED_PLACEMENTS, PLACEMENTS, balance, plan_is_deterministic
+from orchmllm.planner.balance import CLOCKED_PLACEMENTS, balance
 from orchmllm.planner.cost import CostModel, imbalance
 from orchmllm.planner.placement import place_batches
-from orchmllm.planner.plan import Rearrangement, expand_rows
-from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, default_cost
-from orchmllm.schema import (
-    LLM,
-    MODALITIES,
-    TEXT,
-    EncodingRates,
-    check_segments,
-    given_tokens,
-    is_integer,
-)
+from orchmllm.planner.plan import Rearrangement
+from orchmllm.planner.policies import PADDED_POLICIES, default_cost
+from orchmllm.planner.segments import COLUMNS, EX, KIND, RAW, TARGETS, TOKENS, segment_lengths
+from orchmllm.planner.step_options import EncoderPhase, StepOptions
+from orchmllm.schema import TEXT
 
 __all__ = [
-    "MODES",
-    "Assembly",
-    "EncoderPhase",
-    "ItemField",
     "PhasePlan",
-    "StepOptions",
     "StepPlan",
-    "assembly",
-    "default_phases",
-    "local_metadata",
     "plan_step",
 ]
 
-MODES = ("none", "llm", "full")
-# Columns of the gathered metadata: one row per segment. TOKENS is an item's stated LLM token
-# count (-1: ``raw // divisor``); rows of four columns (without it) plan too.
-EX, KIND, RAW, TARGETS, TOKENS = range(5)
-COLUMNS = 5
-ITEM_DTYPES = ("int64", "float64")
 # Steps with at least this many segments plan their phases in threads side by side. Below it
 # (a few hundred ranks) starting the threads costs about as much as it saves; at 16,384 ranks
 # it saves about a tenth of the step plan on 2 cores (placement_bench's whole-step case).
 PARALLEL_MIN_SEGMENTS = 8192
 # Placement volumes are rounded up to KiB, so the ILP's coefficients stay small.
 PLACEMENT_UNIT_BYTES = 1024
-
-
-@dataclass(frozen=True)
-class ItemField:
-    """One field of the small per-item record an encoder phase's items carry to its encoder.
-
-    The record travels with its item to the encoder layout (``Orchestrator.run`` moves it with
-    the raw rows and passes it to the encoder), so what an encoder needs besides the rows (an
-    image's patch grid, a video's seconds per frame, a clip's sample rate) never becomes
-    padding columns on the rows. The plan does not read it.
-
-    Attributes:
-        name: the field's key in an example's ``item_meta[phase]`` and in the encoder's
-            ``meta`` argument.
-        width: numbers per item (an image grid ``(t, h, w)``: 3).
-        dtype: ``"int64"`` or ``"float64"``.
-
-    Raises:
-        ValueError: an empty name, a width that is not an integer >= 1, or another dtype.
-    """
-
-    name: str
-    width: int = 1
-    dtype: str = "int64"
-
-    def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        if not is_integer(self.width) or self.width < 1:
-            raise ValueError(f"width must be an integer >= 1, got {self.width!r}")
-        if self.dtype not in ITEM_DTYPES:
-            raise ValueError(f"dtype must be one of {ITEM_DTYPES}, got {self.dtype!r}")
-
-
-@dataclass(frozen=True)
-class EncoderPhase:
-    """One encoder phase: which segments it consumes and how it is balanced.
-
-    Attributes:
-        name: the phase's name: the key of its plan (``StepPlan.phases``), its raw tensor
-            (``LocalBatch.raw``), its encoder and its statistics; ``"llm"`` is reserved.
-        kind: the non-text segment kind (``orchmllm.schema``) whose segments it consumes.
-        key: the example field holding the raw arrays (``image_patches``), one
-            ``(raw, feature_dim)`` array per segment of this kind.
-        divisor: raw rows per LLM token (a multiple of ``stride``), for items that state no
-            token count of their own (``[kind, count, tokens]`` segments do).
-        feature_dim: raw row width.
-        policy: the balancing policy, a name from ``orchmllm.POLICIES``.
-        cost: the phase's cost model; the policy optimises it when it is of the policy's kind
-            (packed or padded) with non-negative coefficients, else the policy's default;
-            loads and statistics always use it (None: padded for padded policies, else packed
-            linear).
-        stride: raw rows per encoder position (the encoder's own sequence is
-            ``raw // stride``: what the policy balances and ``cost`` is measured over).
-        value_bytes: the bytes of one raw value; the move's volume per raw row is
-            :attr:`row_bytes` (it weighs placement only).
-        fields: the per-item record its items carry to the encoder (:class:`ItemField`;
-            none: the encoder is called as ``encoder(rows, lengths)``, else as
-            ``encoder(rows, lengths, meta)``, see ``Orchestrator.run``).
-
-    Raises:
-        ValueError: ``kind`` is the text kind or not a non-negative integer; ``divisor``,
-            ``feature_dim``, ``stride`` or ``value_bytes`` is not an integer >= 1;
-            ``divisor`` is not a multiple of ``stride``; ``policy`` is not in
-            ``orchmllm.POLICIES``; ``name`` is ``"llm"``; ``fields`` holds another type or
-            two fields of one name.
-    """
-
-    name: str
-    kind: int
-    key: str
-    divisor: int
-    feature_dim: int
-    policy: str = "greedy"
-    cost: CostModel | None = None
-    stride: int = 1
-    value_bytes: int = 4
-    fields: tuple[ItemField, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fields", tuple(self.fields))
-        if not all(isinstance(f, ItemField) for f in self.fields):
-            raise ValueError(f"fields must hold ItemField entries, got {self.fields!r}")
-        if len({f.name for f in self.fields}) != len(self.fields):
-            raise ValueError(f"fields must have distinct names, got {self.fields!r}")
-        if self.kind == TEXT or not is_integer(self.kind) or self.kind < 0:
-            raise ValueError(f"kind must be a non-text segment kind, got {self.kind!r}")
-        for name in ("divisor", "feature_dim", "stride", "value_bytes"):
-            value = getattr(self, name)
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.divisor % self.stride:
-            raise ValueError(
-                f"divisor ({self.divisor}) must be a multiple of stride ({self.stride})"
-            )
-        if self.name == "llm":
-            raise ValueError("name 'llm' is reserved for the LLM phase")
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes one raw row carries in the encoder move: ``feature_dim * value_bytes``."""
-        return self.feature_dim * self.value_bytes
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How a step is planned: the encoder phases, the mode, the LLM policy, the placement.
-
-    Attributes:
-        phases: the encoder phases (distinct kinds and names), kept as a tuple.
-        mode: one of :data:`MODES`: ``none`` moves nothing, ``llm`` balances only the LLM
-            phase (encoders run where their items were sampled), ``full`` every phase.
-        llm_policy: the LLM phase's balancing policy, a name from ``orchmllm.POLICIES``.
-        llm_cost: the LLM phase's cost model, used as :attr:`EncoderPhase.cost` is (None:
-            the policy's default).
-        placement: ``none``, or how each phase's balanced batches are permuted over the ranks
-            to keep the moved bytes inside nodes (``orchmllm.planner.placement``: ``assign``,
-            ``ilp``, ``auto``); in effect only with ``ranks_per_node`` set and more than one
-            node.
-        ranks_per_node: consecutive ranks per node (None: unknown, placement off).
-        text_token_bytes: what the LLM move carries per text token (default: an int64 id and
-            an int64 loss-mask entry, as :class:`orchmllm.dist.orchestrator.LocalBatch` holds
-            them).
-        encoded_token_bytes: what it carries per encoder output row (the LLM hidden size
-            times the activation dtype's bytes; None counts an encoded token like a text
-            token). Both byte counts only weigh the LLM phase's placement volumes.
-
-    Raises:
-        ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
-            ``llm_policy`` is not in ``orchmllm.POLICIES``; ``placement`` is not in
-            :data:`orchmllm.planner.balance.PLACEMENTS`; ``ranks_per_node`` is not an integer
-            >= 1 or None; a byte count is < 1.
-    """
-
-    phases: tuple[EncoderPhase, ...]
-    mode: str = "full"
-    llm_policy: str = "greedy"
-    llm_cost: CostModel | None = None
-    placement: str = "none"
-    ranks_per_node: int | None = None
-    text_token_bytes: int = 16
-    encoded_token_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "phases", tuple(self.phases))
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        kinds = {p.kind for p in self.phases}
-        names = {p.name for p in self.phases}
-        if len(kinds) != len(self.phases) or len(names) != len(self.phases):
-            raise ValueError(f"phases must have distinct kinds and names, got {self.phases}")
-        if self.llm_policy not in POLICIES:
-            raise ValueError(f"llm_policy must be one of {POLICIES}, got {self.llm_policy!r}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        rpn = self.ranks_per_node
-        if rpn is not None and (not is_integer(rpn) or rpn < 1):
-            raise ValueError(f"ranks_per_node must be an integer >= 1, got {rpn!r}")
-        if self.text_token_bytes < 1:
-            raise ValueError(f"text_token_bytes must be >= 1, got {self.text_token_bytes!r}")
-        if self.encoded_token_bytes is not None and self.encoded_token_bytes < 1:
-            raise ValueError(
-                f"encoded_token_bytes must be >= 1 or None, got {self.encoded_token_bytes!r}"
-            )
-
-    @property
-    def balanced_policies(self) -> tuple[str, ...]:
-        """The policies a step runs in this mode."""
-        if self.mode == "none":
-            return ()
-        if self.mode == "llm":
-            return (self.llm_policy,)
-        return (self.llm_policy, *(p.policy for p in self.phases))
-
-    @property
-    def deterministic(self) -> bool:
-        """Whether the plan is a pure function of the gathered rows (else one rank computes
-        it and broadcasts it: a time-limited ILP placement can stop at another point)."""
-        policies = self.balanced_policies
-        return not policies or plan_is_deterministic(placement=self.placement, policies=policies)
-
-    def with_costs(self, costs: Mapping[str, CostModel | None]) -> StepOptions:
-        """These options with other cost models; phases not named keep theirs.
-
-        Args:
-            costs: phase name (or ``"llm"``) -> its cost model (None: the policy's default).
-
-        Returns:
-            New options; these are unchanged.
-
-        Raises:
-            ValueError: a name that is no phase of these options.
-        """
-        names = {p.name for p in self.phases} | {LLM}
-        unknown = sorted(set(costs) - names)
-        if unknown:
-            raise ValueError(f"costs names phases {unknown}; the options have {sorted(names)}")
-        phases = tuple(
-            replace(p, cost=costs[p.name]) if p.name in costs else p for p in self.phases
-        )
-        return replace(self, phases=phases, llm_cost=costs.get(LLM, self.llm_cost))
-
-
-# -- metadata ----------------------------------------------------------------------------
-
-
-def local_metadata(examples: Sequence[Mapping]) -> np.ndarray:
-    """This rank's segment table: one int64 row per segment; all the orchestrator gathers.
-
-    Pure: no collective, no torch.
-
-    Args:
-        examples: this rank's examples in local order, each with ``segments`` (its
-            ``[kind, count]`` pairs, in template order) and ``loss_mask`` (one entry per text
-            token).
-
-    Returns:
-        An int64 array ``(segments, 5)``, segments in example order: local example index,
-        kind, raw count, prediction targets in the segment (text tokens with loss_mask 1,
-        except position 0 of the sequence, which nothing predicts; 0 for other kinds), and
-        the LLM tokens an item states (``[kind, count, tokens]``; -1 elsewhere).
-
-    Raises:
-        ValueError: a bad ``segments`` entry, an example with no segments, or a ``loss_mask``
-            whose length is not the example's text token count or that holds a value other
-            than 0 and 1.
-    """
-    rows = []
-    for i, ex in enumerate(examples):
-        segs = check_segments(ex["segments"])
-        if not segs:
-            raise ValueError(f"examples[{i}] has no segments")
-        mask = np.asarray(ex["loss_mask"]).reshape(-1)
-        not_binary = ~np.isin(mask, (0, 1))
-        if not_binary.any():
-            bad = mask[not_binary][0].item()
-            raise ValueError(f"examples[{i}] loss_mask must hold 0 or 1, got {bad!r}")
-        mask = mask.astype(np.int64)
-        n_text = sum(c for k, c in segs if k == TEXT)
-        if mask.size != n_text:
-            raise ValueError(
-                f"examples[{i}] loss_mask has {mask.size} tokens, segments say {n_text}"
-            )
-        pos = text = 0
-        for (kind, count), tokens in zip(segs, given_tokens(ex["segments"]), strict=True):
-            targets = 0
-            if kind == TEXT:
-                seg_mask = mask[text : text + count]
-                targets = int(seg_mask.sum()) - int(pos == 0 and seg_mask[0] != 0)
-                text += count
-            rows.append((i, kind, count, targets, tokens))
-            pos += count
-    return np.asarray(rows, dtype=np.int64).reshape(-1, COLUMNS)
-
-
-def segment_lengths(rows: np.ndarray, phases: Sequence[EncoderPhase]) -> np.ndarray:
-    """LLM tokens of every segment of :func:`local_metadata` rows: the text count, an item's
-    stated tokens, or its raw count over the phase's divisor.
-
-    Args:
-        rows: ``int64 (segments, 5)`` metadata rows (or 4 columns: no item states its
-            tokens), of one rank or gathered.
-        phases: the encoder phases; a kind with no phase counts like text.
-
-    Returns:
-        ``int64 (segments,)``, in row order.
-    """
-    lengths = rows[:, RAW].copy()
-    kinds = rows[:, KIND]
-    # Index arrays, not boolean masks: a masked gather and scatter over every segment costs
-    # several times the division itself.
-    for p in phases:
-        if p.divisor > 1:  # integer division only where it changes something
-            at = np.flatnonzero(kinds == p.kind)
-            lengths[at] //= p.divisor
-    if rows.shape[1] > TOKENS:
-        tokens = rows[:, TOKENS]
-        at = np.flatnonzero(tokens >= 0)
-        lengths[at] = tokens[at]
-    return lengths
 
 
 # -- planning ----------------------------------------------------------------------------
@@ -584,6 +282,97 @@ def _phase_plan(
     return PhasePlan(phase.name, phase.kind, item_ex, raw, encoded, encoder, to_llm, stats)
 
 
+def _checked(
+    rows: np.ndarray, src: np.ndarray, options: StepOptions, num_ranks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """:func:`plan_step`'s arguments checked: int64 ``rows`` and ``src``, the rows' kinds,
+    and each phase's segment indices."""
+    if not isinstance(options, StepOptions):
+        raise ValueError(f"options must be a StepOptions, got {type(options).__name__}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        rows = rows.reshape(0, COLUMNS)
+    if rows.ndim != 2 or rows.shape[1] not in (TOKENS, COLUMNS):
+        raise ValueError(f"rows must be (n, {TOKENS}) or (n, {COLUMNS}), got shape {rows.shape}")
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    if src.size != rows.shape[0]:
+        raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
+    kinds = rows[:, KIND].copy()  # contiguous: every phase compares it
+    sels = {p.name: np.flatnonzero(kinds == p.kind) for p in options.phases}
+    if np.count_nonzero(kinds == TEXT) + sum(sel.size for sel in sels.values()) != kinds.size:
+        known = (kinds == TEXT) | np.isin(kinds, [p.kind for p in options.phases])
+        unknown = sorted(set(kinds[~known].tolist()))
+        raise ValueError(f"rows has segment kinds {unknown} with no phase")
+    if np.any(np.diff(src) < 0):
+        raise ValueError("src must be non-decreasing (rows in rank order)")
+    if src.size and (src[0] < 0 or src[-1] >= num_ranks):
+        raise ValueError(f"src must hold ranks in [0, {num_ranks}), got {src.min()}..{src.max()}")
+    return rows, src, kinds, sels
+
+
+def _examples(ex: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Global example ids: each segment's, and each example's sampling rank. A new example
+    starts where (rank, local example index ``ex``) changes; each rank must list its examples
+    0, 1, ... in order."""
+    starts = np.ones(ex.size, dtype=bool)
+    starts[1:] = (src[1:] != src[:-1]) | (ex[1:] != ex[:-1])
+    seg_example = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    ex_rank = src[first]
+    # each example's index within its rank: position minus where its rank's run begins
+    rank_starts = np.ones(first.size, dtype=bool)
+    rank_starts[1:] = ex_rank[1:] != ex_rank[:-1]
+    run_begin = np.flatnonzero(rank_starts)
+    run_size = np.diff(np.append(run_begin, first.size))
+    expected = np.arange(first.size) - np.repeat(run_begin, run_size)
+    if not np.array_equal(ex[first], expected):
+        raise ValueError(
+            "rows must list each rank's examples 0, 1, ... in order, segments contiguous"
+        )
+    return seg_example, ex_rank
+
+
+def _sequences(
+    raw: np.ndarray, is_text: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per example its text tokens and whole LLM sequence length; per segment its offset in
+    its example's text (0 for an item)."""
+    n_ex = int(seg_example[-1]) + 1 if seg_example.size else 0
+    text_rows = np.where(is_text, raw, 0)
+    text_len = np.bincount(seg_example, weights=text_rows, minlength=n_ex).astype(np.int64)
+    seq_len = np.bincount(seg_example, weights=seg_len, minlength=n_ex).astype(np.int64)
+    if np.any(seq_len == 0):
+        bad = int(np.flatnonzero(seq_len == 0)[0])
+        raise ValueError(f"example {bad} (gather order) has an empty LLM sequence")
+    ex_text_start = np.concatenate(([0], np.cumsum(text_len)))[:-1]
+    seg_text_offset = np.where(
+        is_text, np.cumsum(text_rows) - text_rows - ex_text_start[seg_example], 0
+    )
+    return text_len, seq_len, seg_text_offset
+
+
+def _place_llm(
+    llm_dst: np.ndarray, llm_stats: dict, items: dict[str, tuple], options: StepOptions, *,
+    num_ranks: int, example_src: np.ndarray, text_len: np.ndarray, seg_example: np.ndarray,
+    seg_len: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """The LLM plan placed on nodes, weighing the move's pieces: each example's text from its
+    sampling rank, each encoded item from its encoder rank (``items``: phase name ->
+    segment indices, encoder move, stats)."""
+    enc_bytes = options.encoded_token_bytes or options.text_token_bytes
+    sels = [sel for sel, _, _ in items.values()]
+    piece_ex = np.concatenate([np.arange(example_src.size)] + [seg_example[s] for s in sels])
+    piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
+    piece_bytes = [text_len * options.text_token_bytes] + [seg_len[s] * enc_bytes for s in sels]
+    return _placed(
+        llm_dst, volume_bytes=np.concatenate(piece_bytes), volume_src=np.concatenate(piece_src),
+        volume_dst=llm_dst[piece_ex], options=options, num_ranks=num_ranks, balanced=True,
+        stats=llm_stats,
+    )  # fmt: skip
+
+
 def plan_step(
     rows: np.ndarray, src: np.ndarray, options: StepOptions, *, num_ranks: int
 ) -> StepPlan:
@@ -612,62 +401,13 @@ def plan_step(
             examples 0, 1, ... with contiguous segments; an example's LLM sequence is empty;
             or a policy or placement rejects its input.
     """
-    if not isinstance(options, StepOptions):
-        raise ValueError(f"options must be a StepOptions, got {type(options).__name__}")
-    if not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.size == 0:
-        rows = rows.reshape(0, COLUMNS)
-    if rows.ndim != 2 or rows.shape[1] not in (TOKENS, COLUMNS):
-        raise ValueError(f"rows must be (n, {TOKENS}) or (n, {COLUMNS}), got shape {rows.shape}")
-    src = np.asarray(src, dtype=np.int64).reshape(-1)
-    if src.size != rows.shape[0]:
-        raise ValueError(f"src has {src.size} entries, rows has {rows.shape[0]}")
+    rows, src, kinds, sels = _checked(rows, src, options, num_ranks)
     phases = options.phases
-    kinds = rows[:, KIND].copy()  # contiguous: every phase compares it
-    is_text = kinds == TEXT
-    sels = {p.name: np.flatnonzero(kinds == p.kind) for p in phases}
-    if np.count_nonzero(is_text) + sum(sel.size for sel in sels.values()) != kinds.size:
-        known = is_text | np.isin(kinds, [p.kind for p in phases])
-        unknown = sorted(set(kinds[~known].tolist()))
-        raise ValueError(f"rows has segment kinds {unknown} with no phase")
-    if np.any(np.diff(src) < 0):
-        raise ValueError("src must be non-decreasing (rows in rank order)")
-    if src.size and (src[0] < 0 or src[-1] >= num_ranks):
-        raise ValueError(f"src must hold ranks in [0, {num_ranks}), got {src.min()}..{src.max()}")
-    # Global example ids: a new example starts where (rank, local example index) changes.
     n_seg = rows.shape[0]
-    ex = rows[:, EX]
-    starts = np.ones(n_seg, dtype=bool)
-    starts[1:] = (src[1:] != src[:-1]) | (ex[1:] != ex[:-1])
-    seg_example = np.cumsum(starts) - 1
-    first = np.flatnonzero(starts)
-    ex_rank = src[first]
-    # each example's index within its rank: position minus where its rank's run begins
-    rank_starts = np.ones(first.size, dtype=bool)
-    rank_starts[1:] = ex_rank[1:] != ex_rank[:-1]
-    run_begin = np.flatnonzero(rank_starts)
-    run_size = np.diff(np.append(run_begin, first.size))
-    expected = np.arange(first.size) - np.repeat(run_begin, run_size)
-    if not np.array_equal(ex[first], expected):
-        raise ValueError(
-            "rows must list each rank's examples 0, 1, ... in order, segments contiguous"
-        )
-    n_ex = first.size
-    example_src = src[first]
+    seg_example, example_src = _examples(rows[:, EX], src)
     seg_len = segment_lengths(rows, phases)
     raw = rows[:, RAW].copy()
-    text_rows = np.where(is_text, raw, 0)
-    text_len = np.bincount(seg_example, weights=text_rows, minlength=n_ex).astype(np.int64)
-    seq_len = np.bincount(seg_example, weights=seg_len, minlength=n_ex).astype(np.int64)
-    if np.any(seq_len == 0):
-        bad = int(np.flatnonzero(seq_len == 0)[0])
-        raise ValueError(f"example {bad} (gather order) has an empty LLM sequence")
-    ex_text_start = np.concatenate(([0], np.cumsum(text_len)))[:-1]
-    seg_text_offset = np.where(
-        is_text, np.cumsum(text_rows) - text_rows - ex_text_start[seg_example], 0
-    )
+    text_len, seq_len, seg_text_offset = _sequences(raw, kinds == TEXT, seg_example, seg_len)
 
     # The encoder phases and the LLM phase's balancing are independent; the LLM placement then
     # weighs where the encoder outputs are.
@@ -689,19 +429,9 @@ def plan_step(
     llm_dst, llm_stats = done.pop("llm")
     items = done  # phase name -> (segment indices, encoder move, stats)
     if options.mode != "none" and _places(options, num_ranks):
-        # the LLM move's pieces: each example's text from its sampling rank, each encoded
-        # item from its encoder rank (built only where a placement weighs them)
-        enc_bytes = options.encoded_token_bytes or options.text_token_bytes
-        piece_ex = [np.arange(n_ex)] + [seg_example[sel] for sel, _, _ in items.values()]
-        piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
-        piece_bytes = [text_len * options.text_token_bytes] + [
-            seg_len[sel] * enc_bytes for sel, _, _ in items.values()
-        ]
-        piece_ex = np.concatenate(piece_ex)
-        llm_dst = _placed(
-            llm_dst, volume_bytes=np.concatenate(piece_bytes),
-            volume_src=np.concatenate(piece_src), volume_dst=llm_dst[piece_ex], options=options,
-            num_ranks=num_ranks, balanced=True, stats=llm_stats,
+        llm_dst = _place_llm(
+            llm_dst, llm_stats, items, options, num_ranks=num_ranks, example_src=example_src,
+            text_len=text_len, seg_example=seg_example, seg_len=seg_len,
         )  # fmt: skip
 
     # The LLM move and each phase's move to the LLM layout, side by side again.
@@ -730,101 +460,4 @@ def plan_step(
         llm=llm,
         phases=phase_plans,
         llm_stats=llm_stats,
-    )
-
-
-# -- assembly ----------------------------------------------------------------------------
-
-
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.size, dtype=np.int64)
-    np.cumsum(x[:-1], out=out[1:])
-    return out
-
-
-@dataclass(frozen=True)
-class Assembly:
-    """Where every position of one rank's LLM sequences comes from (pure, from the plan).
-
-    The LLM input is ``cat([text embeds, phase 0 outputs, phase 1 outputs, ...])[index]``,
-    every buffer in the order the moves deliver it; ``text_pos`` is the sequence position of
-    each received text token.
-    """
-
-    examples: np.ndarray
-    lengths: np.ndarray
-    index: np.ndarray
-    text_pos: np.ndarray
-    seq_start: np.ndarray
-    rows: dict[str, int]  # rows each buffer must have (text and every phase)
-
-
-def assembly(plan: StepPlan, rank: int) -> Assembly:
-    """How ``rank`` assembles its LLM sequences from the buffers the moves deliver."""
-    examples = plan.llm.items_at(rank)
-    local_pos = np.full(plan.seq_len.size, -1, dtype=np.int64)
-    local_pos[examples] = np.arange(examples.size)
-    text_rows = plan.text_len[examples]
-    text_start = _exclusive_cumsum(text_rows)
-    rows = {"text": int(text_rows.sum())}
-    base = rows["text"]
-    item_start = {}
-    for name, pp in plan.phases.items():
-        recv = pp.to_llm.items_at(rank)
-        start = np.full(pp.encoded.size, -1, dtype=np.int64)
-        start[recv] = base + _exclusive_cumsum(pp.encoded[recv])
-        item_start[pp.kind] = start
-        rows[name] = int(pp.encoded[recv].sum())
-        base += rows[name]
-    seg = np.flatnonzero(local_pos[plan.seg_example] >= 0)
-    seg = seg[np.argsort(local_pos[plan.seg_example[seg]], kind="stable")]
-    kinds, lens = plan.seg_kind[seg], plan.seg_len[seg]
-    starts = np.empty(seg.size, dtype=np.int64)
-    text = kinds == TEXT
-    ex_local = local_pos[plan.seg_example[seg]]
-    starts[text] = text_start[ex_local[text]] + plan.seg_text_offset[seg[text]]
-    for kind, start in item_start.items():
-        m = kinds == kind
-        starts[m] = start[plan.seg_item[seg[m]]]
-    pos = _exclusive_cumsum(lens)
-    text_pos = np.empty(rows["text"], dtype=np.int64)
-    text_pos[expand_rows(starts[text], lens[text])] = expand_rows(pos[text], lens[text])
-    lengths = plan.seq_len[examples]
-    return Assembly(
-        examples=examples,
-        lengths=lengths,
-        index=expand_rows(starts, lens),
-        text_pos=text_pos,
-        seq_start=_exclusive_cumsum(lengths),
-        rows=rows,
-    )
-
-
-def default_phases(
-    rates: EncodingRates,
-    *,
-    feature_dims: Mapping[str, int],
-    policies: Mapping[str, str] | None = None,
-    costs: Mapping[str, CostModel] | None = None,
-) -> tuple[EncoderPhase, ...]:
-    """One phase per row of the modality table (:data:`orchmllm.schema.MODALITIES`) named in
-    ``feature_dims`` (its raw row width), in table order, with the row's tailored policy
-    unless ``policies`` names another; divisor and encoder stride from ``rates``."""
-    policies, costs = dict(policies or {}), dict(costs or {})
-    unknown = sorted((set(feature_dims) | set(policies) | set(costs)) - set(MODALITIES))
-    if unknown:
-        raise ValueError(f"no modality named {unknown}; the table has {list(MODALITIES)}")
-    return tuple(
-        EncoderPhase(
-            m.name,
-            m.kind,
-            m.key,
-            rates.divisor(m.kind),
-            int(feature_dims[m.name]),
-            policies.get(m.name, m.policy),
-            costs.get(m.name),
-            stride=rates.stride(m.kind),
-        )  # fmt: skip
-        for m in MODALITIES.values()
-        if m.name in feature_dims
     )

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.planner.step_plan import MODES as STEP_MODES
-from orchmllm.planner.step_plan import EncoderPhase, StepOptions, plan_step
+from orchmllm.planner.step_options import MODES as STEP_MODES
+from orchmllm.planner.step_options import EncoderPhase, StepOptions
+from orchmllm.planner.step_plan import plan_step
 from orchmllm.schema import LLM, MODALITIES, TEXT
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule

@@ -351,7 +351,7 @@ def wrap(
     Args:
         model: an HF model whose class (or a base class) has a registered adapter.
         mode: ``"full"`` balances every phase, ``"llm"`` only the language model, ``"none"``
-            moves nothing (``orchmllm.planner.step_plan.MODES``).
+            moves nothing (``orchmllm.planner.step_options.MODES``).
         adapter: the adapter to use (None: the one registered for the model's class).
         topology: the process groups (None: a topology over the default group).
         llm_policy: the language model's balancing policy.
