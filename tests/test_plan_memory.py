@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.paper_repro.figure8 import figure8
+from benchmarks.paper_repro.sweep import Sweep
 from orchmllm.sim import plan_memory
-from tests.conftest import ROOT, load_script
+from orchmllm.sim.sweep import load_model
+from tests.conftest import ROOT
 
 CONFIG = str(ROOT / "configs" / "mllm-10b.yaml")
 
@@ -68,11 +71,8 @@ def test_bad_arguments_are_rejected(capsys) -> None:
 def test_it_prints_the_minibatches_reproduce_paper_prints() -> None:
     """Figure 8 of benchmarks/reproduce_paper.py and plan_memory search the same sampled
     steps with the same memory model and recipe: the same largest mini-batches per seed."""
-    reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
-    from orchmllm.sim.sweep import load_model
-
-    sw = reproduce_paper.Sweep({"mllm-10b": load_model("mllm-10b")}, None, (0, 1))
-    reproduce_paper.figure8(sw, [64])
+    sw = Sweep({"mllm-10b": load_model("mllm-10b")}, None, (0, 1))
+    figure8(sw, [64])
     (fig8,) = [r for r in sw.records if r["figure"] == "fig8"]
     record = plan_memory.plan(
         plan_memory.parse_args(["--config", CONFIG, "--gpus", "64", "--seeds", "2"])

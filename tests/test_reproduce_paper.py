@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.paper_repro.cli import QUICK_RANKS, QUICK_SENSITIVITY_SCALES
+from benchmarks.paper_repro.figure8 import AUDIO_SHARES
+from benchmarks.paper_repro.paper import PAPER
+from benchmarks.paper_repro.validation import gpu_batch, gpu_setup
 from orchmllm.config import load_config
 from tests.conftest import ROOT, load_script
-
-reproduce_paper = load_script(ROOT / "benchmarks" / "reproduce_paper.py")
 
 REQUIRED = (
     "model",
@@ -103,7 +105,7 @@ def test_figure8_factors_come_from_the_memory_model_and_multiply(quick) -> None:
         balance, minibatch = full0["mfu"] / none["mfu"], full["mfu"] / full0["mfu"]
         assert balance * minibatch == pytest.approx(full["mfu"] / none["mfu"])
     summaries = [r for r in records if r.get("figure") == "fig8"]
-    assert len(summaries) == 3 * len(reproduce_paper.QUICK_RANKS)
+    assert len(summaries) == 3 * len(QUICK_RANKS)
     for s in summaries:
         per_seed = [cases[s["model"], s["ranks"], seed] for seed in (0, 1)]
         b_none = [c["none@b_none"]["examples_per_rank"] for c in per_seed]
@@ -136,7 +138,7 @@ def test_figure8_at_the_papers_minibatches_multiplies_and_spreads(quick) -> None
     factors: dict[tuple, list[float]] = {}
     for (model, ranks, _seed, *_), c in cases.items():
         none, full0, full = c["none@b_none"], c["full@b_none"], c["full@b_full"]
-        b0, b1 = (reproduce_paper.PAPER[f"minibatch_{k}"][model] for k in ("none", "full"))
+        b0, b1 = (PAPER[f"minibatch_{k}"][model] for k in ("none", "full"))
         assert none["examples_per_rank"] == full0["examples_per_rank"] == b0
         assert full["examples_per_rank"] == b1
         assert none["steps"] == full["steps"] >= 1
@@ -165,7 +167,7 @@ def test_figure9_is_llm_tokens_per_second_per_gpu(quick) -> None:
         ratio = full0["tokens_per_s_per_gpu"] / none["tokens_per_s_per_gpu"]
         assert ratio == pytest.approx(none["step_time_s"] / full0["step_time_s"]), key
     fig9 = [r for r in records if r.get("figure") == "fig9"]
-    assert len(fig9) == 3 * len(reproduce_paper.QUICK_RANKS)
+    assert len(fig9) == 3 * len(QUICK_RANKS)
     cases = _cases(records, "fig8_case", "")
     for r in fig9:
         seeds = [cases[r["model"], r["ranks"], s, None, None] for s in (0, 1)]
@@ -187,13 +189,13 @@ def test_sensitivity_mini_batches_fall_as_lengths_grow(quick) -> None:
             (r for r in rows if r["model"] == model and r["varied"] == "scale"),
             key=lambda r: r["length_scale"],
         )
-        assert [r["length_scale"] for r in scaled] == list(reproduce_paper.QUICK_SENSITIVITY_SCALES)
+        assert [r["length_scale"] for r in scaled] == list(QUICK_SENSITIVITY_SCALES)
         for key in ("b_none", "b_full"):
             assert all(a[key] >= b[key] for a, b in itertools.pairwise(scaled)), (model, key)
         mixes = {
             round(r["audio_share"], 6) for r in rows if r["model"] == model and r["varied"] == "mix"
         }
-        assert mixes == set(reproduce_paper.AUDIO_SHARES)
+        assert mixes == set(AUDIO_SHARES)
     (match,) = [r for r in records if r.get("figure") == "table2_scale"]
     assert match["ranks"] == 64 and match["scale"] is not None
     assert match["forward_s"] == pytest.approx(match["paper_forward_s"], rel=0.02)
@@ -361,11 +363,11 @@ def test_gpu_batch_holds_the_examples_gpu_step_runs() -> None:
 
     rec = {"device": "cpu", "vision_layers": 2, "audio_layers": 2, "llm_layers": 2, "ranks": 4}
     rec["config"] = "configs/tiny.yaml"
-    setup = reproduce_paper.gpu_setup(rec)
+    setup = gpu_setup(rec)
     model = setup.model
     assert setup.ranks_per_node == 2  # tiny.yaml's ranks_per_node
     ranks, per_rank, step, seed = 4, 40, 1, 5
-    batch = reproduce_paper.gpu_batch(model, ranks, per_rank, step, seed)
+    batch = gpu_batch(model, ranks, per_rank, step, seed)
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))
     ranks_examples = gpu_step.sample_ranks(
         cfg, step=step, ranks=ranks, per_rank=per_rank, seed=seed

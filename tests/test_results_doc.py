@@ -2,12 +2,24 @@
 its figures and target verdicts follow the records, not text typed beside them."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import ROOT, load_script
-
-results_doc = load_script(ROOT / "benchmarks" / "results_doc.py")
+from benchmarks.results_render.document import (
+    BLOCKS,
+    DOC,
+    README,
+    RESULTS,
+    SECTIONS,
+    main,
+    render,
+    render_readme,
+)
+from benchmarks.results_render.gpu import gpu_runs
+from benchmarks.results_render.tables import provenance
+from tests.conftest import ROOT
 
 # What orchmllm.provenance.run_info writes, fixed.
 RUN = {
@@ -103,58 +115,79 @@ def _section(text: str, title: str) -> str:
 
 
 def test_the_committed_document_is_what_the_committed_json_gives():
-    expected = results_doc.render(results_doc.RESULTS)
-    assert results_doc.DOC.read_text() == expected, (
+    expected = render(RESULTS)
+    assert DOC.read_text() == expected, (
         "docs/results.md is stale or was edited by hand: run python benchmarks/results_doc.py"
     )
 
 
 def test_the_readme_blocks_are_what_the_committed_json_gives():
-    text = results_doc.README.read_text()
-    assert results_doc.render_readme(text) == text, (
+    text = README.read_text()
+    assert render_readme(text) == text, (
         "README.md's results blocks are stale or were edited: run python benchmarks/results_doc.py"
     )
+
+
+@pytest.mark.integration
+def test_the_command_writes_what_render_gives(tmp_path):
+    """``python benchmarks/results_doc.py``, the documented command, run from elsewhere: its
+    files are the renderers' output (it finds its package beside it, not on the path)."""
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results, "train_modes.json", [_train("none", loss=6.25, vision_after=1.5)])
+    readme = tmp_path / "README.md"
+    blank = "".join(f"<!-- results:{b.name} -->\n<!-- /results:{b.name} -->\n" for b in BLOCKS)
+    readme.write_text(blank)
+    doc = tmp_path / "results.md"
+    args = ["--results", str(results), "--doc", str(doc), "--readme", str(readme)]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "results_doc.py"), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert doc.read_text() == render(results)
+    assert readme.read_text() == render_readme(blank, results) != blank
 
 
 def test_a_readme_block_is_rewritten_from_the_records_and_says_when_there_are_none(tmp_path):
     text = "intro\n<!-- results:main-job -->\nold\n<!-- /results:main-job -->\n"
     text += "<!-- results:gpu -->\n<!-- /results:gpu -->\n"
     text += "<!-- results:sim -->\n<!-- /results:sim -->\nend\n"
-    empty = results_doc.render_readme(text, tmp_path)
+    empty = render_readme(text, tmp_path)
     assert "(no `train_modes.json` record yet)" in empty and "old" not in empty
     assert empty.startswith("intro\n") and empty.endswith("end\n")
     _write(tmp_path, "gpu_step_h100.json", [_gpu(m, speedup_vs_none=1.2) for m in ("none", "full")])
-    old = results_doc.render_readme(text, tmp_path)
+    old = render_readme(text, tmp_path)
     assert "No GPU measurement by the sound method yet" in old and "1.200" not in old
     _write(
         tmp_path, "gpu_step_h100.json", [_sound(m, speedup_vs_none=1.2) for m in ("none", "full")]
     )
-    filled = results_doc.render_readme(text, tmp_path)
+    filled = render_readme(text, tmp_path)
     assert (
         "8 ranks x 60 examples: `full` over `none` 1.200, the simulator predicted 1.300" in filled
     )
     assert "run `run-A`" in filled
-    assert results_doc.render_readme(filled, tmp_path) == filled  # idempotent
+    assert render_readme(filled, tmp_path) == filled  # idempotent
     with pytest.raises(ValueError, match="no <!-- results:main-job --> block"):
-        results_doc.render_readme("nothing marked", tmp_path)
+        render_readme("nothing marked", tmp_path)
 
 
 def test_a_section_without_its_file_says_so_and_names_the_command(tmp_path):
-    text = results_doc.render(tmp_path)
-    for section in results_doc.SECTIONS:
+    text = render(tmp_path)
+    for section in SECTIONS:
         body = _section(text, section.title)
         assert section.missing in body and f"`{section.command}`" in body
     assert "No GPU record" in _section(text, "A training step on a GPU")
 
 
 def test_the_machine_line_says_when_numpys_fastest_kernels_were_turned_off():
-    assert "turned off" not in results_doc.provenance([RUN])
-    text = results_doc.provenance([{**RUN, "numpy_disabled_features": "X86_V4"}])
+    assert "turned off" not in provenance([RUN])
+    text = provenance([{**RUN, "numpy_disabled_features": "X86_V4"}])
     assert "widest SIMD `avx2` (numpy's `X86_V4` kernels turned off)" in text
 
 
 def test_a_changed_figure_changes_the_text_and_the_run_is_named(tmp_path):
-    title = results_doc.SECTIONS[0].title
+    title = SECTIONS[0].title
     _write(
         tmp_path,
         "train_modes.json",
@@ -163,7 +196,7 @@ def test_a_changed_figure_changes_the_text_and_the_run_is_named(tmp_path):
             _train("full", loss=6.25, vision_after=1.125),
         ],
     )
-    body = _section(results_doc.render(tmp_path), title)
+    body = _section(render(tmp_path), title)
     assert "| `full` | 1.500 → 1.125 | 1.200 → 1.000 | 1.0 / 0.0 | 6.2500 | 250.0 |" in body
     assert "differ by at most 0.0e+00" in body
     assert "`python benchmarks/x.py --json x.json`, run 2026-01-02 03:04:05 UTC" in body
@@ -173,7 +206,7 @@ def test_a_changed_figure_changes_the_text_and_the_run_is_named(tmp_path):
         "train_modes.json",
         [_train("none", loss=6.25, vision_after=1.5), _train("full", loss=6.5, vision_after=1.25)],
     )
-    changed = _section(results_doc.render(tmp_path), title)
+    changed = _section(render(tmp_path), title)
     assert "| `full` | 1.500 → 1.250 |" in changed and "| 6.5000 |" in changed
     assert "1.125" not in changed and "differ by at most 2.5e-01" in changed
 
@@ -186,7 +219,7 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
         [_sound(m, speedup_vs_none=1.0 if m == "none" else speedup)
          for m in ("none", "llm", "full")],
     )  # fmt: skip
-    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    body = _section(render(tmp_path), "A training step on a GPU")
     assert "No GPU record" not in body and "GPU NVIDIA H100" in body
     where = "8 ranks x 60/rank, `full`"
     line = f"| {where}: × `none` ≥ the prediction 1.300 | {speedup:.3f} | {word} |"
@@ -202,7 +235,7 @@ def test_a_speed_up_is_judged_by_the_recorded_prediction(tmp_path, speedup, word
 def test_an_unsound_set_up_is_named_and_its_targets_not_judged(tmp_path):
     recs = [_sound(m, speedup_vs_none=1.4, audio=0.9) for m in ("none", "llm", "full")]
     _write(tmp_path, "gpu_step_h100.json", recs)
-    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    body = _section(render(tmp_path), "A training step on a GPU")
     assert "audio_max 0.900" in body and "| **unsound**: audio |" in body
     assert "the prediction 1.300" not in body  # no verdict on an unsound measurement
 
@@ -211,7 +244,7 @@ def test_the_replaced_methods_records_are_history_with_their_flaw_measured(tmp_p
     old = [{**_gpu(m, speedup_vs_none=1.0), "audio_mean_s": a} for m, a in
            (("none", 0.5), ("llm", 0.2), ("full", 0.3))]  # fmt: skip
     _write(tmp_path, "gpu_step_h100.json", old)
-    body = _section(results_doc.render(tmp_path), "A training step on a GPU")
+    body = _section(render(tmp_path), "A training step on a GPU")
     assert "No record of the sound step yet" in body
     assert "**History: the replaced method, unsound.**" in body
     assert "its audio phase timed 2.5x faster at 8 x 60 (mean rank)" in body
@@ -227,25 +260,20 @@ def test_the_documents_gpu_figures_come_from_one_run(tmp_path):
              "items": 60, "shapes": 5, "first_s": 0.2, "warm_s": 0.05, "cost_s": 0.15,
              "cost_over_warm": 3.0}  # fmt: skip
     _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "run_id": "run-A"}])
-    assert results_doc.gpu_runs(tmp_path) == {
-        "run-A": ["gpu_step_h100.json", "new_shape_h100.json"]
-    }
-    assert (
-        "| NVIDIA H100 | audio | 60 | 5 | 200.00 | 50.00 | 150.00 | 3.00 |"
-        in results_doc.render(tmp_path)
-    )
+    assert gpu_runs(tmp_path) == {"run-A": ["gpu_step_h100.json", "new_shape_h100.json"]}
+    assert "| NVIDIA H100 | audio | 60 | 5 | 200.00 | 50.00 | 150.00 | 3.00 |" in render(tmp_path)
     _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "run_id": "run-B"}])
     with pytest.raises(ValueError, match="GPU records from 2 runs"):
-        results_doc.render(tmp_path)
+        render(tmp_path)
     with pytest.raises(ValueError, match="GPU records from 2 runs"):
-        results_doc.render_readme("", tmp_path)
+        render_readme("", tmp_path)
     # CPU records and the replaced method's are not quoted as GPU figures
     _write(tmp_path, "new_shape_h100.json", [{**shape, **RUN, "device": "cpu", "run_id": "x"}])
-    assert list(results_doc.gpu_runs(tmp_path)) == ["run-A"]
+    assert list(gpu_runs(tmp_path)) == ["run-A"]
 
 
 def test_the_committed_gpu_figures_come_from_one_run():
-    assert len(results_doc.gpu_runs(results_doc.RESULTS)) <= 1
+    assert len(gpu_runs(RESULTS)) <= 1
 
 
 def _scale_run(run_date: str, *, greedy_ms: float, flag: str | None) -> list[dict]:
@@ -270,7 +298,7 @@ def test_the_planner_on_other_cpus_is_judged_per_run(tmp_path):
                                                          flag=None))  # fmt: skip
     _write(tmp_path, "balance_scale_b.json", _scale_run("2026-01-02T03:05:05Z", greedy_ms=25.0,
                                                          flag="X86_V4"))  # fmt: skip
-    body = _section(results_doc.render(tmp_path), "The planner at 16,384 ranks on other CPUs")
+    body = _section(render(tmp_path), "The planner at 16,384 ranks on other CPUs")
     assert "| text | 15.0 / 10.0 = 1.50×, 90 | 25.0 / 10.0 = 2.50×, 90 |" in body
     assert "| Test CPU | `greedy` ≤ 2× argsort | max 1.50× (text) | met |" in body
     assert (
@@ -287,11 +315,11 @@ def test_check_fails_on_a_stale_or_edited_document(tmp_path, capsys):
                       "<!-- results:gpu -->\n<!-- /results:gpu -->\n"
                       "<!-- results:sim -->\n<!-- /results:sim -->\n")  # fmt: skip
     args = ["--results", str(tmp_path), "--doc", str(doc), "--readme", str(readme)]
-    assert results_doc.main([*args, "--check"]) == 1  # no document yet
-    assert results_doc.main(args) == 0
-    assert results_doc.main([*args, "--check"]) == 0
+    assert main([*args, "--check"]) == 1  # no document yet
+    assert main(args) == 0
+    assert main([*args, "--check"]) == 0
     doc.write_text(doc.read_text().replace("6.2500", "6.2000"))  # a hand edit
-    assert results_doc.main([*args, "--check"]) == 1
+    assert main([*args, "--check"]) == 1
     assert "run benchmarks/results_doc.py" in capsys.readouterr().out
 
 
@@ -338,8 +366,8 @@ def test_the_simulators_shortfalls_and_summary_follow_the_records(tmp_path) -> N
     texts = {}
     for product, scale in ((1.41, 2.61), (1.52, 2.2)):
         _write(tmp_path, "reproduce_paper.json", _sim_records(product=product, scale=scale))
-        body = _section(results_doc.render(tmp_path), title)
-        block = results_doc.render_readme(readme, tmp_path)
+        body = _section(render(tmp_path), title)
+        block = render_readme(readme, tmp_path)
         for text in (body, block):
             assert f"mllm-10b {product:.3g} ({product - 0.01:.3g}-{product + 0.01:.3g})" in text
         assert f"length scale **{scale:.2f}**" in body and f"× {scale:.2f}, not used" in block
