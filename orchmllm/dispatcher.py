@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import comm
-from orchmllm.agreement import PeerFailed, agreed_plan
+from orchmllm.agreement import PeerFailed
 from orchmllm.balance import balance, plan_is_deterministic
 from orchmllm.cost import CostModel, imbalance
+from orchmllm.move_path import MovePath
 from orchmllm.plan import Rearrangement
 from orchmllm.policies import POLICIES
 from orchmllm.topology import Topology
@@ -189,6 +190,7 @@ class BatchDispatcher:
         # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
         self.cost = cost
         self._id, self._calls = next(_CREATED), 0
+        self._path = MovePath(self.topology)
         self.stats_cost = cost if cost is not None else CostModel(layout)
 
     # -- public -------------------------------------------------------------------------
@@ -267,7 +269,7 @@ class BatchDispatcher:
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
         if plan is None:
-            assignment = agreed_plan(
+            assignment = self._path.plan(
                 lambda: balance(
                     glob,
                     world,
@@ -280,8 +282,6 @@ class BatchDispatcher:
                     max_load_per_rank=self.max_load_per_rank,
                 ),
                 deterministic=self.deterministic,
-                group=self.topology.meta_group,
-                timeout=self.topology.timeout,
             )
             plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
             policy_stats = assignment.stats
@@ -296,12 +296,10 @@ class BatchDispatcher:
         new_lengths = torch.as_tensor(glob[new_ids], dtype=torch.int64, device=lengths.device)
         tok_names, item_names = sorted(tokens), sorted(items)
         flat = [self._to_packed(tokens[k], lengths) for k in tok_names]
-        moved = comm.move_many(
+        moved = self._path.move(
             plan,
             flat + [items[k] for k in item_names],
             [glob] * len(flat) + [np.ones_like(glob)] * len(item_names),
-            group=self.topology.group,
-            timeout=self.topology.timeout,
         )
         t3 = time.perf_counter()
         new_max = int(glob[new_ids].max()) if new_ids.size else 0
@@ -358,19 +356,10 @@ class BatchDispatcher:
     def _undo(self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool) -> torch.Tensor:
         plan = dispatched.plan
         glob = dispatched.global_lengths
-        back = plan.inverse()
         if items:
-            return comm.move(
-                back,
-                tensor,
-                sizes=np.ones_like(glob),
-                group=self.topology.group,
-                timeout=self.topology.timeout,
-            )
+            return self._path.move_back(plan, [tensor], [np.ones_like(glob)])[0]
         flat = self._to_packed(tensor, dispatched.lengths, layout=dispatched.layout)
-        out = comm.move(
-            back, flat, sizes=glob, group=self.topology.group, timeout=self.topology.timeout
-        )
+        out = self._path.move_back(plan, [flat], [glob])[0]
         if dispatched.layout == "packed":
             return out
         orig_ids = plan.source_items_at(dispatched.rank)
@@ -394,13 +383,11 @@ class BatchDispatcher:
         except RuntimeError as exc:
             if isinstance(exc, PlanMismatchError | PeerFailed):
                 raise
-            absent = comm.roll_call(self.topology.group, call=call, timeout=self.topology.timeout)
-            if not absent:
-                raise
             where = f"rank {self.topology.rank}: BatchDispatcher.{what} (call {self._calls})"
-            raise PeerFailed(
-                comm.absent_message(where, exc, str(absent), timeout=self.topology.timeout)
-            ) from exc
+            named = self._path.absent(exc, call=call, what=where)
+            if named is None:
+                raise
+            raise named from exc
 
     def _to_packed(
         self, t: torch.Tensor, lengths: torch.Tensor, layout: str | None = None

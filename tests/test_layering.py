@@ -50,6 +50,7 @@ FLOORS = {
     "orchmllm.topology": 3,
     "orchmllm.loss": 3,
     "orchmllm.dispatcher": 3,
+    "orchmllm.move_path": 3,  # the one move path of the dispatcher and the loader
     "orchmllm.testing": 3,
     "orchmllm.watch": 3,
     "orchmllm.dirlock": 3,
