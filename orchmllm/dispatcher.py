@@ -257,8 +257,7 @@ class BatchDispatcher:
         plan: Rearrangement | None,
         local_lengths: np.ndarray,
     ) -> Dispatched:
-        rank, world = self.topology.rank, self.topology.size
-
+        rank = self.topology.rank
         t0 = time.perf_counter()
         rows, src = comm.all_gather_rows(
             local_lengths[:, None],
@@ -268,26 +267,7 @@ class BatchDispatcher:
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
-        if plan is None:
-            assignment = self._path.plan(
-                lambda: balance(
-                    glob,
-                    world,
-                    self.policy,
-                    src=src,
-                    cost=self.cost,
-                    ranks_per_node=self.topology.ranks_per_node,
-                    placement=self.placement,
-                    max_items_per_rank=self.max_items_per_rank,
-                    max_load_per_rank=self.max_load_per_rank,
-                ),
-                deterministic=self.deterministic,
-            )
-            plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
-            policy_stats = assignment.stats
-        else:
-            _check_given_plan(plan, src, world)
-            policy_stats = {}
+        plan, policy_stats = self._plan(glob, src, plan)
         t2 = time.perf_counter()
         if self.check_plan:
             self._check_plan(plan, glob)
@@ -323,6 +303,31 @@ class BatchDispatcher:
             if self.layout == "padded"
             else {},
         )
+
+    def _plan(
+        self, glob: np.ndarray, src: np.ndarray, given: Rearrangement | None
+    ) -> tuple[Rearrangement, dict[str, float]]:
+        """The plan of the gathered lengths (``given``, checked, or the policy's; the same
+        on every rank) and the policy's own statistics."""
+        world = self.topology.size
+        if given is not None:
+            _check_given_plan(given, src, world)
+            return given, {}
+        assignment = self._path.plan(
+            lambda: balance(
+                glob,
+                world,
+                self.policy,
+                src=src,
+                cost=self.cost,
+                ranks_per_node=self.topology.ranks_per_node,
+                placement=self.placement,
+                max_items_per_rank=self.max_items_per_rank,
+                max_load_per_rank=self.max_load_per_rank,
+            ),
+            deterministic=self.deterministic,
+        )
+        return Rearrangement.from_assignment(src, assignment.dst, num_ranks=world), assignment.stats
 
     def undo(
         self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool = False
