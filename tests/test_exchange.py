@@ -32,7 +32,7 @@ def test_gather_reraises_own_error():
         ex.gather_step(g, None, error=KeyError("mine"))
 
 
-def test_move_examples_roundtrip_any_python_object():
+def test_pickled_examples_roundtrip_through_the_move_path():
     g = ex.Group(Topology.build(timeout=5))
     examples = [{"a": np.arange(k), "b": "x" * k} for k in (3, 0, 5)]
     blobs = ex.serialize(examples)
