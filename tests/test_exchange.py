@@ -32,12 +32,12 @@ def test_gather_reraises_own_error():
         ex.gather_step(g, None, error=KeyError("mine"))
 
 
-def test_move_examples_roundtrip_any_python_object():
+def test_pickled_examples_roundtrip_through_the_move_path():
     g = ex.Group(Topology.build(timeout=5))
     examples = [{"a": np.arange(k), "b": "x" * k} for k in (3, 0, 5)]
     blobs = ex.serialize(examples)
     plan = Rearrangement.from_assignment([0, 0, 0], [0, 0, 0], num_ranks=1)
-    got, sent = ex.move_examples(g, plan, blobs, np.array([len(b) for b in blobs]))
+    got, sent = g.path.move_objects(plan, blobs, np.array([len(b) for b in blobs]))
     assert sent == 0
     assert [e["b"] for e in got] == [e["b"] for e in examples]
     assert all(np.array_equal(x["a"], y["a"]) for x, y in zip(got, examples, strict=True))

@@ -142,6 +142,11 @@ def _index_mode_worker(rank, world, n, batch):
         np.array_equal(b.plan.dst_rank, BalancePlanner()(b.info.meta, b.info.src, world).dst_rank)
         for b in local_out
     )
+    res["local_dst"] = [b.plan.dst_rank.tolist() for b in local_out]
+    # The same sampling through the move strategy: examples travel instead of indices.
+    moved = BalancedDataLoader(ds, mode="move", length_column="n_tokens", topology=_own(), **kw)
+    res["move"], move_infos = _epoch(moved)
+    res["move_dst"] = [i.plan.dst_rank.tolist() for i in move_infos]
     return res
 
 
@@ -223,6 +228,11 @@ def test_index_mode_epoch_prefetch_resume_uneven(index_run):
     for rank, r in enumerate(out):
         assert r["local"] == expected[rank]
         assert r["local_plan_ok"]
+        # The exchange strategies are interchangeable: on the same sampled steps, index
+        # (indices travel), move (examples travel) and local (nothing travels) make the
+        # same plans, and index and move hand every rank the same examples in the same order.
+        assert r["move_dst"] == r["local_dst"] == r["dst0"]
+        assert r["move"] == r["fetch0"]
 
 
 class _Shard(IterableDataset):

@@ -7,14 +7,16 @@ leaving them waiting in a collective, and ranks that would plan differently (ano
 cost model, placement or phase set) fail the step together with an error naming the ranks,
 instead of moving data by plans that do not match: every rank leaves the step the same way.
 
-Examples travel as pickled bytes in one all-to-all (``comm.move`` on a uint8 buffer), so
-any example type works and the user's collate function runs on the balanced set.
+Examples travel as pickled bytes in one all-to-all, by the move path the dispatcher uses
+too (:meth:`orchmllm.dist.move_path.MovePath.move_objects`), so any example type works and the
+user's collate function runs on the balanced set.
 
 A rank that fails outside the exchange (its DataLoader raised before the collator was called,
 its training step failed, it was killed) cannot tell the others through a header: their
 header exchange fails ("Connection closed by peer", or a timeout). Then every rank that
-noticed takes a roll call in the job's key-value store (:func:`roll_call`) and the error
-names the ranks that did not answer.
+noticed takes a roll call in the job's key-value store
+(:meth:`~orchmllm.dist.move_path.MovePath.absent`) and the error names the ranks that did not
+answer.
 """
 
 from __future__ import annotations
@@ -27,17 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from orchmllm.dist import comm, watch
-from orchmllm.dist.agreement import PeerFailed, agreed_plan
+from orchmllm.dist.agreement import PeerFailed
+from orchmllm.dist.move_path import MovePath, ranks_text
 from orchmllm.dist.topology import Topology
 from orchmllm.planner.plan import Rearrangement
 
 OK, EXHAUSTED, FAILED, CLOSED = 0, 1, 2, 3  # CLOSED: the loop left the epoch (see leave_epoch)
 PAD = -1  # fills metadata rows shorter than the widest one
-CHUNK = 64  # bytes per row when examples move (padding <= 63 bytes per example)
 _INT64 = 8
 
 Planner = Callable[[np.ndarray, np.ndarray, int], Any]
@@ -71,6 +72,7 @@ class Group:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(topology.meta_group) if self.distributed else 0
         self.size = dist.get_world_size(topology.meta_group) if self.distributed else 1
+        self.path = MovePath(topology, on="meta")  # plans agreed and examples moved on it
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -111,13 +113,10 @@ def planner_at(planner: Planner, epoch: int, step: int) -> Planner:
 
 
 def run_planner(g: Group, planner: Planner, meta: np.ndarray, src: np.ndarray) -> Any:
-    """``planner(meta, src, g.size)``, the same on every rank (see :func:`agreed_plan`)."""
-    return agreed_plan(
-        lambda: planner(meta, src, g.size),
-        deterministic=getattr(planner, "deterministic", True),
-        group=g.group,
-        timeout=g.timeout,
-    )
+    """``planner(meta, src, g.size)``, the same on every rank (see
+    :meth:`~orchmllm.dist.move_path.MovePath.plan`)."""
+    deterministic = getattr(planner, "deterministic", True)
+    return g.path.plan(lambda: planner(meta, src, g.size), deterministic=deterministic)
 
 
 def gather_step(
@@ -146,15 +145,10 @@ def gather_step(
     try:
         header = g.all_gather_fixed(mine)
     except Exception as exc:
-        absent = roll_call(g, step=step)
-        if not absent:
+        named = g.path.absent(exc, call=str(step), what=f"the metadata exchange of step {step}")
+        if named is None:
             raise
-        raise PeerFailed(
-            comm.absent_message(
-                f"the metadata exchange of step {step}", exc, _ranks(np.asarray(absent)),
-                timeout=g.timeout,
-            )
-        ) from exc  # fmt: skip
+        raise named from exc
     bytes_sent = len(mine) * _INT64 * (g.size - 1)
     if error is not None:
         raise error
@@ -175,14 +169,6 @@ def gather_step(
         meta, src = g.all_gather_rows(padded)
         bytes_sent += (2 + int(header[:, 1].max()) * width) * _INT64 * (g.size - 1)
     return Gathered(meta=meta, src=src, status=header[:, 0].copy(), bytes_sent=bytes_sent)
-
-
-def roll_call(g: Group, *, step: int) -> list[int]:
-    """After a failed exchange of ``step``: the ranks of ``g`` that did not answer a roll
-    call (:func:`orchmllm.dist.comm.roll_call`)."""
-    if not g.distributed:
-        return []
-    return comm.roll_call(g.group, call=str(step), timeout=g.timeout)
 
 
 def leave_epoch(g: Group, *, consumed: int, step: int) -> None:
@@ -207,24 +193,17 @@ def _epoch_mismatch(header: np.ndarray, step: int) -> EpochMismatch:
     status, count = header[:, 0], header[:, 1]
     closed = status == CLOSED
     parts = [
-        f"rank(s) {_ranks(np.flatnonzero(closed & (count == c)))} stopped after {c} batch(es)"
+        f"rank(s) {ranks_text(np.flatnonzero(closed & (count == c)))} stopped after {c} batch(es)"
         for c in np.unique(count[closed]).tolist()
     ]
     going = np.flatnonzero(~closed & (status != FAILED))
     if going.size:
-        parts.append(f"rank(s) {_ranks(going)} went on to step {step}")
+        parts.append(f"rank(s) {ranks_text(going)} went on to step {step}")
     return EpochMismatch(
         "ranks left the epoch at different steps: " + "; ".join(parts) + ". Every rank must "
         "consume the same number of batches before leaving an epoch: break at the same step "
         "on every rank, or run the epoch to its end"
     )
-
-
-def _ranks(ranks: np.ndarray, limit: int = 8) -> str:
-    """``[0, 3]``, or the first ``limit`` and a count, so a message stays short at scale."""
-    if ranks.size <= limit:
-        return str(ranks.tolist())
-    return f"[{', '.join(map(str, ranks[:limit].tolist()))}, ...] ({ranks.size} ranks)"
 
 
 def check_rearrangement(plan: object, g: Group, num_items: int) -> Rearrangement:
@@ -244,41 +223,6 @@ def check_rearrangement(plan: object, g: Group, num_items: int) -> Rearrangement
 def serialize(examples: Sequence[Any]) -> list[bytes]:
     """Each example as bytes (pickle protocol 5: numpy and torch arrays as raw buffers)."""
     return [pickle.dumps(ex, protocol=5) for ex in examples]
-
-
-def move_examples(
-    g: Group, plan: Rearrangement, blobs: Sequence[bytes], nbytes: np.ndarray
-) -> tuple[list[Any], int]:
-    """Send this rank's serialized examples by ``plan``; return (examples this rank now
-    holds in destination-slot order, payload bytes this rank sent to other ranks).
-
-    ``nbytes`` holds every item's size in global order (it came with the metadata), so no
-    size exchange is needed. Each example travels as whole rows of ``CHUNK`` bytes (the
-    last one zero-padded), so the all-to-all indexes rows, not single bytes.
-    """
-    rows = -(-np.asarray(nbytes, dtype=np.int64) // CHUNK)
-    mine = plan.items_at(g.rank)
-    leaving = (plan.src_rank == g.rank) & (plan.dst_rank != g.rank)
-    sent = int(rows[leaving].sum()) * CHUNK
-    if not g.distributed:
-        received = b"".join(blobs)
-        ends = np.cumsum(nbytes[mine])
-        starts = ends - nbytes[mine]
-    else:  # every local example in source-slot order, each padded to whole rows
-        buf = bytearray(int(sum(-(-len(b) // CHUNK) for b in blobs)) * CHUNK)
-        offset = 0
-        for blob in blobs:
-            buf[offset : offset + len(blob)] = blob
-            offset += -(-len(blob) // CHUNK) * CHUNK
-        send = (
-            torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)
-        )
-        out = comm.move(plan, send.view(-1, CHUNK), sizes=rows, group=g.group, timeout=g.timeout)
-        received = out.numpy().tobytes()
-        starts = (np.cumsum(rows[mine]) - rows[mine]) * CHUNK
-        ends = starts + nbytes[mine]
-    view = memoryview(received)
-    return [pickle.loads(view[a:b]) for a, b in zip(starts, ends, strict=True)], sent
 
 
 @dataclass(frozen=True)
@@ -385,5 +329,5 @@ def balance_step(
     plan_s = time.perf_counter() - t0
     payload = 0
     if move:
-        examples, payload = move_examples(g, plan, blobs, gathered.meta[:, 0])
+        examples, payload = g.path.move_objects(plan, blobs, gathered.meta[:, 0])
     return BalancedStep(examples, plan, meta, gathered, plan_s, payload)

@@ -3,7 +3,8 @@
 A background thread prepares the next ``prefetch`` steps while the current one trains
 (paper section 6, "Computation overhead overlapping"): it samples the local mini-batch,
 all-gathers its metadata on its topology's CPU (gloo) group, computes the plan (the C++
-balancing core releases the GIL) and, depending on the mode, builds the balanced batch:
+balancing core releases the GIL) and builds the step as the loader's exchange strategy
+says (one per mode, :mod:`orchmllm.data.strategies`; picked once, when the loader is built):
 
 - ``"index"``: map-style dataset with lengths known before loading (a length column, a
   length function mapped once over an HF dataset, or a ``lengths`` array). Ranks exchange
@@ -15,6 +16,9 @@ balancing core releases the GIL) and, depending on the mode, builds the balanced
   with one all-to-all of their serialized bytes, then collated.
 - ``"local"``: the local batch is collated as sampled and yielded with the planner's
   output (for the multimodal orchestrator, which moves data per phase on the device).
+
+This module is the shell around them: its arguments, sampling (:mod:`orchmllm.data.rank_steps`),
+the prefetch thread, the ranks' handshake, epochs and resume.
 
 Every rank yields the same number of steps per epoch, ``set_epoch`` reshuffles, and
 ``state_dict()`` records the steps the training loop consumed (not what was prefetched),
@@ -31,30 +35,21 @@ differently than before: normalise the loss by the global count of loss-bearing 
 from __future__ import annotations
 
 import itertools
-import time
-import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
-from torch.utils.data._utils.pin_memory import pin_memory
+from torch.utils.data import DataLoader, default_collate
 
 from orchmllm.data import exchange as ex
+from orchmllm.data import loader_args as la
 from orchmllm.data import sources as sr
 from orchmllm.data import stats as st
 from orchmllm.data.exchange import StepInfo
-from orchmllm.data.lengths import (
-    LengthFn,
-    check_lengths,
-    dataset_lengths,
-    example_length,
-    is_hf_dataset,
-)
+from orchmllm.data.lengths import LengthFn, check_lengths, dataset_lengths
+from orchmllm.data.loader_args import DATALOADER_KEYWORDS, EXCHANGE_MODES
 from orchmllm.data.options import (
     LoaderOptions,
     PlanningOptions,
@@ -62,36 +57,24 @@ from orchmllm.data.options import (
     given,
     with_keywords,
 )
-from orchmllm.data.planners import BalancePlanner, warn_on_layout_mismatch
+from orchmllm.data.planners import BalancePlanner, WithinBudget, warn_on_layout_mismatch
 from orchmllm.data.prefetch import Prefetcher
-from orchmllm.data.sampling import (
-    check_budget,
-    local_batches,
-    rank_indices,
-    steps_per_epoch,
-    token_budget_batches,
+from orchmllm.data.rank_steps import RankSteps, make_reader
+from orchmllm.data.sampling import check_budget
+from orchmllm.data.strategies import (
+    EpochState,
+    ExchangeStrategy,
+    PlannedBatch,
+    Setup,
+    Step,
+    strategy_for,
 )
 from orchmllm.dist.topology import Topology
-from orchmllm.planner.plan import Rearrangement
 
-# How examples cross the ranks (``mode=``): not the balance modes of
-# orchmllm.planner.step_options.MODES.
-EXCHANGE_MODES = ("auto", "index", "move", "local")
-# DataLoader's own keywords the loader takes besides batch_size and collate_fn: the ones a
-# wrapper (orchestrated_loader, an adapted model's loader) forwards as they are.
-DATALOADER_KEYWORDS = (
-    "shuffle",
-    "drop_last",
-    "num_workers",
-    "pin_memory",
-    "persistent_workers",
-    "prefetch_factor",
-    "timeout",
-    "worker_init_fn",
-    "generator",
-    "multiprocessing_context",
-)
+__all__ = ["DATALOADER_KEYWORDS", "EXCHANGE_MODES", "BalancedDataLoader", "PlannedBatch"]
+
 _CREATED = itertools.count(1)  # loaders created by this process, for their default names
+
 _HANDSHAKE = (
     "world_size",
     "num_replicas",
@@ -107,226 +90,6 @@ _HANDSHAKE = (
     "prefetch",
     "num_workers",
 )
-
-
-@dataclass(frozen=True)
-class PlannedBatch:
-    """What ``mode="local"`` yields: the batch as sampled on this rank, and its plan.
-
-    Attributes:
-        batch: This rank's local mini-batch, collated, as sampled (nothing moved yet).
-        plan: The planner's output for the step, identical on every rank: a
-            :class:`~orchmllm.planner.plan.Rearrangement` (execute it with
-            ``BatchDispatcher.dispatch(..., plan=plan)``) or, from
-            :func:`~orchmllm.data.orchestrated.orchestrated_loader`, a ``StepPlan`` (pass it
-            to ``Orchestrator.run(batch, encoders, plan=plan, assembly=assembly)``).
-        info: The step's record (:class:`~orchmllm.data.exchange.StepInfo`).
-        stats: The step's balance metrics (see :mod:`orchmllm.data.stats`).
-        assembly: This rank's share of the plan, computed in the background thread with it
-            when the planner has an ``assembly(plan, rank)`` method (from
-            :func:`~orchmllm.data.orchestrated.orchestrated_loader`: the
-            :class:`~orchmllm.planner.assembly.Assembly` of this rank's LLM sequences, so that
-            ``Orchestrator.run`` only moves data and runs the encoders); else None.
-    """
-
-    batch: Any
-    plan: Any
-    info: StepInfo
-    stats: dict[str, float] = field(default_factory=dict)
-    assembly: Any = None
-
-
-def _check_lengths_args(lengths_from: list[str], mode: str, planning: PlanningOptions) -> None:
-    """Where the planner's rows come from (``lengths_from``: the names of the length arguments
-    given), checked against the mode and the planning options."""
-    if mode not in EXCHANGE_MODES:
-        raise ValueError(f"mode must be one of {EXCHANGE_MODES}, got {mode!r}")
-    if len(lengths_from) > 1:
-        raise ValueError(
-            f"pass at most one of length_fn, length_column, lengths; got {lengths_from}"
-        )
-    if not lengths_from and not planning.custom_rows:
-        raise ValueError(
-            "pass one of length_fn=, length_column=, lengths= (or a planning meta_fn=)"
-        )
-    if planning.batch_meta_fn is not None and mode != "local":
-        raise ValueError(f"batch_meta_fn needs mode='local', got mode={mode!r}")
-    if mode == "index" and planning.meta_fn is not None:
-        raise ValueError("mode='index' plans on lengths only; meta_fn needs mode 'move'/'local'")
-
-
-def _check_batch_args(
-    batch_size: int | None, max_tokens_per_rank: int | None, *, budgets_lengths: bool
-) -> None:
-    """What one step holds: a count or a token budget, never both; a budget needs the
-    lengths (``budgets_lengths``: lengths given, no custom planner rows)."""
-    for name, value in (("batch_size", batch_size), ("max_tokens_per_rank", max_tokens_per_rank)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
-    if max_tokens_per_rank is None:
-        return
-    if batch_size is not None:
-        raise ValueError(
-            f"pass batch_size= or max_tokens_per_rank=, not both; got batch_size={batch_size}, "
-            f"max_tokens_per_rank={max_tokens_per_rank}"
-        )
-    if not budgets_lengths:
-        raise ValueError(
-            "max_tokens_per_rank budgets lengths: pass length_fn=, length_column= or lengths=, "
-            "and no meta_fn= or batch_meta_fn= (a custom planner's rows)"
-        )
-
-
-def _check_source(
-    source: Any,
-    *,
-    batch_size: int | None,
-    max_tokens_per_rank: int | None,
-    lengths: Any,
-    options: LoaderOptions,
-    sampled: dict[str, bool],
-) -> None:
-    """Options this kind of source cannot honour fail here, saying what to use instead
-    (``sampled``: the sampling keywords given to the loader itself)."""
-    if isinstance(source, DataLoader):
-        for name, value in (
-            ("batch_size", batch_size),
-            ("max_tokens_per_rank", max_tokens_per_rank),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"{name} comes from the dataloader's batches; do not pass it too (or pass "
-                    "the dataset instead of the DataLoader)"
-                )
-        default = sr.Workers()
-        workers = {k: v for k, v in vars(sr.Workers.of(options)).items() if v != vars(default)[k]}
-        if workers:
-            raise ValueError(
-                "the worker settings come from the dataloader: set them on it "
-                f"(DataLoader(..., num_workers=N)); got {workers}"
-            )
-        if sampled:
-            raise ValueError(
-                "shuffle and drop_last come from the dataloader's sampler: set them on it "
-                f"(DistributedSampler(..., shuffle=, drop_last=)); got {sampled}"
-            )
-        return
-    if batch_size is None and max_tokens_per_rank is None:
-        raise ValueError("pass batch_size= (>= 1) or max_tokens_per_rank=, got neither")
-    workers = options.num_workers
-    if workers and not (sr.is_map_style(source) or isinstance(source, IterableDataset)):
-        raise ValueError(
-            f"num_workers={workers} needs a map-style dataset, a torch IterableDataset "
-            f"or a DataLoader; got {type(source).__name__}: wrap it in an IterableDataset, or "
-            "use num_workers=0"
-        )
-    if lengths is not None and not sr.is_map_style(source):
-        raise ValueError("lengths= needs a map-style dataset (one length per index)")
-
-
-def _resolve_mode(
-    source: Any,
-    mode: str,
-    *,
-    lengths: Any,
-    length_column: str | None,
-    planning: PlanningOptions,
-) -> str:
-    """The mode ``"auto"`` stands for with this source (a source that fits, see
-    :func:`_check_source`)."""
-    map_style = sr.is_map_style(source)
-    if mode == "auto":
-        known = lengths is not None or (is_hf_dataset(source) and planning.meta_fn is None)
-        mode = "index" if map_style and known else "move"
-    if mode == "index" and not map_style:
-        raise ValueError(
-            f"mode='index' needs a map-style dataset, got {type(source).__name__}; "
-            "use mode='move' for iterable data or a DataLoader"
-        )
-    if (
-        mode != "index"
-        and is_hf_dataset(source)
-        and length_column is not None
-        and length_column not in source.column_names
-    ):
-        raise ValueError(
-            f"length_column={length_column!r} is not a column of the dataset; "
-            f"columns are {source.column_names}"
-        )
-    return mode
-
-
-def _num_replicas(source: Any, sampling: SamplingOptions, group: ex.Group) -> int:
-    """Given, else the wrapped DataLoader's DistributedSampler's, else the group's size."""
-    if sampling.num_replicas is not None:
-        return sampling.num_replicas
-    sampler = getattr(source, "sampler", None) if isinstance(source, DataLoader) else None
-    return getattr(sampler, "num_replicas", group.size)
-
-
-def _pinning(source: Any, options: LoaderOptions) -> bool:
-    """Whether to pin batches: asked (here or on a DataLoader source) and possible."""
-    asked = options.pin_memory or (isinstance(source, DataLoader) and source.pin_memory)
-    if asked and not torch.accelerator.is_available():
-        warnings.warn(
-            "pin_memory=True but no accelerator is available: batches are not pinned",
-            stacklevel=4,
-        )
-        return False
-    return bool(asked)
-
-
-@dataclass(frozen=True)
-class _WithinBudget:
-    """A planner whose plans keep every rank within ``max_tokens`` (column 0 of the
-    metadata): a plan that would not is replaced by the sampled layout, which is."""
-
-    planner: ex.Planner
-    max_tokens: int
-
-    @property
-    def deterministic(self) -> bool:
-        return getattr(self.planner, "deterministic", True)
-
-    def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:
-        plan = self.planner(meta, src, num_ranks)
-        if not isinstance(plan, Rearrangement):
-            raise ValueError(
-                f"max_tokens_per_rank needs a planner returning a Rearrangement, got "
-                f"{type(plan).__name__}"
-            )
-        loads = np.bincount(plan.dst_rank, weights=meta[:, 0], minlength=num_ranks)
-        if loads.size and loads.max() > self.max_tokens:
-            return Rearrangement.from_assignment(src, src, num_ranks=num_ranks)
-        return plan
-
-
-@dataclass
-class _Epoch:
-    """One pass over an epoch from ``start``: what the producer thread keeps between steps."""
-
-    epoch: int
-    start: int
-    num_steps: int | None  # None: known only when every rank is exhausted
-    next_gather: int  # the step of the next metadata exchange
-    sampled: list[list[int]] = field(default_factory=list)  # index mode: local indices/step
-    batches: Iterator[sr.Local] | None = None  # other modes: local batches from start
-    planned: deque = field(default_factory=deque)  # index mode: plans made ahead of loading
-    loaded: Iterator[Any] | None = None  # index mode: the balanced batches, loaded
-    planning_failed: bool = False  # the error came from a collective step, on every rank
-
-
-class _Planned(NamedTuple):
-    gathered: ex.Gathered
-    plan: Rearrangement
-    t0: float
-    plan_s: float
-
-
-class _Step(NamedTuple):
-    batch: Any
-    info: StepInfo
-    stats: dict[str, float]
 
 
 class BalancedDataLoader:
@@ -453,7 +216,7 @@ class BalancedDataLoader:
         self.sampling = with_keywords(
             given(sampling, SamplingOptions, "sampling"), "sampling", **sampled
         )
-        self.planning = given(planning, PlanningOptions, "planning")
+        self.planning = plan = given(planning, PlanningOptions, "planning")
         self.options = with_keywords(
             given(options, LoaderOptions, "options"),
             "options",
@@ -468,10 +231,10 @@ class BalancedDataLoader:
         )
         length_args = {"length_fn": length_fn, "length_column": length_column, "lengths": lengths}
         lengths_from = [name for name, value in length_args.items() if value is not None]
-        _check_lengths_args(lengths_from, mode, self.planning)
-        budgets_lengths = bool(lengths_from) and not self.planning.custom_rows
-        _check_batch_args(batch_size, max_tokens_per_rank, budgets_lengths=budgets_lengths)
-        _check_source(
+        la.check_lengths_args(lengths_from, mode, plan)
+        budgets_lengths = bool(lengths_from) and not plan.custom_rows
+        la.check_batch_args(batch_size, max_tokens_per_rank, budgets_lengths=budgets_lengths)
+        la.check_source(
             source,
             batch_size=batch_size,
             max_tokens_per_rank=max_tokens_per_rank,
@@ -483,28 +246,16 @@ class BalancedDataLoader:
         self.length_column, self.length_fn = length_column, length_fn
         self.name = self.options.name or f"BalancedDataLoader#{next(_CREATED)}"
         self.source = source
-        self.mode = _resolve_mode(
-            source, mode, lengths=lengths, length_column=length_column, planning=self.planning
+        self.mode = la.resolve_mode(
+            source, mode, lengths=lengths, length_column=length_column, planning=plan
         )
         is_loader = isinstance(source, DataLoader)
         self.collate_fn = collate_fn or (source.collate_fn if is_loader else default_collate)
-        plan = self.planning
         planner = plan.planner or BalancePlanner(policy=plan.policy, cost=plan.cost)
         warn_on_layout_mismatch(self.collate_fn, planner)
-        self._stats_cost = st.planner_cost(planner)
-        self._ranks_per_node = getattr(planner, "ranks_per_node", None)
-        budget = max_tokens_per_rank
-        self.planner = planner if budget is None else _WithinBudget(planner, budget)
         self.topology = topology if topology is not None else Topology.build()
         self._group = ex.Group(self.topology)
-        self.num_replicas = _num_replicas(source, self.sampling, self._group)
-        self._lengths = self._known_lengths(lengths)
-        if budget is not None and self._lengths is not None:
-            check_budget(self._lengths, budget)  # an example no step can hold: fail now
-        self._pin = _pinning(source, self.options)
-        self._reader = self._make_reader()
-        self._steps_known = self._agreed_stream_steps()
-        self._packing: tuple[int, list[list[list[int]]]] | None = None  # (epoch, steps)
+        self._strategy = self._build(planner, lengths)
         self.epoch = 0
         self._step = 0  # steps of self.epoch the training loop has consumed
         # Held weakly: an iterator the loop drops mid-epoch is then collected at once, and
@@ -516,6 +267,59 @@ class BalancedDataLoader:
         # An EpochMismatch not yet raised in the loop; close() and the next iteration raise it.
         self._failure: ex.EpochMismatch | None = None
         self._check_yields_a_step()
+
+    def _build(
+        self, planner: ex.Planner, lengths: Sequence[int] | np.ndarray | None
+    ) -> ExchangeStrategy:
+        """The strategy of ``self.mode``, with all it needs: the one place a mode is picked."""
+        source, budget = self.source, self.max_tokens_per_rank
+        self.num_replicas = la.num_replicas(source, self.sampling, self._group)
+        strategy = strategy_for(self.mode)
+        known = self._known_lengths(lengths, needed=strategy.plans_before_loading)
+        if budget is not None and known is not None:
+            check_budget(known, budget)  # an example no step can hold: fail now
+        pin = la.pinning(source, self.options)
+        reader = make_reader(
+            source,
+            sr.Workers.of(self.options),
+            batch_size=self.batch_size,
+            collate_fn=self.collate_fn if strategy.plans_before_loading else None,
+        )
+        self._steps = RankSteps(
+            source,
+            reader,
+            rank=self._group.rank,
+            num_replicas=self.num_replicas,
+            sampling=self.sampling,
+            batch_size=self.batch_size,
+            max_tokens_per_rank=budget,
+            lengths=known,
+            length_column=self.length_column,
+            length_fn=self.length_fn,
+            meta_fn=self.planning.meta_fn,
+        )
+        self._steps_known = self._steps.agreed_stream_steps(self._group)
+        setup = Setup(
+            group=self._group,
+            planner=planner if budget is None else WithinBudget(planner, budget),
+            collate_fn=self.collate_fn,
+            steps=self._steps,
+            pin=pin,
+            stats_cost=st.planner_cost(planner),
+            ranks_per_node=getattr(planner, "ranks_per_node", None),
+            batch_meta_fn=self.planning.batch_meta_fn,
+        )
+        return strategy(setup)
+
+    @property
+    def planner(self) -> ex.Planner:
+        """What plans each step (the default ``BalancePlanner``, or the planning options'
+        own; wrapped to keep ``max_tokens_per_rank``). Replace it between epochs only."""
+        return self._strategy.setup.planner
+
+    @planner.setter
+    def planner(self, planner: ex.Planner) -> None:
+        self._strategy.setup.planner = planner
 
     def _check_yields_a_step(self) -> None:
         """Raise when an epoch would have no step (an empty dataset, fewer examples than one
@@ -545,16 +349,18 @@ class BalancedDataLoader:
             "Give it more examples or take smaller batches"
         )
 
-    def _known_lengths(self, lengths: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
-        """Every example's length by dataset index, when known before loading: always in
-        index mode (it plans on these alone), in the other modes only if given."""
+    def _known_lengths(
+        self, lengths: Sequence[int] | np.ndarray | None, *, needed: bool
+    ) -> np.ndarray | None:
+        """Every example's length by dataset index, when known before loading: always when
+        the strategy plans on these alone (``needed``), else only if given."""
         source = self.source
         if lengths is not None:
             known = check_lengths(lengths, source="lengths")
             if known.size != len(source):
                 raise ValueError(f"lengths has {known.size} entries, the dataset {len(source)}")
             return known
-        if self.mode != "index":
+        if not needed:
             return None
         return dataset_lengths(
             source,
@@ -563,32 +369,6 @@ class BalancedDataLoader:
             columns=self.options.length_columns,
             num_proc=self.options.num_proc,
         )
-
-    def _make_reader(self) -> sr.MapLoader | sr.IterStream | sr.LoaderBatches:
-        """What loads this rank's examples (one object for all epochs: persistent workers)."""
-        workers = sr.Workers.of(self.options)
-        if isinstance(self.source, DataLoader):
-            return sr.LoaderBatches(self.source)
-        if not sr.is_map_style(self.source):
-            return sr.IterStream(self.source, chunk=self.batch_size or sr.CHUNK, workers=workers)
-        if self.mode == "index":  # workers load and collate the balanced indices
-            return sr.MapLoader(self.source, workers, collate_fn=self.collate_fn, indexed=False)
-        return sr.MapLoader(self.source, workers, indexed=True)
-
-    def _agreed_stream_steps(self) -> int | None:
-        """Steps per epoch of a stream or DataLoader source, when every rank knows its own
-        count (the epoch lasts as long as the longest rank's). Collective."""
-        if sr.is_map_style(self.source):
-            return None
-        local = -1
-        if self.max_tokens_per_rank is None:
-            try:
-                n = len(self.source)
-                local = n if isinstance(self.source, DataLoader) else -(-n // self.batch_size)
-            except TypeError:  # no __len__: known only at the end
-                pass
-        counts = self._group.all_gather_fixed([local])
-        return int(counts.max()) if np.all(counts >= 0) else None
 
     # -- sampler semantics ----------------------------------------------------------------
 
@@ -662,16 +442,9 @@ class BalancedDataLoader:
         Raises ``TypeError`` for a stream whose length some rank does not know (an
         iterable without ``__len__``, or token-budget batches cut as the stream is read).
         """
-        if sr.is_map_style(self.source) and self.max_tokens_per_rank is None:
-            return steps_per_epoch(
-                len(self.source),
-                num_replicas=self.num_replicas,
-                batch_size=self.batch_size,
-                drop_last=self.sampling.drop_last,
-            )
-        steps = self._sampled_steps(self.epoch)  # token budget over known lengths
+        steps = self._steps.count(self.epoch)
         if steps is not None:
-            return len(steps)
+            return steps
         if self._steps_known is not None:
             return self._steps_known
         raise TypeError(
@@ -679,38 +452,6 @@ class BalancedDataLoader:
             f"{type(self.source).__name__} data (give it a __len__: the examples in this "
             "rank's shard), or with a token budget over lengths known only when loaded"
         )
-
-    def _sampled_steps(self, epoch: int) -> list[list[int]] | None:
-        """This rank's sampled dataset indices per step, where sampling needs no loading: a
-        map-style dataset cut by count, or by token budget over lengths known up front."""
-        sampling = self.sampling
-        if not sr.is_map_style(self.source):
-            return None
-        if self.max_tokens_per_rank is None:
-            return local_batches(
-                len(self.source),
-                rank=self._group.rank,
-                num_replicas=self.num_replicas,
-                batch_size=self.batch_size,
-                epoch=epoch,
-                seed=sampling.seed,
-                shuffle=sampling.shuffle,
-                drop_last=sampling.drop_last,
-            )
-        if self._lengths is None:
-            return None
-        if self._packing is None or self._packing[0] != epoch:
-            steps = token_budget_batches(
-                self._lengths,
-                num_replicas=self.num_replicas,
-                max_tokens=self.max_tokens_per_rank,
-                epoch=epoch,
-                seed=sampling.seed,
-                shuffle=sampling.shuffle,
-                drop_last=sampling.drop_last,
-            )
-            self._packing = (epoch, steps)
-        return [per_rank[self._group.rank] for per_rank in self._packing[1]]
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -781,88 +522,29 @@ class BalancedDataLoader:
                 f"{g.size} ranks"
             )
 
-    def _begin(self, epoch: int, start: int) -> _Epoch:
+    def _begin(self, epoch: int, start: int) -> EpochState:
         """The state of a pass over ``epoch`` from step ``start`` (nothing loaded yet)."""
-        sampled = self._sampled_steps(epoch)
-        ep = _Epoch(epoch, start, None if sampled is None else len(sampled), start)
-        if self.mode == "index":
-            ep.sampled = sampled
-            # The workers start here, in the caller's thread, and their batch sampler plans
-            # the steps they load first (every rank alike; the rest plan in the prefetch thread).
-            ep.loaded = self._reader(self._plan_index_steps(ep))
-        elif sampled is not None:  # only this rank's sampled steps from start are loaded
-            ep.batches = (self._local(pairs) for pairs in self._reader(sampled[start:]))
-        elif isinstance(self._reader, sr.LoaderBatches):
-            ep.batches = self._reader(epoch, start)
-        else:  # read (and drop) the steps before start: their cut depends on the data
-            ep.batches = itertools.islice(self._cut(self._pairs(epoch)), start, None)
+        sampled = self._steps.sampled(epoch)
+        ep = EpochState(epoch, start, None if sampled is None else len(sampled), start)
+        self._strategy.begin(ep, sampled)
         return ep
-
-    def _pairs(self, epoch: int) -> Iterator[tuple[sr.Key, Any]]:
-        """This rank's examples of the epoch as (key, example), in sampling order."""
-        if isinstance(self._reader, sr.MapLoader):  # token budget, lengths known when loaded
-            order = rank_indices(
-                len(self.source),
-                rank=self._group.rank,
-                num_replicas=self.num_replicas,
-                epoch=epoch,
-                seed=self.sampling.seed,
-                shuffle=self.sampling.shuffle,
-                drop_last=self.sampling.drop_last,
-            )
-            chunks = (order[i : i + sr.CHUNK] for i in range(0, len(order), sr.CHUNK))
-            return itertools.chain.from_iterable(self._reader(chunks))
-        assert isinstance(self._reader, sr.IterStream)
-        return self._reader(epoch)
-
-    def _cut(self, pairs: Iterator[tuple[sr.Key, Any]]) -> Iterator[sr.Local]:
-        """Local batches from a stream of pairs: by count or by token budget."""
-        if self.max_tokens_per_rank is None:
-            return sr.by_count(pairs, self.batch_size)
-        return sr.by_tokens(pairs, self._length, self.max_tokens_per_rank)
-
-    def _local(self, pairs: list[tuple[int, Any]]) -> sr.Local:
-        keys = [k for k, _ in pairs]
-        lengths = None
-        if self.max_tokens_per_rank is not None:  # packed on lengths known up front
-            lengths = self._lengths[keys].tolist()
-        return sr.Local(keys, [e for _, e in pairs], lengths)
 
     # -- one step (runs in the background thread) ---------------------------------------
 
-    def _length(self, example: Any, key: sr.Key) -> int:
-        if self._lengths is not None and isinstance(key, int):
-            return int(self._lengths[key])
-        return example_length(
-            example,
-            index=key,
-            length_column=self.length_column,
-            length_fn=self.length_fn,
-        )
-
-    def _meta_row(self, example: Any, key: sr.Key) -> list[int]:
-        meta_fn = self.planning.meta_fn
-        if meta_fn is not None:
-            return [int(v) for v in meta_fn(example)]
-        return [self._length(example, key)]
-
-    def _produce(self, ep: _Epoch, step: int) -> _Step:
+    def _produce(self, ep: EpochState, step: int) -> Step:
         if ep.num_steps is not None and step >= ep.num_steps:
             raise StopIteration
         try:
-            if self.mode == "index":
-                return self._produce_index(ep, step)
-            return self._produce_local_or_move(ep, step)
+            return self._strategy.produce(ep, step)
         except ex.EpochMismatch as exc:  # a peer's loop left the epoch before this one
             raise self._record(exc, ep.epoch) from None
 
-    def _leave(self, ep: _Epoch, step: int, consumed: int) -> None:
+    def _leave(self, ep: EpochState, step: int, consumed: int) -> None:
         """The loop left the epoch after ``consumed`` batches and the thread stopped before
         producing ``step``: tell the peers at the next exchange (see
         :func:`~orchmllm.data.exchange.leave_epoch`)."""
         planned = ep.num_steps is not None and ep.next_gather >= ep.num_steps
-        confirming = self.mode == "index" and ep.num_steps is not None and step < ep.num_steps
-        if planned and not confirming:
+        if planned and not self._strategy.pending_exchange(ep, step):
             return  # every rank's producer ends at num_steps by itself: nothing pending
         try:
             ex.leave_epoch(self._group, consumed=consumed, step=ep.next_gather)
@@ -874,154 +556,14 @@ class BalancedDataLoader:
         self._failure = ex.EpochMismatch(f"{self.name}, epoch {epoch}: {exc}")
         return self._failure
 
-    def _after_gather(self, ep: _Epoch, work: Callable[[], Any]) -> Any:
-        """Run this rank's work that follows a gather; if it fails, tell the peers at the
-        next exchange (where they will be) so that they fail instead of wait."""
-        try:
-            return work()
-        except Exception as exc:
-            if not ep.planning_failed and (ep.num_steps is None or ep.next_gather < ep.num_steps):
-                ex.gather_step(self._group, None, error=exc, step=ep.next_gather)
-            raise
-
-    def _finish(self, batch: Any) -> Any:
-        return pin_memory(batch) if self._pin else batch
-
-    def _plan_index_steps(self, ep: _Epoch) -> Iterator[list[int]]:
-        """The batch sampler of index mode: per step, gather the ranks' sampled (index,
-        length) rows, plan, and yield the indices this rank loads. Runs where the loader
-        asks for indices (ahead of loading by ``prefetch_factor * num_workers`` steps)."""
-        g = self._group
-        assert self._lengths is not None
-        for step in range(ep.start, len(ep.sampled)):
-            t0 = time.perf_counter()
-            rows = [[i, int(self._lengths[i])] for i in ep.sampled[step]]
-            ep.next_gather = step + 1
-            planner = ex.planner_at(self.planner, ep.epoch, step)
-            try:
-                gathered = ex.gather_step(g, rows, step=step, planner=planner)
-                plan = ex.run_planner(g, planner, gathered.meta[:, 1:], gathered.src)
-                plan = ex.check_rearrangement(plan, g, len(gathered.src))
-            except BaseException:
-                ep.planning_failed = True
-                raise
-            ep.planned.append(_Planned(gathered, plan, t0, time.perf_counter() - t0))
-            yield gathered.meta[plan.items_at(g.rank), 0].tolist()
-
-    def _produce_index(self, ep: _Epoch, step: int) -> _Step:
-        assert ep.loaded is not None
-        batch, error = None, None
-        try:
-            batch = self._finish(next(ep.loaded))
-        except Exception as exc:
-            if ep.planning_failed:  # a collective error: raised on every rank already
-                raise
-            error = exc
-        # Index mode loads after the plan: every rank says whether it loaded its share, so a
-        # failure (the dataset or the collate function raised) is raised at this step on
-        # every rank, naming the rank, before any rank trains on the step.
-        ex.gather_step(self._group, [], error=error, step=step)
-        gathered, plan, t0, plan_s = ep.planned.popleft()
-        meta = gathered.meta[:, 1:]
-        info = StepInfo(
-            ep.epoch,
-            step,
-            meta,
-            gathered.src,
-            gathered.meta[:, 0],
-            plan,
-            plan_s,
-            time.perf_counter() - t0,
-            gathered.bytes_sent,
-            0,
-        )
-        stats = st.phase_stats(
-            "batch", plan, meta[:, 0], cost=self._stats_cost, plan_ms=1e3 * plan_s
-        )
-        return _Step(batch, info, self._step_stats(info, stats))
-
-    def _produce_local_or_move(self, ep: _Epoch, step: int) -> _Step:
-        assert ep.batches is not None
-        t0 = time.perf_counter()
-        local = self.mode == "local"
-        batch_meta_fn = self.planning.batch_meta_fn
-
-        def prepare() -> tuple[Any, Sequence[Sequence[int]]]:
-            mine = next(ep.batches, None)
-            if mine is None:
-                return None, []
-            if local and batch_meta_fn is not None:
-                batch = self._finish(self.collate_fn(mine.examples))
-                return batch, np.asarray(batch_meta_fn(batch), dtype=np.int64)
-            if mine.lengths is not None:
-                rows = [[n] for n in mine.lengths]
-            else:
-                pairs = zip(mine.keys, mine.examples, strict=True)
-                rows = [self._meta_row(e, k) for k, e in pairs]
-            return (self._finish(self.collate_fn(mine.examples)) if local else mine.examples), rows
-
-        ep.next_gather = step + 1
-        planner = ex.planner_at(self.planner, ep.epoch, step)
-        done = ex.balance_step(self._group, planner, prepare, step=step, move=not local)
-        if done is None:
-            raise StopIteration
-        if local:  # collated before the gather
-            batch = done.examples
-            stats = self._local_stats(done, batch)
-            assembly = self._after_gather(ep, lambda: self._assembly(done.plan))
-        else:
-            batch = self._after_gather(ep, lambda: self._finish(self.collate_fn(done.examples)))
-            stats = st.phase_stats(
-                "batch",
-                done.plan,
-                done.meta[:, 0],
-                cost=self._stats_cost,
-                plan_ms=1e3 * done.plan_s,
-                item_bytes=done.gathered.meta[:, 0],
-                ranks_per_node=self._ranks_per_node,
-            )
-        info = done.info(epoch=ep.epoch, step=step, prep_s=time.perf_counter() - t0)
-        stats = self._step_stats(info, stats)
-        if local:
-            return _Step(PlannedBatch(batch, done.plan, info, stats, assembly), info, stats)
-        return _Step(batch, info, stats)
-
-    def _assembly(self, plan: Any) -> Any:
-        """This rank's share of ``plan``, when the planner says how to compute it."""
-        share = getattr(self.planner, "assembly", None)
-        return None if share is None else share(plan, self._group.rank)
-
-    def _local_stats(self, done: ex.BalancedStep, batch: Any) -> dict[str, float]:
-        """Local mode: the planner's own metrics if it has them (the orchestrator's, per
-        phase), else the single phase's; the loader moves nothing, so no bytes here."""
-        step_stats = getattr(self.planner, "step_stats", None)
-        if step_stats is not None:
-            return step_stats(done.plan, batch)
-        if isinstance(done.plan, Rearrangement):
-            lengths = done.meta[:, 0]
-            return st.phase_stats(
-                "batch", done.plan, lengths, cost=self._stats_cost, plan_ms=1e3 * done.plan_s
-            )
-        return {}
-
-    @staticmethod
-    def _step_stats(info: StepInfo, phases: dict[str, float]) -> dict[str, float]:
-        return {
-            "epoch": info.epoch,
-            "step": info.step,
-            "prepare_ms": 1e3 * info.prep_s,
-            "bytes_meta": info.bytes_meta,
-            **phases,
-        }
-
 
 class _EpochIterator(Iterator[Any]):
     """One pass over an epoch from a start step; owns the background thread."""
 
-    def __init__(self, loader: BalancedDataLoader, ep: _Epoch) -> None:
+    def __init__(self, loader: BalancedDataLoader, ep: EpochState) -> None:
         self.loader = loader
 
-        def produce(step: int) -> _Step:
+        def produce(step: int) -> Step:
             return loader._produce(ep, step)
 
         def leave(step: int, consumed: int) -> None:

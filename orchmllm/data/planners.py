@@ -87,6 +87,37 @@ class BalancePlanner:
         return Rearrangement.from_assignment(src, result.dst, num_ranks=num_ranks)
 
 
+@dataclass(frozen=True)
+class WithinBudget:
+    """A planner whose plans keep every rank within ``max_tokens`` (column 0 of the
+    metadata): a plan that would not is replaced by the sampled layout, which is.
+
+    Attributes:
+        planner: the planner whose plans are kept when within the budget.
+        max_tokens: the budget of every rank, in length units.
+    """
+
+    planner: Callable[[np.ndarray, np.ndarray, int], Any]
+    max_tokens: int
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every rank computes the same plan itself (as the wrapped planner)."""
+        return getattr(self.planner, "deterministic", True)
+
+    def __call__(self, meta: np.ndarray, src: np.ndarray, num_ranks: int) -> Rearrangement:
+        plan = self.planner(meta, src, num_ranks)
+        if not isinstance(plan, Rearrangement):
+            raise ValueError(
+                f"max_tokens_per_rank needs a planner returning a Rearrangement, got "
+                f"{type(plan).__name__}"
+            )
+        loads = np.bincount(plan.dst_rank, weights=meta[:, 0], minlength=num_ranks)
+        if loads.size and loads.max() > self.max_tokens:
+            return Rearrangement.from_assignment(src, src, num_ranks=num_ranks)
+        return plan
+
+
 def collate_layout(collate_fn: Callable[[list], Any]) -> str | None:
     """``"padded"``, ``"packed"`` or None (cannot tell) for a collate function.
 

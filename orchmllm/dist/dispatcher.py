@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from orchmllm.dist import comm
-from orchmllm.dist.agreement import PeerFailed, agreed_plan
+from orchmllm.dist.agreement import PeerFailed
 from orchmllm.planner.balance import balance, plan_is_deterministic
 from orchmllm.planner.cost import CostModel, imbalance
+from orchmllm.dist.move_path import MovePath
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.policies import POLICIES
 from orchmllm.dist.topology import Topology
@@ -189,6 +190,7 @@ class BatchDispatcher:
         # Stats use the layout's cost; the policy itself gets `cost` (None: its default).
         self.cost = cost
         self._id, self._calls = next(_CREATED), 0
+        self._path = MovePath(self.topology)
         self.stats_cost = cost if cost is not None else CostModel(layout)
 
     # -- public -------------------------------------------------------------------------
@@ -255,8 +257,7 @@ class BatchDispatcher:
         plan: Rearrangement | None,
         local_lengths: np.ndarray,
     ) -> Dispatched:
-        rank, world = self.topology.rank, self.topology.size
-
+        rank = self.topology.rank
         t0 = time.perf_counter()
         rows, src = comm.all_gather_rows(
             local_lengths[:, None],
@@ -266,28 +267,7 @@ class BatchDispatcher:
         )
         glob = rows[:, 0] if rows.size else np.zeros(0, dtype=np.int64)
         t1 = time.perf_counter()
-        if plan is None:
-            assignment = agreed_plan(
-                lambda: balance(
-                    glob,
-                    world,
-                    self.policy,
-                    src=src,
-                    cost=self.cost,
-                    ranks_per_node=self.topology.ranks_per_node,
-                    placement=self.placement,
-                    max_items_per_rank=self.max_items_per_rank,
-                    max_load_per_rank=self.max_load_per_rank,
-                ),
-                deterministic=self.deterministic,
-                group=self.topology.meta_group,
-                timeout=self.topology.timeout,
-            )
-            plan = Rearrangement.from_assignment(src, assignment.dst, num_ranks=world)
-            policy_stats = assignment.stats
-        else:
-            _check_given_plan(plan, src, world)
-            policy_stats = {}
+        plan, policy_stats = self._plan(glob, src, plan)
         t2 = time.perf_counter()
         if self.check_plan:
             self._check_plan(plan, glob)
@@ -296,12 +276,10 @@ class BatchDispatcher:
         new_lengths = torch.as_tensor(glob[new_ids], dtype=torch.int64, device=lengths.device)
         tok_names, item_names = sorted(tokens), sorted(items)
         flat = [self._to_packed(tokens[k], lengths) for k in tok_names]
-        moved = comm.move_many(
+        moved = self._path.move(
             plan,
             flat + [items[k] for k in item_names],
             [glob] * len(flat) + [np.ones_like(glob)] * len(item_names),
-            group=self.topology.group,
-            timeout=self.topology.timeout,
         )
         t3 = time.perf_counter()
         new_max = int(glob[new_ids].max()) if new_ids.size else 0
@@ -325,6 +303,31 @@ class BatchDispatcher:
             if self.layout == "padded"
             else {},
         )
+
+    def _plan(
+        self, glob: np.ndarray, src: np.ndarray, given: Rearrangement | None
+    ) -> tuple[Rearrangement, dict[str, float]]:
+        """The plan of the gathered lengths (``given``, checked, or the policy's; the same
+        on every rank) and the policy's own statistics."""
+        world = self.topology.size
+        if given is not None:
+            _check_given_plan(given, src, world)
+            return given, {}
+        assignment = self._path.plan(
+            lambda: balance(
+                glob,
+                world,
+                self.policy,
+                src=src,
+                cost=self.cost,
+                ranks_per_node=self.topology.ranks_per_node,
+                placement=self.placement,
+                max_items_per_rank=self.max_items_per_rank,
+                max_load_per_rank=self.max_load_per_rank,
+            ),
+            deterministic=self.deterministic,
+        )
+        return Rearrangement.from_assignment(src, assignment.dst, num_ranks=world), assignment.stats
 
     def undo(
         self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool = False
@@ -358,19 +361,10 @@ class BatchDispatcher:
     def _undo(self, dispatched: Dispatched, tensor: torch.Tensor, *, items: bool) -> torch.Tensor:
         plan = dispatched.plan
         glob = dispatched.global_lengths
-        back = plan.inverse()
         if items:
-            return comm.move(
-                back,
-                tensor,
-                sizes=np.ones_like(glob),
-                group=self.topology.group,
-                timeout=self.topology.timeout,
-            )
+            return self._path.move_back(plan, [tensor], [np.ones_like(glob)])[0]
         flat = self._to_packed(tensor, dispatched.lengths, layout=dispatched.layout)
-        out = comm.move(
-            back, flat, sizes=glob, group=self.topology.group, timeout=self.topology.timeout
-        )
+        out = self._path.move_back(plan, [flat], [glob])[0]
         if dispatched.layout == "packed":
             return out
         orig_ids = plan.source_items_at(dispatched.rank)
@@ -394,13 +388,11 @@ class BatchDispatcher:
         except RuntimeError as exc:
             if isinstance(exc, PlanMismatchError | PeerFailed):
                 raise
-            absent = comm.roll_call(self.topology.group, call=call, timeout=self.topology.timeout)
-            if not absent:
-                raise
             where = f"rank {self.topology.rank}: BatchDispatcher.{what} (call {self._calls})"
-            raise PeerFailed(
-                comm.absent_message(where, exc, str(absent), timeout=self.topology.timeout)
-            ) from exc
+            named = self._path.absent(exc, call=call, what=where)
+            if named is None:
+                raise
+            raise named from exc
 
     def _to_packed(
         self, t: torch.Tensor, lengths: torch.Tensor, layout: str | None = None
