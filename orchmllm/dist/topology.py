@@ -49,9 +49,22 @@ key-value store, so the keys of a dead attempt must not be read by the next one:
 :func:`attempt_store` gives each attempt a namespace of its own, and :func:`job_token` names
 the job across its attempts.
 
-Data parallelism is the one axis today. A sequence- or tensor-parallel axis would be another
-group here (built from a device mesh), with ``group`` the data-parallel one the balancer
-moves examples across.
+Context parallelism. A sequence longer than a rank's budget is split over the ranks of a
+context-parallel group, which all-gather its keys and values in every attention layer
+(:mod:`orchmllm.dist.context_parallel`). ``build(context_parallel=N)`` opens those groups once,
+at set-up, never per step: for every divisor k >= 2 of N, the aligned blocks of k consecutive
+data-parallel ranks (k = 2 of N = 4: {0, 1}, {2, 3}, ...; k = 4: {0, 1, 2, 3}, ...), on the
+backend of ``group`` (the keys live where the model does). Why blocks and not one group per
+rank set: a group is a collective to create (every rank of the job joins each ``new_group``),
+so the sets must be known at set-up, and the number of all subsets explodes; aligned blocks
+give a piece of k ranks a group of its own (a gather over a wider group with masking would
+make ranks that hold no piece of the sequence take part in its every gather), and with N
+dividing the ranks per node they never cross a node. So the planner places a piece of k
+ranks on such a block; :meth:`Topology.context_parallel_group` returns it.
+
+Data parallelism is the one balanced axis. A tensor-parallel axis would be another group here
+(built from a device mesh), with ``group`` the data-parallel one the balancer moves examples
+across.
 """
 
 from __future__ import annotations
@@ -64,7 +77,7 @@ import secrets
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -72,7 +85,7 @@ import torch.distributed as dist
 
 from orchmllm import compat
 
-__all__ = ["Topology", "attempt_store", "job_token"]
+__all__ = ["Topology", "attempt_store", "context_parallel_blocks", "job_token"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _ATTEMPT = "orchmllm/attempt"
@@ -104,6 +117,8 @@ class Topology:
         timeout: seconds any one collective may wait.
         owned: (constructor only) the groups this topology created, which :meth:`close`
             destroys; :meth:`build` passes them.
+        context_groups: (constructor only) this rank's context-parallel groups by their
+            data-parallel ranks (:meth:`context_parallel_group`); :meth:`build` passes them.
     """
 
     def __init__(
@@ -113,8 +128,10 @@ class Topology:
         ranks_per_node: int | None,
         timeout: float,
         owned: list[dist.ProcessGroup] | None = None,
+        context_groups: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
     ) -> None:
         self.group = group
+        self._context_groups = context_groups or {}
         self._meta_group = meta_group
         self.ranks_per_node = ranks_per_node
         self.timeout = timeout
@@ -149,6 +166,7 @@ class Topology:
         meta_group: dist.ProcessGroup | None = None,
         ranks_per_node: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        context_parallel: int = 1,
     ) -> Topology:
         """The topology over ``group``'s ranks (not distributed: one without groups).
 
@@ -163,30 +181,42 @@ class Topology:
                 created, owned by the topology).
             ranks_per_node: consecutive ranks per node (None: unknown).
             timeout: seconds any one collective may wait.
+            context_parallel: the largest context-parallel group N; > 1 opens the groups of
+                every aligned block of k consecutive ranks, k >= 2 dividing N (module
+                docstring: "Context parallelism"), collectively, on ``group``'s backend.
 
         Returns:
             The :class:`Topology`.
 
         Raises:
-            ValueError: a ``timeout`` that is not a number > 0, a ``ranks_per_node`` that is
-                not a positive integer, or a ``meta_group`` that is not gloo.
+            ValueError: a ``timeout`` that is not a number > 0, a ``ranks_per_node`` or
+                ``context_parallel`` that is not a positive integer, a ``context_parallel``
+                above the number of ranks, or a ``meta_group`` that is not gloo.
         """
         if not (isinstance(timeout, int | float) and not isinstance(timeout, bool)) or not (
             timeout > 0
         ):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if ranks_per_node is not None and (
-            not isinstance(ranks_per_node, int)
-            or isinstance(ranks_per_node, bool)
-            or ranks_per_node < 1
-        ):
+        if ranks_per_node is not None and not _positive_int(ranks_per_node):
             raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+        if not _positive_int(context_parallel):
+            raise ValueError(
+                f"context_parallel must be a positive integer, got {context_parallel!r}"
+            )
         if not (dist.is_available() and dist.is_initialized()):
+            if context_parallel > 1:
+                raise ValueError(
+                    f"context_parallel={context_parallel} needs torch.distributed initialised"
+                )
             return cls(None, None, ranks_per_node, float(timeout))
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if context_parallel > len(ranks):
+            raise ValueError(
+                f"context_parallel must be <= the {len(ranks)} ranks, got {context_parallel}"
+            )
         owned: list[dist.ProcessGroup] = []
         if meta_group is None:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            meta_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+            meta_group = _new_group(ranks, "gloo", timeout)
             # Return only once every rank has connected: a rank dropping this topology at once
             # would otherwise destroy the group under a peer still connecting to it.
             dist.barrier(group=meta_group)
@@ -195,7 +225,9 @@ class Topology:
             raise ValueError(
                 f"meta_group must be a gloo group, got backend {dist.get_backend(meta_group)!r}"
             )
-        return cls(group, meta_group, ranks_per_node, float(timeout), owned)
+        context_groups = _open_context_groups(group, ranks, context_parallel, float(timeout))
+        owned.extend(context_groups.values())
+        return cls(group, meta_group, ranks_per_node, float(timeout), owned, context_groups)
 
     @property
     def distributed(self) -> bool:
@@ -211,6 +243,31 @@ class Topology:
     def size(self) -> int:
         """The number of ranks in ``group`` (1 when not distributed)."""
         return dist.get_world_size(self.group) if self.distributed else 1
+
+    def context_parallel_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The context-parallel group of a piece (module docstring: "Context parallelism").
+
+        Args:
+            ranks: data-parallel ranks, ascending: one of the aligned blocks :meth:`build`
+                opened (``context_parallel=N``) that hold this rank.
+
+        Returns:
+            The group, the same object for every call (opened once, at set-up).
+
+        Raises:
+            ValueError: ``ranks`` is no such block holding this rank (the message lists them).
+            RuntimeError: this topology was closed.
+        """
+        if self._closed:
+            raise RuntimeError("this Topology was closed: its context-parallel groups are gone")
+        key = tuple(int(r) for r in ranks)
+        if key not in self._context_groups:
+            raise ValueError(
+                f"ranks {key} are no context-parallel group of rank {self.rank}: this topology "
+                f"opened {sorted(self._context_groups)} for it (build(context_parallel=N) opens "
+                "the aligned blocks of k consecutive ranks, k >= 2 dividing N)"
+            )
+        return self._context_groups[key]
 
     def on_close(self, user: Any, close: Callable[[Any], None]) -> None:
         """Have :meth:`close` call ``close(user)`` first, while ``user`` is alive (it is held
@@ -240,6 +297,7 @@ class Topology:
             self._closed = True
             if self._owns_meta:
                 self._meta_group = None  # the last reference: freeing it joins gloo's threads
+            self._context_groups = {}
             _destroy(self._owned)
 
     def __enter__(self) -> Topology:
@@ -247,6 +305,39 @@ class Topology:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _new_group(ranks: list[int], backend: str, timeout: float) -> dist.ProcessGroup:
+    """The one call that opens a group (collective over every rank of the job)."""
+    return dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout))
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def context_parallel_blocks(world: int, size: int) -> list[tuple[int, ...]]:
+    """The rank sets :meth:`Topology.build` opens a context-parallel group over for
+    ``context_parallel=size`` on ``world`` ranks: for every divisor k >= 2 of ``size``
+    (ascending), the blocks (0..k-1), (k..2k-1), ... that fit in ``world``."""
+    sizes = [k for k in range(2, size + 1) if size % k == 0]
+    return [tuple(range(s, s + k)) for k in sizes for s in range(0, world - k + 1, k)]
+
+
+def _open_context_groups(
+    group: dist.ProcessGroup | None, ranks: list[int], size: int, timeout: float
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """Open the groups of :func:`context_parallel_blocks` (every rank of the job joins each
+    ``new_group``, in the same order) and return those holding this rank, by their
+    data-parallel ranks (``ranks``: their global ranks), once every member has connected."""
+    me, mine = dist.get_rank(group), {}
+    for block in context_parallel_blocks(len(ranks), size):
+        opened = _new_group([ranks[r] for r in block], dist.get_backend(group), timeout)
+        if me in block:
+            mine[block] = opened
+    for opened in mine.values():  # as for the metadata group: connected before it is used
+        dist.barrier(group=opened)
+    return mine
 
 
 def _drop(key: int, owned: list[dist.ProcessGroup]) -> None:
