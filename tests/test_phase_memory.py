@@ -12,9 +12,9 @@ import torch
 from orchmllm.config import load_config
 from orchmllm.data import generate_example
 from orchmllm.data.synthetic import SyntheticConfig
-from orchmllm.phase_memory import PhaseMemory
 from orchmllm.sim.batch import Batch
 from orchmllm.step_plan import StepOptions, default_phases, local_metadata, plan_step
+from orchmllm.train.phase_memory import PhaseMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from orchmllm import checkpoint
 from orchmllm.config import load_config
 from orchmllm.data.synthetic import SyntheticConfig, save_dataset
 from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
@@ -32,11 +31,13 @@ from orchmllm.step_plan import MODES
 from orchmllm.testing import launch_ranks, launcher_store, run_distributed, wait_for
 from orchmllm.train import (
     RunningSummary,
+    checkpoint,
     dataset_location,
     forward_backward,
     main,
     parse_args,
     phase_record,
+    run_config,
     setup,
     write_once,
 )
@@ -473,11 +474,13 @@ def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
 def test_bad_arguments_are_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--balance", "everything"])
-    with pytest.raises(SystemExit):
-        parse_args(["--config", TINY, "--steps", "0"])
-    for bad in ("0", "-1", "2.5"):
-        with pytest.raises(SystemExit):
-            parse_args(["--config", TINY, "--grad-accum", bad])
+    with pytest.raises(SystemExit):  # the type: when the command line is parsed
+        parse_args(["--config", TINY, "--grad-accum", "2.5"])
+    assert "'train.grad_accum' (given '2.5') must be an integer" in capsys.readouterr().err
+    for flag, bad in (("--steps", "0"), ("--grad-accum", "0"), ("--grad-accum", "-1")):
+        args = parse_args(["--config", TINY, flag, bad])  # the range: when the config loads
+        with pytest.raises(ValueError, match=f"must be a positive integer, got {bad}"):
+            run_config(args)
     for bad in (0, 2.5, "2"):
         with pytest.raises(
             ValueError, match=f"train.grad_accum must be a positive integer, got {bad!r}"
