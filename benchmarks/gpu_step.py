@@ -182,7 +182,7 @@ def ranks_per_node(cfg: RunConfig, ranks: int) -> int:
 def plan_mode(
     rows: np.ndarray, src: np.ndarray, cfg: RunConfig, *, ranks: int, mode: str, repeats: int = 3
 ):
-    """One mode's plan, as training makes it (``orchmllm.train.make_orchestrator``: the
+    """One mode's plan, as training makes it (``orchmllm.train.run.make_orchestrator``: the
     config's policies and node-wise placement), and its planning time, the dispatch cost on
     the critical path: the fastest of ``repeats`` runs, since planning is deterministic CPU
     work and slower runs measure only interference from other processes."""

@@ -6,7 +6,7 @@ Runs the training entry point as a user does::
         --steps STEPS --metrics PATH
 
 and reads, per step, every rank's resident memory from the metrics (``--metrics-per-rank``,
-:mod:`orchmllm.host_memory`): anonymous memory (heaps, tensors: what a leak grows) and
+:mod:`orchmllm.train.host_memory`): anonymous memory (heaps, tensors: what a leak grows) and
 file-backed memory (the memory-mapped dataset's pages, page cache the kernel reclaims; it grows
 as the epoch reads new examples, which is not a leak). After the warm-up steps (the optimizer's
 state, the allocator's first arenas) each rank's growth per 100 steps is the least-squares
@@ -16,7 +16,7 @@ is under 2 MB per 100 steps. It prints the largest rank's memory every 100 steps
 rank's slope.
 
 ``--native-cache N`` runs the trainer with torch's per-shape CPU kernel caches at N entries
-(:func:`orchmllm.host_memory.bound_native_caches`; the trainer's own bound otherwise): 1024,
+(:func:`orchmllm.train.host_memory.bound_native_caches`; the trainer's own bound otherwise): 1024,
 torch's default, shows the growth the bound removes.
 
     python benchmarks/soak.py [--quick] [--json PATH] [--steps N] [--warmup N] [--nproc N]
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from orchmllm.host_memory import CACHE_CAPACITY, NATIVE_CACHES
 from orchmllm.provenance import write_records
-from orchmllm.report import load_metrics
+from orchmllm.train.host_memory import CACHE_CAPACITY, NATIVE_CACHES
+from orchmllm.train.report import load_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_MB_PER_100 = 2.0

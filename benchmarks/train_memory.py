@@ -2,7 +2,7 @@
 
 Runs the real entry point on one process, ``torchrun --standalone --nproc_per_node=1 -m
 orchmllm.train`` (NCCL and one GPU on CUDA, gloo on CPU), for a few steps with
-``--memory-report`` (:mod:`orchmllm.phase_memory`: ``torch.cuda.max_memory_allocated`` reset
+``--memory-report`` (:mod:`orchmllm.train.phase_memory`: ``torch.cuda.max_memory_allocated`` reset
 and read around the forward, the backward and the optimizer step, and the step's batch) under
 the config's training recipe (``recipe:``: precision, activation checkpointing, loss chunk).
 For every step it then predicts the same step's batch with the simulator's memory model
@@ -38,11 +38,11 @@ import torch
 
 from orchmllm.config import TrainRecipe, load_config
 from orchmllm.models import MLLM
-from orchmllm.phase_memory import PHASES as STEP_PHASES
 from orchmllm.provenance import write_records
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.memory import MemoryModel
+from orchmllm.train.phase_memory import PHASES as STEP_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 

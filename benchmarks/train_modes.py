@@ -7,7 +7,7 @@ For each mode this runs the training entry point as a user does::
 
 (4 gloo processes; the tiny config treats them as 2 nodes of 2 and places with ``auto``), one
 mode after another on the same synthetic dataset, and summarises each run's metrics with
-``orchmllm.report.summarize``: per phase the imbalance (the slowest rank's load over the mean,
+``orchmllm.train.report.summarize``: per phase the imbalance (the slowest rank's load over the mean,
 under that phase's cost model) before and after balancing, averaged over steps, and the
 all-to-all bytes inside and across nodes; the first and final loss; the mean step time after
 the first step. Balancing rearranges examples and never changes training, so every mode
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from orchmllm.planner.step_options import MODES
 from orchmllm.provenance import write_records
-from orchmllm.report import load_metrics, summarize
+from orchmllm.train.report import load_metrics, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 NPROC = 4
@@ -50,7 +50,7 @@ def train(mode: str, *, config: str, steps: int, workdir: Path, timeout_s: float
 
 
 def record(mode: str, config: str, metrics: Path) -> dict:
-    """The run's summary (``orchmllm.report.summarize``), flat, with what it ran."""
+    """The run's summary (``orchmllm.train.report.summarize``), flat, with what it ran."""
     summary = summarize(load_metrics(metrics))
     phases = summary.pop("phases")
     return {"mode": mode, "config": config, "nproc": NPROC, "phase_names": phases, **summary}

@@ -9,6 +9,6 @@ OUT="${OUT:-$(mktemp -d)}"
 OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 -m orchmllm.train \
     --config configs/tiny.yaml --balance full --seed 0 --quiet \
     --metrics "$OUT/metrics.jsonl" --metrics-per-rank --data-dir "$OUT/data"
-python -m orchmllm.report "$OUT/metrics.jsonl" --out "$OUT/report"
+python -m orchmllm.train.report "$OUT/metrics.jsonl" --out "$OUT/report"
 cp "$OUT/report/loads.png" docs/readme_loads.png
 echo "wrote docs/readme_loads.png (metrics and report in $OUT)"

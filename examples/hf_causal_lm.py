@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import orchmllm  # orchmllm
-from orchmllm.progress import PROGRESS, StepProgress
+from orchmllm.train.progress import PROGRESS, StepProgress
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 

@@ -57,7 +57,7 @@ import orchmllm
 from orchmllm.integrations import hf_compat
 from orchmllm.integrations import transformers as omt  # orchmllm
 from orchmllm.integrations.transformers import tiny
-from orchmllm.progress import PROGRESS, StepProgress
+from orchmllm.train.progress import PROGRESS, StepProgress
 
 
 def plain_loads(adapter: omt.Adapter, rows: list[dict]) -> dict[str, float]:

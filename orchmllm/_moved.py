@@ -26,6 +26,8 @@ _MOVED_INTO = {
     "dist": ("agreement", "calibrator", "comm", "dispatcher", "loss", "orchestrator",
              "topology", "watch"),
     "sim": ("plan_memory",),
+    "train": ("checkpoint", "dirlock", "host_memory", "launch", "memory_oracle", "phase_memory",
+              "preempt", "progress", "report", "tracking"),
 }  # fmt: skip
 MOVED = {f"orchmllm.{m}": f"orchmllm.{pkg}.{m}" for pkg, ms in _MOVED_INTO.items() for m in ms}
 

@@ -20,7 +20,7 @@ with split sizes, ``Work.wait(timeout=)``, ``new_group(backend=, timeout=)``, ``
 ``.ci/oldest-torch`` runs the whole suite on that minimum. The all-to-all's autograd is the
 library's own ``autograd.Function`` (:mod:`orchmllm.dist.comm`), not ``torch.distributed.nn``;
 ``torch.distributed.checkpoint`` (``dcp.save``/``dcp.load`` and ``state_dict.get_state_dict``/
-``set_state_dict``, used by :mod:`orchmllm.checkpoint`) is older than the minimum too.
+``set_state_dict``, used by :mod:`orchmllm.train.checkpoint`) is older than the minimum too.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ import pytest
 import torch
 import yaml
 
-from orchmllm.preempt import Preemption
 from orchmllm.testing import run_distributed
-from orchmllm.train import _loop, parse_args, setup
+from orchmllm.train import parse_args, setup
+from orchmllm.train.loop import _loop
+from orchmllm.train.preempt import Preemption
 from tests.conftest import ROOT
 
 STEPS = 10

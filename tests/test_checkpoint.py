@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchmllm import checkpoint
-from orchmllm.dirlock import LockHeld
+from orchmllm.train import checkpoint
+from orchmllm.train.dirlock import LockHeld
 
 # DCP without a process group says it assumes one process: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchmllm import checkpoint
-from orchmllm.dirlock import LOCK_NAME, DirectoryLock, LockHeld, Owner
 from orchmllm.testing import run_distributed
+from orchmllm.train import checkpoint
+from orchmllm.train.dirlock import LOCK_NAME, DirectoryLock, LockHeld, Owner
 
 
 def _write(directory, **fields) -> Owner:

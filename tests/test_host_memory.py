@@ -1,4 +1,4 @@
-"""orchmllm.host_memory: resident memory by kind, and the bound on torch's native caches."""
+"""orchmllm.train.host_memory: resident memory by kind, and the bound on torch's native caches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from orchmllm.host_memory import NATIVE_CACHES, bound_native_caches, resident_mb
+from orchmllm.train.host_memory import NATIVE_CACHES, bound_native_caches, resident_mb
 
 
 def test_resident_mb_reads_each_kind_in_mb(tmp_path):
@@ -35,7 +35,7 @@ def test_bound_native_caches_sets_only_what_the_environment_leaves_open(monkeypa
 # anonymous memory it leaves behind, in MB, with the caches as the environment sets them.
 _NEW_SHAPES = """
 import torch
-from orchmllm.host_memory import bound_native_caches, resident_mb
+from orchmllm.train.host_memory import bound_native_caches, resident_mb
 bound_native_caches()
 torch.set_num_threads(1)
 conv = torch.nn.Conv1d(16, 32, 3, padding=1)

@@ -37,21 +37,11 @@ FLOORS = {
     "orchmllm.compat": 3,
     "orchmllm.dist": 3,
     "orchmllm.testing": 3,
-    "orchmllm.dirlock": 3,
-    "orchmllm.preempt": 3,
-    "orchmllm.host_memory": 3,
     "orchmllm.dist.orchestrator": 4,
     "orchmllm.dist.calibrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
-    "orchmllm.checkpoint": 7,
-    "orchmllm.train": 7,
-    "orchmllm.launch": 7,
-    "orchmllm.tracking": 7,
-    "orchmllm.report": 7,
-    "orchmllm.progress": 7,
-    "orchmllm.phase_memory": 7,
-    "orchmllm.memory_oracle": 7,  # torch's tracker of the trainer's step (imports train)
+    "orchmllm.train": 7,  # the trainer and what only it uses (checkpoints, launch, reports)
     "orchmllm.provenance": 7,
     "orchmllm.integrations": 8,
 }

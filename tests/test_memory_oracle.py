@@ -5,12 +5,12 @@ exists, above the bytes live when it starts:
 
 - the trainer's real step (``train.setup``/``forward_backward``, the orchestrator, FSDP2) on 1,
   2 and 4 real gloo ranks, each rank measured by ``FSDPMemTracker``
-  (:class:`orchmllm.memory_oracle.PhaseTracker`: the step's tensors) and by the allocator
+  (:class:`orchmllm.train.memory_oracle.PhaseTracker`: the step's tensors) and by the allocator
   (``torch.profiler``'s memory events, as ``tests/test_memory_measured.py``). The allocator
   sees what the tracker cannot: the CPU attention kernel's workspaces (the model predicts
   them: ``attn_*`` features) and gloo's own buffers; what is left after both is gloo's
   (the "gloo" column);
-- :func:`orchmllm.memory_oracle.step_peaks` at 8 and 64 ranks (the fake process group), on a
+- :func:`orchmllm.train.memory_oracle.step_peaks` at 8 and 64 ranks (the fake process group), on a
   rank batch that every rank holds alike.
 
 Vocab 32768 with a hidden of 64 (so the LM head dominates, as in a real model), bf16-mixed
@@ -93,8 +93,8 @@ def _trainer_worker(rank: int, world: int, config: str, precision: str, ckpt: in
                     data_dir: str) -> dict:  # fmt: skip
     """The trainer's second step on this rank: tracked, profiled and predicted."""
     from orchmllm import train
-    from orchmllm.memory_oracle import PhaseTracker, RankBatch
     from orchmllm.sim.memory import step_of_plan
+    from orchmllm.train.memory_oracle import PhaseTracker, RankBatch
 
     argv = [
         "--config", config, "--precision", precision, "--checkpointing", str(ckpt),
@@ -137,7 +137,7 @@ def _recipes_worker(rank: int, world: int, config: str, data_dir: str) -> dict:
     """Every recipe on the same ranks (one start-up of the processes for all), then the
     oracle's own step of the first recipe on these gloo ranks, each on its trainer items."""
     from orchmllm.config import load_config
-    from orchmllm.memory_oracle import rank_step_peaks
+    from orchmllm.train.memory_oracle import rank_step_peaks
 
     out = {
         name: _trainer_worker(rank, world, config, precision, ckpt, data_dir)
@@ -153,7 +153,7 @@ def _recipes_worker(rank: int, world: int, config: str, data_dir: str) -> dict:
 
 def _oracle_case(args: tuple) -> dict:
     """One fake-process-group measurement (in a process of its own: it owns the group)."""
-    from orchmllm.memory_oracle import step_peaks
+    from orchmllm.train.memory_oracle import step_peaks
 
     config, recipe, world, rank_batch = args
     r = step_peaks(config, recipe, world, rank_batch)
@@ -193,7 +193,7 @@ def _symmetric(config, world: int):
 def table(tmp_path_factory) -> dict:
     """Every case measured once: (world, recipe) -> rank -> figures."""
     from orchmllm.config import load_config
-    from orchmllm.memory_oracle import RankBatch
+    from orchmllm.train.memory_oracle import RankBatch
 
     tmp = tmp_path_factory.mktemp("oracle")
     config = _config(tmp)

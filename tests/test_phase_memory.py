@@ -12,11 +12,11 @@ import torch
 from orchmllm.config import load_config
 from orchmllm.data import generate_example
 from orchmllm.data.synthetic import SyntheticConfig
-from orchmllm.phase_memory import PhaseMemory
 from orchmllm.planner.segments import local_metadata
 from orchmllm.planner.step_options import StepOptions, default_phases
 from orchmllm.planner.step_plan import plan_step
 from orchmllm.sim.batch import Batch
+from orchmllm.train.phase_memory import PhaseMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ import io
 import pytest
 import torch.distributed as dist
 
-from orchmllm.progress import StepProgress
 from orchmllm.testing import run_distributed
+from orchmllm.train.progress import StepProgress
 
 
 def _report(rank: int, world: int, mode: str, steps: int) -> str:

@@ -1,4 +1,4 @@
-"""orchmllm.report on metrics files built from the training metrics schema."""
+"""orchmllm.train.report on metrics files built from the training metrics schema."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from orchmllm import report
+from orchmllm.train import report
 
 PHASES = ("vision", "audio", "llm")
 
@@ -140,7 +140,7 @@ def test_missing_file_and_cli(tmp_path, rng, capsys):
     assert "does not exist" in capsys.readouterr().err
     metrics = _write(tmp_path / "m.jsonl", _records(rng, steps=3))
     proc = subprocess.run(
-        [sys.executable, "-m", "orchmllm.report", metrics, "--out", str(tmp_path / "cli")],
+        [sys.executable, "-m", "orchmllm.train.report", metrics, "--out", str(tmp_path / "cli")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from orchmllm.testing import run_distributed
-from orchmllm.tracking import PHASE_SCALARS, missing_packages, scalars
 from orchmllm.train import main
+from orchmllm.train.tracking import PHASE_SCALARS, missing_packages, scalars
 
 RECORD = {
     "step": 3, "loss": 6.25, "grad_norm": 1.5, "step_time_s": 0.2, "tokens_per_s": 900.0,

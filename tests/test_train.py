@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from orchmllm import checkpoint
 from orchmllm.config import load_config
 from orchmllm.data.synthetic import SyntheticConfig, save_dataset
 from orchmllm.planner.step_options import MODES
@@ -32,11 +31,13 @@ from orchmllm.schema import Modality, register_modality, unregister_modality
 from orchmllm.testing import launch_ranks, launcher_store, run_distributed, wait_for
 from orchmllm.train import (
     RunningSummary,
+    checkpoint,
     dataset_location,
     forward_backward,
     main,
     parse_args,
     phase_record,
+    run_config,
     setup,
     write_once,
 )
@@ -470,14 +471,41 @@ def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
     )
 
 
+def test_every_config_key_is_an_option_and_the_short_flags_alias_keys(capsys):
+    args = parse_args(
+        ["--config", TINY, "--steps", "3", "--model.llm.layers", "3", "--balance", "llm",
+         "--train.sync_micro_steps=false", "--model.encoders.audio=null", "--train.seed", "7"]
+    )  # fmt: skip
+    assert args.balance == "llm" and not hasattr(args, "steps")  # one home: the config
+    cfg = run_config(args)
+    assert (cfg.train.steps, cfg.train.seed, cfg.model.llm.layers) == (3, 7, 3)
+    assert cfg.train.sync_micro_steps is False and list(cfg.model.encoders) == ["vision"]
+    assert cfg.data == load_config(TINY).data  # the rest is the file's
+    mistakes = (
+        (["--train.step=3"], "config key 'train.step' (given '3') has no such key; did you mean "
+         "'train.steps'?"),
+        (["--steps", "3", "--train.steps=4"], "'train.steps' is given twice (--train.steps and "
+         "--steps are the same key)"),
+        (["--model.llm.layers"], "--model.llm.layers needs a value"),
+        (["--train.lr", "fast"], "'train.lr' (given 'fast') must be a number"),
+        (["stray"], "unrecognized argument 'stray'"),
+    )  # fmt: skip
+    for argv, message in mistakes:
+        with pytest.raises(SystemExit) as end:
+            parse_args(["--config", TINY, *argv])
+        assert end.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bad_arguments_are_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", TINY, "--balance", "everything"])
-    with pytest.raises(SystemExit):
-        parse_args(["--config", TINY, "--steps", "0"])
-    for bad in ("0", "-1", "2.5"):
-        with pytest.raises(SystemExit):
-            parse_args(["--config", TINY, "--grad-accum", bad])
+    with pytest.raises(SystemExit):  # the type: when the command line is parsed
+        parse_args(["--config", TINY, "--grad-accum", "2.5"])
+    assert "'train.grad_accum' (given '2.5') must be an integer" in capsys.readouterr().err
+    for flag, bad in (("--steps", "0"), ("--grad-accum", "0"), ("--grad-accum", "-1")):
+        args = parse_args(["--config", TINY, flag, bad])  # the range: when the config loads
+        with pytest.raises(ValueError, match=f"must be a positive integer, got {bad}"):
+            run_config(args)
     for bad in (0, 2.5, "2"):
         with pytest.raises(
             ValueError, match=f"train.grad_accum must be a positive integer, got {bad!r}"

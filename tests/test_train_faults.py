@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 
-from orchmllm import checkpoint
 from orchmllm.models.llm import LLM
 from orchmllm.testing import (
     launch_ranks,
@@ -38,7 +37,7 @@ from orchmllm.testing import (
     wait_for,
     worker_ranks,
 )
-from orchmllm.train import NonFiniteStep, main
+from orchmllm.train import NonFiniteStep, checkpoint, main
 from tests.conftest import ROOT
 from tests.test_train import _argv, _config
 

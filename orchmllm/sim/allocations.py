@@ -945,7 +945,7 @@ ENCODER_FORWARD = {"vit": vit_forward, "whisper": whisper_forward}
 
 
 def llm_forward(env: Env, recipe: TrainRecipe, encoded: list[Act]) -> Act:
-    """The LLM phase of ``train.step_forward``: the token embedding (its own unit), the
+    """The LLM phase of ``train.step.step_forward``: the token embedding (its own unit), the
     assembly (``LLMBatch.assemble``: a concatenation, then ``index_select`` into sequence
     order), the blocks with RoPE positions, the final RMSNorm and the chunked loss
     (:func:`chunked_loss`). Returns the loss."""

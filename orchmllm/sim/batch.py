@@ -121,7 +121,8 @@ class Batch:
     @classmethod
     def from_record(cls, record: Mapping) -> Batch:
         """A batch written as JSON: ``{"num_ranks": d, "text": [...], "items": {name:
-        {"example": [...], "raw": [...]}}}`` (as ``orchmllm.phase_memory`` writes a step's)."""
+        {"example": [...], "raw": [...]}}}`` (as ``orchmllm.train.phase_memory`` writes a
+        step's)."""
         items = {
             name: ItemLengths(np.asarray(it["example"], np.int64), np.asarray(it["raw"], np.int64))
             for name, it in record["items"].items()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NoReturn
 
 from orchmllm.config import RunConfig
-from orchmllm.tracking import missing_packages
+from orchmllm.train.tracking import missing_packages
 
 LAUNCH_ERROR_EXIT = 2  # a usage error, as argparse's
 PEER_GRACE_S = 60.0  # how long a rank that is not the node's first waits before it speaks (its

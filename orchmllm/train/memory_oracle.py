@@ -53,7 +53,7 @@ from orchmllm.models.parallelize import compute_dtype, parallelize, storage_dtyp
 from orchmllm.schema import IGNORE_INDEX
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
-from orchmllm.train import _set_sum_reduction
+from orchmllm.train.run import set_sum_reduction
 
 PHASES = ("forward", "backward", "optimizer")
 _TOTAL = "Total"
@@ -99,7 +99,7 @@ class PhasePeaks:
 class PhaseTracker:
     """Measures each phase of a step with ``FSDPMemTracker`` (``memory=`` of
     ``orchmllm.train.forward_backward``: it has the ``phase`` of
-    :class:`~orchmllm.phase_memory.PhaseMemory`). The tracker is entered once per phase: each
+    :class:`~orchmllm.train.phase_memory.PhaseMemory`). The tracker is entered once per phase: each
     entry starts its peak from the bytes live then, while it keeps following every tensor it
     saw, so a phase's peak counts what earlier phases left alive."""
 
@@ -207,7 +207,7 @@ def rank_step_peaks(
     """:func:`step_peaks` on the process group already there (every rank of it calls)."""
     model = build_model(config, seed=seed, dtype=storage_dtype(recipe))
     model = parallelize(model, recipe=recipe)
-    _set_sum_reduction(model)
+    set_sum_reduction(model)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     forward = _rank_step(config, recipe, batch, seed)
     for tracker in (None, PhaseTracker(model, optim)):

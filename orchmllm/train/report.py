@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m orchmllm.report METRICS.jsonl --out DIR [--step N]
+    python -m orchmllm.train.report METRICS.jsonl --out DIR [--step N]
 
 Writes into DIR:
 
@@ -354,7 +354,7 @@ def write_report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m orchmllm.report", description=__doc__.split("\n")[0]
+        prog="python -m orchmllm.train.report", description=__doc__.split("\n")[0]
     )
     ap.add_argument("metrics", help="JSON-lines metrics file written by orchmllm.train --metrics")
     ap.add_argument("--out", required=True, help="directory for the PNGs and summary.txt")

@@ -23,7 +23,7 @@ ones are deleted so that N remain: the disk never fills with checkpoints, and a 
 never deleted before a newer one is known good. A save that fails (a full disk) removes its
 partial directory and leaves the earlier checkpoints.
 
-One writer. :func:`claim` takes the directory's lock (:mod:`orchmllm.dirlock`) for the job
+One writer. :func:`claim` takes the directory's lock (:mod:`orchmllm.train.dirlock`) for the job
 before anything is read or written. DIR must be one filesystem all nodes share.
 """
 
@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from orchmllm.dirlock import DirectoryLock
+from orchmllm.train.dirlock import DirectoryLock
 
 __all__ = [
     "MANIFEST",
@@ -212,9 +212,9 @@ def verify(path: str) -> list[str]:
 
 def claim(directory: str, *, stale_after: float, job: str | None) -> DirectoryLock | None:
     """Take ``directory`` for this job (collective): rank 0 takes its lock
-    (:class:`~orchmllm.dirlock.DirectoryLock`) and removes the partial checkpoints an earlier
+    (:class:`~orchmllm.train.dirlock.DirectoryLock`) and removes the partial checkpoints an earlier
     job left. Returns the lock on rank 0 (None elsewhere); every rank raises
-    :class:`~orchmllm.dirlock.LockHeld` naming the owner when another live job holds it. A
+    :class:`~orchmllm.train.dirlock.LockHeld` naming the owner when another live job holds it. A
     lock whose owner stopped heartbeating is waited for until it is abandoned (less than
     ``stale_after``, the collectives' timeout: the other ranks wait in a broadcast)."""
 
