@@ -26,6 +26,11 @@ _MOVED_INTO = {
     "sim": ("plan_memory",),
 }  # fmt: skip
 MOVED = {f"orchmllm.{m}": f"orchmllm.{pkg}.{m}" for pkg, ms in _MOVED_INTO.items() for m in ms}
+# The encoders' modules, each into its architecture's folder (orchmllm.models.spec).
+MOVED |= {
+    "orchmllm.models.vision": "orchmllm.models.vit.module",
+    "orchmllm.models.audio": "orchmllm.models.whisper.module",
+}
 
 
 class _MovedModules(MetaPathFinder, Loader):

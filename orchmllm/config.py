@@ -16,8 +16,10 @@ inherits another file first:
         audio: null              # drop a modality (its encoder, its phase)
 
 Mappings merge key by key; anything else replaces. ``model.encoders`` has one section per row
-of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes, each built by its
-``arch`` (:data:`ARCHS`; default: the row's). An unknown key, modality or architecture is an
+of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes (default:
+:data:`DEFAULT_ENCODERS`; a row is encoded only where a config names it), each built by its
+``arch`` (:data:`ARCHS`, one folder per architecture in ``orchmllm/models/``; default: the
+row's). An unknown key, modality or architecture is an
 error that names it and the closest valid one, never a silent default.
 
 The configs ship in the package (``orchmllm/configs/``; the checkout's ``configs/`` links
@@ -36,15 +38,19 @@ from typing import Any, ClassVar
 
 import yaml
 
+from orchmllm.models.spec import ARCHS, EncoderConfig, TransformerConfig
+from orchmllm.models.vit import VitConfig
+from orchmllm.models.whisper import WhisperConfig
 from orchmllm.planner.balance import PLACEMENTS
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.measured_cost import COSTS, cost_kind
 from orchmllm.planner.policies import POLICIES
-from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
+from orchmllm.schema import LLM, MODALITIES, EncodingRates, is_integer, modality_named
 
 __all__ = [
     "ARCHS",
     "BalanceConfig",
+    "DEFAULT_ENCODERS",
     "DataConfig",
     "EncoderConfig",
     "LLMConfig",
@@ -84,13 +90,14 @@ def _check_fields(obj: Any, path: str) -> None:
             continue
         value = getattr(obj, f.name)
         where = f"{path}.{f.name}"
-        if f.type == "int":
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if kind == "int":
             _positive_int(where, value)
-        elif f.type == "float":
+        elif kind == "float":
             _positive_number(where, value)
-        elif f.type == "bool" and not isinstance(value, bool):
+        elif kind == "bool" and not isinstance(value, bool):
             raise _fail(where, f"must be true or false, got {value!r}")
-        elif f.type == "str" and not isinstance(value, str):
+        elif kind == "str" and not isinstance(value, str):
             raise _fail(where, f"must be a string, got {value!r}")
 
 
@@ -124,99 +131,6 @@ def _build(cls: type, path: str, raw: Any, *, also: tuple[str, ...] = ()) -> Any
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
-    """A stack of transformer blocks: width, MLP width, depth and (grouped-query) heads."""
-
-    hidden: int = 64
-    ffn: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 4
-
-    def check(self, path: str) -> None:
-        """Attention heads split the width, and query heads group evenly over key/value
-        heads."""
-        if self.hidden % self.heads:
-            raise _fail(path, f"hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads:
-            raise _fail(path, f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
-
-
-@dataclass(frozen=True)
-class EncoderConfig(TransformerConfig):
-    """An encoder: a transformer over raw rows, then a connector to the LLM's width.
-
-    Attributes:
-        downsample: encoder positions merged into one LLM token by the connector.
-        frozen: run forward only (no gradients, no optimizer state).
-    """
-
-    arch: ClassVar[str]
-    padded: ClassVar[bool]  # attention over padded batches (else packed sequences)
-
-    downsample: int = 1
-    frozen: bool = False
-
-    @property
-    def stride(self) -> int:
-        """Raw rows per encoder position (1 unless a front end strides)."""
-        return 1
-
-    @property
-    def feature_dim(self) -> int:
-        """Values per raw row: what an encoder phase moves per raw row."""
-        raise NotImplementedError
-
-    @property
-    def rate(self) -> Rate:
-        """How its raw rows become LLM tokens."""
-        return Rate(stride=self.stride, downsample=self.downsample)
-
-
-@dataclass(frozen=True)
-class VitConfig(EncoderConfig):
-    """A ViT over ``patch x patch`` RGB patches, packed bidirectional attention, then
-    ``downsample`` consecutive tokens merged and an MLP connector to the LLM width."""
-
-    arch: ClassVar[str] = "vit"
-    padded: ClassVar[bool] = False
-
-    patch: int = 14
-    downsample: int = 4
-
-    @property
-    def feature_dim(self) -> int:
-        return 3 * self.patch * self.patch
-
-
-@dataclass(frozen=True)
-class WhisperConfig(EncoderConfig):
-    """A Whisper-style encoder: a convolution front end of total stride ``conv_stride`` over
-    ``n_mels``-bin log-mel frames (100 per second), padded attention, merge ``downsample``,
-    MLP connector."""
-
-    arch: ClassVar[str] = "whisper"
-    padded: ClassVar[bool] = True
-
-    n_mels: int = 16
-    conv_stride: int = 2
-    downsample: int = 2
-
-    @property
-    def stride(self) -> int:
-        return self.conv_stride
-
-    @property
-    def feature_dim(self) -> int:
-        return self.n_mels
-
-
-ARCHS: dict[str, type[EncoderConfig]] = {c.arch: c for c in (VitConfig, WhisperConfig)}
-"""Encoder architecture name -> its config class (``orchmllm.models`` maps the same names to
-modules)."""
-
-
-@dataclass(frozen=True)
 class LLMConfig(TransformerConfig):
     """A Qwen2-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, packed causal."""
 
@@ -225,9 +139,15 @@ class LLMConfig(TransformerConfig):
     rope_theta: float = 10000.0
 
 
+DEFAULT_ENCODERS = ("vision", "audio")
+"""The encoders of a config that names none: the tiny model's. A row added to the modality
+table is encoded only where a config names it (``model.encoders.<name>: {}``), so adding one
+changes no existing config."""
+
+
 def _default_encoders() -> dict[str, EncoderConfig]:
-    """Every row of the modality table, with its architecture's defaults."""
-    return {name: ARCHS[m.arch]() for name, m in MODALITIES.items()}
+    """The default model's encoders, each with its row's architecture's defaults."""
+    return {name: ARCHS[modality_named(name).arch]() for name in DEFAULT_ENCODERS}
 
 
 @dataclass(frozen=True)
@@ -237,7 +157,8 @@ class ModelConfig:
     Attributes:
         vocab: LLM vocabulary size (text token ids are < vocab).
         encoders: modality name (a row of the modality table) -> its encoder's config, in
-            table order; default: every row with its architecture's defaults.
+            table order; default: :data:`DEFAULT_ENCODERS`, each with its row's
+            architecture's defaults.
         llm: the decoder.
     """
 
@@ -279,8 +200,8 @@ class ModelConfig:
         sections = raw.pop("encoders", None) or {}
         if not isinstance(sections, Mapping):
             raise _fail(f"{path}.encoders", f"must be a mapping, got {sections!r}")
-        # Laid on every row's defaults: a section changes its row, null drops it.
-        for name, section in merge(dict.fromkeys(MODALITIES, {}), sections).items():
+        # Laid on the default encoders: a section changes or adds its row, null drops it.
+        for name, section in merge(dict.fromkeys(DEFAULT_ENCODERS, {}), sections).items():
             where = f"{path}.encoders.{name}"
             if name not in MODALITIES:
                 raise _unknown_key(f"{path}.encoders", str(name), list(MODALITIES))

@@ -106,7 +106,7 @@ def sample_lengths(
     the other distributions ignore both.
     """
     if dist not in SAMPLERS:
-        raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
+        raise ValueError(f"dist must be one of {tuple(SAMPLERS)}, got {dist!r}")
     if not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
     if not isinstance(patch, int | np.integer) or patch < 1:

@@ -44,6 +44,12 @@ FLOORS = {
     "orchmllm.dist.calibrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
+    # each architecture's torch-free spec (config dataclass, parameter count) and the registry
+    "orchmllm.models.spec": 2,
+    "orchmllm.models.vit": 2,
+    "orchmllm.models.whisper": 2,
+    "orchmllm.models.vit.module": 6,  # its nn.Module
+    "orchmllm.models.whisper.module": 6,
     "orchmllm.checkpoint": 7,
     "orchmllm.train": 7,
     "orchmllm.launch": 7,

@@ -21,7 +21,7 @@ from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
 from orchmllm.recipe import TASKS, default_mix
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
-from orchmllm.sim.layout import TAILORED, plan
+from orchmllm.sim.layout import plan, tailored
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
 from orchmllm.sim.workload import sample_batch
 
@@ -136,7 +136,8 @@ def sample_pool(
 
 def policy_label(policies: Mapping[str, str] | None) -> str:
     """``tailored`` for the paper's choice, else the policies that differ from it."""
-    diff = {k: v for k, v in (policies or {}).items() if TAILORED.get(k) != v}
+    default = tailored()
+    diff = {k: v for k, v in (policies or {}).items() if default.get(k) != v}
     return ",".join(f"{k}={v}" for k, v in sorted(diff.items())) or "tailored"
 
 
