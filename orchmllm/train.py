@@ -51,11 +51,13 @@ from orchmllm.dist import watch
 from orchmllm.dist.calibrator import Calibrator
 from orchmllm.dist.orchestrator import LLMBatch, Orchestrator
 from orchmllm.dist.topology import Topology, attempt_store, job_token
-from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
+from orchmllm.models import MLLM, build_model
+from orchmllm.models.parallelize import compute_dtype, parallelize, storage_dtype
 from orchmllm.phase_memory import PhaseMemory
 from orchmllm.planner.balance import PLACEMENTS
 from orchmllm.planner.measured_cost import COSTS, FitOptions
 from orchmllm.planner.step_plan import MODES, StepOptions, default_phases
+from orchmllm.plugins import load_plugins
 from orchmllm.progress import PROGRESS, StepProgress
 from orchmllm.schema import LLM
 from orchmllm.tracking import Trackers
@@ -73,6 +75,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--config",
         required=True,
         help="run config YAML (keys: configs/tiny.yaml, defaults: orchmllm/config.py)",
+    )
+    # -- plugins (orchmllm.plugins): a user's registrations, imported before the config
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_PATH",
+        help="import a module name or a .py file before the config is read (repeatable)",
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument(
@@ -345,7 +355,9 @@ def write_once(path: str, write: Callable[[str], object]) -> bool:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """The config file with the command line's overrides of its recipe and micro-steps."""
+    """The config file with the command line's overrides of its recipe and micro-steps (the
+    ``--plugin`` modules imported first, on every rank)."""
+    load_plugins(args.plugin)
     cfg = load_config(args.config)
     if args.cost is not None:
         cfg = dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, cost=args.cost))

@@ -382,11 +382,14 @@ def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
     """A model without some encoders, on a dataset without their fields: the trainer's data
     (HF datasets), the orchestrated loader's default ``to_example`` and the orchestrator need
     nothing more; every mode trains identically."""
-    mixes = {task: 0.0 for task in load_config(TINY).data.mix}  # tasks left out get no weight
+    dropped = dict.fromkeys(load_config(TINY).data.tasks)  # null: the base's task is not drawn
     for name, (encoders, mix) in SUBSETS.items():
+        tasks = {t: {"weight": w} for t, w in mix.items()}
+        if "vqa" in tasks:
+            tasks["vqa"]["p_spoken_question"] = 0.0
         _config(
             tmp_path, name, examples_per_rank=3, model={"encoders": encoders},
-            mix={**mixes, **mix}, p_spoken_question=0.0,
+            tasks={**dropped, **tasks},
         )  # fmt: skip
     run_distributed(_subsets_worker, 2, str(tmp_path), timeout=240)
     for name, (encoders, _) in SUBSETS.items():

@@ -61,17 +61,11 @@ class SyntheticConfig(RecipeConfig):
     the fields of this class decide how many examples there are and their tensors' widths.
 
     Attributes:
-        task_weights: relative weight of each task in :data:`~orchmllm.recipe.TASKS` (a task
-            left out has weight 0); default: every task's default weight.
-        patch: image patch side in pixels (default ``workloads.PATCH``, 14).
-        max_image_side: images whose long side exceeds this many pixels are downscaled to it
-            (default ``workloads.MAX_IMAGE_SIDE``, 448, as MLLM-10B); at least ``patch``.
-        max_audio_s: longest audio clip in seconds, longer ones are capped (default 30: Whisper's
-            window).
-        max_text_tokens: most text tokens of one example, all its text runs together.
+        tasks: task name -> its settings (weight and the task's own knobs), as the recipe's
+            (:class:`orchmllm.recipe.RecipeConfig`); default: the paper's mix.
         scale: multiplies every length, so a tiny config keeps the composition.
-        p_multi_image: probability that a ``vqa`` example holds a second image.
-        p_spoken_question: probability that a ``vqa`` example's first question is spoken.
+        max_text_tokens: most text tokens of one example, all its text runs together.
+        patch: image patch side in pixels (default ``workloads.PATCH``, 14).
         num_examples: examples in the dataset (:func:`build_dataset`; example ``i`` does not
             depend on it).
         seed: seeds both the lengths (per block of :data:`BLOCK` examples) and the tensors.
@@ -104,7 +98,7 @@ class SyntheticConfig(RecipeConfig):
                 raise ValueError(f"feature_dims[{name!r}] must be an integer >= 1, got {width!r}")
         widths = self.widths
         for task, weight in self.task_weights.items():
-            missing = sorted(TASKS[task].modalities(self) - set(widths))
+            missing = sorted(TASKS[task].modalities(self.params(task)) - set(widths))
             if weight > 0 and missing:
                 raise ValueError(
                     f"task {task!r} (weight {weight}) holds {missing}, which feature_dims "
@@ -116,8 +110,9 @@ class SyntheticConfig(RecipeConfig):
         """The synthetic data of a run config.
 
         Args:
-            run: the run config: its recipe (:func:`orchmllm.recipe.run_fields`), and one
-                array field per encoder of its model, as wide as the encoder's raw rows.
+            run: the run config: its recipe (its ``data:``, a
+                :class:`~orchmllm.recipe.RecipeConfig`), and one array field per encoder of
+                its model, as wide as the encoder's raw rows.
             num_examples: examples in the dataset.
             seed: seeds lengths and tensors.
 
@@ -129,7 +124,7 @@ class SyntheticConfig(RecipeConfig):
                 not encode).
         """
         return cls(
-            **recipe.run_fields(run.data, run.model),
+            **recipe.recipe_fields(run.data),
             num_examples=num_examples,
             seed=seed,
             vocab_size=run.model.vocab,

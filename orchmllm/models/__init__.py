@@ -3,7 +3,8 @@
 One folder per encoder architecture (``vit/``, ``whisper/``): its torch-free spec in the
 folder's ``__init__`` (registered in :mod:`orchmllm.models.spec`, read by the config, the
 planner and the simulator) and its ``nn.Module`` in ``module.py``. This package's names load on
-first use, so the torch-free specs import without torch.
+first use, so the torch-free specs import without torch. The FSDP2 recipe is the submodule
+``orchmllm.models.parallelize`` (its function of that name is imported from there).
 """
 
 from importlib import import_module
@@ -26,7 +27,6 @@ _LAZY = {
     "build_model": "orchmllm.models.mllm",
     "apply_checkpointing": "orchmllm.models.parallelize",
     "compute_dtype": "orchmllm.models.parallelize",
-    "parallelize": "orchmllm.models.parallelize",
     "shard_model": "orchmllm.models.parallelize",
     "storage_dtype": "orchmllm.models.parallelize",
 }

@@ -67,6 +67,11 @@ class EncoderConfig(TransformerConfig):
     batches (``padded``), its raw row width (``feature_dim``) and its front end's weights.
 
     Attributes:
+        hidden: the blocks' width.
+        ffn: their MLP's width.
+        layers: how many blocks.
+        heads: attention heads.
+        kv_heads: key/value heads (``heads`` group evenly over them).
         downsample: encoder positions merged into one LLM token by the connector.
         frozen: run forward only (no gradients, no optimizer state).
     """
@@ -100,7 +105,14 @@ class EncoderConfig(TransformerConfig):
     def parameters(self, llm_hidden: int) -> int:
         """Weights of the whole encoder: front end, blocks (pre-norm LayerNorms, a fused q|k|v
         projection with bias, an output projection, a GELU MLP), final LayerNorm, connector
-        (merge ``downsample`` positions, two linear layers to ``llm_hidden``)."""
+        (merge ``downsample`` positions, two linear layers to ``llm_hidden``).
+
+        Args:
+            llm_hidden: the LLM's width, the connector's output.
+
+        Returns:
+            The count, which equals the module's (a test holds every architecture to it).
+        """
         h, f, head_dim = self.hidden, self.ffn, self.hidden // self.heads
         qkv = (self.heads + 2 * self.kv_heads) * head_dim
         block = 4 * h + (h + 1) * qkv + self.heads * head_dim * h + (h + 1) * f + (f + 1) * h
