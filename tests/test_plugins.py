@@ -23,6 +23,9 @@ from orchmllm import recipe, schema
 from orchmllm.config import load_config, packaged_configs, run_config
 from orchmllm.models.spec import ARCHS, unregister_architecture
 from orchmllm.plugins import load_plugin, load_plugins
+from orchmllm.sim import plan_memory
+from orchmllm.sim.layout import plan, tailored  # before the plugin: its rows are read at use
+from orchmllm.sim.sweep import load_model, run_case, sample_pool
 from orchmllm.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,9 +105,6 @@ def test_its_encoder_counts_its_parameters_and_encodes_packed_windows(imu):
 def test_the_simulator_plans_a_config_naming_it(tmp_path, imu):
     """The simulator loads the plugin from the config's ``plugins:`` list, draws the task's
     recordings, and every mode plans the imu phase; OrchMLLM's mode balances it."""
-    from orchmllm.sim.layout import plan, tailored
-    from orchmllm.sim.sweep import load_model, run_case, sample_pool
-
     assert tailored()["imu"] == "greedy"  # read when called, after the sim's import
     model = load_model(_imu_config(tmp_path, plugins=True))
     assert list(model.modules) == ["vision", "audio", "imu", "llm"]
@@ -129,8 +129,6 @@ def test_the_simulator_plans_a_config_naming_it(tmp_path, imu):
 
 
 def test_plan_memory_on_a_config_naming_it(tmp_path, imu):
-    from orchmllm.sim import plan_memory
-
     config = _imu_config(tmp_path, plugins=True)
     try:
         record = plan_memory.main(["--config", config, "--gpus", "2", "--steps", "1"])

@@ -25,7 +25,7 @@ import yaml
 
 from orchmllm import checkpoint
 from orchmllm.config import load_config
-from orchmllm.data.synthetic import SyntheticConfig, save_dataset
+from orchmllm.data.synthetic import save_dataset
 from orchmllm.planner.step_plan import MODES
 from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.schema import Modality, register_modality, unregister_modality
@@ -312,7 +312,7 @@ def test_a_phase_with_no_item_anywhere_leaves_its_encoder_as_a_plain_run_does(tm
 DEPTH = Modality("depth", 3, "depth_patches", "greedy", arch="vit", unit="patch")
 
 
-def _depth_caption(gen: np.random.Generator, n: int, cfg) -> TaskDraw:
+def _depth_caption(gen: np.random.Generator, n: int, params) -> TaskDraw:
     """A prompt, one depth map of 40-400 patches, a caption."""
     prompt, caption = gen.integers(4, 12, n), gen.lognormal(np.log(20.0), 0.5, n)
     return TaskDraw(np.column_stack([prompt, gen.integers(40, 400, n), caption]))
@@ -344,12 +344,15 @@ def test_a_new_modality_in_a_table_row_trains_end_to_end(tmp_path):
             tmp_path, "depth", examples_per_rank=4,
             model={"encoders": {"depth": {"hidden": 32, "heads": 2, "kv_heads": 2, "patch": 4,
                                           "downsample": 2}}},
-            mix={"depth_caption": 0.35},
+            tasks={"depth_caption": {"weight": 0.35}},
         )  # fmt: skip
-        cfg = load_config(config)
-        with pytest.raises(ValueError, match="unknown tasks \\['depth_caption'\\]"):
-            SyntheticConfig.for_run(cfg, num_examples=1, seed=0)  # not registered here
-        phases = cfg.phases
+        with pytest.raises(ValueError, match="data.tasks has no key 'depth_caption'"):
+            load_config(config)  # the task is not registered here
+        register_task(DEPTH_CAPTION)
+        try:
+            phases = load_config(config).phases
+        finally:
+            unregister_task(DEPTH_CAPTION.name)
     finally:
         unregister_modality(DEPTH.name)
     assert phases == ("vision", "audio", "depth", "llm")
