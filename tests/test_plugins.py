@@ -21,8 +21,11 @@ import yaml
 
 from orchmllm import recipe, schema
 from orchmllm.config import load_config, packaged_configs, run_config
+from orchmllm.data.synthetic import SyntheticConfig, fingerprint
 from orchmllm.models.spec import ARCHS, unregister_architecture
 from orchmllm.plugins import load_plugin, load_plugins
+from orchmllm.recipe import weighted_tasks
+from orchmllm.schema import EncodingRates, Rate
 from orchmllm.sim import plan_memory
 from orchmllm.sim.layout import plan, tailored  # before the plugin: its rows are read at use
 from orchmllm.sim.sweep import load_model, run_case, sample_pool
@@ -48,9 +51,9 @@ def _imu_config(tmp_path, *, plugins: bool, **data) -> str:
 
 
 @contextlib.contextmanager
-def _loaded():
-    """The plugin loaded in this process, and undone afterwards."""
-    module = load_plugin(PLUGIN)
+def _loaded(path: str = PLUGIN):
+    """The plugin (or a copy of it) loaded in this process, and undone afterwards."""
+    module = load_plugin(path)
     try:
         yield module
     finally:
@@ -137,6 +140,19 @@ def test_plan_memory_on_a_config_naming_it(tmp_path, imu):
             pytest.xfail("memory from the oracle: issue 39")
         raise
     assert record["peaks"]
+
+
+def test_the_data_cache_key_covers_the_plugins_draw(tmp_path):
+    """The synthetic dataset's cache key reads the plugin's file: an edited draw regenerates."""
+    copy = tmp_path / "imu_copy.py"
+    copy.write_text(Path(PLUGIN).read_text())
+    with _loaded(str(copy)):
+        cfg = SyntheticConfig(tasks=weighted_tasks({"imu_caption": 1.0}), feature_dims={"imu": 6})
+        rates = EncodingRates({"imu": Rate(stride=2)})
+        before = fingerprint(cfg, rates)
+        assert fingerprint(cfg, rates) == before
+        copy.write_text(copy.read_text().replace("integers(8, 60, n)", "integers(8, 61, n)"))
+        assert fingerprint(cfg, rates) != before
 
 
 def _train_worker(rank: int, world: int, config: str, tmp_path: str) -> dict:

@@ -31,6 +31,7 @@ reproducible, shardable, and can run as an endless stream.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,11 +148,12 @@ def block_seed(seed: int, block: int) -> list[int]:
 
 def fingerprint(cfg: SyntheticConfig, rates: EncodingRates) -> str:
     """A cache key of the generated data: the config, the rates and the source of every module
-    that decides it, so a cached dataset is never one that older code generated."""
+    that decides it (a registered task's draw included: a plugin's file), so a cached dataset
+    is never one that older code generated."""
     key = hashlib.sha256(repr((cfg, rates)).encode())
-    for module in (recipe, workloads):
-        key.update(Path(module.__file__).read_bytes())
-    key.update(Path(__file__).read_bytes())
+    draws = [TASKS[name].draw for name in cfg.tasks if TASKS[name].draw is not None]
+    for path in (recipe.__file__, workloads.__file__, __file__, *map(inspect.getfile, draws)):
+        key.update(Path(path).read_bytes())
     return key.hexdigest()[:16]
 
 
