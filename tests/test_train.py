@@ -72,6 +72,11 @@ def _config(
     return path
 
 
+def _weights(mix: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``data.tasks`` setting these tasks' weights (each laid on the base config's task)."""
+    return {task: {"weight": w} for task, w in mix.items()}
+
+
 def _argv(config: str, tmp_path, mode: str, steps: int, *extra: str) -> list[str]:
     return [
         "--config", config, "--steps", str(steps), "--balance", mode, "--precision", "float64",
@@ -211,7 +216,7 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
        the single-process ones: loss normalised by the global target count, gradients summed.
     """
     mix = {"caption": 0.4, "vqa": 0.0, "asr": 0.3, "spoken_qa": 0.0, "chat": 0.3}
-    sparse = _config(tmp_path, "sparse", examples_per_rank=2, mix=mix)
+    sparse = _config(tmp_path, "sparse", examples_per_rank=2, tasks=_weights(mix))
     per_rank = load_config(TINY).data.examples_per_rank
     two = _config(tmp_path, "two", examples_per_rank=per_rank)
     one = _config(tmp_path, "one", examples_per_rank=2 * per_rank)
@@ -278,8 +283,8 @@ def test_a_phase_with_no_item_anywhere_leaves_its_encoder_as_a_plain_run_does(tm
     to float64 rounding."""
     mix = {"caption": 0.35, "vqa": 0.0, "asr": 0.35, "spoken_qa": 0.0, "chat": 0.3}
     train = {"weight_decay": 0.1, "lr": 1.0e-2}
-    two = _config(tmp_path, "two", examples_per_rank=1, mix=mix, train=train)
-    one = _config(tmp_path, "one", examples_per_rank=2, mix=mix, train=train)
+    two = _config(tmp_path, "two", examples_per_rank=1, tasks=_weights(mix), train=train)
+    one = _config(tmp_path, "one", examples_per_rank=2, tasks=_weights(mix), train=train)
     steps = 6
     runs = {
         mode: run_distributed(_absent_worker, 2, two, str(tmp_path), mode, steps, timeout=120)
