@@ -40,7 +40,7 @@ TARGETS = {
     "target_max_moved_over_bound": 1.5,  # greedy_stay's tokens moved over the lower bound
 }
 TASKS = ("caption", "vqa", "asr", "spoken_qa", "chat")
-TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)  # configs/mllm-10b.yaml data.mix
+TASK_MIX = (0.25, 0.30, 0.25, 0.10, 0.10)  # configs/mllm-10b.yaml data.tasks weights
 AUDIO_RATE = 4  # mel frames per LLM token: conv stride 2, downsample 2 (MLLM-10B)
 MAX_TEXT = 2048
 # The paper's tailored policy per phase (configs/mllm-10b.yaml balance.*_policy).

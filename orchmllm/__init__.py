@@ -50,6 +50,15 @@ _LAZY = {
     "chunked_cross_entropy": "orchmllm.dist.loss",
     "TrainRecipe": "orchmllm.config",
     "Topology": "orchmllm.dist.topology",
+    # the registries a plugin (orchmllm.plugins) extends, each read where it is used
+    "Modality": "orchmllm.schema",
+    "register_modality": "orchmllm.schema",
+    "EncoderConfig": "orchmllm.models.spec",
+    "register_architecture": "orchmllm.models.spec",
+    "Task": "orchmllm.recipe",
+    "TaskDraw": "orchmllm.recipe",
+    "register_task": "orchmllm.recipe",
+    "load_plugins": "orchmllm.plugins",
 }
 
 __all__ = [

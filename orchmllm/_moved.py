@@ -29,7 +29,17 @@ _MOVED_INTO = {
     "train": ("checkpoint", "dirlock", "host_memory", "launch", "memory_oracle", "phase_memory",
               "preempt", "progress", "report", "tracking"),
 }  # fmt: skip
+#: Old module path -> new one.
 MOVED = {f"orchmllm.{m}": f"orchmllm.{pkg}.{m}" for pkg, ms in _MOVED_INTO.items() for m in ms}
+MOVED |= {  # the reference encoders, now one folder per architecture
+    "orchmllm.models.vision": "orchmllm.models.vit.module",
+    "orchmllm.models.audio": "orchmllm.models.whisper.module",
+}
+# The encoders' modules, each into its architecture's folder (orchmllm.models.spec).
+MOVED |= {
+    "orchmllm.models.vision": "orchmllm.models.vit.module",
+    "orchmllm.models.audio": "orchmllm.models.whisper.module",
+}
 
 
 class _MovedModules(MetaPathFinder, Loader):

@@ -6,8 +6,9 @@ building a model. A config is checked when it is built, policy and placement nam
 
 Every key has a default (the model's are the tiny CPU model of ``configs/tiny.yaml``, which also
 sets ``data.scale: 0.1`` and ``balance.ranks_per_node: 2``: an empty config is the tiny model on
-the paper's full-size lengths), so a YAML file states only what differs, and ``base: other.yaml``
-inherits another file first:
+the paper's full-size lengths), so a YAML file states only what differs, ``base: other.yaml``
+inherits another file first, and ``plugins: [my_module, path/to/file.py]`` imports a user's
+registrations (:mod:`orchmllm.plugins`) before the rest is checked:
 
     base: mllm-10b.yaml          # relative to this file
     model:
@@ -16,8 +17,10 @@ inherits another file first:
         audio: null              # drop a modality (its encoder, its phase)
 
 Mappings merge key by key; anything else replaces. ``model.encoders`` has one section per row
-of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes, each built by its
-``arch`` (:data:`ARCHS`; default: the row's). An unknown key, modality or architecture is an
+of the modality table (:data:`orchmllm.schema.MODALITIES`) the model encodes (default:
+:data:`DEFAULT_ENCODERS`; a row is encoded only where a config names it), each built by its
+``arch`` (:data:`ARCHS`, one folder per architecture in ``orchmllm/models/``; default: the
+row's). An unknown key, modality or architecture is an
 error that names it and the closest valid one, never a silent default.
 
 The configs ship in the package (``orchmllm/configs/``; the checkout's ``configs/`` links
@@ -38,15 +41,21 @@ from typing import Any, ClassVar
 
 import yaml
 
+from orchmllm.models.spec import ARCHS, EncoderConfig, TransformerConfig
+from orchmllm.models.vit import VitConfig
+from orchmllm.models.whisper import WhisperConfig
 from orchmllm.planner.balance import PLACEMENTS
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.measured_cost import COSTS, cost_kind
 from orchmllm.planner.policies import POLICIES
-from orchmllm.schema import LLM, MODALITIES, EncodingRates, Rate, is_integer, modality_named
+from orchmllm.plugins import load_plugins
+from orchmllm.recipe import TASKS, RecipeConfig, TaskParams, default_tasks
+from orchmllm.schema import LLM, MODALITIES, EncodingRates, is_integer, modality_named
 
 __all__ = [
     "ARCHS",
     "BalanceConfig",
+    "DEFAULT_ENCODERS",
     "DataConfig",
     "EncoderConfig",
     "LLMConfig",
@@ -87,13 +96,14 @@ def _check_fields(obj: Any, path: str) -> None:
             continue
         value = getattr(obj, f.name)
         where = f"{path}.{f.name}"
-        if f.type == "int":
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if kind == "int":
             _positive_int(where, value)
-        elif f.type == "float":
+        elif kind == "float":
             _positive_number(where, value)
-        elif f.type == "bool" and not isinstance(value, bool):
+        elif kind == "bool" and not isinstance(value, bool):
             raise _fail(where, f"must be true or false, got {value!r}")
-        elif f.type == "str" and not isinstance(value, str):
+        elif kind == "str" and not isinstance(value, str):
             raise _fail(where, f"must be a string, got {value!r}")
 
 
@@ -127,99 +137,6 @@ def _build(cls: type, path: str, raw: Any, *, also: tuple[str, ...] = ()) -> Any
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
-    """A stack of transformer blocks: width, MLP width, depth and (grouped-query) heads."""
-
-    hidden: int = 64
-    ffn: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 4
-
-    def check(self, path: str) -> None:
-        """Attention heads split the width, and query heads group evenly over key/value
-        heads."""
-        if self.hidden % self.heads:
-            raise _fail(path, f"hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads:
-            raise _fail(path, f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
-
-
-@dataclass(frozen=True)
-class EncoderConfig(TransformerConfig):
-    """An encoder: a transformer over raw rows, then a connector to the LLM's width.
-
-    Attributes:
-        downsample: encoder positions merged into one LLM token by the connector.
-        frozen: run forward only (no gradients, no optimizer state).
-    """
-
-    arch: ClassVar[str]
-    padded: ClassVar[bool]  # attention over padded batches (else packed sequences)
-
-    downsample: int = 1
-    frozen: bool = False
-
-    @property
-    def stride(self) -> int:
-        """Raw rows per encoder position (1 unless a front end strides)."""
-        return 1
-
-    @property
-    def feature_dim(self) -> int:
-        """Values per raw row: what an encoder phase moves per raw row."""
-        raise NotImplementedError
-
-    @property
-    def rate(self) -> Rate:
-        """How its raw rows become LLM tokens."""
-        return Rate(stride=self.stride, downsample=self.downsample)
-
-
-@dataclass(frozen=True)
-class VitConfig(EncoderConfig):
-    """A ViT over ``patch x patch`` RGB patches, packed bidirectional attention, then
-    ``downsample`` consecutive tokens merged and an MLP connector to the LLM width."""
-
-    arch: ClassVar[str] = "vit"
-    padded: ClassVar[bool] = False
-
-    patch: int = 14
-    downsample: int = 4
-
-    @property
-    def feature_dim(self) -> int:
-        return 3 * self.patch * self.patch
-
-
-@dataclass(frozen=True)
-class WhisperConfig(EncoderConfig):
-    """A Whisper-style encoder: a convolution front end of total stride ``conv_stride`` over
-    ``n_mels``-bin log-mel frames (100 per second), padded attention, merge ``downsample``,
-    MLP connector."""
-
-    arch: ClassVar[str] = "whisper"
-    padded: ClassVar[bool] = True
-
-    n_mels: int = 16
-    conv_stride: int = 2
-    downsample: int = 2
-
-    @property
-    def stride(self) -> int:
-        return self.conv_stride
-
-    @property
-    def feature_dim(self) -> int:
-        return self.n_mels
-
-
-ARCHS: dict[str, type[EncoderConfig]] = {c.arch: c for c in (VitConfig, WhisperConfig)}
-"""Encoder architecture name -> its config class (``orchmllm.models`` maps the same names to
-modules)."""
-
-
-@dataclass(frozen=True)
 class LLMConfig(TransformerConfig):
     """A Qwen2-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, packed causal."""
 
@@ -228,9 +145,15 @@ class LLMConfig(TransformerConfig):
     rope_theta: float = 10000.0
 
 
+DEFAULT_ENCODERS = ("vision", "audio")
+"""The encoders of a config that names none: the tiny model's. A row added to the modality
+table is encoded only where a config names it (``model.encoders.<name>: {}``), so adding one
+changes no existing config."""
+
+
 def _default_encoders() -> dict[str, EncoderConfig]:
-    """Every row of the modality table, with its architecture's defaults."""
-    return {name: ARCHS[m.arch]() for name, m in MODALITIES.items()}
+    """The default model's encoders, each with its row's architecture's defaults."""
+    return {name: ARCHS[modality_named(name).arch]() for name in DEFAULT_ENCODERS}
 
 
 @dataclass(frozen=True)
@@ -240,7 +163,8 @@ class ModelConfig:
     Attributes:
         vocab: LLM vocabulary size (text token ids are < vocab).
         encoders: modality name (a row of the modality table) -> its encoder's config, in
-            table order; default: every row with its architecture's defaults.
+            table order; default: :data:`DEFAULT_ENCODERS`, each with its row's
+            architecture's defaults.
         llm: the decoder.
     """
 
@@ -282,8 +206,8 @@ class ModelConfig:
         sections = raw.pop("encoders", None) or {}
         if not isinstance(sections, Mapping):
             raise _fail(f"{path}.encoders", f"must be a mapping, got {sections!r}")
-        # Laid on every row's defaults: a section changes its row, null drops it.
-        for name, section in merge(dict.fromkeys(MODALITIES, {}), sections).items():
+        # Laid on the default encoders: a section changes or adds its row, null drops it.
+        for name, section in merge(dict.fromkeys(DEFAULT_ENCODERS, {}), sections).items():
             where = f"{path}.encoders.{name}"
             if name not in MODALITIES:
                 raise _unknown_key(f"{path}.encoders", str(name), list(MODALITIES))
@@ -307,41 +231,89 @@ class ModelConfig:
 # -- data, balance, train ----------------------------------------------------------------
 
 
+# Keys of ``data:`` that moved into their tasks' sections (each task owns its settings).
+MOVED_DATA_KEYS = {
+    "mix": "data.tasks.<task>.weight",
+    "max_image_side": "data.tasks.caption.max_image_side and data.tasks.vqa.max_image_side",
+    "max_audio_s": "data.tasks.<asr, spoken_qa, vqa>.max_audio_s",
+    "p_multi_image": "data.tasks.vqa.p_multi_image",
+    "p_spoken_question": "data.tasks.vqa.p_spoken_question",
+}
+
+
 @dataclass(frozen=True)
-class DataConfig:
-    """The synthetic data recipe (``orchmllm.recipe``) and the mini-batch size.
+class DataConfig(RecipeConfig):
+    """A run's data: the example recipe (:class:`orchmllm.recipe.RecipeConfig`: its tasks,
+    each with its own settings, ``scale`` and ``max_text_tokens``; ``patch`` is the vision
+    encoder's) and the mini-batch size.
 
     Attributes:
-        mix: task -> sampling weight (normalised); None: the recipe's default mix.
         examples_per_rank: mini-batch size of every data-parallel rank per step.
-        max_image_side: dynamic-resolution bound in pixels (a multiple of the patch).
-        max_audio_s: audio duration bound in seconds.
-        scale: multiplies every length (patches, frames, tokens); the tiny config keeps the
-            paper's composition at 1/10 size.
-        max_text_tokens: bound on the text tokens of one example.
-        p_multi_image: probability that a ``vqa`` example holds a second image.
-        p_spoken_question: probability that a ``vqa`` example's first question is spoken (an
-            audio item; 0 for a model without audio).
     """
 
-    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("p_multi_image", "p_spoken_question")
+    OWN_CHECKS: ClassVar[tuple[str, ...]] = ("tasks",)
 
-    mix: Mapping[str, float] | None = None
     examples_per_rank: int = 8
-    max_image_side: int = 448
-    max_audio_s: float = 30.0
-    scale: float = 1.0
-    max_text_tokens: int = 2048
-    p_multi_image: float = 0.1
-    p_spoken_question: float = 0.1
 
-    def __post_init__(self) -> None:
-        if self.mix is not None and not isinstance(self.mix, Mapping):
-            raise _fail("data.mix", f"must be a mapping of task -> weight, got {self.mix!r}")
-        for name in self.OWN_CHECKS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise _fail(f"data.{name}", f"must be a probability in [0, 1], got {value!r}")
+    @classmethod
+    def from_dict(cls, raw: Any, path: str = "data", *, patch: int | None = None) -> DataConfig:
+        """Validate and build from the ``data:`` mapping of a run config.
+
+        ``tasks: {name: {weight, ...}}`` names the tasks drawn (default: the paper's mix),
+        each section laid on its task's defaults (``null`` drops a task a base config names).
+
+        Args:
+            raw: the mapping.
+            path: its place in the config, for errors.
+            patch: the vision encoder's patch side (None: the default).
+
+        Raises:
+            ValueError: a key that moved into a task (naming its new place), an unknown key or
+                task (naming the closest valid one), or a bad value.
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise _fail(path, f"must be a mapping, got {raw!r}")
+        raw = dict(raw)
+        for key, place in MOVED_DATA_KEYS.items():
+            if key in raw:
+                raise _fail(f"{path}.{key}", f"moved to {place} (each task owns its settings)")
+        if "patch" in raw:
+            raise _fail(f"{path}.patch", "is the vision encoder's: set model.encoders.vision.patch")
+        sections = raw.pop("tasks", None)
+        tasks = default_tasks() if sections is None else _tasks(f"{path}.tasks", sections)
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("tasks", "patch")]
+        for key in raw:
+            if key not in names:
+                raise _unknown_key(path, str(key), [*names, "tasks"])
+        try:
+            data = cls(tasks=tasks, **({} if patch is None else {"patch": patch}), **raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}.{exc}") from None
+        _check_fields(data, path)
+        return data
+
+
+def _tasks(path: str, sections: Any) -> dict[str, TaskParams]:
+    """``data.tasks``: each named task's settings laid on its defaults."""
+    if not isinstance(sections, Mapping):
+        raise _fail(path, f"must be a mapping of task -> settings, got {sections!r}")
+    tasks = {}
+    for name, section in sections.items():
+        if name not in TASKS:
+            raise _unknown_key(path, str(name), list(TASKS))
+        if section is None:  # dropped by a derived config
+            continue
+        if not isinstance(section, Mapping):
+            raise _fail(f"{path}.{name}", f"must be a mapping, got {section!r}")
+        default = TASKS[name].params
+        valid = [f.name for f in dataclasses.fields(default)]
+        for key in section:
+            if key not in valid:
+                raise _unknown_key(f"{path}.{name}", str(key), valid)
+        tasks[name] = dataclasses.replace(default, **section)
+    return tasks
 
 
 @dataclass(frozen=True)
@@ -548,7 +520,6 @@ class RunConfig:
 
 
 _SECTIONS = {
-    "data": DataConfig,
     "balance": BalanceConfig,
     "train": TrainConfig,
     "recipe": TrainRecipe,
@@ -558,17 +529,26 @@ _SECTIONS = {
 def run_config(raw: Mapping[str, Any] | None) -> RunConfig:
     """Build and validate a :class:`RunConfig` from a (merged) mapping of sections.
 
+    Its ``plugins:`` list (module names or ``.py`` paths, :mod:`orchmllm.plugins`) is imported
+    first, so the modalities, architectures, tasks and policies they register are there when
+    the sections are checked.
+
     Raises:
-        ValueError: an unknown section or key (naming the closest valid one), or a bad value.
+        ValueError: an unknown section or key (naming the closest valid one), a plugin that
+            does not load, or a bad value.
     """
     raw = dict(raw or {})
-    valid = ["model", *_SECTIONS]
+    load_plugins(raw.pop("plugins", None))
+    valid = ["model", "data", "plugins", *_SECTIONS]
     for key in raw:
         if key not in valid:
             raise _unknown_key("config", str(key), valid)
     sections = {name: _build(cls, name, raw.get(name)) for name, cls in _SECTIONS.items()}
+    model = ModelConfig.from_dict(raw.get("model"))
+    vision = model.encoders.get("vision")  # the paper mix's images are its patches
+    data = DataConfig.from_dict(raw.get("data"), patch=getattr(vision, "patch", None))
     # A policy of a modality the model does not encode (one a derived config dropped) is unused.
-    return RunConfig(model=ModelConfig.from_dict(raw.get("model")), **sections)
+    return RunConfig(model=model, data=data, **sections)
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -39,12 +39,15 @@ rule in each case, so the simulator's figures did not move):
   exceed it). The floor is 2 (the simulator's was 1) so an example always has a prompt token at
   position 0 and a target; at ``scale`` 1 no text is below 12 tokens, so this never binds there.
   :func:`split_text` then shares the total among the runs.
-- ``p_multi_image`` and ``p_spoken_question`` are fields of :class:`RecipeConfig` (and of a
-  run config's ``data:``), defaulting to the table's.
+- Each task owns its settings (its :class:`TaskParams`, a run config's ``data.tasks.<name>``):
+  its weight, and for the paper's tasks the image bound ``max_image_side`` (caption, vqa), the
+  clip cap ``max_audio_s`` (asr, spoken_qa, vqa's spoken question) and vqa's ``p_multi_image``
+  and ``p_spoken_question``, defaulting to the table's.
 
 Tasks are rows of :data:`TASKS`. The five above are the paper's mix, drawn together by one
-function; :func:`register_task` adds a task with its own draw (e.g. one that holds a modality
-added to :data:`orchmllm.schema.MODALITIES`), drawn after them.
+function; :func:`register_task` adds a task with its own params class and draw (e.g. one that
+holds a modality added to :data:`orchmllm.schema.MODALITIES`, from a plugin), drawn after
+them, and only where a recipe names it.
 
 Random stream: one :class:`numpy.random.Generator` per draw, consumed in a fixed order (task,
 images, audio, then text per task of the paper's mix, the chat turn split last, then each
@@ -54,6 +57,7 @@ the chat split, and a registered task with weight 0 changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +66,6 @@ from typing import Any
 import numpy as np
 
 from orchmllm import workloads
-from orchmllm.config import DataConfig, ModelConfig
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named
 from orchmllm.workload_facts import fact
 
@@ -97,7 +100,77 @@ class TaskDraw:
     lengths: np.ndarray
 
 
-Draw = Callable[[np.random.Generator, int, "RecipeConfig"], TaskDraw]
+def _check_number(where: str, value: object, *, lo: float, hi: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if not (lo <= value <= hi and math.isfinite(value)):
+        raise ValueError(f"{where} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class TaskParams:
+    """A task's own settings, a config's ``data.tasks.<name>`` section: its weight in the mix
+    (normalised over the tasks a config names) and whatever a subclass adds for its draw.
+
+    A subclass checks its own fields in ``check``, which the recipe calls with the section's
+    path.
+    """
+
+    weight: float = 0.0
+
+    def check(self, path: str) -> None:
+        """Raise ``ValueError`` naming ``path.<field>`` for a bad value."""
+        _check_number(f"{path}.weight", self.weight, lo=0.0)
+
+
+def _check_side(path: str, value: object) -> None:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{path}.max_image_side must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CaptionParams(TaskParams):
+    """``caption``: ``max_image_side``, the dynamic-resolution bound of its image in pixels."""
+
+    max_image_side: int = workloads.MAX_IMAGE_SIDE
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        _check_side(path, self.max_image_side)
+
+
+@dataclass(frozen=True)
+class ClipParams(TaskParams):
+    """A task with one clip (``asr``, ``spoken_qa``): ``max_audio_s``, its clips' longest
+    duration in seconds (longer ones are capped; 30: Whisper's window)."""
+
+    max_audio_s: float = 30.0
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        _check_number(f"{path}.max_audio_s", self.max_audio_s, lo=1.0 / workloads.FRAMES_PER_S)
+
+
+@dataclass(frozen=True)
+class VqaParams(TaskParams):
+    """``vqa``: its images' bound (``max_image_side``), ``p_multi_image`` that an example
+    holds a second image, ``p_spoken_question`` that its first question is a clip (0 for a
+    model without audio) and that clip's cap ``max_audio_s``."""
+
+    max_image_side: int = workloads.MAX_IMAGE_SIDE
+    p_multi_image: float = fact("mix.p_multi_image")
+    p_spoken_question: float = fact("mix.p_spoken_question")
+    max_audio_s: float = 30.0
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        _check_side(path, self.max_image_side)
+        for name in ("p_multi_image", "p_spoken_question"):
+            _check_number(f"{path}.{name}", getattr(self, name), lo=0.0, hi=1.0)
+        _check_number(f"{path}.max_audio_s", self.max_audio_s, lo=1.0 / workloads.FRAMES_PER_S)
+
+
+Draw = Callable[[np.random.Generator, int, Any], TaskDraw]
 
 
 @dataclass(frozen=True)
@@ -105,50 +178,82 @@ class Task:
     """One task of the recipe.
 
     Attributes:
-        name: the ``task`` string of its examples.
+        name: the ``task`` string of its examples, and its config section
+            ``data.tasks.<name>``.
         runs: its examples' runs in order: ``("text", is_target)`` or ``(modality name,
             False)``; an example fills a subset of them.
-        weight: its weight in the default mix.
-        draw: how a registered task draws its examples' lengths (None: the paper's mix,
-            drawn together by this module).
-        optional: modality -> the :class:`RecipeConfig` probability that an example holds
-            it; a modality whose probability is 0 is never held.
+        params: its settings' defaults (a :class:`TaskParams`, or a subclass of it with the
+            task's own fields); a config's section is laid on them.
+        draw: how a registered task draws its examples' lengths, called
+            ``draw(generator, n, params)`` with the run's params of the task (None: the
+            paper's mix, drawn together by this module).
+        optional: modality -> the field of ``params`` that is the probability an example
+            holds it; a modality whose probability is 0 is never held.
     """
 
     name: str
     runs: tuple[Run, ...]
-    weight: float = 0.0
+    params: TaskParams = field(default_factory=TaskParams)
     draw: Draw | None = None
     optional: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def weight(self) -> float:
+        """Its default weight."""
+        return float(self.params.weight)
+
     def kinds(self) -> np.ndarray:
-        """The segment kind of each run."""
+        """The segment kind of each run.
+
+        Returns:
+            int ``[len(runs)]``.
+
+        Raises:
+            ValueError: a run names no modality of the table.
+        """
         return np.array([TEXT if k == "text" else modality_named(k).kind for k, _ in self.runs])
 
     def is_target(self) -> np.ndarray:
+        """Whether each run is a prediction target.
+
+        Returns:
+            bool ``[len(runs)]``.
+        """
         return np.array([t for _, t in self.runs], dtype=bool)
 
-    def modalities(self, cfg: RecipeConfig) -> set[str]:
-        """The modalities its examples can hold under ``cfg``."""
+    def modalities(self, params: TaskParams) -> set[str]:
+        """The modalities its examples can hold.
+
+        Args:
+            params: its settings in a recipe (an optional modality with probability 0 is
+                never held).
+
+        Returns:
+            The modality names.
+        """
         held = {k for k, _ in self.runs if k != "text"}
-        return {m for m in held if getattr(cfg, self.optional.get(m, ""), 1) > 0}
+        return {m for m in held if getattr(params, self.optional.get(m, ""), 1) > 0}
 
 
 _CAPTION, _VQA, _ASR, _SPOKEN_QA, _CHAT = fact("mix.weights")
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("caption", (_PROMPT, ("vision", False), _PROMPT, _TARGET), _CAPTION),
+        Task(
+            "caption",
+            (_PROMPT, ("vision", False), _PROMPT, _TARGET),
+            CaptionParams(_CAPTION),
+        ),
         Task(
             "vqa",
             (_PROMPT, ("vision", False), _PROMPT, ("vision", False), ("audio", False))
             + (_PROMPT, _TARGET) * MAX_VQA_TURNS,
-            _VQA,
+            VqaParams(_VQA),
             optional={"audio": "p_spoken_question"},  # a spoken first question
         ),
-        Task("asr", (_PROMPT, ("audio", False), _TARGET), _ASR),
-        Task("spoken_qa", (_PROMPT, ("audio", False), _PROMPT, _TARGET), _SPOKEN_QA),
-        Task("chat", (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS, _CHAT),
+        Task("asr", (_PROMPT, ("audio", False), _TARGET), ClipParams(_ASR)),
+        Task("spoken_qa", (_PROMPT, ("audio", False), _PROMPT, _TARGET), ClipParams(_SPOKEN_QA)),
+        Task("chat", (_PROMPT,) + (_PROMPT, _TARGET) * MAX_CHAT_TURNS, TaskParams(_CHAT)),
     )
 }
 """The task table, name -> row, in draw order. Extend it with :func:`register_task`."""
@@ -158,13 +263,27 @@ PAPER_MIX = tuple(TASKS)  # the tasks drawn by _draw_paper_mix
 def register_task(task: Task) -> Task:
     """Add a task with its own ``draw`` to :data:`TASKS` (in every process that draws it).
 
+    Registering the same row again is a no-op. A config draws it only where it names it
+    (``data.tasks.<name>``), so registering one changes no existing config.
+
+    Args:
+        task: the new row, with its ``draw`` and its params' defaults.
+
+    Returns:
+        ``task``.
+
     Raises:
-        ValueError: the name is taken, ``draw`` is missing, or a run names no modality.
+        ValueError: the name is taken, ``draw`` is missing, ``params`` is no
+            :class:`TaskParams`, or a run names no modality.
     """
+    if TASKS.get(task.name) == task:
+        return task
     if task.name in TASKS:
         raise ValueError(f"task {task.name!r} is already in the table {list(TASKS)}")
     if task.draw is None:
         raise ValueError(f"task {task.name!r} needs a draw function")
+    if not isinstance(task.params, TaskParams):
+        raise ValueError(f"task {task.name!r}: params must be a TaskParams, got {task.params!r}")
     task.kinds()  # every run names text or a modality of the table
     TASKS[task.name] = task
     return task
@@ -183,74 +302,130 @@ def unregister_task(name: str) -> None:
     del TASKS[name]
 
 
+def task_named(name: str) -> Task:
+    """The task called ``name``.
+
+    Raises:
+        ValueError: none is (the message lists the table).
+    """
+    if name not in TASKS:
+        raise ValueError(f"no task named {name!r}; the table has {list(TASKS)}")
+    return TASKS[name]
+
+
+def default_tasks() -> dict[str, TaskParams]:
+    """The tasks a recipe that names none draws: the paper's mix, each with its defaults."""
+    return {name: TASKS[name].params for name in PAPER_MIX}
+
+
+def weighted_tasks(weights: Mapping[str, float]) -> dict[str, TaskParams]:
+    """The tasks of ``weights``, each with its default settings and the given weight (a
+    recipe's ``tasks``).
+
+    Raises:
+        ValueError: a name that is no task.
+    """
+    return {n: dataclasses.replace(task_named(n).params, weight=w) for n, w in weights.items()}
+
+
 def default_mix() -> dict[str, float]:
-    """Every task's default weight."""
-    return {t.name: t.weight for t in TASKS.values()}
+    """The default weight of every task a recipe that names none draws."""
+    return {name: float(p.weight) for name, p in default_tasks().items()}
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Everything that shapes an example's lengths, except the model's encoding rates."""
+    """Everything that shapes an example's lengths, except the model's encoding rates: the
+    one recipe class (a run config's ``data:`` section and the synthetic dataset's config
+    extend it).
 
-    task_weights: Mapping[str, float] = field(default_factory=default_mix)
-    patch: int = workloads.PATCH
-    max_image_side: int = workloads.MAX_IMAGE_SIDE
-    max_audio_s: float = 30.0  # Whisper's window
+    Attributes:
+        tasks: task name -> its :class:`TaskParams` (weight and the task's own settings); a
+            task left out is not drawn. Default: the paper's mix (:func:`default_tasks`).
+        scale: multiplies every length (patches, frames, tokens), so a tiny config keeps the
+            paper's composition.
+        max_text_tokens: bound on the text tokens of one example, all its runs together.
+        patch: image patch side in pixels (the vision encoder's; a run config sets it from
+            ``model.encoders.vision.patch``).
+    """
+
+    tasks: Mapping[str, TaskParams] = field(default_factory=default_tasks)
+    scale: float = 1.0
     max_text_tokens: int = 2048
-    scale: float = 1.0  # multiplies every length, so a tiny config keeps the composition
-    p_multi_image: float = fact("mix.p_multi_image")
-    p_spoken_question: float = fact("mix.p_spoken_question")
+    patch: int = workloads.PATCH
 
     def __post_init__(self) -> None:
-        for name in ("patch", "max_image_side", "max_text_tokens"):
+        if not isinstance(self.tasks, Mapping):
+            raise ValueError(f"tasks must be a mapping of task -> TaskParams, got {self.tasks!r}")
+        for name, params in self.tasks.items():
+            task = task_named(name)
+            if type(params) is not type(task.params):
+                raise ValueError(
+                    f"tasks.{name} must be a {type(task.params).__name__}, got {params!r}"
+                )
+            params.check(f"tasks.{name}")
+            if isinstance(params, CaptionParams | VqaParams) and params.max_image_side < self.patch:
+                raise ValueError(
+                    f"tasks.{name}.max_image_side must be >= patch {self.patch}, got "
+                    f"{params.max_image_side!r}"
+                )
+        for name in ("patch", "max_text_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_image_side < self.patch:
-            raise ValueError(
-                f"max_image_side must be >= patch {self.patch}, got {self.max_image_side!r}"
-            )
         if self.max_text_tokens < MIN_TEXT:
             raise ValueError(f"max_text_tokens must be >= {MIN_TEXT}, got {self.max_text_tokens!r}")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"scale must be a positive finite number, got {self.scale!r}")
-        if not self.max_audio_s > 0:
-            raise ValueError(f"max_audio_s must be > 0, got {self.max_audio_s!r}")
-        for name in ("p_multi_image", "p_spoken_question"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        unknown = set(self.task_weights) - set(TASKS)
-        if unknown:
-            raise ValueError(
-                f"task_weights has unknown tasks {sorted(unknown)}; known: {list(TASKS)}"
-            )
-        weights = list(self.task_weights.values())
-        if any(not w >= 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(
-                f"task_weights must be >= 0 with a positive sum, got {dict(self.task_weights)!r}"
-            )
+        if sum(p.weight for p in self.tasks.values()) <= 0:
+            raise ValueError(f"tasks need a positive total weight, got {dict(self.task_weights)!r}")
+
+    def params(self, name: str) -> TaskParams:
+        """Task ``name``'s settings: the recipe's, or its defaults at weight 0 (not drawn)."""
+        if name in self.tasks:
+            return self.tasks[name]
+        return dataclasses.replace(task_named(name).params, weight=0.0)
+
+    @property
+    def task_weights(self) -> dict[str, float]:
+        """Task name -> weight, of the tasks the recipe draws."""
+        return {name: float(p.weight) for name, p in self.tasks.items()}
+
+    def with_weights(self, weights: Mapping[str, float]) -> RecipeConfig:
+        """This recipe with the weights of ``weights`` (tasks it names, each keeping its other
+        settings; a task it adds gets its defaults)."""
+        tasks = dict(self.tasks)
+        for name, weight in weights.items():
+            tasks[name] = dataclasses.replace(self.params(name), weight=weight)
+        return dataclasses.replace(self, tasks=tasks)
+
+    def with_task_settings(self, **settings: Any) -> RecipeConfig:
+        """This recipe with each setting set in every task of it that has the field (e.g.
+        ``max_audio_s`` in asr, spoken_qa and vqa).
+
+        Raises:
+            ValueError: no task of the recipe has one of the settings.
+        """
+        for key in settings:
+            if not any(hasattr(p, key) for p in self.tasks.values()):
+                raise ValueError(f"no task of {list(self.tasks)} has a setting {key!r}")
+        tasks = {
+            name: dataclasses.replace(p, **{k: v for k, v in settings.items() if hasattr(p, k)})
+            for name, p in self.tasks.items()
+        }
+        return dataclasses.replace(self, tasks=tasks)
 
     @property
     def task_probs(self) -> np.ndarray:
         """Sampling probability of each task in :data:`TASKS` order."""
-        weights = np.array([float(self.task_weights.get(t, 0.0)) for t in TASKS])
+        weights = np.array([float(self.params(t).weight) for t in TASKS])
         return weights / weights.sum()
 
 
-def run_fields(data: DataConfig, model: ModelConfig) -> dict[str, Any]:
-    """The :class:`RecipeConfig` fields a run config sets: its ``data:`` section, and the patch
-    side of the vision encoder that sees the paper mix's images."""
-    vision = model.encoders.get("vision")
-    return {
-        **({} if data.mix is None else {"task_weights": dict(data.mix)}),
-        **({} if vision is None else {"patch": vision.patch}),
-        "max_image_side": data.max_image_side,
-        "max_audio_s": float(data.max_audio_s),
-        "max_text_tokens": data.max_text_tokens,
-        "scale": float(data.scale),
-        "p_multi_image": float(data.p_multi_image),
-        "p_spoken_question": float(data.p_spoken_question),
-    }
+def recipe_fields(cfg: RecipeConfig) -> dict[str, Any]:
+    """The :class:`RecipeConfig` fields of ``cfg`` (one of its subclasses: a run config's
+    ``data:``), to build another subclass from."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RecipeConfig)}
 
 
 def split_text(total: int, weights: np.ndarray, is_target: np.ndarray) -> np.ndarray:
@@ -367,7 +542,8 @@ def _draw_task(
 ) -> None:
     """A registered task's draw, read into the shared arrays: text is the sum of its text
     runs, items are scaled like the paper mix's (down to a multiple of the divisor)."""
-    lengths = np.asarray(task.draw(gen, examples.size, cfg).lengths, dtype=np.float64)
+    draw = task.draw(gen, examples.size, cfg.params(task.name))
+    lengths = np.asarray(draw.lengths, dtype=np.float64)
     if lengths.shape != (examples.size, len(task.runs)) or np.any(lengths < 0):
         raise ValueError(
             f"task {task.name!r}: draw must return lengths >= 0 of shape "
@@ -395,16 +571,20 @@ def _draw_paper_mix(
 ) -> None:
     """The five tasks of the paper's mix (module docstring), in their historical draw order."""
     # images: one per caption/vqa example, a second for some vqa examples
-    vqa = own["vqa"]
-    second = vqa[gen.random(vqa.size) < cfg.p_multi_image]
+    vqa, caption_p, vqa_p = own["vqa"], cfg.params("caption"), cfg.params("vqa")
+    asr_p, spoken_qa_p = cfg.params("asr"), cfg.params("spoken_qa")
+    second = vqa[gen.random(vqa.size) < vqa_p.p_multi_image]
     image_example = np.sort(np.concatenate([own["caption"], vqa, second]))
+    sides = np.where(
+        np.isin(image_example, own["caption"]), caption_p.max_image_side, vqa_p.max_image_side
+    )
     patches = workloads.sample_lengths(
-        "llava_image", image_example.size, gen, max_image_side=cfg.max_image_side, patch=cfg.patch
+        "llava_image", image_example.size, gen, max_image_side=sides, patch=cfg.patch
     )
     image_patches = _scaled(patches, cfg.scale, rates.divisor(MODALITIES["vision"].kind))
 
     # audio: LibriSpeech for asr, AIR-Bench for spoken_qa, a short spoken question for some vqa
-    spoken = vqa[gen.random(vqa.size) < cfg.p_spoken_question]
+    spoken = vqa[gen.random(vqa.size) < vqa_p.p_spoken_question]
     asr_frames = workloads.sample_lengths("librispeech", own["asr"].size, gen)
     qa_frames = workloads.sample_lengths("spoken_qa", own["spoken_qa"].size, gen)
     question_s = gen.uniform(*fact("vqa.spoken_question_s"), spoken.size)
@@ -412,7 +592,15 @@ def _draw_paper_mix(
     frames = np.concatenate(
         [asr_frames, qa_frames, np.round(question_s * workloads.FRAMES_PER_S).astype(np.int64)]
     )
-    frames = np.minimum(frames, int(cfg.max_audio_s * workloads.FRAMES_PER_S))
+    caps = [
+        np.full(size, int(p.max_audio_s * workloads.FRAMES_PER_S))
+        for size, p in (
+            (asr_frames.size, asr_p),
+            (qa_frames.size, spoken_qa_p),
+            (spoken.size, vqa_p),
+        )
+    ]
+    frames = np.minimum(frames, np.concatenate(caps))
     order = np.argsort(audio_example, kind="stable")
     audio_frames = _scaled(frames[order], cfg.scale, rates.divisor(MODALITIES["audio"].kind))
     pieces["vision"].append(ItemLengths(image_example, image_patches))

@@ -16,7 +16,9 @@ One example is one HF ``datasets`` row (and the dict a loader yields per example
 Every modality is one row of :data:`MODALITIES`. The row is the single place that names it:
 its phase, encoder, config section, example field, default encoder architecture, balancing
 policy and what its raw rows are all come from the row, so a new modality is a new row (plus
-a task that produces it, :mod:`orchmllm.recipe`), not an edit of every module.
+a task that produces it, :mod:`orchmllm.recipe`, and maybe an encoder architecture,
+:mod:`orchmllm.models.spec`), registered from a file of the user's own (:mod:`orchmllm.plugins`),
+not an edit of every module. Every reader looks the table up when it runs, never a copy.
 
 Only ``segments`` is needed to plan (lengths before and after the encoders, LLM sequence
 length), so the metadata functions here take segments, never tensors: a loader can compute them
@@ -55,7 +57,7 @@ class Modality:
         policy: the balancing policy tailored to how its encoder batches (packed: ``greedy``;
             padded, like a Whisper-style encoder: ``binary_search``, paper section 8.3).
         arch: the encoder architecture a config gets when its section names none (a name in
-            ``orchmllm.config.ARCHS``: ``vit`` packed, ``whisper`` padded).
+            ``orchmllm.models.spec.ARCHS``: ``vit`` packed, ``whisper`` padded).
         unit: what one raw row is, one of :data:`UNITS`: ``patch`` (a flattened RGB pixel
             patch) or ``frame`` (a log-mel frame, 100 per second).
 

@@ -32,7 +32,10 @@ Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
 
 def _llava_image(
-    rng: np.random.Generator, n: int, max_side: int = MAX_IMAGE_SIDE, patch: int = PATCH
+    rng: np.random.Generator,
+    n: int,
+    max_side: int | np.ndarray = MAX_IMAGE_SIDE,
+    patch: int = PATCH,
 ) -> np.ndarray:
     weights = fact("image.source_weights")
     source = rng.choice(len(weights), size=n, p=list(weights))
@@ -96,26 +99,29 @@ def sample_lengths(
     n: int,
     rng: np.random.Generator | int = 0,
     *,
-    max_image_side: int = MAX_IMAGE_SIDE,
+    max_image_side: int | np.ndarray = MAX_IMAGE_SIDE,
     patch: int = PATCH,
 ) -> np.ndarray:
     """``n`` item lengths (int64, >= 1) drawn from distribution ``dist``.
 
     ``max_image_side`` is the dynamic-resolution bound in pixels for ``llava_image`` (448 for
-    MLLM-10B; the larger paper models use 672 and 896) and ``patch`` its patch side in pixels;
+    MLLM-10B; the larger paper models use 672 and 896; or one bound per image, when the images
+    of several tasks are drawn together) and ``patch`` its patch side in pixels;
     the other distributions ignore both.
     """
     if dist not in SAMPLERS:
-        raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
+        raise ValueError(f"dist must be one of {tuple(SAMPLERS)}, got {dist!r}")
     if not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
     if not isinstance(patch, int | np.integer) or patch < 1:
         raise ValueError(f"patch must be an integer >= 1, got {patch!r}")
-    if not isinstance(max_image_side, int | np.integer) or max_image_side < patch:
+    sides = np.asarray(max_image_side)
+    if sides.dtype.kind not in "iu" or sides.shape not in ((), (n,)) or np.any(sides < patch):
         raise ValueError(
-            f"max_image_side must be an integer >= patch {patch}, got {max_image_side!r}"
+            f"max_image_side must be an integer >= patch {patch} (or one per image), got "
+            f"{max_image_side!r}"
         )
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
     if dist == "llava_image":
-        return np.maximum(_llava_image(gen, int(n), int(max_image_side), int(patch)), 1)
+        return np.maximum(_llava_image(gen, int(n), sides, int(patch)), 1)
     return np.maximum(SAMPLERS[dist](gen, int(n)), 1)

@@ -34,7 +34,16 @@ def _config(tmp_path) -> str:
         "base": str(ROOT / "configs" / "tiny.yaml"),
         "model": {"encoders": {"vision": {"hidden": 128, "ffn": 256}}},
         "data": {
-            "mix": {"caption": 0.5, "vqa": 0.2, "asr": 0.1, "spoken_qa": 0.0, "chat": 0.2},
+            "tasks": {
+                name: {"weight": w}
+                for name, w in {
+                    "caption": 0.5,
+                    "vqa": 0.2,
+                    "asr": 0.1,
+                    "spoken_qa": 0.0,
+                    "chat": 0.2,
+                }.items()
+            },
             "examples_per_rank": 4,
             "scale": 0.5,
         },

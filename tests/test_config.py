@@ -56,8 +56,8 @@ def test_tiny_yaml_spells_out_the_defaults_but_the_data_scale():
     assert tiny.recipe == empty.recipe
     assert (tiny.data.scale, empty.data.scale) == (0.1, 1.0)
     assert (tiny.balance.ranks_per_node, empty.balance.ranks_per_node) == (2, None)
-    assert dataclasses.replace(tiny.data, scale=1.0, mix=None) == empty.data
-    assert tiny.data.mix == default_mix()
+    assert dataclasses.replace(tiny.data, scale=1.0) == empty.data
+    assert tiny.data.task_weights == default_mix()
     for phase in tiny.phases:
         assert tiny.balance.policy(phase) == empty.balance.policy(phase)
     assert tiny.balance.placement == empty.balance.placement
@@ -150,7 +150,7 @@ def test_a_derived_config_states_only_what_differs(tmp_path):
             {
                 "base": str(ROOT / "configs" / "mllm-10b.yaml"),
                 "model": {"encoders": {"audio": None}, "llm": {"layers": 4}},
-                "data": {"mix": {"asr": 0.0, "spoken_qa": 0.0}},
+                "data": {"tasks": {"asr": {"weight": 0.0}, "spoken_qa": None}},
                 "train": {"steps": 3},
             }
         )
@@ -161,7 +161,12 @@ def test_a_derived_config_states_only_what_differs(tmp_path):
     assert list(cfg.model.encoders) == ["vision"] and cfg.phases == ("vision", LLM)
     assert cfg.model.encoders["vision"] == parent.model.encoders["vision"]
     assert cfg.model.llm.layers == 4 and cfg.model.llm.hidden == parent.model.llm.hidden
-    assert cfg.data.mix == {**parent.data.mix, "asr": 0.0, "spoken_qa": 0.0}  # merged
+    # merged task by task: asr's weight changed, spoken_qa dropped, the rest inherited
+    assert cfg.data.task_weights == {
+        **{k: v for k, v in parent.data.task_weights.items() if k != "spoken_qa"},
+        "asr": 0.0,
+    }
+    assert cfg.data.tasks["vqa"] == parent.data.tasks["vqa"]
     assert cfg.train.steps == 3 and cfg.train.lr == 0.5
     assert cfg.balance == parent.balance  # audio's policy stays, unused
     assert read_config(tmp_path / "grandchild.yaml")["train"] == {"steps": 3, "lr": 0.5}
@@ -173,7 +178,7 @@ def test_the_paper_configs_inherit_from_mllm_10b():
         raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
         assert raw["base"] == "mllm-10b.yaml"
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
-        assert cfg.balance == ten.balance and cfg.data.mix == ten.data.mix
+        assert cfg.balance == ten.balance and cfg.data.task_weights == ten.data.task_weights
         assert cfg.model.encoders["audio"].n_mels == 128  # inherited
 
 
@@ -201,6 +206,13 @@ def test_the_paper_configs_inherit_from_mllm_10b():
         ({"balance": {"costs": {"vision": {"alpha": "x"}}}}, "balance.costs.vision"),
         ({"train": {"weight_decay": -0.1}}, "train.weight_decay must be a number >= 0"),
         ({"data": []}, "data must be a mapping"),
+        ({"data": {"tasks": {"capton": {}}}}, "data.tasks has no key 'capton'; did you mean"),
+        ({"data": {"tasks": {"vqa": {"p_multi": 1}}}}, "data.tasks.vqa has no key 'p_multi'"),
+        ({"data": {"tasks": {"vqa": {"p_multi_image": 2}}}}, "data.tasks.vqa.p_multi_image"),
+        ({"data": {"tasks": {"asr": {"weight": -1}}}}, "data.tasks.asr.weight must be in"),
+        ({"data": {"tasks": {"chat": None}, "scale": 0}}, "data.scale must be a positive"),
+        ({"data": {"patch": 16}}, "data.patch is the vision encoder's"),
+        ({"plugins": ["orchmllm_no_such_plugin"]}, "plugin 'orchmllm_no_such_plugin': no module"),
     ],
 )
 def test_a_bad_config_names_the_key(raw, message):
@@ -240,7 +252,7 @@ def test_an_override_is_read_by_its_keys_type():
     assert override_value("balance.ranks_per_node", "null") is None  # an optional key
     assert override_value("balance.policies.llm", "greedy") == "greedy"  # a mapping's key
     assert override_value("balance.costs.llm.alpha", "2") == 2.0
-    assert override_value("data.mix", "{vqa: 2}") == {"vqa": 2}  # a mapping, as YAML
+    assert override_value("data.tasks", "{vqa: {weight: 2}}") == {"vqa": {"weight": 2}}
     assert override_value("model.encoders.audio", "null") is None  # drops the encoder
     assert override_value("inner.names", "a,b", _Outer) == ["a", "b"]  # lists
     assert override_value("inner.sizes", "[1, 2]", _Outer) == [1, 2]
@@ -256,7 +268,7 @@ def test_an_override_is_read_by_its_keys_type():
         ("train.steps", "many", "'train.steps' (given 'many') must be an integer"),
         ("train.lr", "fast", "(given 'fast') must be a number"),
         ("train.sync_micro_steps", "maybe", "(given 'maybe') must be true or false"),
-        ("data.mix", "[1]", "(given '[1]') must be a mapping"),
+        ("data.tasks", "[1]", "(given '[1]') must be a mapping"),
     ],
 )
 def test_a_bad_override_names_the_key_and_the_value(key, text, message):
@@ -270,15 +282,44 @@ def test_overrides_lay_on_the_config_file_and_the_config_checks_them():
     cfg = load_config(
         "tiny",
         {"train.steps": 3, "model.llm.layers": 3, "model.encoders.audio": None,
-         "balance.policies.llm": "kk", "data.mix": {"vqa": 1.0}},
+         "balance.policies.llm": "kk", "data.tasks": {"vqa": {"weight": 1.0}}},
     )  # fmt: skip
     base = load_config("tiny")
     assert (cfg.train.steps, cfg.model.llm.layers) == (3, 3)
     assert cfg.balance.policies == {**base.balance.policies, "llm": "kk"}  # merged key by key
     assert list(cfg.model.encoders) == ["vision"]
-    assert cfg.data.mix == {**base.data.mix, "vqa": 1.0}  # a mapping merges, as under base:
+    assert cfg.data.tasks.keys() == base.data.tasks.keys()  # a mapping merges, as under base:
+    assert cfg.data.tasks["vqa"].weight == 1.0
     assert cfg.model.llm.hidden == base.model.llm.hidden  # the rest of the section stays
     with pytest.raises(ValueError, match=r"with --train.steps=0: train.steps must be a positive"):
         load_config("tiny", {"train.steps": 0})
     with pytest.raises(ValueError, match="model.encoders.vision has no key 'n_mels'"):
         load_config("tiny", {"model.encoders.vision.n_mels": 8})  # whisper's, not the vit's
+
+
+@pytest.mark.parametrize(
+    "key, place",
+    [
+        ("mix", "data.tasks.<task>.weight"),
+        ("max_image_side", "data.tasks.caption.max_image_side"),
+        ("max_audio_s", "data.tasks.<asr, spoken_qa, vqa>.max_audio_s"),
+        ("p_multi_image", "data.tasks.vqa.p_multi_image"),
+        ("p_spoken_question", "data.tasks.vqa.p_spoken_question"),
+    ],
+)
+def test_a_data_key_that_moved_into_its_task_names_its_new_place(key, place):
+    with pytest.raises(ValueError, match=f"data.{key} moved to {re.escape(place)}"):
+        run_config({"data": {key: 1}})
+
+
+def test_a_task_section_is_laid_on_its_defaults_and_the_patch_is_the_encoders():
+    cfg = run_config(
+        {
+            "model": {"encoders": {"vision": {"patch": 16}}},
+            "data": {"tasks": {"vqa": {"p_multi_image": 0.5}, "chat": {}}},
+        }
+    )
+    assert list(cfg.data.tasks) == ["vqa", "chat"]  # a task left out is not drawn
+    assert cfg.data.tasks["vqa"].p_multi_image == 0.5
+    assert cfg.data.tasks["vqa"].weight == default_mix()["vqa"]  # its default weight
+    assert cfg.data.patch == 16

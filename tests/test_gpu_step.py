@@ -211,8 +211,8 @@ def test_rank_work_conserves_items_and_targets():
 def test_emulator_runs_a_rank_with_no_image_or_audio(one_thread):
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"))
     emu = gpu_step.Emulator.build(cfg, device=torch.device("cpu"), seed=0)
-    chat = {**cfg.data.mix, "caption": 0.0, "vqa": 0.0, "asr": 0.0, "spoken_qa": 0.0}
-    text_only = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=chat))
+    chat = {"caption": 0.0, "vqa": 0.0, "asr": 0.0, "spoken_qa": 0.0}
+    text_only = dataclasses.replace(cfg, data=cfg.data.with_weights(chat))
     batches = gpu_step.sample_ranks(text_only, step=0, ranks=2, per_rank=2, seed=0)
     res = gpu_step.emulate_step(emu, batches, mode="full", link_bytes_per_s=1e11)
     assert res.items == {"vision": 0, "audio": 0} and res.llm_tokens > 0

@@ -10,6 +10,8 @@ unbalanced, and a loader resumed from a mid-epoch state yields the batches that 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from orchmllm.integrations.torchtitan import BalancedTitanLoader  # noqa: E402
 from orchmllm.testing import run_distributed  # noqa: E402
 
 SEQ_LEN, LOCAL_BATCH = 32, 2
+DEALT = str(Path(__file__).resolve().parent / "plugins" / "dealt_policy.py")
 
 
 def _save_documents(path: str, n: int = 60, seed: int = 0) -> list[list[int]]:
@@ -35,7 +38,10 @@ def _worker(rank: int, world: int, path: str, policies: list[str]) -> dict:
 
 
 def _epoch(rank: int, world: int, path: str, policy: str) -> dict:
-    config = BalancedTitanLoader.Config(dataset_path=path, policy=policy, infinite=False)
+    plugins = [DEALT] if policy == "dealt" else []  # a user's policy, from its plugin file
+    config = BalancedTitanLoader.Config(
+        dataset_path=path, policy=policy, infinite=False, plugins=plugins
+    )
     build = {"dp_world_size": world, "dp_rank": rank, "tokenizer": None, "seq_len": SEQ_LEN}
     build.update(local_batch_size=LOCAL_BATCH, snapshot_every_n_steps=None)
     loader = config.build(**build)
@@ -56,7 +62,7 @@ def _epoch(rank: int, world: int, path: str, policy: str) -> dict:
 def test_titan_loader_balances_conserves_and_resumes(tmp_path):
     path = str(tmp_path / "docs")
     docs = _save_documents(path)
-    policies = ["identity", "greedy"]
+    policies = ["identity", "greedy", "dealt"]
     per_rank = run_distributed(_worker, 2, path, policies, timeout=120)
     runs = {p: [r[p] for r in per_rank] for p in policies}
     for policy, per_rank in runs.items():

@@ -81,17 +81,22 @@ def _first_lines(log: str, n: int) -> str:
         ("configs/tinny.yaml", 2, f"packaged configs, by name from any directory (--config "
          f"tiny): {', '.join(packaged_configs())}"),
         ("tiny", 3, "launch a multiple of 2 processes (--nproc_per_node=2 or 4"),
+        ("plugin", 2, "plugin 'no_such_plugin.py': no such file"),
     ],
-    ids=["typo", "missing", "nproc3"],
+    ids=["typo", "missing", "nproc3", "plugin"],
 )  # fmt: skip
 def test_a_launch_mistake_prints_its_fix_first_and_once(tmp_path, repo_env, config, nproc, fix):
+    extra = []
     if config == "typo":
         config = str(tmp_path / "typo.yaml")
         (tmp_path / "typo.yaml").write_text("data: {examples_per_rnk: 4}\n")
+    if config == "plugin":
+        config, extra = "tiny", ["--plugin", "no_such_plugin.py"]
     log = tmp_path / "log"
     proc = torchrun(
-        ["-m", "orchmllm.train", "--config", config], nproc, log=log, env=repo_env, cwd=tmp_path
-    )
+        ["-m", "orchmllm.train", "--config", config, *extra], nproc, log=log, env=repo_env,
+        cwd=tmp_path,
+    )  # fmt: skip
     assert proc.wait(timeout=240) != 0
     out = log.read_text()
     assert out.startswith(f"{HEAD} (rank 0):\n"), out[:2000]

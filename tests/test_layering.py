@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "orchmllm"
 FLOORS = {
     "orchmllm.schema": 1,
     "orchmllm._moved": 1,  # old module paths -> new ones (imports by name, at use)
+    "orchmllm.plugins": 1,  # imports a user's files, which register into the floors above
     "orchmllm.config": 2,  # checks policy and placement names in the planner's registry
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest
     "orchmllm._core": 2,
@@ -41,6 +42,12 @@ FLOORS = {
     "orchmllm.dist.calibrator": 4,
     "orchmllm.data": 5,
     "orchmllm.models": 6,
+    # each architecture's torch-free spec (config dataclass, parameter count) and the registry
+    "orchmllm.models.spec": 2,
+    "orchmllm.models.vit": 2,
+    "orchmllm.models.whisper": 2,
+    "orchmllm.models.vit.module": 6,  # its nn.Module
+    "orchmllm.models.whisper.module": 6,
     "orchmllm.train": 7,  # the trainer and what only it uses (checkpoints, launch, reports)
     "orchmllm.provenance": 7,
     "orchmllm.integrations": 8,

@@ -39,7 +39,11 @@ WIDE = {
     },
     "llm": {"hidden": 128, "ffn": 320, "heads": 8, "kv_heads": 2},
 }
-AUDIO = {"mix": {"asr": 0.7, "spoken_qa": 0.3}, "examples_per_rank": 6, "scale": 0.2}
+AUDIO = {
+    "tasks": {"asr": {"weight": 0.7}, "spoken_qa": {"weight": 0.3}},
+    "examples_per_rank": 6,
+    "scale": 0.2,
+}
 # name -> (model overrides of configs/tiny.yaml, data overrides, precision, checkpointing,
 # loss chunk): both widths, checkpointing on (every block, every second) and off, bf16 mixed
 # and fp32, one and two loss chunks, a mix where the padded audio phase dominates

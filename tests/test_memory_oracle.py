@@ -164,7 +164,10 @@ def _config(tmp_path: Path) -> str:
     raw = {
         "base": str(ROOT / "configs" / "tiny.yaml"),
         "model": {"vocab": VOCAB},
-        "data": {"examples_per_rank": 2, "mix": {"caption": 0.5, "asr": 0.5}},
+        "data": {
+            "examples_per_rank": 2,
+            "tasks": {"caption": {"weight": 0.5}, "asr": {"weight": 0.5}},
+        },
     }
     path = tmp_path / "vocab32k.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import pytest
 import torch
 
 from orchmllm.config import ARCHS, ModelConfig, load_config
-from orchmllm.models import ENCODERS, MLLM, build_model, packed_attention, padded_attention
+from orchmllm.models import MLLM, build_model, packed_attention, padded_attention
 from orchmllm.models.layers import rotate
+from orchmllm.models.spec import (
+    EncoderConfig,
+    architecture,
+    register_architecture,
+    unregister_architecture,
+)
+from orchmllm.models.vit import VitConfig
 
 TINY = "configs/tiny.yaml"
 
@@ -184,8 +192,13 @@ def test_paper_configs_match_table1_parameter_counts(name, total_b, vision_b, au
     assert billions(model.llm) == pytest.approx(llm_b, rel=0.1)
 
 
-def test_every_config_architecture_has_an_encoder_module():
-    assert set(ENCODERS) == set(ARCHS)
+def test_every_architecture_has_a_module_and_counts_its_parameters():
+    """Each registered architecture builds its module, and its spec's parameter count (what
+    the simulator reads, torch-free) is the module's."""
+    for name in ARCHS:
+        cfg = ARCHS[name](downsample=2)
+        module = architecture(name).module(cfg, 48)
+        assert cfg.parameters(48) == sum(p.numel() for p in module.parameters()), name
 
 
 def test_frozen_encoders_train_only_their_connectors():
@@ -207,3 +220,34 @@ def test_an_encoder_per_section_of_the_config_built_by_its_architecture():
     model = MLLM(vit_audio)
     assert type(model.encoders["audio"]) is type(model.encoders["vision"])
     assert model.encoders["audio"].patch_embed.in_features == 12
+
+
+def test_register_architecture_refuses_what_it_cannot_build():
+    @dataclasses.dataclass(frozen=True)
+    class NoName(EncoderConfig):
+        padded: ClassVar[bool] = False
+
+    @dataclasses.dataclass(frozen=True)
+    class Twin(VitConfig):  # a second class under vit's name
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare(VitConfig):
+        arch: ClassVar[str] = "bare_vit"
+
+    with pytest.raises(ValueError, match="EncoderConfig subclass"):
+        register_architecture(dict)
+    with pytest.raises(ValueError, match="NoName must set the class attribute 'arch'"):
+        register_architecture(NoName)
+    with pytest.raises(ValueError, match="'vit' is taken by VitConfig"):
+        register_architecture(Twin)
+    with pytest.raises(ValueError, match="no encoder architecture 'nope'; registered: .*'vit'"):
+        architecture("nope")
+    register_architecture(Bare)  # the spec alone: the config reads it, no module to build
+    try:
+        model = ModelConfig(encoders={"vision": Bare()})
+        with pytest.raises(ValueError, match="'bare_vit' has no module"):
+            MLLM(model)
+    finally:
+        unregister_architecture("bare_vit")
+    assert "bare_vit" not in ARCHS

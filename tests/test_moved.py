@@ -24,7 +24,7 @@ def test_an_old_path_gives_the_moved_module_and_names_its_place(old):
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(MOVED[old])
-    assert Path(module.__file__).parent.name == MOVED[old].split(".")[1]
+    assert Path(module.__file__).parent.name == MOVED[old].split(".")[-2]
 
 
 def test_an_old_path_that_is_a_public_function_refuses_and_keeps_the_function():

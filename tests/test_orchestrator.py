@@ -407,8 +407,8 @@ def _grad_worker(rank, world):
     rates = EncodingRates({"vision": Rate(downsample=2), "audio": Rate(stride=2, downsample=2)})
     cfg = SyntheticConfig(
         num_examples=60, seed=5, scale=0.02, patch=2, feature_dims={"vision": 12, "audio": 8},
-        vocab_size=64, max_image_side=224,
-    )  # fmt: skip
+        vocab_size=64,
+    ).with_task_settings(max_image_side=224)  # fmt: skip
     exs = list(iter_examples(cfg, rates))
     phases = default_phases(rates, feature_dims=cfg.widths)
     mine = exs[rank * 6 : (rank + 1) * 6]

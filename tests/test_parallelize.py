@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 from orchmllm.config import TrainRecipe, load_config
-from orchmllm.models import (
+from orchmllm.models import build_model
+from orchmllm.models.parallelize import (
     apply_checkpointing,
-    build_model,
     compute_dtype,
     parallelize,
     storage_dtype,

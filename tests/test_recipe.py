@@ -1,18 +1,25 @@
 """The per-task example recipe: rounding rules, determinism, the task table and its
 registration, and bad input that names the argument."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from orchmllm.recipe import (
     TASKS,
+    CaptionParams,
+    ClipParams,
     RecipeConfig,
     Task,
     TaskDraw,
+    TaskParams,
+    VqaParams,
     register_task,
     sample_examples,
     split_text,
     unregister_task,
+    weighted_tasks,
 )
 from orchmllm.schema import AUDIO, IMAGE, TEXT, EncodingRates, Rate
 
@@ -21,7 +28,7 @@ RATES = EncodingRates({"vision": Rate(downsample=4), "audio": Rate(stride=2, dow
 
 @pytest.mark.parametrize("scale", [1.0, 0.1, 0.03])
 def test_recipe_lengths_follow_the_rules(scale):
-    cfg = RecipeConfig(scale=scale, max_text_tokens=512, max_audio_s=20.0)
+    cfg = RecipeConfig(scale=scale, max_text_tokens=512).with_task_settings(max_audio_s=20.0)
     ex = sample_examples(cfg, 4000, 1, rates=RATES)
     assert set(np.unique(ex.task)) == set(range(len(TASKS)))
     images, clips = ex.items["vision"], ex.items["audio"]
@@ -54,9 +61,8 @@ ITEMS = {
 def test_recipe_runs_lay_out_each_example():
     """An example's runs hold exactly its lengths: its items in order and its text, starting
     with a prompt token and with at least one target."""
-    ex = sample_examples(
-        RecipeConfig(scale=0.1, p_multi_image=0.5, p_spoken_question=0.5), 600, 2, rates=RATES
-    )
+    cfg = RecipeConfig(scale=0.1).with_task_settings(p_multi_image=0.5, p_spoken_question=0.5)
+    ex = sample_examples(cfg, 600, 2, rates=RATES)
     seen_spoken = seen_multi = False
     for i in range(ex.task.size):
         runs = ex.runs(i)
@@ -96,13 +102,15 @@ def test_split_text_sums_and_keeps_a_prompt_and_a_target(total):
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"task_weights": {"dance": 1.0}}, "task_weights"),
-        ({"task_weights": {"asr": 0.0}}, "task_weights"),
+        ({"tasks": {"dance": TaskParams(1.0)}}, "no task named 'dance'"),
+        ({"tasks": {"asr": ClipParams(0.0)}}, "positive total weight"),
+        ({"tasks": {"asr": ClipParams(-1.0)}}, "tasks.asr.weight"),
+        ({"tasks": {"asr": TaskParams(1.0)}}, "tasks.asr must be a ClipParams"),
         ({"max_text_tokens": 1}, "max_text_tokens"),
-        ({"patch": 14, "max_image_side": 10}, "max_image_side"),
-        ({"p_spoken_question": -0.1}, "p_spoken_question"),
+        ({"tasks": {"caption": CaptionParams(1.0, max_image_side=10)}}, "max_image_side"),
+        ({"tasks": {"vqa": VqaParams(1.0, p_spoken_question=-0.1)}}, "vqa.p_spoken_question"),
         ({"scale": float("inf")}, "scale"),
-        ({"max_audio_s": 0.0}, "max_audio_s"),
+        ({"tasks": {"asr": ClipParams(1.0, max_audio_s=0.0)}}, "asr.max_audio_s"),
     ],
 )
 def test_bad_recipe_config_names_the_field(kwargs, name):
@@ -112,7 +120,7 @@ def test_bad_recipe_config_names_the_field(kwargs, name):
         sample_examples(RecipeConfig(), -1, 0, rates=RATES)
 
 
-def _clip_pair(gen: np.random.Generator, n: int, cfg: RecipeConfig) -> TaskDraw:
+def _clip_pair(gen: np.random.Generator, n: int, params: TaskParams) -> TaskDraw:
     """A registered task's draw: prompt, two clips, answer."""
     prompt, answer = gen.integers(3, 9, n), gen.integers(5, 40, n)
     clips = gen.integers(100, 900, (n, 2))
@@ -138,10 +146,11 @@ def test_a_registered_task_draws_after_the_paper_mix_and_leaves_it_unchanged():
     plain = sample_examples(RecipeConfig(), 500, 4, rates=RATES)
     register_task(CLIP_PAIR)
     try:
-        assert RecipeConfig().task_weights["clip_pair"] == 0.0
+        assert "clip_pair" not in RecipeConfig().tasks  # drawn only where a recipe names it
+        assert RecipeConfig().params("clip_pair").weight == 0.0
         same = sample_examples(RecipeConfig(), 500, 4, rates=RATES)
-        mix = {**RecipeConfig().task_weights, "clip_pair": 1.0}
-        ex = sample_examples(RecipeConfig(task_weights=mix, scale=0.5), 800, 4, rates=RATES)
+        cfg = RecipeConfig(scale=0.5).with_weights({"clip_pair": 1.0})
+        ex = sample_examples(cfg, 800, 4, rates=RATES)
     finally:
         unregister_task(CLIP_PAIR.name)
     np.testing.assert_array_equal(plain.task, same.task)
@@ -161,11 +170,42 @@ def test_a_registered_task_draws_after_the_paper_mix_and_leaves_it_unchanged():
 
 
 def test_register_task_refuses_what_it_cannot_draw(clip_pair):
+    assert register_task(clip_pair) is clip_pair  # the same row again: a no-op
     with pytest.raises(ValueError, match="already"):
-        register_task(clip_pair)
+        register_task(dataclasses.replace(clip_pair, runs=(("text", True),)))
     with pytest.raises(ValueError, match="draw"):
         register_task(Task("nodraw", (("text", True),)))
     with pytest.raises(ValueError, match="no modality named 'smell'"):
         register_task(Task("odour", (("smell", False),), draw=_clip_pair))
     with pytest.raises(ValueError, match="no registered task 'chat'"):
         unregister_task("chat")
+
+
+def test_each_task_bounds_its_own_images():
+    """``max_image_side`` is a task's own: caption's bound leaves vqa's images alone."""
+    cfg = RecipeConfig(
+        tasks={
+            "caption": CaptionParams(1.0, max_image_side=112),
+            "vqa": VqaParams(1.0, max_image_side=448, p_spoken_question=0.0),
+        }
+    )
+    ex = sample_examples(cfg, 2000, 3, rates=EncodingRates())
+    images = ex.items["vision"]
+    caption = np.isin(images.example, np.flatnonzero(ex.task == list(TASKS).index("caption")))
+    assert caption.sum() > 500 and (~caption).sum() > 500
+    assert images.raw[caption].max() <= (112 // 14) ** 2
+    assert images.raw[~caption].max() > (112 // 14) ** 2
+
+
+def test_settings_and_weights_by_name():
+    cfg = RecipeConfig().with_task_settings(max_audio_s=12.0)
+    assert {n for n, p in cfg.tasks.items() if getattr(p, "max_audio_s", None) == 12.0} == {
+        "vqa",
+        "asr",
+        "spoken_qa",
+    }
+    with pytest.raises(ValueError, match="setting 'max_audo_s'"):
+        cfg.with_task_settings(max_audo_s=1.0)
+    assert RecipeConfig(tasks=weighted_tasks({"chat": 2.0})).task_weights == {"chat": 2.0}
+    with pytest.raises(ValueError, match="no task named 'dance'"):
+        weighted_tasks({"dance": 1.0})

@@ -1,5 +1,6 @@
 """Synthetic multimodal data: reproducible, schema-correct, and compositionally incoherent."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from orchmllm.data import (
     validate_example,
 )
 from orchmllm.data.synthetic import BLOCK, block_seed, iter_examples, load_dataset
-from orchmllm.recipe import RecipeConfig, run_fields, sample_examples
+from orchmllm.recipe import TaskParams, VqaParams, sample_examples, weighted_tasks
 from orchmllm.sim.sweep import load_model
 from orchmllm.sim.workload import sample_batch
 
@@ -43,8 +44,7 @@ TINY = SyntheticConfig(
     patch=4,
     feature_dims=WIDTHS,
     vocab_size=256,
-    max_image_side=224,
-)
+).with_task_settings(max_image_side=224)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -120,9 +120,8 @@ def test_example_metadata_pure_function():
 
 
 def test_resolution_bound_and_scale():
-    full = SyntheticConfig(
-        num_examples=150, seed=0, max_image_side=448, task_weights={"caption": 1}
-    )
+    full = SyntheticConfig(num_examples=150, seed=0, tasks=weighted_tasks({"caption": 1}))
+    assert full.tasks["caption"].max_image_side == 448
     max_grid = math.ceil(448 / 14) ** 2
     patches = [
         sum(example_metadata(e["segments"], RATES).raw["vision"])
@@ -189,8 +188,7 @@ def test_lengths_match_the_simulator():
         batch = sample_batch(
             model.data, model.config, num_ranks=4, examples_per_rank=BLOCK // 4, seed=seed
         )
-        recipe = RecipeConfig(**run_fields(model.data, model.config))
-        tasks = sample_examples(recipe, BLOCK, seed, rates=model.config.rates).task
+        tasks = sample_examples(model.data, BLOCK, seed, rates=model.config.rates).task
         for j in range(BLOCK):
             ex = exs[block * BLOCK + j]
             meta = example_metadata(ex["segments"], run.rates)
@@ -206,12 +204,11 @@ def test_text_cap_bounds_a_whole_example():
     cfg = SyntheticConfig(
         num_examples=80,
         seed=1,
-        task_weights={"chat": 1},
+        tasks=weighted_tasks({"chat": 1}),
         max_text_tokens=300,
         patch=4,
         feature_dims={"vision": 48, "audio": 8},
         vocab_size=64,
-        max_image_side=224,
     )
     lengths = [len(e["input_ids"]) for e in iter_examples(cfg, RATES)]
     assert max(lengths) == 300 and min(lengths) >= 2
@@ -230,9 +227,9 @@ def test_round_trip_through_datasets(tmp_path):
     "kwargs, name",
     [
         ({"scale": 0.0}, "scale"),
-        ({"task_weights": {"dance": 1.0}}, "task_weights"),
-        ({"task_weights": {"asr": -1.0, "chat": 2.0}}, "task_weights"),
-        ({"p_multi_image": 1.5}, "p_multi_image"),
+        ({"tasks": {"dance": TaskParams(1.0)}}, "no task named 'dance'"),
+        ({"tasks": weighted_tasks({"asr": -1.0, "chat": 2.0})}, "tasks.asr.weight"),
+        ({"tasks": {"vqa": VqaParams(1.0, p_multi_image=1.5)}}, "vqa.p_multi_image"),
         ({"vocab_size": 3}, "vocab_size"),
         ({"patch": 0}, "patch"),
         ({"feature_dims": {"depht": 4}}, "no modality named 'depht'"),
@@ -249,7 +246,7 @@ def test_bad_config_raises(kwargs, name):
 @pytest.mark.parametrize(
     "widths, mix",
     [
-        ({"vision": 48}, {"caption": 1.0, "vqa": 1.0, "chat": 0.5}),  # no spoken questions
+        ({"vision": 48}, {"caption": 1.0, "vqa": 1.0, "chat": 0.5}),
         ({"audio": 8}, {"asr": 1.0, "spoken_qa": 1.0, "chat": 0.5}),
         ({}, {"chat": 1.0}),
     ],
@@ -258,14 +255,16 @@ def test_bad_config_raises(kwargs, name):
 def test_a_subset_of_modalities_has_only_their_fields(widths, mix, tmp_path):
     """A dataset holds a field for exactly the modalities it is given; its rows round-trip
     through HF datasets and ``as_example`` without the others' fields (no KeyError)."""
+    mix = weighted_tasks(mix)
+    if "vqa" in mix:  # no spoken questions
+        mix["vqa"] = dataclasses.replace(mix["vqa"], p_spoken_question=0.0)
     cfg = SyntheticConfig(
         num_examples=40,
         seed=2,
         scale=0.05,
         patch=4,
         feature_dims=widths,
-        task_weights=mix,
-        p_spoken_question=0.0,
+        tasks=mix,
     )
     ds = build_dataset(cfg, RATES, cache_dir=str(tmp_path))
     keys = {"vision": "image_patches", "audio": "audio_mels"}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import yaml
 
 from orchmllm.config import load_config
-from orchmllm.data.synthetic import SyntheticConfig, save_dataset
+from orchmllm.data.synthetic import save_dataset
 from orchmllm.planner.step_options import MODES
 from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.schema import Modality, register_modality, unregister_modality
@@ -71,6 +71,11 @@ def _config(
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
     return path
+
+
+def _weights(mix: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``data.tasks`` setting these tasks' weights (each laid on the base config's task)."""
+    return {task: {"weight": w} for task, w in mix.items()}
 
 
 def _argv(config: str, tmp_path, mode: str, steps: int, *extra: str) -> list[str]:
@@ -212,7 +217,7 @@ def test_two_ranks_idle_encoder_rank_and_global_gradient(tmp_path):
        the single-process ones: loss normalised by the global target count, gradients summed.
     """
     mix = {"caption": 0.4, "vqa": 0.0, "asr": 0.3, "spoken_qa": 0.0, "chat": 0.3}
-    sparse = _config(tmp_path, "sparse", examples_per_rank=2, mix=mix)
+    sparse = _config(tmp_path, "sparse", examples_per_rank=2, tasks=_weights(mix))
     per_rank = load_config(TINY).data.examples_per_rank
     two = _config(tmp_path, "two", examples_per_rank=per_rank)
     one = _config(tmp_path, "one", examples_per_rank=2 * per_rank)
@@ -279,8 +284,8 @@ def test_a_phase_with_no_item_anywhere_leaves_its_encoder_as_a_plain_run_does(tm
     to float64 rounding."""
     mix = {"caption": 0.35, "vqa": 0.0, "asr": 0.35, "spoken_qa": 0.0, "chat": 0.3}
     train = {"weight_decay": 0.1, "lr": 1.0e-2}
-    two = _config(tmp_path, "two", examples_per_rank=1, mix=mix, train=train)
-    one = _config(tmp_path, "one", examples_per_rank=2, mix=mix, train=train)
+    two = _config(tmp_path, "two", examples_per_rank=1, tasks=_weights(mix), train=train)
+    one = _config(tmp_path, "one", examples_per_rank=2, tasks=_weights(mix), train=train)
     steps = 6
     runs = {
         mode: run_distributed(_absent_worker, 2, two, str(tmp_path), mode, steps, timeout=120)
@@ -313,7 +318,7 @@ def test_a_phase_with_no_item_anywhere_leaves_its_encoder_as_a_plain_run_does(tm
 DEPTH = Modality("depth", 3, "depth_patches", "greedy", arch="vit", unit="patch")
 
 
-def _depth_caption(gen: np.random.Generator, n: int, cfg) -> TaskDraw:
+def _depth_caption(gen: np.random.Generator, n: int, params) -> TaskDraw:
     """A prompt, one depth map of 40-400 patches, a caption."""
     prompt, caption = gen.integers(4, 12, n), gen.lognormal(np.log(20.0), 0.5, n)
     return TaskDraw(np.column_stack([prompt, gen.integers(40, 400, n), caption]))
@@ -345,12 +350,15 @@ def test_a_new_modality_in_a_table_row_trains_end_to_end(tmp_path):
             tmp_path, "depth", examples_per_rank=4,
             model={"encoders": {"depth": {"hidden": 32, "heads": 2, "kv_heads": 2, "patch": 4,
                                           "downsample": 2}}},
-            mix={"depth_caption": 0.35},
+            tasks={"depth_caption": {"weight": 0.35}},
         )  # fmt: skip
-        cfg = load_config(config)
-        with pytest.raises(ValueError, match="unknown tasks \\['depth_caption'\\]"):
-            SyntheticConfig.for_run(cfg, num_examples=1, seed=0)  # not registered here
-        phases = cfg.phases
+        with pytest.raises(ValueError, match="data.tasks has no key 'depth_caption'"):
+            load_config(config)  # the task is not registered here
+        register_task(DEPTH_CAPTION)
+        try:
+            phases = load_config(config).phases
+        finally:
+            unregister_task(DEPTH_CAPTION.name)
     finally:
         unregister_modality(DEPTH.name)
     assert phases == ("vision", "audio", "depth", "llm")
@@ -383,11 +391,14 @@ def test_text_vision_and_audio_only_data_train_through_the_defaults(tmp_path):
     """A model without some encoders, on a dataset without their fields: the trainer's data
     (HF datasets), the orchestrated loader's default ``to_example`` and the orchestrator need
     nothing more; every mode trains identically."""
-    mixes = {task: 0.0 for task in load_config(TINY).data.mix}  # tasks left out get no weight
+    dropped = dict.fromkeys(load_config(TINY).data.tasks)  # null: the base's task is not drawn
     for name, (encoders, mix) in SUBSETS.items():
+        tasks = {t: {"weight": w} for t, w in mix.items()}
+        if "vqa" in tasks:
+            tasks["vqa"]["p_spoken_question"] = 0.0
         _config(
             tmp_path, name, examples_per_rank=3, model={"encoders": encoders},
-            mix={**mixes, **mix}, p_spoken_question=0.0,
+            tasks={**dropped, **tasks},
         )  # fmt: skip
     run_distributed(_subsets_worker, 2, str(tmp_path), timeout=240)
     for name, (encoders, _) in SUBSETS.items():

@@ -31,6 +31,7 @@ reproducible, shardable, and can run as an endless stream.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,17 +62,11 @@ class SyntheticConfig(RecipeConfig):
     the fields of this class decide how many examples there are and their tensors' widths.
 
     Attributes:
-        task_weights: relative weight of each task in :data:`~orchmllm.recipe.TASKS` (a task
-            left out has weight 0); default: every task's default weight.
-        patch: image patch side in pixels (default ``workloads.PATCH``, 14).
-        max_image_side: images whose long side exceeds this many pixels are downscaled to it
-            (default ``workloads.MAX_IMAGE_SIDE``, 448, as MLLM-10B); at least ``patch``.
-        max_audio_s: longest audio clip in seconds, longer ones are capped (default 30: Whisper's
-            window).
-        max_text_tokens: most text tokens of one example, all its text runs together.
+        tasks: task name -> its settings (weight and the task's own knobs), as the recipe's
+            (:class:`orchmllm.recipe.RecipeConfig`); default: the paper's mix.
         scale: multiplies every length, so a tiny config keeps the composition.
-        p_multi_image: probability that a ``vqa`` example holds a second image.
-        p_spoken_question: probability that a ``vqa`` example's first question is spoken.
+        max_text_tokens: most text tokens of one example, all its text runs together.
+        patch: image patch side in pixels (default ``workloads.PATCH``, 14).
         num_examples: examples in the dataset (:func:`build_dataset`; example ``i`` does not
             depend on it).
         seed: seeds both the lengths (per block of :data:`BLOCK` examples) and the tensors.
@@ -104,7 +99,7 @@ class SyntheticConfig(RecipeConfig):
                 raise ValueError(f"feature_dims[{name!r}] must be an integer >= 1, got {width!r}")
         widths = self.widths
         for task, weight in self.task_weights.items():
-            missing = sorted(TASKS[task].modalities(self) - set(widths))
+            missing = sorted(TASKS[task].modalities(self.params(task)) - set(widths))
             if weight > 0 and missing:
                 raise ValueError(
                     f"task {task!r} (weight {weight}) holds {missing}, which feature_dims "
@@ -116,8 +111,9 @@ class SyntheticConfig(RecipeConfig):
         """The synthetic data of a run config.
 
         Args:
-            run: the run config: its recipe (:func:`orchmllm.recipe.run_fields`), and one
-                array field per encoder of its model, as wide as the encoder's raw rows.
+            run: the run config: its recipe (its ``data:``, a
+                :class:`~orchmllm.recipe.RecipeConfig`), and one array field per encoder of
+                its model, as wide as the encoder's raw rows.
             num_examples: examples in the dataset.
             seed: seeds lengths and tensors.
 
@@ -129,7 +125,7 @@ class SyntheticConfig(RecipeConfig):
                 not encode).
         """
         return cls(
-            **recipe.run_fields(run.data, run.model),
+            **recipe.recipe_fields(run.data),
             num_examples=num_examples,
             seed=seed,
             vocab_size=run.model.vocab,
@@ -152,11 +148,12 @@ def block_seed(seed: int, block: int) -> list[int]:
 
 def fingerprint(cfg: SyntheticConfig, rates: EncodingRates) -> str:
     """A cache key of the generated data: the config, the rates and the source of every module
-    that decides it, so a cached dataset is never one that older code generated."""
+    that decides it (a registered task's draw included: a plugin's file), so a cached dataset
+    is never one that older code generated."""
     key = hashlib.sha256(repr((cfg, rates)).encode())
-    for module in (recipe, workloads):
-        key.update(Path(module.__file__).read_bytes())
-    key.update(Path(__file__).read_bytes())
+    draws = [TASKS[name].draw for name in cfg.tasks if TASKS[name].draw is not None]
+    for path in (recipe.__file__, workloads.__file__, __file__, *map(inspect.getfile, draws)):
+        key.update(Path(path).read_bytes())
     return key.hexdigest()[:16]
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -98,6 +98,10 @@ class BalancedTitanLoader(BaseDataLoader):
         num_workers: int = 0
         """DataLoader workers that load each rank's documents."""
 
+        plugins: list[str] = field(default_factory=list)
+        """Module names or ``.py`` paths imported (on every rank) before the loader is built:
+        where a policy of one's own is registered (:mod:`orchmllm.plugins`)."""
+
     def __init__(
         self,
         config: Config,
@@ -110,6 +114,7 @@ class BalancedTitanLoader(BaseDataLoader):
         dataset: Any = None,
         **kwargs: Any,
     ) -> None:
+        orchmllm.load_plugins(config.plugins)
         self.config, self.dp_rank, self.dp_world_size = config, dp_rank, dp_world_size
         self.seq_len = seq_len
         documents = self._documents(config, dataset, tokenizer)

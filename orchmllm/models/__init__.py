@@ -1,30 +1,44 @@
-"""Small reference multimodal LLM (ViT + Whisper-style audio encoder + Qwen2-style LLM)."""
+"""Small reference multimodal LLM (ViT + Whisper-style audio encoder + Qwen2-style LLM).
 
-from orchmllm.config import LLMConfig, ModelConfig, VitConfig, WhisperConfig
+One folder per encoder architecture (``vit/``, ``whisper/``): its torch-free spec in the
+folder's ``__init__`` (registered in :mod:`orchmllm.models.spec`, read by the config, the
+planner and the simulator) and its ``nn.Module`` in ``module.py``. This package's names load on
+first use, so the torch-free specs import without torch. The FSDP2 recipe is the submodule
+``orchmllm.models.parallelize`` (its function of that name is imported from there).
+"""
 
-from .attention import packed_attention, padded_attention
-from .audio import AudioEncoder
-from .llm import LLM
-from .mllm import ENCODERS, MLLM, build_model
-from .parallelize import apply_checkpointing, compute_dtype, parallelize, shard_model, storage_dtype
-from .vision import VisionEncoder
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ENCODERS",
-    "LLM",
-    "MLLM",
-    "AudioEncoder",
-    "LLMConfig",
-    "ModelConfig",
-    "VisionEncoder",
-    "VitConfig",
-    "WhisperConfig",
-    "apply_checkpointing",
-    "build_model",
-    "compute_dtype",
-    "packed_attention",
-    "padded_attention",
-    "parallelize",
-    "shard_model",
-    "storage_dtype",
-]
+_LAZY = {
+    "ARCHS": "orchmllm.models.spec",
+    "EncoderConfig": "orchmllm.models.spec",
+    "register_architecture": "orchmllm.models.spec",
+    "LLMConfig": "orchmllm.config",
+    "ModelConfig": "orchmllm.config",
+    "VitConfig": "orchmllm.models.vit",
+    "WhisperConfig": "orchmllm.models.whisper",
+    "packed_attention": "orchmllm.models.attention",
+    "padded_attention": "orchmllm.models.attention",
+    "AudioEncoder": "orchmllm.models.whisper.module",
+    "VisionEncoder": "orchmllm.models.vit.module",
+    "LLM": "orchmllm.models.llm",
+    "MLLM": "orchmllm.models.mllm",
+    "build_model": "orchmllm.models.mllm",
+    "apply_checkpointing": "orchmllm.models.parallelize",
+    "compute_dtype": "orchmllm.models.parallelize",
+    "shard_model": "orchmllm.models.parallelize",
+    "storage_dtype": "orchmllm.models.parallelize",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'orchmllm.models' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

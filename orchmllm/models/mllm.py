@@ -15,18 +15,29 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+import orchmllm.models.vit.module  # noqa: F401  (the built-in modules attach to their specs)
+import orchmllm.models.whisper.module  # noqa: F401
 from orchmllm.config import ModelConfig
-
-from .audio import AudioEncoder
-from .llm import LLM
-from .vision import VisionEncoder
+from orchmllm.models.llm import LLM
+from orchmllm.models.spec import EncoderConfig, architecture
 
 T = TypeVar("T")
 
 
-# Encoder module per architecture (the names of orchmllm.config.ARCHS): a modality's encoder
-# is built from its config section's architecture, so a new modality needs no entry here.
-ENCODERS: dict[str, type[nn.Module]] = {"vit": VisionEncoder, "whisper": AudioEncoder}
+def build_encoder(section: EncoderConfig, llm_hidden: int) -> nn.Module:
+    """A modality's encoder, by its config section's architecture (looked up now, so one a
+    plugin registered is found).
+
+    Raises:
+        ValueError: the architecture is unknown or was registered without a module.
+    """
+    arch = architecture(section.arch)
+    if arch.module is None:
+        raise ValueError(
+            f"encoder architecture {section.arch!r} has no module: register it with "
+            "orchmllm.register_architecture(config, module=...)"
+        )
+    return arch.module(section, llm_hidden)
 
 
 class MLLM(nn.Module):
@@ -37,10 +48,7 @@ class MLLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.encoders = nn.ModuleDict(
-            {
-                name: ENCODERS[section.arch](section, cfg.llm.hidden)
-                for name, section in cfg.encoders.items()
-            }
+            {name: build_encoder(section, cfg.llm.hidden) for name, section in cfg.encoders.items()}
         )
         self.llm = LLM(cfg.llm, cfg.vocab)
 

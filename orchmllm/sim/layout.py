@@ -45,11 +45,15 @@ from orchmllm.sim.compute import Submodule
 MODES = (*STEP_MODES, "disttrain")
 # The simulator's placement names -> the step planner's placement method.
 PLACEMENTS = {"none": "none", "node": "auto"}
-# OrchMLLM's tailored policies (paper 8.3): each modality row's (greedy for packed phases,
-# Alg. 2 for padded audio) and greedy for the LLM.
-TAILORED = {**{m.name: m.policy for m in MODALITIES.values()}, LLM: "greedy"}
 TEXT_TOKEN_BYTES = 8  # int64 token ids
 ACT_BYTES = 2  # bf16 raw rows (patches, mel frames) and encoder outputs
+
+
+def tailored() -> dict[str, str]:
+    """OrchMLLM's tailored policies (paper 8.3): each modality row's (greedy for packed phases,
+    Alg. 2 for padded audio) and greedy for the LLM; read from the table when called, so a
+    modality registered after this module's import has its row's policy."""
+    return {**{m.name: m.policy for m in MODALITIES.values()}, LLM: "greedy"}
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,7 @@ def step_options(
 ) -> StepOptions:
     """Training's step planner options for this model: each phase with its calibrated cost,
     bf16 volumes, and the paper's tailored policies unless ``policies`` overrides them."""
-    pol = {**TAILORED, **(policies or {})}
+    pol = {**tailored(), **(policies or {})}
     phases = tuple(
         EncoderPhase(
             name, MODALITIES[name].kind, MODALITIES[name].key, enc.rate.divisor,

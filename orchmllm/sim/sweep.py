@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
-from orchmllm.recipe import TASKS, default_mix
+from orchmllm.recipe import TASKS
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
-from orchmllm.sim.layout import TAILORED, plan
+from orchmllm.sim.layout import plan, tailored
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
 from orchmllm.sim.workload import sample_batch
 
@@ -69,7 +69,7 @@ def _shares(mix: Mapping[str, float]) -> tuple[list[str], list[str]]:
 def audio_share(model: SimModel) -> float:
     """The audio tasks' share of the weight of the tasks that hold an image or a clip (the
     paper mix: asr and spoken_qa against caption and vqa; chat holds neither)."""
-    mix = dict(model.data.mix or default_mix())
+    mix = model.data.task_weights
     image, audio = _shares(mix)
     both = sum(mix[t] for t in image + audio)
     return sum(mix[t] for t in audio) / both if both else 0.0
@@ -90,7 +90,7 @@ def with_workload(
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    mix = dict(model.data.mix or default_mix())
+    mix = model.data.task_weights
     if audio_share is not None:
         if not 0.0 <= audio_share <= 1.0:
             raise ValueError(f"audio_share must be in [0, 1], got {audio_share!r}")
@@ -105,7 +105,7 @@ def with_workload(
         ):
             for t in group:
                 mix[t] = mix[t] / weight * share * both
-    data = dataclasses.replace(model.data, scale=model.data.scale * scale, mix=mix)
+    data = dataclasses.replace(model.data.with_weights(mix), scale=model.data.scale * scale)
     return dataclasses.replace(model, data=data)
 
 
@@ -136,7 +136,8 @@ def sample_pool(
 
 def policy_label(policies: Mapping[str, str] | None) -> str:
     """``tailored`` for the paper's choice, else the policies that differ from it."""
-    diff = {k: v for k, v in (policies or {}).items() if TAILORED.get(k) != v}
+    default = tailored()
+    diff = {k: v for k, v in (policies or {}).items() if default.get(k) != v}
     return ",".join(f"{k}={v}" for k, v in sorted(diff.items())) or "tailored"
 
 

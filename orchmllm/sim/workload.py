@@ -2,7 +2,7 @@
 
 The recipe (tasks, items per example, length distributions and their sources) is
 :mod:`orchmllm.recipe`, the same one the synthetic training data draws from; this module only
-maps a run config's ``data:`` and ``model:`` sections onto it.
+reads a run config's ``data:`` section (a recipe) with its model's encoding rates.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchmllm.config import DataConfig, ModelConfig
-from orchmllm.recipe import RecipeConfig, run_fields, sample_examples
+from orchmllm.recipe import sample_examples
 from orchmllm.sim.batch import Batch
 
 
@@ -33,8 +33,7 @@ def sample_batch(
         raise ValueError(
             f"num_ranks and examples_per_rank must be >= 1, got {num_ranks}, {examples_per_rank}"
         )
-    recipe = RecipeConfig(**run_fields(data, config))
-    ex = sample_examples(recipe, num_ranks * examples_per_rank, seed, rates=config.rates)
+    ex = sample_examples(data, num_ranks * examples_per_rank, seed, rates=config.rates)
     batch = Batch(num_ranks, ex.text, {n: it for n, it in ex.items.items() if it.raw.size})
     batch.check_encoded_by(config)
     return batch

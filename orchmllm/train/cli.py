@@ -67,6 +67,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         required=True,
         help="run config YAML (keys: configs/tiny.yaml, defaults: orchmllm/config.py)",
     )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_PATH",
+        help="import a module name or a .py file before the config is read (repeatable): "
+        "a user's modality, architecture, task or policy registers itself",
+    )
     p.add_argument("--balance", choices=MODES, default="full")
     p.add_argument("--data-dir", default=None, help="where rank 0 stores the synthetic dataset")
     p.add_argument(

@@ -40,13 +40,13 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from orchmllm.schema import LLM, MODALITIES  # noqa: E402
+
 STEP_FIELDS = ("step", "step_time_s", "tokens_per_s", "world_size", "phases")
 PHASE_FIELDS = ("imbalance_before", "imbalance_after", "bytes_intra", "bytes_inter", "plan_ms")
 PER_RANK = ("loads_before", "loads_after")  # optional (train --metrics-per-rank)
 #: The resident memory kinds the trainer records (``rss_<kind>_mb_max``), with their labels.
 MEMORY_KINDS = {"anon": "anonymous (heaps, tensors)", "file": "file-backed (dataset, libraries)"}
-# Encoders first, the LLM last: the order the phases run in a step.
-_PHASE_ORDER = {"vision": 0, "audio": 1, "llm": 2}
 
 
 def _bad(path: str | os.PathLike, where: str, why: str) -> ValueError:
@@ -126,7 +126,8 @@ def load_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def phase_names(records: Sequence[dict[str, Any]]) -> list[str]:
     """Every phase seen in any step, in execution order (encoders, then llm)."""
     names = {n for r in records for n in r["phases"]}
-    return sorted(names, key=lambda n: (_PHASE_ORDER.get(n, 1), n))
+    order = [*MODALITIES, LLM]  # the table's order now (a plugin's row included), then llm
+    return sorted(names, key=lambda n: (n == LLM, order.index(n) if n in order else len(order), n))
 
 
 def _timed(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:

@@ -20,9 +20,11 @@ from orchmllm.dist import watch
 from orchmllm.dist.calibrator import Calibrator
 from orchmllm.dist.orchestrator import Orchestrator
 from orchmllm.dist.topology import Topology, attempt_store
-from orchmllm.models import MLLM, build_model, compute_dtype, parallelize, storage_dtype
+from orchmllm.models import MLLM, build_model
+from orchmllm.models.parallelize import compute_dtype, parallelize, storage_dtype
 from orchmllm.planner.measured_cost import FitOptions
 from orchmllm.planner.step_options import StepOptions, default_phases
+from orchmllm.plugins import load_plugins
 from orchmllm.schema import LLM
 from orchmllm.train import launch
 from orchmllm.train.dataset import prepare_dataset
@@ -118,7 +120,9 @@ class Run:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """The config file with the command line's overrides (``args.overrides``) laid on it."""
+    """The config file with the command line's overrides (``args.overrides``) laid on it, the
+    ``--plugin`` modules imported first, on every rank (a config's ``plugins:`` follow)."""
+    load_plugins(args.plugin)
     return load_config(args.config, args.overrides)
 
 

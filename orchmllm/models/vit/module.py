@@ -6,10 +6,10 @@ import functools
 
 from torch import Tensor, nn
 
-from orchmllm.config import VitConfig
-
-from .attention import packed_attention, positions_from_lengths
-from .layers import Block, Connector, check_lengths
+from orchmllm.models.attention import packed_attention, positions_from_lengths
+from orchmllm.models.layers import Block, Connector, check_lengths
+from orchmllm.models.spec import register_architecture
+from orchmllm.models.vit import VitConfig
 
 
 class VisionEncoder(nn.Module):
@@ -45,3 +45,6 @@ class VisionEncoder(nn.Module):
         for block in self.blocks:
             x = block(x, attend, positions)
         return self.connector(self.norm(x))
+
+
+register_architecture(VitConfig, module=VisionEncoder)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from orchmllm.config import WhisperConfig
-
-from .attention import padded_attention
-from .layers import Block, Connector, check_lengths, sinusoids
+from orchmllm.models.attention import padded_attention
+from orchmllm.models.layers import Block, Connector, check_lengths, sinusoids
+from orchmllm.models.spec import register_architecture
+from orchmllm.models.whisper import WhisperConfig
 
 
 class AudioEncoder(nn.Module):
@@ -61,3 +61,6 @@ class AudioEncoder(nn.Module):
         for block in self.blocks:
             h = block(h, attend)
         return self.connector(self.norm(h[key_mask]))
+
+
+register_architecture(WhisperConfig, module=AudioEncoder)
