@@ -1,6 +1,6 @@
 """Balancing benchmark: quality and planning time of every policy on realistic length mixes.
 
-Cases: policies x length distributions (``orchmllm.workloads``) x num_ranks x items per rank.
+Cases: policies x length distributions (``orchmllm.data.workloads``) x num_ranks x items per rank.
 Each rank's mini-batch is a random draw, so ``imbalance_before`` is what data parallelism
 without balancing pays. Times are CPU time of the calling thread (``time.thread_time``), so
 other processes on a shared machine do not inflate them; targets are ratios from this run:
@@ -17,7 +17,7 @@ refinement); ``greedy_alg1`` is the paper's Alg. 1 alone (``refine=False``), to 
 refinement buys and costs. Every policy runs at every size (kk's C++ core takes about a second
 at 2560 x 60); the Python reference is timed at 64 x 60 and, for some policies, 2560 x 60.
 
-Peers (issue 28): on every distribution of ``orchmllm.workloads``, the eight stress mixes of
+Peers (issue 28): on every distribution of ``orchmllm.data.workloads``, the eight stress mixes of
 ``STRESS`` (text with a 32k tail, bimodal chat, Qwen2-VL dynamic-resolution patches, 2 fps
 video, 30 s audio with a hard cap, all-equal, 70% zeros, 10% 16k-128k documents) and any
 ``--lengths NAME=FILE`` a user adds, at ``PEER_SIZES`` (8 x 2 to 512 x 16): greedy's max load
@@ -70,6 +70,7 @@ import numpy as np
 import orchmllm._core as _core
 
 from orchmllm.config import BalanceConfig
+from orchmllm.data.workloads import DISTRIBUTIONS, sample_lengths
 from orchmllm.planner.balance import balance
 from orchmllm.planner.cost import CostModel, fit_packed, fit_padded, load_calibration
 from orchmllm.planner.placement import REFINE_STEPS_PER_RANK
@@ -80,7 +81,6 @@ from orchmllm.planner.step_plan import plan_step
 from orchmllm.provenance import write_records
 from orchmllm.sim.layout import segment_rows, step_options
 from orchmllm.sim.sweep import load_model, sample_pool
-from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 
 # H100 block at hidden 1280, fitted on the packaged measurement: the quadratic objective.
 QUAD = fit_packed(

@@ -93,12 +93,12 @@ from torch import Tensor
 
 from orchmllm.config import RunConfig, load_config
 from orchmllm.data import TEXT, SyntheticConfig, generate_example
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.models import MLLM, apply_checkpointing, build_model, compute_dtype
 from orchmllm.planner.segments import local_metadata
 from orchmllm.planner.step_options import MODES, StepOptions, default_phases
 from orchmllm.planner.step_plan import plan_step
 from orchmllm.provenance import RUN_ID_ENV, write_records
-from orchmllm.recipe import ItemLengths
 from orchmllm.schema import IGNORE_INDEX, LLM, MODALITIES
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.emulated import EmulatedSetup

@@ -23,11 +23,11 @@ import warnings
 import numpy as np
 
 import orchmllm
+from orchmllm.data.workloads import sample_lengths
 from orchmllm.planner.placement import place_batches, prepare_ilp
 from orchmllm.provenance import write_records
 from orchmllm.sim.layout import plan as plan_layout
 from orchmllm.sim.sweep import load_model, sample_pool
-from orchmllm.workloads import sample_lengths
 
 RANKS = (16, 64, 256, 1024, 2560, 16384)
 QUICK_RANKS = (16, 64)
@@ -52,7 +52,7 @@ def sample_phases(
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per phase, (tokens per item, source rank) of one step of the image+audio mix.
 
-    Lengths come from :mod:`orchmllm.workloads` (the balancing benchmark's distributions):
+    Lengths come from :mod:`orchmllm.data.workloads` (the balancing benchmark's distributions):
     images ``llava_image`` patches (vision downsample 1), ASR clips ``librispeech`` and spoken
     QA clips ``spoken_qa`` mel frames (``AUDIO_RATE`` frames per LLM token), text ``text``.
     """

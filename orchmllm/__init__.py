@@ -55,9 +55,9 @@ _LAZY = {
     "register_modality": "orchmllm.schema",
     "EncoderConfig": "orchmllm.models.spec",
     "register_architecture": "orchmllm.models.spec",
-    "Task": "orchmllm.recipe",
-    "TaskDraw": "orchmllm.recipe",
-    "register_task": "orchmllm.recipe",
+    "Task": "orchmllm.data.recipe",
+    "TaskDraw": "orchmllm.data.recipe",
+    "register_task": "orchmllm.data.recipe",
     "load_plugins": "orchmllm.plugins",
 }
 

@@ -25,6 +25,7 @@ _MOVED_INTO = {
                 "reference", "stats", "step_plan", "validate"),
     "dist": ("agreement", "calibrator", "comm", "dispatcher", "loss", "orchestrator",
              "topology", "watch"),
+    "data": ("recipe", "workload_facts", "workloads"),
     "sim": ("plan_memory",),
     "train": ("checkpoint", "dirlock", "host_memory", "launch", "memory_oracle", "phase_memory",
               "preempt", "progress", "report", "tracking"),

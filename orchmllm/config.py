@@ -33,23 +33,22 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import yaml
 
+from orchmllm.data.recipe import TASKS, RecipeConfig, TaskParams, default_tasks
 from orchmllm.models.spec import ARCHS, EncoderConfig, TransformerConfig
 from orchmllm.models.vit import VitConfig
 from orchmllm.models.whisper import WhisperConfig
+from orchmllm.overrides import closest
 from orchmllm.planner.balance import PLACEMENTS
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.measured_cost import COSTS, cost_kind
 from orchmllm.planner.policies import POLICIES
 from orchmllm.plugins import load_plugins
-from orchmllm.recipe import TASKS, RecipeConfig, TaskParams, default_tasks
 from orchmllm.schema import LLM, MODALITIES, EncodingRates, is_integer, modality_named
 
 __all__ = [
@@ -67,7 +66,6 @@ __all__ = [
     "WhisperConfig",
     "config_path",
     "load_config",
-    "override_value",
     "packaged_configs",
     "run_config",
 ]
@@ -107,14 +105,8 @@ def _check_fields(obj: Any, path: str) -> None:
             raise _fail(where, f"must be a string, got {value!r}")
 
 
-def _closest(value: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(value, valid, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"{hint}(valid: {sorted(valid)})"
-
-
 def _unknown_key(path: str, key: str, valid: list[str]) -> ValueError:
-    return _fail(path, f"has no key {key!r}; {_closest(key, valid)}")
+    return _fail(path, f"has no key {key!r}; {closest(key, valid)}")
 
 
 def _build(cls: type, path: str, raw: Any, *, also: tuple[str, ...] = ()) -> Any:
@@ -217,7 +209,7 @@ class ModelConfig:
             arch = section.pop("arch", MODALITIES[name].arch)
             if arch not in ARCHS:
                 raise _fail(
-                    f"{where}.arch", f"{arch!r} is unknown; {_closest(str(arch), list(ARCHS))}"
+                    f"{where}.arch", f"{arch!r} is unknown; {closest(str(arch), list(ARCHS))}"
                 )
             encoders[name] = _build(ARCHS[arch], where, section, also=("arch",))
             encoders[name].check(where)
@@ -243,7 +235,7 @@ MOVED_DATA_KEYS = {
 
 @dataclass(frozen=True)
 class DataConfig(RecipeConfig):
-    """A run's data: the example recipe (:class:`orchmllm.recipe.RecipeConfig`: its tasks,
+    """A run's data: the example recipe (:class:`orchmllm.data.recipe.RecipeConfig`: its tasks,
     each with its own settings, ``scale`` and ``max_text_tokens``; ``patch`` is the vision
     encoder's) and the mini-batch size.
 
@@ -359,16 +351,16 @@ class BalanceConfig:
             if policy not in POLICIES:
                 raise _fail(
                     f"balance.policies.{name}",
-                    f"{policy!r} is no policy; {_closest(str(policy), list(POLICIES))}",
+                    f"{policy!r} is no policy; {closest(str(policy), list(POLICIES))}",
                 )
         if self.placement not in PLACEMENTS:
-            hint = _closest(str(self.placement), list(PLACEMENTS))
+            hint = closest(str(self.placement), list(PLACEMENTS))
             raise _fail("balance.placement", f"{self.placement!r} is no placement; {hint}")
         if self.ranks_per_node is not None:
             _positive_int("balance.ranks_per_node", self.ranks_per_node)
         if self.cost not in COSTS:
             raise _fail(
-                "balance.cost", f"{self.cost!r} is no cost; {_closest(str(self.cost), list(COSTS))}"
+                "balance.cost", f"{self.cost!r} is no cost; {closest(str(self.cost), list(COSTS))}"
             )
         if not 0.0 <= self.min_r2 <= 1.0:
             raise _fail("balance.min_r2", f"must be in [0, 1], got {self.min_r2!r}")
@@ -473,7 +465,7 @@ class TrainRecipe:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            hint = _closest(str(self.precision), list(PRECISIONS))
+            hint = closest(str(self.precision), list(PRECISIONS))
             raise _fail("recipe.precision", f"{self.precision!r} is no precision; {hint}")
         if not is_integer(self.checkpointing) or self.checkpointing < 0:
             raise _fail(
@@ -636,7 +628,8 @@ def config_path(config: str | os.PathLike) -> str:
 def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Read, merge (``base:``) and validate a run config: a file, or a packaged config's name
     (:func:`config_path`), with ``overrides`` (dotted key -> value, as YAML would give it:
-    :func:`override_value`) laid on it in order, each as a one-key config file on top.
+    :func:`orchmllm.overrides.override_value`) laid on it in order, each as a one-key config
+    file on top.
 
     Raises:
         ValueError: as :func:`run_config` and :func:`read_config`, naming the file and the
@@ -655,106 +648,5 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
         raise ValueError(f"{where}: {exc}") from None
 
 
-# -- overrides: --section.key=value, typed by the dataclasses above -------------------------
-
-
 def _nested(keys: list[str], value: Any) -> dict[str, Any]:
     return {keys[0]: _nested(keys[1:], value) if len(keys) > 1 else value}
-
-
-def _unwrap(hint: Any) -> tuple[Any, bool]:
-    """``X | None`` -> (X, True); anything else -> (itself, False)."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        rest = [a for a in typing.get_args(hint) if a is not type(None)]
-        return rest[0], len(rest) < len(typing.get_args(hint))
-    return hint, False
-
-
-def _schema(cls: type) -> dict[str, Any]:
-    """A section's keys and their types; an encoder's are those of every architecture (its
-    ``arch`` picks one when the config is built, which then names a key it lacks)."""
-    if cls is EncoderConfig:
-        keys = {"arch": str}
-        for arch in ARCHS.values():
-            keys.update(_schema(arch))
-        return keys
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
-def _key_type(key: str, schema: type) -> Any:
-    """The type of config key ``key`` (dotted), walking the dataclasses from ``schema``; a
-    mapping's keys are free (the built config checks them)."""
-    hint: Any = schema
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        hint, _ = _unwrap(hint)
-        here = ".".join(parts[:i])
-        if dataclasses.is_dataclass(hint):
-            keys = _schema(hint)
-            if part not in keys:
-                valid = [f"{here}.{k}" if here else k for k in keys]
-                typed = ".".join(parts[: i + 1])
-                raise ValueError(f"has no such key; {_closest(typed, valid)}")
-            hint = keys[part]
-        elif typing.get_origin(hint) is Mapping:
-            hint = typing.get_args(hint)[1]
-        else:
-            raise ValueError(f"{here} is a single value, it has no key {part!r}")
-    return hint
-
-
-_BOOLS = {"true": True, "yes": True, "on": True, "1": True,
-          "false": False, "no": False, "off": False, "0": False}  # fmt: skip
-
-
-def _parse(text: str, hint: Any) -> Any:
-    """``text`` read as a value of type ``hint``; ValueError saying what it must be."""
-    hint, optional = _unwrap(hint)
-    if optional and text.strip().lower() in ("null", "none", "~"):
-        return None
-    if hint is bool:
-        if text.strip().lower() not in _BOOLS:
-            raise ValueError("must be true or false")
-        return _BOOLS[text.strip().lower()]
-    if hint in (int, float):
-        try:
-            return hint(text)
-        except ValueError:
-            raise ValueError(f"must be {'an integer' if hint is int else 'a number'}") from None
-    if hint is str:
-        return text
-    origin = typing.get_origin(hint)
-    if origin in (list, tuple):
-        items = yaml.safe_load(text) if text.lstrip().startswith("[") else text.split(",")
-        if not isinstance(items, list):
-            raise ValueError("must be a list: [a, b] or a,b")
-        item = (typing.get_args(hint) or (str,))[0]
-        return [_parse(str(x), item) for x in items]
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = text
-    if value is not None and not isinstance(value, Mapping):  # a section: null drops it
-        raise ValueError("must be a mapping: {key: value, ...} (or null)")
-    return value
-
-
-def override_value(key: str, text: str, schema: type = RunConfig) -> Any:
-    """The value of config key ``key`` (dotted: ``train.steps``, ``model.llm.layers``,
-    ``balance.policies.llm``) that command-line text ``text`` gives, read by the key's type
-    in the dataclasses above: a number, a bool (true/false, yes/no, on/off, 1/0), a string,
-    null for an optional key, a list (``[a, b]`` or ``a,b``), a mapping or a section as YAML
-    (``{vqa: 2}``, merged key by key into the file's as under ``base:``; null drops a section
-    such as an encoder). This is the one place a key
-    becomes a command-line option; the built config still checks the value's range.
-    ``schema``: the dataclass whose keys these are.
-
-    Raises:
-        ValueError: an unknown key (naming the closest ones) or a value of the wrong type,
-            naming the key and the value.
-    """
-    try:
-        return _parse(text, _key_type(key, schema))
-    except ValueError as exc:
-        raise ValueError(f"config key {key!r} (given {text!r}) {exc}") from None

@@ -16,7 +16,7 @@ One example is one HF ``datasets`` row (and the dict a loader yields per example
 Every modality is one row of :data:`MODALITIES`. The row is the single place that names it:
 its phase, encoder, config section, example field, default encoder architecture, balancing
 policy and what its raw rows are all come from the row, so a new modality is a new row (plus
-a task that produces it, :mod:`orchmllm.recipe`, and maybe an encoder architecture,
+a task that produces it, :mod:`orchmllm.data.recipe`, and maybe an encoder architecture,
 :mod:`orchmllm.models.spec`), registered from a file of the user's own (:mod:`orchmllm.plugins`),
 not an edit of every module. Every reader looks the table up when it runs, never a copy.
 

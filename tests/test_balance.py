@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchmllm
+from orchmllm.data.workloads import DISTRIBUTIONS, sample_lengths
 from orchmllm.planner.balance import InfeasibleCapError, balance
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.placement import MAX_RANKS
 from orchmllm.planner.policies import PADDED_POLICIES, POLICIES, REGISTRY, default_cost
 from orchmllm.planner.reference import ref_karmarkar_karp, ref_lpt, ref_multifit
-from orchmllm.workloads import DISTRIBUTIONS, sample_lengths
 from tests.conftest import brute_force_min_load
 
 # greedy_stay is the placement module's algorithm; its own tests check it.

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from orchmllm.data.workloads import DISTRIBUTIONS
 from orchmllm.planner.policies import POLICIES
-from orchmllm.workloads import DISTRIBUTIONS
 from tests.conftest import ROOT, load_script
 
 pytestmark = pytest.mark.integration  # every test here starts processes

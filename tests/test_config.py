@@ -22,12 +22,11 @@ from orchmllm.config import (
     WhisperConfig,
     config_path,
     load_config,
-    override_value,
     packaged_configs,
     read_config,
     run_config,
 )
-from orchmllm.recipe import default_mix
+from orchmllm.data.recipe import default_mix
 from orchmllm.schema import LLM, Rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,53 +228,6 @@ def test_errors_name_the_file_and_base_cycles_are_refused(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(ValueError, match="base cycle"):
         load_config(tmp_path / "a.yaml")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Inner:
-    names: list[str] = dataclasses.field(default_factory=list)
-    sizes: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Outer:
-    inner: _Inner = dataclasses.field(default_factory=_Inner)
-
-
-def test_an_override_is_read_by_its_keys_type():
-    assert override_value("train.steps", "3") == 3
-    assert override_value("train.lr", "3e-4") == 3e-4
-    assert override_value("model.llm.layers", "4") == 4  # a nested section
-    assert override_value("model.encoders.vision.patch", "7") == 7  # an encoder's own key
-    for text, value in (("false", False), ("yes", True), ("0", False), ("On", True)):
-        assert override_value("train.sync_micro_steps", text) is value
-    assert override_value("balance.ranks_per_node", "null") is None  # an optional key
-    assert override_value("balance.policies.llm", "greedy") == "greedy"  # a mapping's key
-    assert override_value("balance.costs.llm.alpha", "2") == 2.0
-    assert override_value("data.tasks", "{vqa: {weight: 2}}") == {"vqa": {"weight": 2}}
-    assert override_value("model.encoders.audio", "null") is None  # drops the encoder
-    assert override_value("inner.names", "a,b", _Outer) == ["a", "b"]  # lists
-    assert override_value("inner.sizes", "[1, 2]", _Outer) == [1, 2]
-
-
-@pytest.mark.parametrize(
-    ("key", "text", "message"),
-    [
-        ("train.step", "3", "'train.step' (given '3') has no such key; did you mean 'train.steps'"),
-        ("trian.steps", "3", "did you mean 'train'"),
-        ("model.llm.hiden", "8", "did you mean 'model.llm.hidden'"),
-        ("train.steps.x", "1", "train.steps is a single value, it has no key 'x'"),
-        ("train.steps", "many", "'train.steps' (given 'many') must be an integer"),
-        ("train.lr", "fast", "(given 'fast') must be a number"),
-        ("train.sync_micro_steps", "maybe", "(given 'maybe') must be true or false"),
-        ("data.tasks", "[1]", "(given '[1]') must be a mapping"),
-    ],
-)
-def test_a_bad_override_names_the_key_and_the_value(key, text, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        override_value(key, text)
-    with pytest.raises(ValueError, match=re.escape("must be an integer")):
-        override_value("inner.sizes", "1,x", _Outer)
 
 
 def test_overrides_lay_on_the_config_file_and_the_config_checks_them():

@@ -31,9 +31,9 @@ FLOORS = {
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest
     "orchmllm._core": 2,
     "orchmllm.planner": 2,
-    "orchmllm.workloads": 2,
-    "orchmllm.workload_facts": 2,
-    "orchmllm.recipe": 2,
+    "orchmllm.data.workloads": 2,
+    "orchmllm.data.workload_facts": 2,
+    "orchmllm.data.recipe": 2,
     "orchmllm.sim": 2.5,  # with plan_memory, the simulator's memory model as a command
     "orchmllm.compat": 3,
     "orchmllm.dist": 3,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from orchmllm.config import TrainRecipe, load_config
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.models import MLLM
 from orchmllm.models.attention import packed_attention, padded_attention, positions_from_lengths
 from orchmllm.models.layers import Block
-from orchmllm.recipe import ItemLengths
 from orchmllm.sim.allocations import (
     FEATURES,
     BlockShape,

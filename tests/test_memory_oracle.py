@@ -177,7 +177,7 @@ def _config(tmp_path: Path) -> str:
 def _symmetric(config, world: int):
     """A batch in which every rank samples and runs ``RANK_ITEMS`` and ``RANK_TEXT``
     (nothing moves), as the memory model reads it."""
-    from orchmllm.recipe import ItemLengths
+    from orchmllm.data.recipe import ItemLengths
     from orchmllm.sim.batch import Batch
     from orchmllm.sim.layout import Layout
 

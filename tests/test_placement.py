@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import orchmllm
+from orchmllm.data.workloads import sample_lengths
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.placement import (
     AUTO_EXACT_NODES,
@@ -25,7 +26,6 @@ from orchmllm.planner.placement import (
     place_batches,
     traffic,
 )
-from orchmllm.workloads import sample_lengths
 from tests.conftest import ROOT, every_plan, load_script
 
 

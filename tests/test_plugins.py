@@ -19,12 +19,13 @@ import pytest
 import torch
 import yaml
 
-from orchmllm import recipe, schema
+from orchmllm import schema
 from orchmllm.config import load_config, packaged_configs, run_config
+from orchmllm.data import recipe
+from orchmllm.data.recipe import weighted_tasks
 from orchmllm.data.synthetic import SyntheticConfig, fingerprint
 from orchmllm.models.spec import ARCHS, unregister_architecture
 from orchmllm.plugins import load_plugin, load_plugins
-from orchmllm.recipe import weighted_tasks
 from orchmllm.schema import EncodingRates, Rate
 from orchmllm.sim import plan_memory
 from orchmllm.sim.layout import plan, tailored  # before the plugin: its rows are read at use

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from orchmllm.recipe import (
+from orchmllm.data.recipe import (
     TASKS,
     CaptionParams,
     ClipParams,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from orchmllm.config import ModelConfig, load_config
-from orchmllm.recipe import ItemLengths
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.sim import comm
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import (

@@ -22,8 +22,8 @@ from orchmllm.data import (
     generate_example,
     validate_example,
 )
+from orchmllm.data.recipe import TaskParams, VqaParams, sample_examples, weighted_tasks
 from orchmllm.data.synthetic import BLOCK, block_seed, iter_examples, load_dataset
-from orchmllm.recipe import TaskParams, VqaParams, sample_examples, weighted_tasks
 from orchmllm.sim.sweep import load_model
 from orchmllm.sim.workload import sample_batch
 

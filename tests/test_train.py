@@ -24,9 +24,9 @@ import torch.distributed as dist
 import yaml
 
 from orchmllm.config import load_config
+from orchmllm.data.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.data.synthetic import save_dataset
 from orchmllm.planner.step_options import MODES
-from orchmllm.recipe import Task, TaskDraw, register_task, unregister_task
 from orchmllm.schema import Modality, register_modality, unregister_modality
 from orchmllm.testing import launch_ranks, launcher_store, run_distributed, wait_for
 from orchmllm.train import (

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from orchmllm import recipe, workloads
-from orchmllm.workload_facts import FACTS, fact
+from orchmllm.data import recipe, workloads
+from orchmllm.data.workload_facts import FACTS, fact
 
 # The functions that draw the paper mix's lengths.
 DRAWS = (

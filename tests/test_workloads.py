@@ -4,7 +4,7 @@ argument."""
 import numpy as np
 import pytest
 
-from orchmllm.workloads import DISTRIBUTIONS, PATCH, sample_lengths
+from orchmllm.data.workloads import DISTRIBUTIONS, PATCH, sample_lengths
 
 
 @pytest.mark.parametrize("side, patch", [(224, PATCH), (448, PATCH), (896, PATCH), (224, 4)])

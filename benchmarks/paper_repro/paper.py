@@ -48,7 +48,7 @@ NOTES = (
     "table shows the mini-batches falling as every length grows, and Table 2's forward time "
     "matches the paper's only at a length scale well above 1 (the derived table). The "
     "workload's lengths are public dataset statistics or labelled assumptions "
-    "(orchmllm/workload_facts.py); none is tuned to the paper, so that scale is reported, "
+    "(orchmllm/data/workload_facts.py); none is tuned to the paper, so that scale is reported, "
     "never used. Where ZeRO-3 traffic hides behind compute the only per-step fixed cost is "
     "the fitted per-block constant, so a larger mini-batch raises almost no MFU and the "
     "Figure 8 ratio is balancing alone; where it does not (small mini-batches of a large "

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import load_config
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.data.synthetic import BLOCK, block_seed
-from orchmllm.recipe import ItemLengths
 from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.emulated import EmulatedSetup

@@ -318,7 +318,7 @@ def _sensitivity_table(rows: Records) -> list[str]:
         "length (patches, frames, text) times a scale, text capped at the config's "
         "`max_text_tokens`, and the audio tasks' share of the tasks with an image or a clip "
         "(at scale 1). The shipped workload is scale 1 with the config's mix "
-        "(`orchmllm/workload_facts.py` gives each number's source); no row is used elsewhere.",
+        "(`orchmllm/data/workload_facts.py` gives each number's source); no row is used elsewhere.",
         "",
     ]
     lines += table(

@@ -7,7 +7,7 @@ schema (as the orchestrator does) imports neither HF ``datasets`` nor torch.
 from importlib import import_module
 from typing import Any
 
-from orchmllm.recipe import TASKS
+from orchmllm.data.recipe import TASKS
 from orchmllm.schema import (
     AUDIO,
     IMAGE,

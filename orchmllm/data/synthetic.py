@@ -7,7 +7,7 @@ in another. This module generates such a mix with real tensors (pixel patches, l
 frames, token ids) and the schema of :mod:`orchmllm.schema`, stored with HF ``datasets``.
 
 Lengths are not decided here: every example's task, image patch counts, audio frame counts and
-text runs come from the shared recipe :mod:`orchmllm.recipe` (distributions, sources and
+text runs come from the shared recipe :mod:`orchmllm.data.recipe` (distributions, sources and
 rounding rules are documented there), the same draw the simulator reads. Examples are drawn in
 blocks of :data:`BLOCK`: block ``b`` is one ``recipe.sample_examples`` call seeded with
 :func:`block_seed` ``(seed, b)``, so example ``i`` has the lengths of example ``i % BLOCK`` of a
@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from orchmllm import recipe, workloads
 from orchmllm.config import RunConfig
-from orchmllm.recipe import TASKS, Examples, RecipeConfig, sample_examples
+from orchmllm.data import recipe, workloads
+from orchmllm.data.recipe import TASKS, Examples, RecipeConfig, sample_examples
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named, modality_of
 
 if TYPE_CHECKING:  # generating examples needs only numpy; HF datasets is for storage
@@ -56,14 +56,14 @@ DEFAULT_N_MELS = 80  # Whisper's mel bins, for frames when no width is given
 @dataclass(frozen=True)
 class SyntheticConfig(RecipeConfig):
     """Everything that determines the generated data (with the encoding rates): the example
-    recipe's fields (:class:`orchmllm.recipe.RecipeConfig`) plus size, seed and tensor shapes.
+    recipe's fields (:class:`orchmllm.data.recipe.RecipeConfig`) plus size, seed and tensor shapes.
 
-    The recipe's fields decide lengths (distributions and sources in :mod:`orchmllm.recipe`);
+    The recipe's fields decide lengths (distributions and sources in :mod:`orchmllm.data.recipe`);
     the fields of this class decide how many examples there are and their tensors' widths.
 
     Attributes:
         tasks: task name -> its settings (weight and the task's own knobs), as the recipe's
-            (:class:`orchmllm.recipe.RecipeConfig`); default: the paper's mix.
+            (:class:`orchmllm.data.recipe.RecipeConfig`); default: the paper's mix.
         scale: multiplies every length, so a tiny config keeps the composition.
         max_text_tokens: most text tokens of one example, all its text runs together.
         patch: image patch side in pixels (default ``workloads.PATCH``, 14).
@@ -112,7 +112,7 @@ class SyntheticConfig(RecipeConfig):
 
         Args:
             run: the run config: its recipe (its ``data:``, a
-                :class:`~orchmllm.recipe.RecipeConfig`), and one array field per encoder of
+                :class:`~orchmllm.data.recipe.RecipeConfig`), and one array field per encoder of
                 its model, as wide as the encoder's raw rows.
             num_examples: examples in the dataset.
             seed: seeds lengths and tensors.

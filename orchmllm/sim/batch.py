@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig
-from orchmllm.recipe import ItemLengths
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.schema import modality_named
 
 

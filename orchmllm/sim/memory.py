@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchmllm.config import ModelConfig, TrainRecipe
+from orchmllm.data.recipe import ItemLengths
 from orchmllm.planner.step_plan import StepPlan
-from orchmllm.recipe import ItemLengths
 from orchmllm.schema import LLM
 from orchmllm.sim.allocations import DEVICES, Dtypes, StepSetup, step_moments, units
 from orchmllm.sim.batch import Batch

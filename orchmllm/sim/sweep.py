@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
-from orchmllm.recipe import TASKS
+from orchmllm.data.recipe import TASKS
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
 from orchmllm.sim.layout import plan, tailored

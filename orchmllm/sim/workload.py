@@ -1,7 +1,7 @@
 """A step's global batch for the simulator: the shared example recipe, read as a :class:`Batch`.
 
 The recipe (tasks, items per example, length distributions and their sources) is
-:mod:`orchmllm.recipe`, the same one the synthetic training data draws from; this module only
+:mod:`orchmllm.data.recipe`, the same one the synthetic training data draws from; this module only
 reads a run config's ``data:`` section (a recipe) with its model's encoding rates.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchmllm.config import DataConfig, ModelConfig
-from orchmllm.recipe import sample_examples
+from orchmllm.data.recipe import sample_examples
 from orchmllm.sim.batch import Batch
 
 

@@ -9,7 +9,7 @@ gradients: rebalancing changes which rank computes an example, never the result.
 
 Every config key is also an option, ``--section.key=value`` or ``--section.key value``
 (``--train.lr=3e-4``, ``--model.llm.layers 4``, ``--model.encoders.audio=null``), read by the
-key's type (:func:`orchmllm.config.override_value`); :data:`ALIASES` keeps the short flags
+key's type (:func:`orchmllm.overrides.override_value`); :data:`ALIASES` keeps the short flags
 (``--steps`` is ``--train.steps``). The other options are the run's own, not the config's.
 
 With ``--grad-accum K`` (``train.grad_accum``) an optimizer step is K micro-steps, each a
@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from orchmllm import compat
-from orchmllm.config import override_value
+from orchmllm.config import RunConfig
 from orchmllm.dist import watch
+from orchmllm.overrides import override_value
 from orchmllm.planner.step_options import MODES
 from orchmllm.train import host_memory, launch, preempt
 from orchmllm.train.loop import train
@@ -228,7 +229,7 @@ def overrides(args: argparse.Namespace, rest: list[str]) -> dict[str, Any]:
         if key in out:
             alias = f" (--{key} and {flags[key]} are the same key)" if key in flags else ""
             raise ValueError(f"config key {key!r} is given twice{alias}")
-        out[key] = override_value(key, text)
+        out[key] = override_value(key, text, RunConfig)
     return out
 
 

@@ -19,9 +19,9 @@ import numpy as np
 from torch import Tensor, nn
 
 import orchmllm
+from orchmllm.data.recipe import TaskParams
 from orchmllm.models.attention import packed_attention, positions_from_lengths
 from orchmllm.models.layers import Block, Connector, check_lengths
-from orchmllm.recipe import TaskParams
 
 FRAMES_PER_S = 50
 

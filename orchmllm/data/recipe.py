@@ -5,8 +5,8 @@ second). It is the single source of these lengths: the simulator (:mod:`orchmllm
 reads a step's global batch from it, and the synthetic dataset (:mod:`orchmllm.data.synthetic`)
 draws its examples' lengths from it and only fills tensors (token ids, patches, mels).
 
-Item lengths come from :mod:`orchmllm.workloads` (LLaVA-1.5 images, LibriSpeech, AIR-Bench,
-ShareGPT) and every other number from the table :data:`orchmllm.workload_facts.FACTS`, each
+Item lengths come from :mod:`orchmllm.data.workloads` (LLaVA-1.5 images, LibriSpeech, AIR-Bench,
+ShareGPT) and every other number from the table :data:`orchmllm.data.workload_facts.FACTS`, each
 entry with its source or "assumed". The paper's data mix (section 3.1, 8), per task:
 
 - ``caption`` (LLaVA-1.5 captions): a prefix, one image, a prompt, and an answer that is a
@@ -30,7 +30,7 @@ rule in each case, so the simulator's figures did not move):
   multiple of the vision downsample (at least one). Not: a grid of ``round(side / patch)``
   with ``sqrt(scale)`` per side.
 - OCR-VQA covers: long side log-normal median 350 px, sigma 0.25, clipped to [150, 800] px
-  (:mod:`orchmllm.workloads`). Not: sigma 0.3 unclipped.
+  (:mod:`orchmllm.data.workloads`). Not: sigma 0.3 unclipped.
 - Audio frames: ``round(seconds * 100)`` (the LibriSpeech mixture clipped as a whole to
   [1, 24.5] s), capped at ``max_audio_s``, then times ``scale`` rounded down to a multiple of the
   frames per LLM token (at least one). Not: ``int(seconds * 100 * scale)``.
@@ -65,9 +65,9 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm import workloads
+from orchmllm.data import workloads
+from orchmllm.data.workload_facts import fact
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named
-from orchmllm.workload_facts import fact
 
 MIN_TEXT = 2  # a prompt token at position 0 (never a target) and one target token
 MAX_VQA_TURNS = int(fact("vqa.max_turns"))

@@ -1,8 +1,8 @@
 """Item-length distributions for balancing benchmarks and tests (pure numpy, fast at 10^5 items).
 
 Each sampler returns int64 lengths in the unit the balanced phase pays for. The paper mix's
-samplers draw with the numbers of :data:`orchmllm.workload_facts.FACTS` (each with its source or
-"assumed"), summarised here:
+samplers draw with the numbers of :data:`orchmllm.data.workload_facts.FACTS` (each with its
+source or "assumed"), summarised here:
 
 - ``llava_image``: vision-encoder patches per image at dynamic resolution (paper section 8):
   the LLaVA-1.5 mix665k sources (COCO, VG/GQA, TextVQA/OpenImages, OCR-VQA covers) at their
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orchmllm.workload_facts import fact
+from orchmllm.data.workload_facts import fact
 
 PATCH = int(fact("image.patch_px"))
 MAX_IMAGE_SIDE = int(fact("image.max_side_px"))

@@ -1,7 +1,8 @@
 """Every number the synthetic workload is drawn from, with where it comes from.
 
-The workload (:mod:`orchmllm.workloads`' length samplers and :mod:`orchmllm.recipe`'s tasks)
-decides how heavy an example is, and so every simulated figure. Its numbers live here, in one
+The workload (:mod:`orchmllm.data.workloads`' length samplers and
+:mod:`orchmllm.data.recipe`'s tasks) decides how heavy an example is, and so every simulated
+figure. Its numbers live here, in one
 table: each is a public dataset statistic with its source, or says ``assumed:`` and why (a shape
 no publication gives). None was chosen to reproduce a figure of the paper; how the simulator's
 results move when every length is scaled is ``benchmarks/reproduce_paper.py``'s sensitivity
@@ -34,7 +35,7 @@ _LIBRI = (
 )
 
 FACTS: dict[str, Fact] = {
-    # -- images (orchmllm.workloads.llava_image) -------------------------------------------------
+    # -- images (orchmllm.data.workloads.llava_image) ----------------------------------------------
     "image.source_weights": Fact(
         (0.55, 0.20, 0.15, 0.10),
         f"{_LLAVA}: shares of COCO, VG/GQA, TextVQA/OpenImages and OCR-VQA images",
@@ -51,7 +52,7 @@ FACTS: dict[str, Fact] = {
     "image.aspect_weights": Fact((0.5, 0.15, 0.1, 0.1, 0.15), "assumed: 4:3 the most common"),
     "image.patch_px": Fact(14, "ViT-L/14 and Qwen2-VL patches are 14 px (paper section 8)"),
     "image.max_side_px": Fact(448, "the paper's MLLM-10B resolution bound (section 8)"),
-    # -- audio (orchmllm.workloads.librispeech, .spoken_qa) --------------------------------------
+    # -- audio (orchmllm.data.workloads.librispeech, .spoken_qa) -----------------------------------
     "audio.frames_per_s": Fact(100, "Whisper's log-mel frames: a 10 ms hop (Radford et al. 2022)"),
     "librispeech.main_share": Fact(0.8, f"assumed: most of {_LIBRI} (mean 12.7 s) near its mode"),
     "librispeech.main_mean_s": Fact(14.5, f"assumed: the mode of {_LIBRI}; mixture mean 12.8 s"),
@@ -65,13 +66,13 @@ FACTS: dict[str, Fact] = {
     "spoken_qa.median_s": Fact(12.0, "assumed: AIR-Bench clips (Yang et al. 2024) run to 30 s"),
     "spoken_qa.sigma": Fact(0.6, "assumed: spread of the AIR-Bench clip durations"),
     "spoken_qa.clip_s": Fact((2.0, 30.0), "AIR-Bench clips are up to 30 s (Yang et al. 2024)"),
-    # -- text (orchmllm.workloads.text) ------------------------------------------------------
+    # -- text (orchmllm.data.workloads.text) -------------------------------------------------------
     "sharegpt.median_tokens": Fact(
         700.0, "assumed: the 40K ShareGPT conversations of the LLaVA-1.5 mix, typical length"
     ),
     "sharegpt.sigma": Fact(0.8, "assumed: spread of ShareGPT conversation lengths"),
     "sharegpt.clip_tokens": Fact((16, 8192), "assumed: the shortest and longest conversations"),
-    # -- the paper's task mix (orchmllm.recipe) ---------------------------------------------------
+    # -- the paper's task mix (orchmllm.data.recipe) -----------------------------------------------
     "mix.weights": Fact(
         (0.25, 0.30, 0.25, 0.10, 0.10),
         "assumed: caption, vqa, asr, spoken_qa, chat; the paper (section 3.1) names the "
