@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -132,8 +133,11 @@ Candidate split_plan(const int64_t* len, const std::vector<double>& w,
             key[i] = w[i];
         }
     }
+    // Ties to the longer item (equal heaviest pieces of unequal items lay out differently),
+    // then by index: a shuffled input gets the same loads.
     const auto heaviest = [&](int64_t a, int64_t b) {
-        return key[a] > key[b] || (key[a] == key[b] && a < b);
+        if (key[a] != key[b]) return key[a] > key[b];
+        return len[a] > len[b] || (len[a] == len[b] && a < b);
     };
     std::sort(gangs.begin(), gangs.end(), heaviest);
     std::sort(whole.begin(), whole.end(), heaviest);
@@ -187,8 +191,9 @@ Candidate split_plan(const int64_t* len, const std::vector<double>& w,
     return c;
 }
 
-// The whole-item portfolio (balance.hpp's lpt on the item costs), its loads summed in item
-// order, const once per rank holding an item.
+// The whole-item portfolio (balance.hpp's lpt on the item costs), its loads summed heaviest
+// item first (ties by index: the same sums for a shuffled input), const once per rank
+// holding an item.
 Candidate whole_plan(const std::vector<double>& w, int64_t d, const PackedCost& cost,
                      int64_t max_steps) {
     const int64_t n = static_cast<int64_t>(w.size());
@@ -197,7 +202,10 @@ Candidate whole_plan(const std::vector<double>& w, int64_t d, const PackedCost& 
     lpt(w.data(), n, d, n, c.dst.data(), max_steps);
     c.loads.assign(d, 0.0);
     std::vector<bool> busy(d, false);
-    for (int64_t i = 0; i < n; ++i) {
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return w[a] > w[b]; });
+    for (const int64_t i : order) {
         c.loads[c.dst[i]] += w[i];
         busy[c.dst[i]] = true;
     }

@@ -48,7 +48,8 @@ struct CpPlan {
 // N pieces and the groups' ranks balanced within a token, that last candidate's busiest rank
 // is at most mean + the heaviest piece or whole item + one token's cost + const (LPT's bound
 // over groups, then over ranks), so the budget is met whenever it allows that much.
-// Deterministic; ties between equal items break by index.
+// Deterministic; ties between equal items break by index (equal costs: the longer first),
+// so a shuffled input gets the same loads and, item for item, the same pieces' tokens.
 CpPlan context_parallel(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t group_size,
                         const PackedCost& cost, double budget, int64_t max_steps);
 

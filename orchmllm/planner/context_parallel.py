@@ -123,7 +123,9 @@ def check_split_request(
             f"pieces have no item count yet"
         )
     if backend != "cpp":
-        raise ValueError(f"context_parallel > 1 runs in the C++ core: backend='cpp', got {backend!r}")
+        raise ValueError(
+            f"context_parallel > 1 runs in the C++ core: backend='cpp', got {backend!r}"
+        )
 
 
 def plan_split(
