@@ -153,10 +153,14 @@ Candidate split_plan(const int64_t* len, const std::vector<double>& w,
         double best = std::numeric_limits<double>::infinity();
         best_ranks.clear();
         for (int64_t g = 0; g < d / group; ++g) {
+            double least = std::numeric_limits<double>::infinity();
             for (int64_t j = 0; j < group; ++j) {
                 const int64_t r = g * group + j;
                 members[j] = {ranks.load(r), r};
+                least = std::min(least, members[j].first);
             }
+            // No rank of this group can do better than its lightest plus the lighter piece.
+            if (!best_ranks.empty() && !(least + light < best)) continue;
             // The k lightest, lightest first (ties to the lower rank): the heavier pieces
             // (one more token) to the lighter ranks.
             std::partial_sort(members.begin(), members.begin() + k, members.end());
