@@ -7,6 +7,10 @@ import orchmllm
 from orchmllm.planner.balance import InfeasibleCapError, balance
 from orchmllm.planner.context_parallel import Pieces, largest_pieces
 from orchmllm.planner.cost import CostModel
+from orchmllm.planner.step_options import StepOptions
+from orchmllm.planner.step_plan import plan_step
+from orchmllm.schema import IMAGE, TEXT
+from tests.payloads import PHASES, gathered, payload_example
 
 QUAD = CostModel("packed", alpha=3.5e-4, beta=3.0e-8, const=0.6)  # H100 hidden-1280 block fit
 TOKENS = CostModel("packed")
@@ -265,3 +269,58 @@ def test_item_too_costly_even_in_n_pieces_names_it():
     with pytest.raises(InfeasibleCapError, match=r"item 1 \(100 tokens\) costs 25") as e:
         balance([3, 100, 2], 8, max_load_per_rank=20, context_parallel=4)
     assert e.value.lower_bound >= 25 and e.value.smallest >= e.value.lower_bound
+
+
+def _long_step(world):
+    """Rank 0 samples one long text example (400 tokens) beside short mixed ones."""
+    batches = [[payload_example(0, [[TEXT, 400]]), payload_example(1, [[TEXT, 5], [IMAGE, 8]])]]
+    eid = 2
+    for _ in range(1, world):
+        batches.append([payload_example(eid, [[TEXT, 20]]), payload_example(eid + 1, [[TEXT, 9]])])
+        eid += 2
+    return gathered(batches)
+
+
+def test_plan_step_records_the_llm_pieces():
+    world = 4
+    rows, src = _long_step(world)
+    options = StepOptions(PHASES, mode="llm", context_parallel=2, llm_max_load=250)
+    plan = plan_step(rows, src, options, num_ranks=world)
+    again = plan_step(rows.copy(), src.copy(), options, num_ranks=world)
+    assert plan.same_as(again)
+    p = plan.llm_pieces
+    assert p.items.tolist() == [0]  # the 400-token example, over the budget, is split
+    assert plan.llm_stats["items_split"] == 1 and plan.llm_stats["pieces"] == 2
+    assert max(plan.llm_stats["loads_after"]) <= 250
+    assert sum(plan.llm_stats["loads_after"]) == plan.seq_len.sum()
+    assert int((p.end - p.start).sum()) == plan.seq_len[0] and len(set((p.rank // 2).tolist())) == 1
+    # the move still takes the split example whole, to its first token's rank
+    assert plan.llm.dst_rank[0] == p.rank[p.start == 0][0]
+    assert not plan.same_as(plan_step(rows, src, StepOptions(PHASES, mode="llm"), num_ranks=world))
+    whole = plan_step(rows, src, StepOptions(PHASES, mode="llm"), num_ranks=world)
+    assert whole.llm_pieces.item.size == 0 and "items_split" not in whole.llm_stats
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"context_parallel": 0}, "context_parallel must be an integer >= 1, got 0"),
+        ({"llm_max_load": 10.0}, "llm_max_load=10.0 needs context_parallel > 1"),
+        ({"context_parallel": 2, "llm_max_load": -1}, "llm_max_load must be a number > 0"),
+        ({"context_parallel": 2, "llm_policy": "kk"}, "llm_policy in .* got 'kk'"),
+        ({"context_parallel": 2, "llm_cost": CostModel("padded")}, "packed llm_cost"),
+        (
+            {"context_parallel": 2, "placement": "assign", "ranks_per_node": 2},
+            "placement='none', got 'assign'",
+        ),
+    ],
+)
+def test_step_options_refuse_what_does_not_split(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StepOptions(PHASES, **kwargs)
+
+
+def test_plan_step_names_a_group_size_that_does_not_divide_the_ranks():
+    rows, src = _long_step(4)
+    with pytest.raises(ValueError, match="context_parallel=3 must divide num_ranks=4"):
+        plan_step(rows, src, StepOptions(PHASES, context_parallel=3), num_ranks=4)
