@@ -29,7 +29,7 @@ namespace {
 // lower rank: a segment tree of rank indices over the loads.
 class Ranks {
   public:
-    Ranks(int64_t d, double fixed) : d_(d), fixed_(fixed), load_(d, 0.0), busy_(d, false) {
+    Ranks(int64_t d, double fixed) : fixed_(fixed), load_(d, 0.0), busy_(d, false) {
         size_ = 1;
         while (size_ < static_cast<size_t>(d)) size_ <<= 1;
         tree_.assign(2 * size_, -1);
@@ -59,7 +59,6 @@ class Ranks {
         const int64_t a = tree_[2 * node], b = tree_[2 * node + 1];
         tree_[node] = lighter(b, a) ? b : a;
     }
-    int64_t d_;
     double fixed_;
     std::vector<double> load_;
     std::vector<bool> busy_;

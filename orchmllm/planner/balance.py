@@ -82,7 +82,6 @@ __all__ = [
     "PLACEMENTS",
     "Assignment",
     "InfeasibleCapError",
-    "Pieces",
     "balance",
     "plan_is_deterministic",
 ]
