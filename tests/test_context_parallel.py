@@ -134,15 +134,17 @@ def _guarantee(lengths, d, n, cost):
 @given(case=_instances(), fraction=st.floats(0.0, 1.5), seed=st.integers(0, 2**16))
 def test_plan_properties(case, fraction, seed):
     """Tokens conserved, budget held on every rank, pieces contiguous and inside one group,
+    never heavier than without ``src`` (the source layout only replaces a heavier plan),
     deterministic (twice the same; a shuffled input the same loads and the same split items'
     lengths and pieces' token counts); raises only below the guaranteed bound."""
     lengths, d, n, cost, rpn = case
     policy = "greedy_cost" if cost is QUAD else "greedy"
     guarantee = _guarantee(lengths, d, n, cost) if lengths else 1.0
     budget = None if fraction > 1.4 else guarantee * (0.3 + fraction)
+    src = np.random.default_rng(seed).integers(0, d, size=len(lengths))
     kw = {"cost": cost, "ranks_per_node": rpn, "max_load_per_rank": budget, "context_parallel": n}
     try:
-        a = balance(lengths, d, policy, **kw)
+        a = balance(lengths, d, policy, src=src, **kw)
     except InfeasibleCapError as e:
         assert budget is not None and budget < guarantee
         assert e.argument == "max_load_per_rank" and e.smallest > budget
@@ -151,7 +153,11 @@ def test_plan_properties(case, fraction, seed):
     if budget is not None:
         assert a.loads.max(initial=0.0) <= budget
     assert a.stats["gap_to_lb"] >= 1.0 - 1e-12
-    again = balance(lengths, d, policy, **kw)
+    assert a.stats["tokens_moved"] + a.stats["tokens_kept"] == sum(lengths)
+    if a.stats["kept_source"]:  # the source layout was lighter: nothing moves
+        np.testing.assert_array_equal(a.dst, src)
+    assert a.loads.max(initial=0.0) <= balance(lengths, d, policy, **kw).loads.max(initial=0.0)
+    again = balance(lengths, d, policy, src=src, **kw)
     np.testing.assert_array_equal(a.dst, again.dst)
     np.testing.assert_array_equal(a.loads, again.loads)
     for x, y in zip(
@@ -161,7 +167,7 @@ def test_plan_properties(case, fraction, seed):
     ):
         np.testing.assert_array_equal(x, y)
     perm = np.random.default_rng(seed).permutation(len(lengths))
-    shuffled = balance(np.asarray(lengths, dtype=np.int64)[perm], d, policy, **kw)
+    shuffled = balance(np.asarray(lengths, dtype=np.int64)[perm], d, policy, src=src[perm], **kw)
     np.testing.assert_array_equal(shuffled.loads, a.loads)
     assert _split_shapes(lengths, a.pieces) == _split_shapes(
         np.asarray(lengths)[perm], shuffled.pieces
