@@ -113,9 +113,10 @@ void layout(int64_t item, int64_t l, const std::vector<int64_t>& ranks,
 }
 
 // A split plan: items with pieces[i] > 1 first (heaviest piece first), each on the k lightest
-// ranks of its best group; then the whole items by LPT.
+// ranks of its best group (of its best node, when k <= node < group); then the whole items by
+// LPT.
 Candidate split_plan(const int64_t* len, const std::vector<double>& w,
-                     const std::vector<int64_t>& pieces, int64_t d, int64_t group,
+                     const std::vector<int64_t>& pieces, int64_t d, int64_t group, int64_t node,
                      const PackedCost& cost) {
     const int64_t n = static_cast<int64_t>(w.size());
     Candidate c;
@@ -151,10 +152,13 @@ Candidate split_plan(const int64_t* len, const std::vector<double>& w,
         const double light = cost.piece(dl, static_cast<double>(q), dk);
         double best = std::numeric_limits<double>::infinity();
         best_ranks.clear();
-        for (int64_t g = 0; g < d / group; ++g) {
+        // The blocks the pieces may go to: a node's ranks when they can hold them (the gather
+        // stays inside the node), else a group's.
+        const int64_t span = node > 0 && node < group && k <= node ? node : group;
+        for (int64_t g = 0; g < d / span; ++g) {
             double least = std::numeric_limits<double>::infinity();
-            for (int64_t j = 0; j < group; ++j) {
-                const int64_t r = g * group + j;
+            for (int64_t j = 0; j < span; ++j) {
+                const int64_t r = g * span + j;
                 members[j] = {ranks.load(r), r};
                 least = std::min(least, members[j].first);
             }
@@ -162,7 +166,7 @@ Candidate split_plan(const int64_t* len, const std::vector<double>& w,
             if (!best_ranks.empty() && !(least + light < best)) continue;
             // The k lightest, lightest first (ties to the lower rank): the heavier pieces
             // (one more token) to the lighter ranks.
-            std::partial_sort(members.begin(), members.begin() + k, members.end());
+            std::partial_sort(members.begin(), members.begin() + k, members.begin() + span);
             double score = -std::numeric_limits<double>::infinity();
             for (int64_t j = 0; j < k; ++j)
                 score = std::max(score, ranks.after(members[j].second, j < extra ? heavy : light));
@@ -220,7 +224,7 @@ Candidate whole_plan(const std::vector<double>& w, int64_t d, const PackedCost& 
 
 }  // namespace
 
-CpPlan context_parallel(const int64_t* len, int64_t n, int64_t d, int64_t group,
+CpPlan context_parallel(const int64_t* len, int64_t n, int64_t d, int64_t group, int64_t node,
                         const PackedCost& cost, double budget, int64_t max_steps) {
     std::vector<double> w(static_cast<size_t>(n));
     double total = 0.0, heaviest = 0.0, floor_piece = 0.0;
@@ -269,12 +273,12 @@ CpPlan context_parallel(const int64_t* len, int64_t n, int64_t d, int64_t group,
                 const double k = std::ceil(w[i] / t);
                 return k >= static_cast<double>(group) ? group : static_cast<int64_t>(k);
             });
-            consider(split_plan(len, w, pieces, d, group, cost), true);
+            consider(split_plan(len, w, pieces, d, group, node, cost), true);
             if (found) break;  // finer cuts only to meet the budget
         }
         if (!found) {
             const auto pieces = cut([&](int64_t i) { return len[i] >= group ? group : 1; });
-            consider(split_plan(len, w, pieces, d, group, cost), true);
+            consider(split_plan(len, w, pieces, d, group, node, cost), true);
         }
     }
     out.feasible = found;
@@ -294,17 +298,19 @@ CpPlan context_parallel(const int64_t* len, int64_t n, int64_t d, int64_t group,
 void register_context_parallel(py::module_& m) {
     m.def(
         "context_parallel",
-        [](const orch::I64& lengths, int64_t d, int64_t group, double alpha, double beta,
-           double constant, double multiplier, double budget, int64_t max_steps) {
+        [](const orch::I64& lengths, int64_t d, int64_t group, int64_t node, double alpha,
+           double beta, double constant, double multiplier, double budget, int64_t max_steps) {
             if (lengths.ndim() != 1) throw py::value_error("expected a 1-D array");
             if (d < 1 || group < 1 || d % group != 0)
                 throw py::value_error("context_parallel: group size must divide num_ranks");
+            if (node < 0 || (node > 0 && node < group && group % node != 0))
+                throw py::value_error("context_parallel: a node must hold whole groups or tile one");
             const int64_t n = static_cast<int64_t>(lengths.shape(0));
             const orch::PackedCost cost{alpha, beta, constant, multiplier};
             orch::CpPlan plan;
             {
                 py::gil_scoped_release release;
-                plan = orch::context_parallel(lengths.data(), n, d, group, cost, budget,
+                plan = orch::context_parallel(lengths.data(), n, d, group, node, cost, budget,
                                               max_steps);
             }
             py::array_t<double> loads(static_cast<py::ssize_t>(plan.loads.size()));
@@ -314,7 +320,8 @@ void register_context_parallel(py::module_& m) {
                                   orch::to_array(plan.end), plan.feasible, plan.split,
                                   plan.lower_bound);
         },
-        py::arg("lengths"), py::arg("num_ranks"), py::arg("group_size"), py::arg("alpha"),
+        py::arg("lengths"), py::arg("num_ranks"), py::arg("group_size"),
+        py::arg("ranks_per_node"), py::arg("alpha"),
         py::arg("beta"), py::arg("const"), py::arg("multiplier"), py::arg("budget"),
         py::arg("max_steps"),
         "Context-parallel balance (context_parallel.hpp): (dst with -1 for split items, "

@@ -34,6 +34,8 @@ struct CpPlan {
 
 // Plans lengths[0..n) on num_ranks ranks in groups of group_size consecutive ranks
 // (group_size divides num_ranks) under `budget` (a rank's load, const included; +inf: none).
+// `node` (ranks per node, 0: unknown): when it is smaller than a group (and tiles it), an item
+// in at most `node` pieces goes on the ranks of one node, inside the K/V gather's fast links.
 // Candidates, the lightest busiest rank within the budget winning, ties to the earlier: the
 // whole-item portfolio lpt(max_steps) when every item fits whole (it stands when it reaches
 // lower_bound); a split plan at the threshold t = max(mean load, costliest item / N), each
@@ -51,6 +53,6 @@ struct CpPlan {
 // Deterministic; ties between equal items break by index (equal costs: the longer first),
 // so a shuffled input gets the same loads and, item for item, the same pieces' tokens.
 CpPlan context_parallel(const int64_t* lengths, int64_t n, int64_t num_ranks, int64_t group_size,
-                        const PackedCost& cost, double budget, int64_t max_steps);
+                        int64_t node, const PackedCost& cost, double budget, int64_t max_steps);
 
 }  // namespace orch

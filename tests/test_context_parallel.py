@@ -16,7 +16,7 @@ QUAD = CostModel("packed", alpha=3.5e-4, beta=3.0e-8, const=0.6)  # H100 hidden-
 TOKENS = CostModel("packed")
 
 
-def _check_plan(lengths, d, n, cost, a):
+def _check_plan(lengths, d, n, cost, a, rpn=None):
     """Every property the record promises: each token placed once, pieces contiguous with
     load-balanced chunking inside one group, the loads those of the cost model."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -41,6 +41,8 @@ def _check_plan(lengths, d, n, cost, a):
         owners = np.unique(ranks)
         k = owners.size
         assert 2 <= k <= n and len(set((owners // n).tolist())) == 1  # one group
+        if rpn is not None and k <= rpn:
+            assert len(set((owners // rpn).tolist())) == 1  # one node when it holds them
         tokens = np.array([int((ends - starts)[ranks == r].sum()) for r in owners])
         assert tokens.min() >= 1 and tokens.max() - tokens.min() <= 1
         # chunk j and chunk 2k-1-j: ranks ascending from the start, then descending to the end
@@ -116,7 +118,7 @@ def _instances(draw):
     d = n * draw(st.integers(1, 4))
     lengths = draw(st.lists(st.integers(0, 3000) | st.integers(0, 40), min_size=0, max_size=30))
     cost = draw(st.sampled_from([TOKENS, QUAD]))
-    rpn = draw(st.sampled_from([None, n, d]))
+    rpn = draw(st.sampled_from([None, n, d, max(1, n // 2)]))
     return lengths, d, n, cost, rpn
 
 
@@ -149,7 +151,7 @@ def test_plan_properties(case, fraction, seed):
         assert budget is not None and budget < guarantee
         assert e.argument == "max_load_per_rank" and e.smallest > budget
         return
-    _check_plan(lengths, d, n, cost, a)
+    _check_plan(lengths, d, n, cost, a, rpn)
     if budget is not None:
         assert a.loads.max(initial=0.0) <= budget
     assert a.stats["gap_to_lb"] >= 1.0 - 1e-12
@@ -194,7 +196,7 @@ def test_never_raises_when_n_pieces_fit(case):
     kw = {"cost": cost, "ranks_per_node": rpn, "max_load_per_rank": budget}
     a = balance(lengths, d, "greedy_cost", context_parallel=n, **kw)
     assert a.loads.max() <= budget
-    _check_plan(lengths, d, n, cost, a)
+    _check_plan(lengths, d, n, cost, a, rpn)
 
 
 def test_over_budget_items_are_split_at_scale():

@@ -198,7 +198,8 @@ def balance(
             result, for tests and benchmarks).
         context_parallel: ``N`` > 1 lets an item be cut into ``k <= N`` pieces on ``k`` ranks
             of one group of ``N`` consecutive ranks (inside one node when ``ranks_per_node``
-            is given and ``N`` divides it): an item whose cost exceeds ``max_load_per_rank``,
+            is given and ``N`` divides it; else on one node of the group when ``k`` is at
+            most ``ranks_per_node``): an item whose cost exceeds ``max_load_per_rank``,
             or whose split lowers the slowest rank, is split, and the other items are
             balanced around the pieces (``orchmllm.planner.context_parallel``). Packed
             ``greedy``/``greedy_cost`` only (both balance ``cost``), no item cap or
@@ -407,7 +408,7 @@ def _balance_split(req: _Request) -> Assignment:
     d, cost, lengths = req.num_ranks, req.cost, req.lengths
     budget = math.inf if req.caps.max_load is None else float(req.caps.max_load)
     steps = REFINE_STEPS_PER_RANK * d if req.refine else 0
-    plan = plan_split(lengths, d, req.context_parallel, cost, budget, steps)
+    plan = plan_split(lengths, d, req.context_parallel, req.ranks_per_node, cost, budget, steps)
     if not plan.feasible:
         _raise_split_budget(req, plan)
     known: dict[str, float] = {}

@@ -4,10 +4,11 @@
 one *group*. Groups are blocks of ``N`` consecutive ranks (``[0, N)``, ``[N, 2N)``, ...), so
 ``N`` must divide ``num_ranks``; with ``ranks_per_node``, ``N`` must divide it (every group
 inside one node, where the gather of keys and values is cheapest) or be a multiple of it
-(a group is whole nodes). The split decision and the placement run in the C++ core
-(``cpp/context_parallel.hpp``): an item is split when its cost exceeds the budget
-(``max_load_per_rank``) or when splitting lowers the slowest rank; the pieces go first, the
-whole items are balanced around them by LPT. Pieces cost
+(a group is whole nodes; then an item in at most ``ranks_per_node`` pieces goes on the ranks
+of one node of its group, so its gather stays inside the node). The split decision and the
+placement run in the C++ core (``cpp/context_parallel.hpp``): an item is split when its cost
+exceeds the budget (``max_load_per_rank``) or when splitting lowers the slowest rank; the
+pieces go first, the whole items are balanced around them by LPT. Pieces cost
 :meth:`orchmllm.planner.cost.CostModel.piece_costs`: packed cost models only.
 
 The record (:class:`Pieces`): one row per token range, ``(item, rank, start, end)``. A piece is
@@ -129,12 +130,18 @@ def check_split_request(
 
 
 def plan_split(
-    lengths: np.ndarray, num_ranks: int, group: int, cost: CostModel, budget: float, steps: int
+    lengths: np.ndarray,
+    num_ranks: int,
+    group: int,
+    ranks_per_node: int | None,
+    cost: CostModel,
+    budget: float,
+    steps: int,
 ) -> Split:
     """The context-parallel plan of checked ``lengths`` (C++ core, GIL released)."""
-    c = cost
+    c, node = cost, ranks_per_node or 0
     dst, loads, item, rank, start, end, feasible, split, lower = _core.context_parallel(
-        lengths, num_ranks, group, c.alpha, c.beta, c.const, c.multiplier, budget, steps
+        lengths, num_ranks, group, node, c.alpha, c.beta, c.const, c.multiplier, budget, steps
     )
     pieces = Pieces(item, rank, start, end)
     return Split(dst, loads, pieces, bool(feasible), bool(split), float(lower))
