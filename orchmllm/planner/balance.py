@@ -38,6 +38,7 @@ the C++ core), and a cost model that overflows float64 on the lengths is refused
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import orchmllm._core as _core
+from orchmllm.planner.context_parallel import (
+    Pieces,
+    Split,
+    check_context_parallel,
+    check_split_request,
+    largest_pieces,
+    plan_split,
+    split_stats,
+)
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.exact import EXACT_MAX_CELLS, min_makespan
 from orchmllm.planner.placement import (
@@ -104,12 +114,18 @@ class Assignment:
             statistics; with ``src`` (a ``never_worse`` policy: every built-in but
             ``identity``) ``kept_source`` (1.0 when
             the source layout, feasible and with a strictly lighter busiest rank, replaced
-            the policy's plan: balancing never returns a plan slower than the input).
+            the policy's plan: balancing never returns a plan slower than the input); with
+            ``context_parallel`` ``items_split``, ``pieces`` and ``gap_to_lb`` against the
+            split plans' floor (mean load, or an item's heaviest piece in ``N``).
+        pieces: where the pieces of split items go (``context_parallel``;
+            :class:`orchmllm.planner.context_parallel.Pieces`, rows ``(item, rank, start,
+            end)``); empty when no item is split. A split item's ``dst`` is -1.
     """
 
     dst: np.ndarray
     loads: np.ndarray
     stats: Mapping[str, float] = field(default_factory=dict)
+    pieces: Pieces = field(default_factory=Pieces.empty)
 
 
 class InfeasibleCapError(ValueError):
@@ -155,6 +171,7 @@ def balance(
     tolerance: float | None = None,
     refine: bool = True,
     backend: str = "cpp",
+    context_parallel: int = 1,
 ) -> Assignment:
     """Plan where every item goes so that the most loaded rank is as light as possible.
 
@@ -179,6 +196,17 @@ def balance(
             ``False`` keeps the paper's Alg. 1 exactly.
         backend: ``python`` runs the plain Python reference instead of the C++ core (same
             result, for tests and benchmarks).
+        context_parallel: ``N`` > 1 lets an item be cut into ``k <= N`` pieces on ``k`` ranks
+            of one group of ``N`` consecutive ranks (inside one node when ``ranks_per_node``
+            is given and ``N`` divides it; else on one node of the group when ``k`` is at
+            most ``ranks_per_node``): an item whose cost exceeds ``max_load_per_rank``,
+            or whose split lowers the slowest rank, is split, and the other items are
+            balanced around the pieces (``orchmllm.planner.context_parallel``). Packed
+            ``greedy``/``greedy_cost`` only (both balance ``cost``), no item cap or
+            placement. It raises only when no plan it tries meets the budget; its last try
+            (every item of ``N`` tokens or more in ``N`` pieces) meets any budget of at least
+            the mean load + the heaviest ``N``-piece or shorter whole item + one token's cost
+            + ``const``. 1 (default): no splitting, the plan of every other argument alone.
 
     Returns:
         An :class:`Assignment`: ``dst`` per item, ``loads`` per rank, ``stats``.
@@ -189,6 +217,8 @@ def balance(
     """
     if (
         policy == "greedy"
+        and type(context_parallel) is int
+        and context_parallel == 1
         and src is cost is ranks_per_node is max_items_per_rank is max_load_per_rank is None
         and tolerance is None
         and placement == "none"
@@ -211,7 +241,10 @@ def balance(
         tolerance=tolerance,
         refine=refine,
         backend=backend,
+        context_parallel=context_parallel,
     )
+    if req.context_parallel > 1:
+        return _balance_split(req)
     dst, planned = _plan(req)
     known: dict[str, float] = dict(planned)
     if req.caps.max_items is not None or req.caps.max_load is not None:
@@ -288,6 +321,7 @@ class _Request(NamedTuple):
     tolerance: float | None
     refine: bool
     backend: str
+    context_parallel: int
 
 
 def _check_request(
@@ -304,6 +338,7 @@ def _check_request(
     tolerance: Any,
     refine: Any,
     backend: Any,
+    context_parallel: Any,
 ) -> _Request:
     """Every argument of :func:`balance` checked, in the order the errors are reported; an
     item cap too small for ``n`` items raises :class:`InfeasibleCapError`."""
@@ -326,6 +361,9 @@ def _check_request(
     longest = int(l.max(initial=0))
     check_finite_cost(longest, n, d, cost)
     check_caps(max_items_per_rank, max_load_per_rank)
+    group = check_context_parallel(context_parallel, d, ranks_per_node)
+    if group > 1:
+        check_split_request(record.name, record.padded, placement, max_items_per_rank, backend)
     cap = n
     if max_items_per_rank is not None:
         cap = int(max_items_per_rank)
@@ -344,7 +382,7 @@ def _check_request(
     caps = _Caps(cap, max_items_per_rank, max_load_per_rank)
     return _Request(
         record, l, longest, d, s, cost, ranks_per_node, placement, caps, tolerance,
-        bool(refine), backend,
+        bool(refine), backend, group,
     )  # fmt: skip
 
 
@@ -361,6 +399,56 @@ def _check_cost(cost: CostModel | None, policy: Policy) -> CostModel:
     if cost.alpha < 0 or cost.beta < 0:
         raise ValueError(f"cost must have alpha >= 0 and beta >= 0, got {cost!r}")
     return cost
+
+
+def _balance_split(req: _Request) -> Assignment:
+    """:func:`balance` with ``context_parallel > 1``: the core's plan (whole items or pieces),
+    no worse than the source layout (as for every ``never_worse`` policy), or
+    :class:`InfeasibleCapError` when no plan it tries meets the budget."""
+    d, cost, lengths = req.num_ranks, req.cost, req.lengths
+    budget = math.inf if req.caps.max_load is None else float(req.caps.max_load)
+    steps = REFINE_STEPS_PER_RANK * d if req.refine else 0
+    plan = plan_split(lengths, d, req.context_parallel, req.ranks_per_node, cost, budget, steps)
+    if not plan.feasible:
+        _raise_split_budget(req, plan)
+    known: dict[str, float] = {}
+    if req.caps.max_load is not None:
+        known["caps_steered"] = 0.0
+    if req.src is not None and req.policy.never_worse:
+        before = cost.loads(lengths, req.src, d)
+        top = float(before.max(initial=0.0))
+        kept = top < float(plan.loads.max(initial=0.0)) and top <= budget
+        if kept:
+            plan = plan._replace(dst=req.src.copy(), loads=before, pieces=Pieces.empty())
+        known["kept_source"] = float(kept)
+    job = (lengths, plan, req.src, d, cost)
+    stats = LazyStats(partial(split_stats, *job), known)
+    return Assignment(dst=plan.dst, loads=plan.loads, stats=stats, pieces=plan.pieces)
+
+
+def _raise_split_budget(req: _Request, plan: Split) -> None:
+    """The budget no context-parallel plan was found under: an item too costly even in
+    ``context_parallel`` pieces, or the plans tried, named with the smallest value found."""
+    cost, n = req.cost, req.context_parallel
+    budget = req.caps.max_load
+    fixed = cost.multiplier * cost.const
+    need = largest_pieces(req.lengths, n, cost) + fixed
+    worst = int(np.argmax(need))
+    found = float(plan.loads.max())
+    lower = max(plan.lower_bound, float(need[worst]))
+    if need[worst] > budget:
+        why = (
+            f"item {worst} ({int(req.lengths[worst])} tokens) costs {float(need[worst]):.10g} "
+            f"on a rank even in context_parallel={n} pieces"
+        )
+    else:
+        why = f"no plan was found under it and none goes below {lower:.10g}"
+    raise InfeasibleCapError(
+        f"max_load_per_rank={budget} is too small with context_parallel={n}: {why}; the "
+        f"smallest value found is {found:.10g}",
+        argument="max_load_per_rank", value=budget, smallest=found, proven=False,
+        lower_bound=lower,
+    )  # fmt: skip
 
 
 def _plan(req: _Request) -> Planned:

@@ -119,6 +119,42 @@ class CostModel:
         l = np.asarray(lengths, dtype=np.float64)
         return self.multiplier * (self.alpha * l + self.beta * l * l)
 
+    def piece_costs(self, lengths: Any, tokens: Any, pieces: Any) -> np.ndarray:
+        """Cost of one piece of an item split for context parallelism (packed only):
+        ``multiplier*(alpha*tokens + beta*length^2/pieces)``, without ``const``.
+
+        An item of ``length`` tokens cut in ``pieces`` pieces on as many ranks computes its
+        MLP and projections on the piece's own ``tokens`` and its attention over the whole
+        sequence (the keys and values gathered in the group). Causal attention makes a query
+        late in the sequence cost more than an early one, so contiguous pieces would cost
+        unequally; load-balanced chunking (the item in ``2*pieces`` chunks, piece ``j``
+        holding chunk ``j`` and chunk ``2*pieces-1-j``, as ``balance(context_parallel=)``
+        lays pieces out) gives every piece the same share ``1/pieces`` of the quadratic term,
+        up to the rounding of chunk boundaries to whole tokens, which this ignores. It also
+        ignores the gather of the keys and values (each rank receives the other pieces' K/V,
+        about ``(pieces-1)/pieces`` of the item's K/V bytes, forward and, reduce-scattered,
+        backward) and the ring's latency: splitting is free in this model, so the planner
+        splits only to meet a budget or to lower the slowest rank. The pieces of an item sum
+        to :meth:`item_costs` (up to float rounding).
+
+        Args:
+            lengths: the item's length, per piece (arrays broadcast).
+            tokens: the piece's own tokens.
+            pieces: how many pieces the item is cut in (>= 1).
+
+        Returns:
+            float64 array of the broadcast shape.
+
+        Raises:
+            ValueError: the model's kind is ``padded``.
+        """
+        if not self.packed:
+            raise ValueError("kind='padded' has no per-piece cost: context parallelism is packed")
+        l = np.asarray(lengths, dtype=np.float64)
+        t = np.asarray(tokens, dtype=np.float64)
+        k = np.asarray(pieces, dtype=np.float64)
+        return self.multiplier * (self.alpha * t + self.beta * l * l / k)
+
     def loads(self, lengths: np.ndarray, dst: np.ndarray, num_ranks: int) -> np.ndarray:
         """Cost of every destination batch, vectorised: :meth:`batch_cost` of each rank's items.
 

@@ -8,10 +8,12 @@ node placement. :func:`default_phases` builds the phases from the modality table
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from orchmllm.planner.balance import PLACEMENTS, plan_is_deterministic
+from orchmllm.planner.context_parallel import SPLIT_POLICIES
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.policies import POLICIES
 from orchmllm.schema import LLM, MODALITIES, TEXT, EncodingRates, is_integer
@@ -148,12 +150,22 @@ class StepOptions:
         encoded_token_bytes: what it carries per encoder output row (the LLM hidden size
             times the activation dtype's bytes; None counts an encoded token like a text
             token). Both byte counts only weigh the LLM phase's placement volumes.
+        context_parallel: ``N`` > 1 lets the LLM phase cut an example into up to ``N``
+            pieces on ranks of one group (``balance(context_parallel=)``), under
+            ``llm_max_load`` or where it lowers the slowest rank; the plan records the pieces
+            (:attr:`orchmllm.planner.step_plan.StepPlan.llm_pieces`). It must divide the
+            number of ranks (checked when planning). 1: whole examples only.
+        llm_max_load: the LLM phase's per-rank budget in its cost (``max_load_per_rank``),
+            or None; only with ``context_parallel`` > 1.
 
     Raises:
         ValueError: ``mode`` is not in :data:`MODES`; two phases share a kind or a name;
             ``llm_policy`` is not in ``orchmllm.POLICIES``; ``placement`` is not in
             :data:`orchmllm.planner.balance.PLACEMENTS`; ``ranks_per_node`` is not an integer
-            >= 1 or None; a byte count is < 1.
+            >= 1 or None; a byte count is < 1; ``context_parallel`` is not an integer >= 1,
+            or > 1 with an LLM policy other than ``greedy``/``greedy_cost``, a placement or
+            a padded ``llm_cost``; ``llm_max_load`` is not a number > 0, or set without
+            ``context_parallel``.
     """
 
     phases: tuple[EncoderPhase, ...]
@@ -164,6 +176,8 @@ class StepOptions:
     ranks_per_node: int | None = None
     text_token_bytes: int = 16
     encoded_token_bytes: int | None = None
+    context_parallel: int = 1
+    llm_max_load: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -185,6 +199,34 @@ class StepOptions:
         if self.encoded_token_bytes is not None and self.encoded_token_bytes < 1:
             raise ValueError(
                 f"encoded_token_bytes must be >= 1 or None, got {self.encoded_token_bytes!r}"
+            )
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        cp, budget = self.context_parallel, self.llm_max_load
+        if not is_integer(cp) or cp < 1:
+            raise ValueError(f"context_parallel must be an integer >= 1, got {cp!r}")
+        if budget is not None and (
+            not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not budget > 0
+        ):
+            raise ValueError(f"llm_max_load must be a number > 0 or None, got {budget!r}")
+        if cp == 1:
+            if budget is not None:
+                raise ValueError(f"llm_max_load={budget!r} needs context_parallel > 1")
+            return
+        if self.llm_policy not in SPLIT_POLICIES:
+            raise ValueError(
+                f"context_parallel={cp} needs llm_policy in {SPLIT_POLICIES} (a packed LPT), "
+                f"got {self.llm_policy!r}"
+            )
+        if self.placement != "none":
+            raise ValueError(
+                f"context_parallel={cp} needs placement='none', got {self.placement!r}"
+            )
+        if self.llm_cost is not None and not self.llm_cost.packed:
+            raise ValueError(
+                f"context_parallel={cp} needs a packed llm_cost (pieces of a padded batch have "
+                f"no cost), got {self.llm_cost!r}"
             )
 
     @property

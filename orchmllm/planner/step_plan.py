@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from orchmllm.planner.balance import CLOCKED_PLACEMENTS, balance
+from orchmllm.planner.context_parallel import Pieces
 from orchmllm.planner.cost import CostModel, imbalance
 from orchmllm.planner.placement import place_batches
 from orchmllm.planner.plan import Rearrangement
@@ -104,6 +105,12 @@ class StepPlan:
         llm: the LLM phase's move of whole examples (``Pi_llm``).
         phases: phase name -> its :class:`PhasePlan` (items and their two moves).
         llm_stats: the LLM phase's planning statistics (see :meth:`stats`).
+        llm_pieces: with ``StepOptions.context_parallel`` > 1, the examples the LLM phase
+            splits: rows ``(example, rank, start, end)`` over the example's interleaved
+            sequence (:class:`orchmllm.planner.context_parallel.Pieces`); empty otherwise.
+            A split example's ``llm`` move still takes it whole to the rank of its first
+            token's piece (the runtime that spreads the pieces over their group is not
+            built yet); ``llm_stats["loads_after"]`` are the pieces' loads.
     """
 
     num_ranks: int
@@ -120,6 +127,7 @@ class StepPlan:
     llm: Rearrangement
     phases: dict[str, PhasePlan]
     llm_stats: dict = field(repr=False)
+    llm_pieces: Pieces = field(default_factory=Pieces.empty)
 
     def same_as(self, other: StepPlan) -> bool:
         """Whether ``other`` executes the same step: same rearrangements and layout.
@@ -128,12 +136,14 @@ class StepPlan:
             other: another plan, e.g. one computed on another rank or recomputed.
 
         Returns:
-            True when the modes, the LLM move, the segment lengths and every phase's two moves
-            are equal; timings and other statistics are not compared.
+            True when the modes, the LLM move and pieces, the segment lengths and every
+            phase's two moves are equal; timings and other statistics are not compared.
         """
+        mine, theirs = self.llm_pieces, other.llm_pieces
         return (
             self.mode == other.mode
             and self.llm == other.llm
+            and all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in _PIECE_FIELDS)
             and np.array_equal(self.seg_len, other.seg_len)
             and self.phases.keys() == other.phases.keys()
             and all(
@@ -155,6 +165,9 @@ class StepPlan:
         return out
 
 
+_PIECE_FIELDS = ("item", "rank", "start", "end")
+
+
 def _policy_cost(policy: str, cost: CostModel | None) -> CostModel | None:
     """``cost`` when the policy can optimise it (same kind, non-negative terms), else None."""
     kind = "padded" if policy in PADDED_POLICIES else "packed"
@@ -172,8 +185,11 @@ def _balance_phase(
     cost: CostModel | None,
     balanced: bool,
     ranks_per_node: int | None,
-) -> tuple[np.ndarray, dict]:
-    """Destination rank per item, and the phase's load statistics.
+    context_parallel: int = 1,
+    max_load: float | None = None,
+) -> tuple[np.ndarray, dict, Pieces]:
+    """Destination rank per item, the phase's load statistics, and the pieces of split
+    items (``context_parallel`` > 1: a split item's destination is its first token's rank).
 
     Loads are measured with the phase's cost model; a heuristic plan whose slowest rank is no
     faster than the sampled layout's is replaced by the sampled layout (nothing moves).
@@ -181,20 +197,30 @@ def _balance_phase(
     t0 = time.perf_counter()
     model = cost or default_cost(policy)
     before = model.loads(lengths, src, num_ranks)
+    pieces = Pieces.empty()
     if balanced and lengths.size:
         optimised = _policy_cost(policy, cost)
+        split = {}
+        if context_parallel > 1:
+            split = {"context_parallel": context_parallel, "max_load_per_rank": max_load}
         a = balance(
-            lengths, num_ranks, policy, src=src, cost=optimised, ranks_per_node=ranks_per_node
-        )
+            lengths, num_ranks, policy, src=src, cost=optimised, ranks_per_node=ranks_per_node,
+            **split,
+        )  # fmt: skip
         dst = np.asarray(a.dst, dtype=np.int64)
+        pieces = a.pieces
+        first = pieces.start == 0
+        dst[pieces.item[first]] = pieces.rank[first]
         # balance() measured its plan with the cost it optimised: the same loads when that
         # is the phase's model
-        same = (optimised or default_cost(policy)) == model
+        # (with pieces always: a split item is on several ranks; StepOptions keeps its cost
+        # packed, so that is the phase's model unless a coefficient is negative)
+        same = (optimised or default_cost(policy)) == model or pieces.item.size > 0
         after = a.loads if same else model.loads(lengths, dst, num_ranks)
     else:
         dst, after = src.copy(), before
     if after.max() >= before.max():  # never move for a plan that is no better than staying
-        dst, after = src.copy(), before
+        dst, after, pieces = src.copy(), before, Pieces.empty()
     stats = {
         "imbalance_before": imbalance(before),
         "imbalance_after": imbalance(after),
@@ -203,7 +229,10 @@ def _balance_phase(
         "plan_ms": (time.perf_counter() - t0) * 1e3,
         "items": int(lengths.size),
     }
-    return dst, stats
+    if context_parallel > 1:
+        stats["items_split"] = int(pieces.items.size)
+        stats["pieces"] = int(np.unique(pieces.item * num_ranks + pieces.rank).size)
+    return dst, stats, pieces
 
 
 def _places(options: StepOptions, num_ranks: int) -> bool:
@@ -256,7 +285,7 @@ def _encoder_phase(
     """One encoder phase's segments ``sel`` (raw rows ``raw``, sampled on ``src``), their
     move to the encoder layout and its statistics."""
     full = options.mode == "full"
-    enc_dst, stats = _balance_phase(
+    enc_dst, stats, _ = _balance_phase(
         raw // phase.stride, src, num_ranks=num_ranks, policy=phase.policy,
         cost=phase.cost, balanced=full, ranks_per_node=options.ranks_per_node,
     )  # fmt: skip
@@ -421,12 +450,13 @@ def plan_step(
     jobs["llm"] = partial(
         _balance_phase, seq_len, example_src, num_ranks=num_ranks, policy=options.llm_policy,
         cost=options.llm_cost, balanced=options.mode != "none",
-        ranks_per_node=options.ranks_per_node,
+        ranks_per_node=options.ranks_per_node, context_parallel=options.context_parallel,
+        max_load=options.llm_max_load,
     )  # fmt: skip
     # A clocked ILP reads this process's CPU share for its limit: it plans alone.
     parallel = n_seg >= PARALLEL_MIN_SEGMENTS and options.placement not in CLOCKED_PLACEMENTS
     done = _side_by_side(jobs, parallel=parallel)
-    llm_dst, llm_stats = done.pop("llm")
+    llm_dst, llm_stats, llm_pieces = done.pop("llm")
     items = done  # phase name -> (segment indices, encoder move, stats)
     if options.mode != "none" and _places(options, num_ranks):
         llm_dst = _place_llm(
@@ -460,4 +490,5 @@ def plan_step(
         llm=llm,
         phases=phase_plans,
         llm_stats=llm_stats,
+        llm_pieces=llm_pieces,
     )
