@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from orchmllm.data import workloads
+import orchmllm.data.workloads as workloads
 from orchmllm.data.workload_facts import fact
 from orchmllm.schema import MODALITIES, TEXT, EncodingRates, modality_named
 
