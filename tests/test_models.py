@@ -135,6 +135,28 @@ def test_audio_padded_batch_equals_each_clip_alone(tiny_model):
     _batch_equals_each_alone(tiny_model.encoders["audio"], mels, lengths, shape)
 
 
+@pytest.mark.parametrize("bucket", [3, 64])
+def test_audio_buckets_change_the_shape_not_the_output(tiny_model, bucket):
+    """Padding a batch to a bucket of frames gives the same outputs and gradients as padding it
+    to its longest clip (the padded frames are zeroed and masked)."""
+    torch.manual_seed(4)
+    plain = tiny_model.encoders["audio"]
+    cfg = dataclasses.replace(plain.cfg, bucket=bucket)
+    bucketed = type(plain)(cfg, tiny_model.cfg.llm.hidden).double()
+    bucketed.load_state_dict(plain.state_dict())
+    lengths = torch.tensor([30, 4, 13]) * cfg.rate.divisor
+    mels = torch.randn(int(lengths.sum()), cfg.n_mels, dtype=torch.float64)
+    runs = []
+    for encoder in (plain, bucketed):
+        encoder.zero_grad()
+        x = mels.clone().requires_grad_(True)
+        out = encoder(x, lengths)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in encoder.parameters()]
+        runs.append((out.detach(), x.grad, *grads))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=1e-12)
+
+
 def test_llm_packed_is_causal_and_equals_each_sequence_alone(tiny_model):
     torch.manual_seed(3)
     lengths = torch.tensor([7, 1, 12])

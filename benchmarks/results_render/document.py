@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .balancing import balance_bench, planner_at_scale
-from .gpu import check_one_gpu_run, gpu_memory, gpu_proof, gpu_step, new_shape
+from .gpu import check_one_gpu_run, gpu_memory, gpu_proof, gpu_step, new_shape, shape_buckets
 from .paper import reproduce_paper
 from .paper_summary import sim_summary
 from .placement import placement_bench
@@ -93,6 +93,12 @@ SECTIONS = (
         "python -m benchmarks.gpu_step --new-shape-cost --json "
         "benchmarks/results/new_shape_<gpu>.json",
         new_shape,
+    ),
+    Section(
+        "Padding audio batches to buckets",
+        "shape_buckets_*.json",
+        "python benchmarks/shape_buckets.py --json benchmarks/results/shape_buckets_<device>.json",
+        shape_buckets,
     ),
     Section(
         "The trainer's memory on a GPU",

@@ -176,6 +176,35 @@ def new_shape(recs: Records) -> list[str]:
     ]  # fmt: skip
 
 
+def shape_buckets(recs: Records) -> list[str]:
+    """Whether padding the audio encoder's batches to buckets of frames pays for the shapes it
+    saves."""
+
+    def even(r: dict) -> str:
+        steps = r["break_even_steps"]
+        return "always" if steps is None else "never" if steps == 0 else f"{steps:.0f}"
+
+    rows = [
+        [r["device"], r["bucket"], r["distinct_shapes"], f"{r['padding_over_frames']:.3f}",
+         f"{r['new_shape_s'] * 1e3:.2f}", f"{r['warm_step_s'] * 1e3:.2f}",
+         f"{r['repeat_spread']:.1%}", even(r)]
+        for r in recs
+    ]  # fmt: skip
+    return [
+        "The tiny config's audio encoder (forward and backward) over the same LibriSpeech-length "
+        "batches, per `model.encoders.audio.bucket` in a fresh process: a first pass that meets "
+        "every shape new, then warm passes (the repeat of identical work gives `repeat`, the "
+        "spread to read differences against). `new shape ms` is one shape's set-up, "
+        "`break-even steps` the run length below which the bucket is faster than none (a run "
+        "meets each longest length once, but pays the padding every step; `never`: no set-up "
+        "to save). This is why the default bucket is 1 on CPU; a GPU record, when one is "
+        "measured, decides there.",
+        "",
+        *table(["device", "bucket", "shapes", "padded / frames", "new shape ms",
+                "warm step ms", "repeat", "break-even steps"], rows),
+    ]  # fmt: skip
+
+
 def gpu_memory(recs: Records) -> list[str]:
     """The trainer's measured peak memory per phase beside the memory model's prediction."""
     rows = [

@@ -12,7 +12,14 @@ from orchmllm.models.spec import EncoderConfig, register_architecture
 class WhisperConfig(EncoderConfig):
     """A Whisper-style encoder: a convolution front end of total stride ``conv_stride`` over
     ``n_mels``-bin log-mel frames (100 per second), padded attention, merge ``downsample``,
-    MLP connector."""
+    MLP connector.
+
+    ``bucket``: a batch is padded to the next multiple of this many frames rather than to its
+    longest clip, so the encoder meets fewer shapes (a kernel's set-up for a new shape is paid
+    once per shape). 1 pads to the longest clip: measured on CPU, a new shape's cost is paid
+    once per distinct length over the run, less than a bucket's padding costs every step
+    (``python benchmarks/shape_buckets.py``; docs/results.md). Outputs do not depend on it.
+    """
 
     arch: ClassVar[str] = "whisper"
     padded: ClassVar[bool] = True
@@ -20,6 +27,7 @@ class WhisperConfig(EncoderConfig):
     n_mels: int = 16
     conv_stride: int = 2
     downsample: int = 2
+    bucket: int = 1
 
     @property
     def stride(self) -> int:

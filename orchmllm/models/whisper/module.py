@@ -46,7 +46,8 @@ class AudioEncoder(nn.Module):
             raise ValueError(f"mels must be [F, {cfg.n_mels}], got {tuple(mels.shape)}")
         n = lengths.numel()
         # An empty batch still needs a conv-able width; its rows are all padding.
-        t_max = int(lengths.max()) if n else cfg.rate.divisor
+        longest = int(lengths.max()) if n else cfg.rate.divisor
+        t_max = -(-longest // cfg.bucket) * cfg.bucket  # the shape the encoder meets
         frame = torch.arange(t_max, device=mels.device)
         valid = frame[None, :] < lengths[:, None]  # [B, T]
         padded = mels.new_zeros(n, t_max, cfg.n_mels)
