@@ -22,9 +22,10 @@ Each function below mirrors one piece of code and says where each buffer comes f
   storages of their own (through an all-gather buffer when the group has more than one
   rank; forward frees a unit's buffer at the next unit's copy-out, backward at its own),
   resharded after forward and after backward, the next unit prefetched in backward, the
-  gradients reduce-scattered in the reduce dtype, and a reduce-scatter's input kept until the
-  next one starts; a unit whose forward inputs need no gradient (an encoder's own parameters,
-  the token embedding) reduces at the end of backward;
+  gradients reduce-scattered in the reduce dtype (on one rank copied from the input divided
+  by the divide factor, a temporary the input's size), and a reduce-scatter's input kept
+  until the next one starts; a unit whose forward inputs need no gradient (an encoder's own
+  parameters, the token embedding) reduces at the end of backward;
 - AdamW (``torch/optim/adamw.py``): the single-tensor step on CPU keeps two parameter-sized
   temporaries, the foreach step on CUDA a whole group's ``sqrt(exp_avg_sq)``;
 - attention kernels: the CPU flash kernel (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``)
@@ -386,6 +387,11 @@ def post_backward(env: Env, u: Unit) -> None:
         tr.drop(env.rs_input)
     env.rs_input = tr.new(const(dt.reduce * u.params), f"{u.name} reduce-scatter input")
     out = tr.new(const(dt.reduce * u.params / g), f"{u.name} sharded gradient")
+    if g == 1:
+        # no collective: the output is copied from the input divided by the gradient divide
+        # factor (the trainer's sum reduction sets one), a new tensor the input's size
+        # (foreach_reduce, world size 1)
+        tr.transient(const(dt.reduce * u.params), f"{u.name} divided reduce-scatter input")
     tr.drop(*u.grads)
     u.grads.clear()
     if dt.reduce != dt.master:
