@@ -47,10 +47,13 @@ collective runs and the two agree.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -61,13 +64,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from orchmllm.config import ModelConfig, TrainRecipe
+from orchmllm.config import ModelConfig, TrainRecipe, load_config
 from orchmllm.models import build_model
 from orchmllm.models.mllm import MLLM
 from orchmllm.models.parallelize import compute_dtype, parallelize, storage_dtype
+from orchmllm.recipe import ItemLengths
 from orchmllm.schema import IGNORE_INDEX
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
+from orchmllm.sim.memory import MemoryModel
 from orchmllm.train import _set_sum_reduction
 
 PHASES = ("forward", "backward", "optimizer")
@@ -334,3 +339,78 @@ def _measure(
             optim.zero_grad(set_to_none=True)
         forward.end()
     return tracker.result
+
+
+def symmetric_batch(
+    world_size: int, items: Mapping[str, tuple[int, ...]], text: tuple[int, ...]
+) -> tuple[Batch, Layout]:
+    """A global batch in which every rank samples and runs the same examples (nothing
+    moves): ``text`` tokens of each, ``items[name]`` the raw rows of its items (the i-th
+    item belongs to example ``i % len(text)``)."""
+    n = len(text)
+    lengths, where = {}, {}
+    for name, raw in items.items():
+        owner = np.concatenate([np.arange(len(raw)) % n + r * n for r in range(world_size)])
+        lengths[name] = ItemLengths(owner, np.tile(np.asarray(raw, np.int64), world_size))
+        where[name] = owner // n
+    batch = Batch(world_size, np.tile(np.asarray(text, np.int64), world_size), lengths)
+    return batch, Layout(np.arange(world_size * n) // n, where)
+
+
+def against_model(
+    config: ModelConfig, recipe: TrainRecipe, world_size: int, batch: Batch, layout: Layout
+) -> dict[str, tuple[int, float]]:
+    """Rank 0's step of ``batch`` (laid out as ``layout``, no moves) measured by
+    :func:`step_peaks` and predicted by the memory model without the attention kernels'
+    workspaces (the tracker's scope): phase (and ``static``) -> (measured, predicted)."""
+    measured = step_peaks(config, recipe, world_size, RankBatch.of_layout(config, batch, layout, 0))
+    memory = MemoryModel(device="cpu", threads=1, shard_group=world_size, previous_batch=False)
+    features = memory.rank_features(config, recipe, batch, layout)
+    bare = {k: 0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v for k, v in features.items()}
+    peaks = memory.phase_peaks(config, recipe, bare, num_ranks=world_size, moves=frozenset())
+    out = {ph: (measured.peaks[ph], float(np.asarray(peaks[ph])[0])) for ph in PHASES}
+    out["static"] = (measured.static, memory.static_bytes(config, recipe, world_size))
+    return out
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m orchmllm.memory_oracle``: the oracle beside the memory model for one
+    rank of a batch every rank holds alike, per phase."""
+    p = argparse.ArgumentParser(prog="python -m orchmllm.memory_oracle", description=main.__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--world-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=0, help="blocks per module (0: the config's)")
+    p.add_argument("--text", default="2000,3000", help="text tokens of each example of a rank")
+    p.add_argument("--items", action="append", default=[], metavar="NAME=ROWS,...",
+                   help="raw rows of a modality's items on a rank (repeatable)")  # fmt: skip
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    model = cfg.model
+    if args.layers < 0:
+        p.error(f"--layers must be >= 0, got {args.layers}")
+    if args.layers:
+        model = dataclasses.replace(
+            model,
+            encoders={n: dataclasses.replace(e, layers=args.layers)
+                      for n, e in model.encoders.items()},
+            llm=dataclasses.replace(model.llm, layers=args.layers),
+        )  # fmt: skip
+    items = {}
+    for spec in args.items:
+        name, _, rows = spec.partition("=")
+        if name not in model.encoders:
+            p.error(f"--items {spec!r}: {name!r} is no encoder of the config")
+        items[name] = _lengths(rows)
+    batch, layout = symmetric_batch(args.world_size, items, _lengths(args.text))
+    rows = against_model(model, cfg.recipe, args.world_size, batch, layout)
+    print(f"{args.config}, {args.world_size} ranks, rank 0 (MB): phase, oracle, model, ratio")
+    for ph, (m, pred) in rows.items():
+        print(f"{ph:<10}{m / 1e6:>12.1f}{pred / 1e6:>12.1f}{m / pred:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

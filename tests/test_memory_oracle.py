@@ -176,19 +176,9 @@ def _config(tmp_path: Path) -> str:
 def _symmetric(config, world: int):
     """A batch in which every rank samples and runs ``RANK_ITEMS`` and ``RANK_TEXT``
     (nothing moves), as the memory model reads it."""
-    from orchmllm.recipe import ItemLengths
-    from orchmllm.sim.batch import Batch
-    from orchmllm.sim.layout import Layout
+    from orchmllm.memory_oracle import symmetric_batch
 
-    n = len(RANK_TEXT)
-    text = np.tile(np.asarray(RANK_TEXT, np.int64), world)
-    items, where = {}, {}
-    for name, raw in RANK_ITEMS.items():
-        owner = np.concatenate([np.arange(len(raw)) % n + r * n for r in range(world)])
-        items[name] = ItemLengths(owner.astype(np.int64), np.tile(np.asarray(raw, np.int64), world))
-        where[name] = owner // n
-    batch = Batch(world, text, items)
-    return batch, Layout(np.arange(world * n) // n, where)
+    return symmetric_batch(world, RANK_ITEMS, RANK_TEXT)
 
 
 @pytest.fixture(scope="module")
