@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orchmllm import balance
 from orchmllm.dist import comm
-from orchmllm.planner import balance
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.provenance import write_records
 from orchmllm.testing import run_distributed

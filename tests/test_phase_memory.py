@@ -1,4 +1,5 @@
-"""train.py --memory-report: per-phase peaks and the step's batch, as the memory model reads it."""
+"""train.py --memory-report: per-phase peaks and the step's batch, as the memory model reads it
+(:class:`PhaseMemory`); each rank's measured peaks beside the model's (:class:`MemoryReport`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from orchmllm.config import load_config
 from orchmllm.data import generate_example
@@ -16,7 +18,9 @@ from orchmllm.planner.segments import local_metadata
 from orchmllm.planner.step_options import StepOptions, default_phases
 from orchmllm.planner.step_plan import plan_step
 from orchmllm.sim.batch import Batch
-from orchmllm.train.phase_memory import PhaseMemory
+from orchmllm.sim.memory import MemoryModel, step_of_plan
+from orchmllm.testing import run_distributed
+from orchmllm.train.phase_memory import MemoryReport, PhaseMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +103,92 @@ def test_cuda_peak_is_each_phases_own(tmp_path):
     assert phases["forward"]["peak_bytes"] >= 2**28 + 2**26
     assert phases["backward"]["peak_bytes"] < 2**28
     assert phases["backward"]["allocated_bytes"] >= 2**26
+
+
+def _model_peaks(cfg, plan, rank: int) -> dict[str, int]:
+    """The memory model's figures for ``rank`` of ``plan`` (what predicted_bytes must be)."""
+    batch, layout, moves = step_of_plan(plan)
+    model = MemoryModel(device="cpu", threads=torch.get_num_threads(), shard_group=plan.num_ranks,
+                        previous_batch=False)  # fmt: skip
+    features = model.rank_features(cfg.model, cfg.recipe, batch, layout)
+    peaks = model.phase_peaks(cfg.model, cfg.recipe, features, num_ranks=plan.num_ranks,
+                              moves=moves)  # fmt: skip
+    return {ph: round(float(np.asarray(v)[rank])) for ph, v in peaks.items()}
+
+
+def _allocating_step(report: MemoryReport, mib: int) -> None:
+    """Forward keeps ``mib`` MiB and has 4x that transient; backward 2x transient on top of
+    the kept; the optimizer phase frees the kept tensor."""
+    with report.phase("forward"):
+        kept = torch.ones(mib << 18)  # float32: mib MiB
+        torch.ones(4 * mib << 18).sum()
+    with report.phase("backward"):
+        torch.ones(2 * mib << 18).sum()
+    with report.phase("optimizer"):
+        del kept
+
+
+MIB = 1 << 20
+
+
+def _check_measured(lines: list[dict], mib: int) -> None:
+    measured = {line["phase"]: line["measured_bytes"] for line in lines}
+    # the profiler sees the allocator's events: the tensors, within a few KiB of bookkeeping
+    assert 5 * mib * MIB <= measured["forward"] <= (5 * mib + 1) * MIB, measured
+    assert 3 * mib * MIB <= measured["backward"] <= (3 * mib + 1) * MIB, measured
+    # the kept tensor is alive when the optimizer phase starts, then freed
+    assert mib * MIB <= measured["optimizer"] <= (mib + 1) * MIB, measured
+
+
+def test_memory_report_measures_each_rank_and_phase_on_cpu(tmp_path):
+    """One line per step and phase: the allocator's peak above the step's start on the CPU,
+    beside the memory model's figure for the rank's batch."""
+    cfg, plan = _step_plan(ranks=1)
+    path = tmp_path / "report.jsonl"
+    report = MemoryReport(str(path), torch.device("cpu"), config=cfg.model, recipe=cfg.recipe)
+    for step in range(2):
+        _allocating_step(report, 3)
+        report.end_step(step, plan)
+    lines = _lines(path)
+    assert [(x["step"], x["rank"], x["phase"]) for x in lines] == [
+        (s, 0, ph) for s in range(2) for ph in ("forward", "backward", "optimizer")
+    ]
+    _check_measured(lines[3:], 3)
+    predicted = _model_peaks(cfg, plan, 0)
+    assert {x["phase"]: x["predicted_bytes"] for x in lines[3:]} == predicted
+    assert all(v > 0 for v in predicted.values())
+
+
+def test_memory_report_without_a_path_measures_nothing(tmp_path):
+    cfg, plan = _step_plan(ranks=1)
+    report = MemoryReport(None, torch.device("cpu"), config=cfg.model, recipe=cfg.recipe)
+    _allocating_step(report, 1)
+    assert report.end_step(0, plan) == [] and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        MemoryReport(None, torch.device("cpu"), config=cfg.model, recipe=cfg.recipe, rank=2,
+                     world_size=2)  # fmt: skip
+
+
+def _report_worker(rank: int, world: int, path: str) -> list[dict]:
+    cfg, plan = _step_plan(ranks=world)
+    report = MemoryReport(path, torch.device("cpu"), config=cfg.model, recipe=cfg.recipe,
+                          rank=rank, world_size=world)  # fmt: skip
+    dist.barrier()  # rank 0 has created the file afresh
+    _allocating_step(report, 1 + rank)
+    return report.end_step(0, plan)
+
+
+@pytest.mark.integration
+def test_memory_report_gathers_every_ranks_lines_on_rank_0(tmp_path):
+    """Two gloo ranks, each allocating its own sizes: rank 0's file has both ranks' lines in
+    rank order, each rank's measured bytes its own and its predicted bytes the model's figure
+    for its share of the step."""
+    path = tmp_path / "report.jsonl"
+    returned = run_distributed(_report_worker, 2, str(path), timeout=60)
+    lines = _lines(path)
+    assert lines == returned[0] + returned[1]
+    cfg, plan = _step_plan(ranks=2)
+    for rank in range(2):
+        own = [x for x in lines if x["rank"] == rank]
+        _check_measured(own, 1 + rank)
+        assert {x["phase"]: x["predicted_bytes"] for x in own} == _model_peaks(cfg, plan, rank)

@@ -92,4 +92,8 @@ def build_model(
         torch.manual_seed(seed)
         model = MLLM(cfg)
         init_weights(model)
-    return model.to(dtype=dtype)
+    # Converting parameters already in ``dtype`` is a no-op that a fake tensor refuses (it
+    # cannot be swapped in place): the memory oracle builds the model under FakeTensorMode.
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype=dtype)
+    return model

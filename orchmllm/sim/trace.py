@@ -90,14 +90,11 @@ class Trace:
 
     Attributes:
         phase: the phase moments are recorded under (``forward``, ``backward``, ``optimizer``).
-        recording: whether moments are recorded (off while replaying blocks whose moments are
-            known to be bounded by others', see :mod:`orchmllm.sim.allocations`).
         saving: whether operations record autograd nodes (off inside a checkpointed block's
             forward and in a frozen module).
     """
 
     phase: str = "forward"
-    recording: bool = True
     saving: bool = True
     level: Form = field(default_factory=dict)
     moments: list[Moment] = field(default_factory=list)
@@ -123,9 +120,8 @@ class Trace:
 
     def mark(self, label: str) -> None:
         """Record the current live bytes as a moment."""
-        if self.recording:
-            level = {k: v for k, v in self.level.items() if v}
-            self.moments.append(Moment(self.phase, label, level))
+        level = {k: v for k, v in self.level.items() if v}
+        self.moments.append(Moment(self.phase, label, level))
 
     def enter(self, phase: str) -> None:
         """Close the current phase (its last level is a moment) and open ``phase``."""
