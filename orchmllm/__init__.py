@@ -6,9 +6,6 @@ The planner (``balance``, the cost models, ``Rearrangement`` and the step planne
 ``import orchmllm`` stays cheap and torch-free for planning-only users and the simulator.
 """
 
-from importlib import import_module
-from typing import Any
-
 __version__ = "0.1.0"  # the one place it is set (pyproject.toml reads it)
 
 try:
@@ -20,6 +17,7 @@ except ImportError as exc:
     ) from exc
 
 from orchmllm import _moved  # noqa: F401  (old module paths keep importing)
+from orchmllm._lazy import lazy_names
 from orchmllm.planner.balance import Assignment, InfeasibleCapError, balance
 from orchmllm.planner.cost import CostModel
 from orchmllm.planner.measured_cost import COSTS
@@ -81,14 +79,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'orchmllm' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """The public names, lazy ones included, so ``dir()``, ``help()`` and completion see
-    them."""
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

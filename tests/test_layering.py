@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "orchmllm"
 FLOORS = {
     "orchmllm.schema": 1,
     "orchmllm._moved": 1,  # old module paths -> new ones (imports by name, at use)
+    "orchmllm._lazy": 1,  # a package's names loaded on first use (by name, at use)
     "orchmllm.plugins": 1,  # imports a user's files, which register into the floors above
     "orchmllm.config": 2,  # checks policy and placement names in the planner's registry
     "orchmllm": 2,  # the facade: eager re-exports of the planner, lazy ones of the rest

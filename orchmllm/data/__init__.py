@@ -4,9 +4,7 @@ The synthetic generator's and the loader's names are loaded on first use, so imp
 schema (as the orchestrator does) imports neither HF ``datasets`` nor torch.
 """
 
-from importlib import import_module
-from typing import Any
-
+from orchmllm._lazy import lazy_names
 from orchmllm.data.recipe import TASKS
 from orchmllm.schema import (
     AUDIO,
@@ -59,12 +57,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(f"orchmllm.data.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'orchmllm.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -7,8 +7,7 @@ first use, so the torch-free specs import without torch. The FSDP2 recipe is the
 ``orchmllm.models.parallelize`` (its function of that name is imported from there).
 """
 
-from importlib import import_module
-from typing import Any
+from orchmllm._lazy import lazy_names
 
 _LAZY = {
     "ARCHS": "orchmllm.models.spec",
@@ -33,12 +32,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'orchmllm.models' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -8,8 +8,7 @@ run). The names below load on first use, so ``python -m orchmllm.train.report`` 
 ``orchmllm.train.checkpoint`` does not import the model.
 """
 
-from importlib import import_module
-from typing import Any
+from orchmllm._lazy import lazy_names
 
 _LAZY = {  # name -> the module of orchmllm.train that defines it, imported on first use
     "main": "cli",
@@ -28,12 +27,4 @@ _LAZY = {  # name -> the module of orchmllm.train that defines it, imported on f
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(f"orchmllm.train.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'orchmllm.train' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
