@@ -2,7 +2,7 @@
 
 Runs the real entry point on one process, ``torchrun --standalone --nproc_per_node=1 -m
 orchmllm.train`` (NCCL and one GPU on CUDA, gloo on CPU), for a few steps with
-``--memory-report`` (:mod:`orchmllm.train.phase_memory`: ``torch.cuda.max_memory_allocated`` reset
+``--memory-trace`` (:mod:`orchmllm.train.phase_memory`: ``torch.cuda.max_memory_allocated`` reset
 and read around the forward, the backward and the optimizer step, and the step's batch) under
 the config's training recipe (``recipe:``: precision, activation checkpointing, loss chunk).
 For every step it then predicts the same step's batch with the simulator's memory model
@@ -75,7 +75,7 @@ def model_parameters(config: Path) -> int:
 
 
 def run_trainer(config: Path, *, steps: int, workdir: Path, timeout: float) -> list[dict]:
-    """Train ``steps`` steps on one process with ``--memory-report``; its report's lines."""
+    """Train ``steps`` steps on one process with ``--memory-trace``; its lines."""
     report = workdir / "memory.jsonl"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
@@ -83,7 +83,7 @@ def run_trainer(config: Path, *, steps: int, workdir: Path, timeout: float) -> l
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
         "-m", "orchmllm.train", "--config", str(config), "--steps", str(steps),
         "--balance", "full", "--progress", "lines",
-        "--memory-report", str(report), "--data-dir", str(workdir / "data"),
+        "--memory-trace", str(report), "--data-dir", str(workdir / "data"),
     ]  # fmt: skip
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=True)

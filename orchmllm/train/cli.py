@@ -126,13 +126,23 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         help="also log each step's metrics to this Weights & Biases project (rank 0; needs "
         "wandb installed)",
     )
-    p.add_argument(
+    memory = p.add_mutually_exclusive_group()
+    memory.add_argument(
         "--memory-report",
         default=None,
         metavar="PATH",
+        help="write one JSON line per step, rank and phase (forward, backward, optimizer): "
+        "measured_bytes (the phase's peak above the step's start: CUDA's allocator on a GPU, "
+        "the profiler's allocator events on CPU) beside predicted_bytes (the memory model for "
+        "that rank's batch); rank 0 writes every rank's lines",
+    )
+    memory.add_argument(
+        "--memory-trace",
+        default=None,
+        metavar="PATH",
         help="write one JSON line per step: rank 0's peak CUDA memory in the forward, backward "
-        "and optimizer step, and the step's batch (orchmllm.train.phase_memory); with "
-        "--grad-accum one line per micro-step, the optimizer's in the last",
+        "and optimizer step, and the step's batch (orchmllm.train.phase_memory; read by "
+        "benchmarks/train_memory.py); with --grad-accum one line per micro-step",
     )
     p.add_argument(
         "--progress",

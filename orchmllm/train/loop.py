@@ -27,7 +27,7 @@ from orchmllm.train.metrics import (
     start_metrics,
     step_phase_stats,
 )
-from orchmllm.train.phase_memory import PhaseMemory
+from orchmllm.train.phase_memory import MemoryReport, PhaseMemory
 from orchmllm.train.progress import StepProgress
 from orchmllm.train.resume import checkpoint_due, resume, save
 from orchmllm.train.run import Run, setup
@@ -87,15 +87,29 @@ def train(args: argparse.Namespace) -> tuple[RunningSummary, MLLM]:
                 lock.release()
 
 
+def _memory(run: Run, rank0: bool) -> PhaseMemory | MemoryReport:
+    """The step's memory measurement: ``--memory-report`` on every rank (measured beside
+    predicted), else ``--memory-trace`` on rank 0 (absolute CUDA peaks and the batch), else
+    nothing."""
+    args = run.args
+    if args.memory_report:
+        return MemoryReport(
+            args.memory_report, run.device, config=run.cfg.model, recipe=run.cfg.recipe,
+            rank=dist.get_rank(), world_size=dist.get_world_size(),
+        )  # fmt: skip
+    return PhaseMemory(args.memory_trace if rank0 else None, run.device)
+
+
 @dataclass
 class _Outputs:
     """Where the steps' records go: the closing table's running means, and on rank 0
-    ``--metrics``, the trackers, ``--memory-report`` and the progress report."""
+    ``--metrics``, the trackers, ``--memory-report`` (or ``--memory-trace``) and the progress
+    report."""
 
     summary: RunningSummary
     metrics: str | None
     trackers: Trackers | None
-    memory: PhaseMemory
+    memory: PhaseMemory | MemoryReport
     progress: StepProgress
 
     @classmethod
@@ -104,7 +118,7 @@ class _Outputs:
         metrics = args.metrics if rank0 else None
         if metrics:
             start_metrics(metrics, start=start)
-        memory = PhaseMemory(args.memory_report if rank0 else None, run.device)
+        memory = _memory(run, rank0)
         mode = "off" if args.quiet else args.progress
         progress = StepProgress(total=run.steps, initial=start, rank=dist.get_rank(), mode=mode)
         return cls(RunningSummary(), metrics, _trackers(run, start), memory, progress)
@@ -194,7 +208,7 @@ def _train_step(
     run: Run,
     group: list[PlannedBatch],
     step: int,
-    memory: PhaseMemory,
+    memory: PhaseMemory | MemoryReport,
     skips: list[int],
     preemption: preempt.Preemption,
 ) -> _Step:

@@ -1,4 +1,4 @@
-"""Peak memory per phase of a training step: ``python -m orchmllm.train --memory-report PATH``.
+"""Peak memory per phase of a training step: ``--memory-report PATH`` and ``--memory-trace PATH``.
 
 The trainer runs each step's forward, backward and optimizer step inside :meth:`PhaseMemory.phase`.
 On CUDA the allocator's peak (``torch.cuda.max_memory_allocated``) is reset before each phase and
@@ -87,7 +87,8 @@ class MemoryReport:
     :class:`~orchmllm.sim.memory.MemoryModel` from the step's plan for this rank
     (:func:`~orchmllm.sim.memory.step_of_plan`: its items, sequences and moves). The model's
     figure assumes the previous step's batch is released before the step, as a trainer that
-    reports drops it.
+    reports drops it, and AdamW's moments held from the start: a run's first optimizer step
+    (not resumed) allocates them, and measures above the figure by their bytes.
 
     Every rank measures its own phases with :meth:`phase`; :meth:`end_step` is a collective
     of the default group: rank 0 gathers every rank's lines and appends them to ``path``

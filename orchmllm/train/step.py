@@ -22,7 +22,7 @@ from orchmllm.dist.orchestrator import LLMBatch, Orchestrator
 from orchmllm.models import MLLM, compute_dtype
 from orchmllm.schema import LLM
 from orchmllm.train import host_memory
-from orchmllm.train.phase_memory import PhaseMemory
+from orchmllm.train.phase_memory import MemoryReport, PhaseMemory
 from orchmllm.train.run import Run
 
 NONFINITE = ("stop", "skip")
@@ -75,7 +75,7 @@ def forward_backward(
     planned: PlannedBatch,
     *,
     denom: int | None = None,
-    memory: PhaseMemory | None = None,
+    memory: PhaseMemory | MemoryReport | None = None,
     timed: bool = False,
 ) -> tuple[Tensor, LLMBatch]:
     """One (micro-)step's forward over all phases and its backward (gradients
@@ -96,7 +96,7 @@ def forward_backward(
 
 
 def accumulate_gradients(
-    run: Run, group: list[PlannedBatch], *, step: int, memory: PhaseMemory
+    run: Run, group: list[PlannedBatch], *, step: int, memory: PhaseMemory | MemoryReport
 ) -> tuple[Tensor, float, list[dict[str, dict]]]:
     """Forward and backward of every micro-step of optimizer step ``step``, each loss divided
     by the global target count of the whole group (known from the plans before the first
@@ -105,7 +105,8 @@ def accumulate_gradients(
     Gradients are reduce-scattered after every micro-step, or only after the last one
     (``train.sync_micro_steps: false``). Returns this rank's share of the step's loss (summed
     over the micro-steps, detached), its LLM tokens, and each micro-step's per-phase
-    statistics. With ``--memory-report`` each micro-step but the last writes its line here
+    statistics. With ``--memory-report``/``--memory-trace`` each micro-step but the last writes
+    its lines here
     (the last one's holds the optimizer).
     """
     denom = max(sum(p.plan.num_targets for p in group), 1)
