@@ -16,18 +16,7 @@ from orchmllm.data.recipe import ItemLengths
 from orchmllm.models import MLLM
 from orchmllm.models.attention import packed_attention, padded_attention, positions_from_lengths
 from orchmllm.models.layers import Block
-from orchmllm.sim.allocations import (
-    FEATURES,
-    BlockShape,
-    Dtypes,
-    Env,
-    StepSetup,
-    block_saved_bytes,
-    held_bytes,
-    saved_bytes_per_row,
-    step,
-    units,
-)
+from orchmllm.sim.allocations import block_saved_bytes, held_bytes, saved_bytes_per_row, step
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.memory import (
@@ -36,6 +25,8 @@ from orchmllm.sim.memory import (
     moves_of_layout,
     step_of_plan,
 )
+from orchmllm.sim.replay_env import FEATURES, Dtypes, Env, StepSetup, units
+from orchmllm.sim.replay_ops import BlockShape
 from orchmllm.sim.trace import Moment, Moments, Trace
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -223,4 +223,11 @@ def test_the_trainers_memory_report_has_every_step_rank_and_phase(tmp_path):
     # step 0's optimizer creates AdamW's moments (the model counts them as held from the start)
     first_update = {k: r for k, r in ratios.items() if k[0] == 0 and k[2] == "optimizer"}
     assert all(r > 1.1 for r in first_update.values()), first_update
-    assert all(0.9 <= r <= 1.1 for k, r in ratios.items() if k not in first_update), ratios
+    # gloo's reduce-scatter returns through buffers of its own, made in work.wait() (none on
+    # NCCL; the model leaves them out): up to a few of the LM head's 131 kB land in a phase
+    gloo = 512 * 1024
+    for x in lines:
+        key = (x["step"], x["rank"], x["phase"])
+        if key not in first_update:
+            excess = x["measured_bytes"] - x["predicted_bytes"]
+            assert ratios[key] >= 0.99 and (ratios[key] <= 1.1 or excess <= gloo), (key, ratios)

@@ -34,9 +34,10 @@ from orchmllm.config import ModelConfig, TrainRecipe
 from orchmllm.data.recipe import ItemLengths
 from orchmllm.planner.step_plan import StepPlan
 from orchmllm.schema import LLM
-from orchmllm.sim.allocations import DEVICES, Dtypes, StepSetup, step_moments, units
+from orchmllm.sim.allocations import step_moments
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
+from orchmllm.sim.replay_env import DEVICES, Dtypes, StepSetup, units
 from orchmllm.sim.trace import Moments
 
 PHASES = ("forward", "backward", "optimizer")
@@ -167,7 +168,7 @@ class MemoryModel:
 
     def parameters(self, config: ModelConfig) -> tuple[int, int]:
         """The model's parameters: all of them and the trained ones (every FSDP unit of
-        :func:`orchmllm.sim.allocations.units`, embeddings and connectors included)."""
+        :func:`orchmllm.sim.replay_env.units`, embeddings and connectors included)."""
         us = units(config).values()
         return sum(u.params for u in us), sum(u.params for u in us if u.trained)
 
@@ -255,7 +256,7 @@ class MemoryModel:
         self, config: ModelConfig, recipe: TrainRecipe, batch: Batch, layout: Layout
     ) -> dict[str, np.ndarray]:
         """What the replay's forms are evaluated on, per rank, for ``batch`` laid out as
-        ``layout`` (see :data:`orchmllm.sim.allocations.FEATURES`)."""
+        ``layout`` (see :data:`orchmllm.sim.replay_env.FEATURES`)."""
         d = batch.num_ranks
         dt = Dtypes.of(recipe.precision)
         src = batch.example_src

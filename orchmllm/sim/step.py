@@ -31,11 +31,11 @@ from orchmllm.config import ModelConfig, TrainRecipe
 from orchmllm.planner.cost import FORWARD_FRACTION
 from orchmllm.schema import LLM
 from orchmllm.sim import comm
-from orchmllm.sim.allocations import COMMUNICATORS
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, Submodule
 from orchmllm.sim.layout import Layout, llm_pieces, raw_row_bytes
 from orchmllm.sim.memory import MemoryModel, moves_of_layout
+from orchmllm.sim.replay_env import COMMUNICATORS
 
 
 @dataclass(frozen=True)
