@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from orchmllm import schema
-from orchmllm.config import load_config, packaged_configs, run_config
+from orchmllm.config import TrainRecipe, load_config, packaged_configs, run_config
 from orchmllm.data import recipe
 from orchmllm.data.recipe import weighted_tasks
 from orchmllm.data.synthetic import SyntheticConfig, fingerprint
@@ -31,6 +31,7 @@ from orchmllm.sim import plan_memory
 from orchmllm.sim.layout import plan, tailored  # before the plugin: its rows are read at use
 from orchmllm.sim.sweep import load_model, run_case, sample_pool
 from orchmllm.testing import run_distributed
+from orchmllm.train.memory_oracle import against_model, symmetric_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = str(ROOT / "tests" / "plugins" / "imu_plugin.py")
@@ -123,24 +124,29 @@ def test_the_simulator_plans_a_config_naming_it(tmp_path, imu):
         loads = np.bincount(dst, weights=recordings.raw, minlength=8)
         imbalance[mode] = loads.max() / loads.mean()
     assert imbalance["full"] < imbalance["none"]
-    try:
-        record = run_case(model, 8, "full", examples_per_rank=8, placement="node")
-    except ValueError as exc:
-        if "no memory model for arch 'imu_conv'" in str(exc):
-            pytest.xfail("memory from the oracle: issue 39")
-        raise
+    record = run_case(model, 8, "full", examples_per_rank=8, placement="node")
     assert record["compute_imu_s"] > 0 and record["imbalance_imu"] >= 1.0
 
 
 def test_plan_memory_on_a_config_naming_it(tmp_path, imu):
     config = _imu_config(tmp_path, plugins=True)
-    try:
-        record = plan_memory.main(["--config", config, "--gpus", "2", "--steps", "1"])
-    except ValueError as exc:
-        if "no memory model for arch 'imu_conv'" in str(exc):
-            pytest.xfail("memory from the oracle: issue 39")
-        raise
+    record = plan_memory.main(["--config", config, "--gpus", "2", "--steps", "1"])
     assert record["peaks"]
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_the_plugins_architecture_needs_no_memory_code(tmp_path, imu, world):
+    """The memory model replays the plugin's packed encoder as every packed one (a linear front
+    end over ``stride`` merged rows, packed blocks, the connector) and meets torch's own
+    tracker of the plugin's real module (the oracle, on fake tensors) in every phase."""
+    config = load_config(_imu_config(tmp_path, plugins=False))
+    recipe = TrainRecipe(precision="bf16-mixed", checkpointing=1)
+    items = {"vision": (64, 256), "audio": (120, 300), "imu": (400, 900, 200)}
+    batch, layout = symmetric_batch(world, items, (90, 110, 60))
+    figures = against_model(config.model, recipe, world, batch, layout)
+    ratios = {phase: predicted / measured for phase, (measured, predicted) in figures.items()}
+    print(ratios)
+    assert all(0.99 <= r <= 1.01 for r in ratios.values()), ratios
 
 
 def test_the_data_cache_key_covers_the_plugins_draw(tmp_path):

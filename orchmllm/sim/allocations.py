@@ -44,6 +44,8 @@ group (at most one row per parameter and rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchmllm.config import EncoderConfig, ModelConfig, TrainRecipe
 from orchmllm.schema import LLM
 from orchmllm.sim.replay_env import (
@@ -88,11 +90,13 @@ def rows_of(phase: str, what: str) -> Form:
     return {feature(phase, what): 1.0}
 
 
-def vit_forward(env: Env, name: str, e: EncoderConfig, raw: Act, recipe: TrainRecipe) -> Act:
-    """``models.vision.VisionEncoder`` called as the trainer calls it (its input cast to the
-    compute dtype first): patch embedding, packed blocks with RoPE positions, LayerNorm, the
-    connector. The encoder's own unit reduces at the end of backward (its input needs no
-    gradient)."""
+def packed_forward(env: Env, name: str, e: EncoderConfig, raw: Act, recipe: TrainRecipe) -> Act:
+    """A packed encoder called as the trainer calls it (its input cast to the compute dtype
+    first): a linear front end over ``stride`` raw rows merged (a view: the ViT's patch
+    embedding at stride 1, or a plugin's windows), packed blocks with RoPE positions,
+    LayerNorm, the connector. Every packed architecture is this (the spec says packed, its
+    stride and its feature width), so a new one needs no replay of its own. The encoder's own
+    unit reduces at the end of backward (its input needs no gradient)."""
     own, tr, s, h = env.units[name], env.tr, env.s, e.hidden
     rows, merged = rows_of(name, "rows"), rows_of(name, "merged")
     x = cast(env, raw, scaled(rows_of(name, "raw"), s * e.feature_dim), f"{name} input cast")
@@ -100,7 +104,8 @@ def vit_forward(env: Env, name: str, e: EncoderConfig, raw: Act, recipe: TrainRe
     tr.saving = saving and own.trained
     pre_forward(env, own)
     pos = positions(env, rows, name)
-    x0 = linear(env, x, rows, e.feature_dim, h, own, bias=True, label=f"{name} patch_embed")
+    fan_in = e.feature_dim * e.stride
+    x0 = linear(env, x, rows, fan_in, h, own, bias=True, label=f"{name} front end")
     tower = Tower(name, block_shape(env.config, name), e.layers, own.trained, rows)
     xl = blocks_forward(env, x0, tower, recipe, extra=[pos])
     y = layer_norm(env, xl, rows, h, own, f"{name} norm")
@@ -209,7 +214,25 @@ def connector(env: Env, name: str, e: EncoderConfig, y: Act, merged: Form) -> Ac
     return out
 
 
-ENCODER_FORWARD = {"vit": vit_forward, "whisper": whisper_forward}
+#: The padded architectures' replays (their front ends differ); every packed one is
+#: :func:`packed_forward`.
+PADDED_FORWARD = {"whisper": whisper_forward}
+
+
+def encoder_forward(name: str, e: EncoderConfig) -> Callable[..., Act]:
+    """The replay of modality ``name``'s encoder.
+
+    Raises:
+        ValueError: a padded architecture with no replay here (naming it).
+    """
+    if not e.padded:
+        return packed_forward
+    if e.arch not in PADDED_FORWARD:
+        raise ValueError(
+            f"model.encoders.{name}: no memory model for the padded arch {e.arch!r} (the "
+            f"padded ones replayed are {sorted(PADDED_FORWARD)}; every packed one is)"
+        )
+    return PADDED_FORWARD[e.arch]
 
 
 def llm_forward(env: Env, recipe: TrainRecipe, encoded: list[Act]) -> Act:
@@ -377,9 +400,7 @@ def step(env: Env, recipe: TrainRecipe) -> None:
             x = Act(
                 tr.ref(x.storage), scaled(rows_of(name, "raw"), RAW_BYTES * e.feature_dim), False
             )
-        if e.arch not in ENCODER_FORWARD:
-            raise ValueError(f"model.encoders.{name}: no memory model for arch {e.arch!r}")
-        out = ENCODER_FORWARD[e.arch](env, name, e, x, recipe)
+        out = encoder_forward(name, e)(env, name, e, x, recipe)
         env.drop(x)
         if _moved(env, f"{name}.out"):
             width = env.s * env.config.llm.hidden

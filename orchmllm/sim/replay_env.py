@@ -163,14 +163,9 @@ def units(config: ModelConfig) -> dict[str, Unit]:
     hl = config.llm.hidden
     for name, e in config.encoders.items():
         h = e.hidden
-        if e.arch == "vit":
-            own = e.feature_dim * h + h + 2 * h  # patch_embed, norm
-            largest = e.feature_dim * h
-        elif e.arch == "whisper":
-            own = e.n_mels * h * 3 + h + h * h * 3 + h + 2 * h  # conv1, conv2, norm
-            largest = h * h * 3
-        else:
-            raise ValueError(f"model.encoders.{name}: no memory model for arch {e.arch!r}")
+        own = e.front_end_parameters + 2 * h  # the front end (its spec's count) and the norm
+        # the largest weight: whisper's conv2; a packed architecture's front-end linear layer
+        largest = h * h * 3 if e.arch == "whisper" else e.feature_dim * e.stride * h
         trained = not e.frozen
         out[name] = Unit(name, own, largest, trained)
         p = block_parameters(h, e.ffn, e.heads, e.kv_heads, gated=False)
