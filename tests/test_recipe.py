@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from orchmllm.data.recipe import (
+    PAPER_MIX,
     TASKS,
     CaptionParams,
     ClipParams,
+    DocumentParams,
     RecipeConfig,
     Task,
     TaskDraw,
@@ -30,7 +32,7 @@ RATES = EncodingRates({"vision": Rate(downsample=4), "audio": Rate(stride=2, dow
 def test_recipe_lengths_follow_the_rules(scale):
     cfg = RecipeConfig(scale=scale, max_text_tokens=512).with_task_settings(max_audio_s=20.0)
     ex = sample_examples(cfg, 4000, 1, rates=RATES)
-    assert set(np.unique(ex.task)) == set(range(len(TASKS)))
+    assert set(np.unique(ex.task)) == set(range(len(PAPER_MIX)))  # the default mix
     images, clips = ex.items["vision"], ex.items["audio"]
     assert (images.raw % 4 == 0).all() and images.raw.min() >= 4
     assert (clips.raw % 4 == 0).all() and clips.raw.min() >= 4
@@ -46,6 +48,27 @@ def test_recipe_lengths_follow_the_rules(scale):
     for name in ("vision", "audio"):
         np.testing.assert_array_equal(ex.items[name].raw, again.items[name].raw)
         np.testing.assert_array_equal(ex.items[name].example, again.items[name].example)
+
+
+def test_documents_are_long_texts_within_their_bounds_and_weight_0_changes_nothing():
+    """``document``: a prompt and a continuation of min_tokens-max_tokens before scale, the
+    text cap applied; naming it at weight 0 leaves every other example's draw alone."""
+    base = RecipeConfig(scale=0.1, max_text_tokens=10_000)
+    cfg = base.with_weights({"document": 0.5})
+    ex = sample_examples(cfg, 400, 3, rates=RATES)
+    docs = ex.task == list(TASKS).index("document")
+    assert 100 < docs.sum() < 300
+    lo, hi = DocumentParams.min_tokens * 0.1, DocumentParams.max_tokens * 0.1
+    assert ex.text[docs].min() >= lo and ex.text[docs].max() == 10_000  # the cap binds
+    assert np.mean(ex.text[docs] < 10_000) > 0.5 and hi > 10_000
+    runs = ex.runs(int(np.flatnonzero(docs)[0]))
+    assert [(k, t) for k, _, t in runs] == [(TEXT, False), (TEXT, True)]
+    unnamed = sample_examples(base, 400, 3, rates=RATES)
+    zero = sample_examples(base.with_weights({"document": 0.0}), 400, 3, rates=RATES)
+    np.testing.assert_array_equal(zero.task, unnamed.task)
+    np.testing.assert_array_equal(zero.text, unnamed.text)
+    with pytest.raises(ValueError, match=r"tasks.document.max_tokens must be >= min_tokens"):
+        RecipeConfig(tasks={"document": DocumentParams(1.0, min_tokens=10, max_tokens=5)})
 
 
 # images and clips an example of each task may hold

@@ -22,6 +22,11 @@ entry with its source or "assumed". The paper's data mix (section 3.1, 8), per t
 - ``chat`` (the ShareGPT conversations of the mix): a prefix and a ShareGPT body split into
   user/assistant turn pairs by a flat Dirichlet (loss on assistant turns).
 
+Beyond the paper's mix, ``document`` (weight 0: drawn only where a config names it) is a long
+text: a short prompt and a continuation of ``min_tokens``-``max_tokens`` tokens (log-uniform,
+before ``scale``), the long items that context parallelism splits (issue 40). A config that
+draws it raises ``max_text_tokens`` to let them through.
+
 Rules settled where the simulator and the synthetic generator used to differ (the simulator's
 rule in each case, so the simulator's figures did not move):
 
@@ -260,6 +265,34 @@ TASKS: dict[str, Task] = {
 PAPER_MIX = tuple(TASKS)  # the tasks drawn by _draw_paper_mix
 
 
+@dataclass(frozen=True)
+class DocumentParams(TaskParams):
+    """``document``: its continuation's token bounds before ``scale`` (log-uniform between
+    them); the default, 32k-128k, is the long-context range of current training mixes."""
+
+    min_tokens: int = 32_768
+    max_tokens: int = 131_072
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        for name in ("min_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{path}.{name} must be a positive integer, got {value!r}")
+        if self.max_tokens < self.min_tokens:
+            raise ValueError(
+                f"{path}.max_tokens must be >= min_tokens {self.min_tokens}, got {self.max_tokens}"
+            )
+
+
+def _draw_document(gen: np.random.Generator, n: int, params: DocumentParams) -> TaskDraw:
+    """A prompt of ``chat.prefix_tokens`` and a log-uniform continuation (its target)."""
+    prompt = gen.integers(*fact("chat.prefix_tokens"), size=n, endpoint=True)
+    lo, hi = np.log(params.min_tokens), np.log(params.max_tokens)
+    body = np.exp(gen.uniform(lo, hi, size=n))
+    return TaskDraw(np.stack([prompt.astype(np.float64), body], axis=1))
+
+
 def register_task(task: Task) -> Task:
     """Add a task with its own ``draw`` to :data:`TASKS` (in every process that draws it).
 
@@ -293,13 +326,17 @@ def unregister_task(name: str) -> None:
     """Remove a task added with :func:`register_task`.
 
     Raises:
-        ValueError: ``name`` is not a registered task (the paper's mix stays).
+        ValueError: ``name`` is not a registered task (the built-in ones stay).
     """
-    if name not in TASKS or name in PAPER_MIX:
+    if name not in TASKS or name in BUILT_IN:
         raise ValueError(
-            f"no registered task {name!r}; registered: {[t for t in TASKS if t not in PAPER_MIX]}"
+            f"no registered task {name!r}; registered: {[t for t in TASKS if t not in BUILT_IN]}"
         )
     del TASKS[name]
+
+
+register_task(Task("document", (_PROMPT, _TARGET), DocumentParams(), draw=_draw_document))
+BUILT_IN = tuple(TASKS)  # the paper's mix and document: unregister_task keeps them
 
 
 def task_named(name: str) -> Task:
