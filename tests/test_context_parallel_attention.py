@@ -48,6 +48,14 @@ LAYOUTS = {
         [(0, (0, 1, 2, 3), True), (4, None, True), (5, None, True)],
         [(6, None, True), (0, (0, 1, 2, 3), True), (7, None, True)],
     ],
+    # Pieces on ranks that are no block (the planner's k least-loaded ranks of a group): they
+    # gather in the block of all 4, whose other ranks join with no rows.
+    "over 1 and 2, and over 0, 1 and 3": [
+        [(2, None, True), (1, (0, 1, 3), True)],
+        [(0, (1, 2), True), (1, (0, 1, 3), True)],
+        [(3, None, True), (0, (1, 2), True), (4, None, True)],
+        [(1, (0, 1, 3), True), (5, None, True), (6, None, True), (7, None, True)],
+    ],
     # Two pieces on ranks 0 and 1, in overlapping groups, one of them contiguous.
     "over 4 and over 2": [
         [(1, (0, 1), False), (0, (0, 1, 2, 3), True), (2, None, True)],
@@ -138,7 +146,11 @@ def test_chunk_ranges_refuses_more_ranks_than_tokens():
         ([3], {0: split_sequence(0, 6, (1, 2))}, "rank 0 holds no piece of sequence 0"),
         ([2], {0: split_sequence(0, 6, (0, 1))}, "segment 0 has 2 tokens but rank 0's share"),
         ([3, 3], {0: split_sequence(4, 6, (0, 1)), 1: split_sequence(4, 6, (0, 1))}, "distinct"),
-        ([3], {0: split_sequence(0, 6, (0, 1))}, r"ranks \(0, 1\) are no context-parallel"),
+        (
+            [3],
+            {0: split_sequence(0, 6, (0, 1))},
+            r"no context-parallel block .* holds ranks \[0, 1\]",
+        ),
     ],
 )
 def test_a_bad_packed_batch_is_refused(lengths, pieces, match):
@@ -206,6 +218,8 @@ def _split_equals_unsplit(rank: int, world: int) -> None:
     )
     with pytest.raises(ValueError, match=r"ranks \(1, 2\) are no context-parallel group"):
         topology.context_parallel_group((1, 2))
+    assert topology.context_parallel_block((1, 2)) == (0, 1, 2, 3)
+    assert topology.context_parallel_block((2, 3)) == (2, 3)
     model, embeds, targets = _global_batch()
     lengths = torch.tensor(LENGTHS)
     denom = float((targets != IGNORE_INDEX).sum())
@@ -234,7 +248,13 @@ def _split_equals_unsplit(rank: int, world: int) -> None:
             seg_targets.append(seq_targets)
             seg_lengths.append(positions.numel())
         rows = torch.cat(rows)
-        batch = PackedPieces(seg_lengths, pieces, topology=topology)
+        others = {
+            seq: split_sequence(seq, LENGTHS[seq], ranks, balanced=balanced)
+            for segments in layout
+            for seq, ranks, balanced in segments
+            if ranks is not None
+        }
+        batch = PackedPieces(seg_lengths, pieces, topology=topology, others=list(others.values()))
         model.zero_grad()
         embeds.grad = None
         out, loss = model(
@@ -263,7 +283,7 @@ def _mismatched_records(rank: int, world: int) -> None:
         with pytest.raises(MismatchError) as err:
             PackedPieces([split.tokens(rank)], {0: split}, topology=topology)
         other = 1 - rank
-        assert f"rank {rank}: ranks [{other}] of the context-parallel group (0, 1)" in str(
+        assert f"rank {rank}: ranks [{other}] of the context-parallel block (0, 1)" in str(
             err.value
         )
 

@@ -40,13 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchmllm.dist import comm
-
 from orchmllm import compat
+from orchmllm.dist import comm
 from orchmllm.planner.cost import CostModel, imbalance
 from orchmllm.planner.measured_cost import FitOptions, PhaseFit, cost_kind, features, fit_phase
-from orchmllm.schema import LLM
 from orchmllm.planner.step_options import StepOptions
+from orchmllm.schema import LLM
 
 __all__ = ["Calibrator", "CalibrationReport"]
 

@@ -5,8 +5,10 @@ context-parallel group (issue 40); each of those ranks also holds other, whole s
 packed in one batch. :class:`PackedPieces` computes causal attention over such a batch as if
 every sequence were whole:
 
-- queries stay local; a piece's keys and values are all-gathered inside its group, so each
-  rank attends its queries over the sequence's whole prefix. The gather's backward is a
+- queries stay local; a piece's keys and values are all-gathered inside its group (the
+  smallest context-parallel block holding its ranks, :meth:`Topology.context_parallel_block`;
+  a rank of that block holding no piece joins with no rows), so each rank attends its
+  queries over the sequence's whole prefix. The gather's backward is a
   reduce-scatter: each rank receives the sum of every member's gradients for its own keys and
   values, so the parameter gradients summed over the data-parallel group (what FSDP's
   reduction does) equal the unsplit ones;
@@ -19,11 +21,11 @@ every sequence were whole:
 - each target belongs to exactly one piece (:func:`piece_targets`), so the per-rank losses,
   divided by the global target count, sum to the unsplit loss.
 
-A piece is described by a :class:`SplitSequence` record that every member holds alike (the
-plan's item, its ranks, each member's token ranges). Its group is one the
+A piece is described by a :class:`SplitSequence` record that every rank of its block holds
+alike (the plan's item, its ranks, each member's token ranges). Its group is one the
 :class:`~orchmllm.dist.topology.Topology` opened at set-up (``build(context_parallel=N)``:
 aligned blocks of consecutive ranks), never one per step. Every collective waits at most the
-topology's timeout. The members of a group issue their gathers in the same order (the records'
+topology's timeout. The ranks of a block issue their gathers in the same order (the records'
 ``key``), so ranks in overlapping groups (a piece on ranks 0-1, another on ranks 0-3) never
 wait on each other in a circle.
 
@@ -93,8 +95,8 @@ class SplitSequence:
     Attributes:
         key: the sequence's id, the same on every rank (the plan's item index); orders the
             gathers of a rank holding several pieces.
-        ranks: the group's data-parallel ranks, ascending (member i is ``ranks[i]``): a block
-            :meth:`Topology.context_parallel_group` knows.
+        ranks: the data-parallel ranks holding its pieces, ascending (member i is
+            ``ranks[i]``), two or more.
         chunks: per member, its token ranges [start, end), in the order its tokens are packed;
             together they cover [0, length) exactly once.
     """
@@ -249,27 +251,35 @@ class PackedPieces:
     """One rank's packed batch in which some sequences are pieces of split sequences: its
     RoPE positions and its causal attention.
 
-    Build it once per step (on every rank, with the step's records): it checks that the
-    members of each group hold the same records (one small gather per group); then every
-    attention layer calls :meth:`attend`, which gathers each piece's keys and values in its
-    group (one gather per piece and layer).
+    Build it once per step (on every rank, with the step's records): it checks that the ranks
+    of each block hold the same records (one small gather per block); then every attention
+    layer calls :meth:`attend`, which gathers each sequence's keys and values in its block
+    (one gather per sequence and layer; a rank of the block without a piece of it joins with
+    no rows).
 
     Args:
         lengths: the packed segments' token counts (a piece's is this rank's share).
         pieces: segment index -> the record of the sequence that segment is a piece of.
         topology: owns the groups (:meth:`Topology.context_parallel_group`) and the timeout.
+        others: the step's other split sequences, any of them: those whose block holds this
+            rank are joined with no rows, the rest ignored (every rank may pass all of them).
 
     Raises:
         ValueError: a segment length that is not positive, a piece index out of range, a
-            record this rank holds no piece of, two pieces of one sequence, or a segment whose
-            length is not this rank's share of its record.
-        MismatchError: the members of a group hold different records (on each member, naming
+            record this rank holds no piece of, two pieces of one sequence, a segment whose
+            length is not this rank's share of its record, or ranks no block holds.
+        MismatchError: the ranks of a block hold different records (on each of them, naming
             the ranks that differ from it).
         RuntimeError: a member did not take part within the topology's timeout.
     """
 
     def __init__(
-        self, lengths: Sequence[int], pieces: Mapping[int, SplitSequence], *, topology: Topology
+        self,
+        lengths: Sequence[int],
+        pieces: Mapping[int, SplitSequence],
+        *,
+        topology: Topology,
+        others: Sequence[SplitSequence] = (),
     ) -> None:
         self.lengths = [int(n) for n in lengths]
         self.rank, self.timeout = topology.rank, topology.timeout
@@ -289,34 +299,38 @@ class PackedPieces:
         if len(set(keys)) != len(keys):
             raise ValueError(f"pieces must be of distinct sequences, got keys {sorted(keys)}")
         self.pieces = dict(sorted(pieces.items(), key=lambda item: item[1].key))
-        self.groups = {s.ranks: topology.context_parallel_group(s.ranks) for s in pieces.values()}
+        blocks = {s.key: topology.context_parallel_block(s.ranks) for s in pieces.values()}
+        joined = {}
+        for s in others:
+            block = topology.context_parallel_block(s.ranks)
+            if s.key not in blocks and self.rank in block:
+                joined[s.key], blocks[s.key] = s, block
+        self.joined = dict(sorted(joined.items()))  # key -> a sequence joined with no rows
+        self.blocks = blocks  # key -> the block its keys are gathered in
+        self.groups = {b: topology.context_parallel_group(b) for b in set(blocks.values())}
         self.positions = packed_positions(self.lengths, self.pieces, self.rank)
-        # Per piece: each member's token count, and the order that puts the members' tokens,
-        # concatenated, in position order.
-        self._layout = {
-            i: (
-                [s.tokens(r) for r in s.ranks],
-                torch.cat([s.positions(r) for r in s.ranks]).argsort(),
-            )
-            for i, s in self.pieces.items()
-        }
         self._check_records()
 
+    def _records(self) -> dict[int, SplitSequence]:
+        """Every sequence this rank gathers for, by key: its pieces' and those it joins."""
+        return {**{s.key: s for s in self.pieces.values()}, **self.joined}
+
     def _check_records(self) -> None:
-        """Each group's members hold the same records, checked in the groups' order."""
-        for ranks, group in sorted(self.groups.items()):
-            records = sorted((s for s in self.pieces.values() if s.ranks == ranks), key=repr)
-            what = f"the piece records' check on ranks {ranks} (rank {self.rank})"
+        """Each block's ranks hold the same records, checked in the blocks' order."""
+        records = self._records()
+        for block, group in sorted(self.groups.items()):
+            mine = sorted((s for k, s in records.items() if self.blocks[k] == block), key=repr)
+            what = f"the piece records' check on ranks {block} (rank {self.rank})"
             with _named(what, self.timeout):
                 prints = all_gather_fixed(
-                    np.array([fingerprint(records)]), group=group, timeout=self.timeout
+                    np.array([fingerprint(mine)]), group=group, timeout=self.timeout
                 )[:, 0]
-            mine = int(prints[ranks.index(self.rank)])
-            odd = [r for r, p in zip(ranks, prints, strict=True) if int(p) != mine]
+            me = int(prints[block.index(self.rank)])
+            odd = [r for r, p in zip(block, prints, strict=True) if int(p) != me]
             if odd:
                 raise MismatchError(
-                    f"rank {self.rank}: ranks {odd} of the context-parallel group {ranks} hold "
-                    f"other split sequences than this rank's {records}"
+                    f"rank {self.rank}: ranks {odd} of the context-parallel block {block} hold "
+                    f"other split sequences than this rank's {mine}"
                 )
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -329,7 +343,18 @@ class PackedPieces:
                 f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
             )
         qs, ks, vs = (t.split(self.lengths) for t in (q, k, v))
-        gathered = {i: self._gather(i, ks[i], vs[i]) for i in self.pieces}  # in key order
+        segment = {s.key: i for i, s in self.pieces.items()}
+        gathered, link = {}, q.new_zeros(())
+        for key, split in sorted(self._records().items()):  # the same order on every rank
+            i = segment.get(key)
+            mine_k, mine_v = (k[:0], v[:0]) if i is None else (ks[i], vs[i])
+            k_all, v_all = self._gather(split, mine_k, mine_v)
+            if i is None:
+                # Joined with no rows: tie the gather into the output (an exact 0) so that
+                # this rank's backward takes part in its reduce-scatter too.
+                link = link + k_all[:0].sum() + v_all[:0].sum()
+            else:
+                gathered[i] = k_all, v_all
         outs = []
         for i, q_seg in enumerate(qs):
             if i not in gathered:
@@ -342,15 +367,19 @@ class PackedPieces:
                 _attend_chunk(qc, k_all[:e], v_all[:e], s)
                 for qc, (s, e) in zip(q_chunks, ranges, strict=True)
             ]
-        return torch.cat(outs) if outs else q.clone()
+        out = torch.cat(outs) if outs else q.clone()
+        return out + link if self.joined else out
 
-    def _gather(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The whole sequence's keys and values, in position order, from every member."""
-        split, (counts, order) = self.pieces[i], self._layout[i]
+    def _gather(self, split: SplitSequence, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The whole sequence's keys and values, in position order, from every rank of its
+        block (``k``, ``v``: this rank's rows, none where it holds no piece)."""
+        block = self.blocks[split.key]
+        counts = [split.tokens(r) if r in split.ranks else 0 for r in block]
         kv = torch.cat([k, v], dim=1)
         padded = torch.cat([kv, kv.new_zeros(max(counts) - kv.shape[0], *kv.shape[1:])])
         what = f"sequence {split.key} on ranks {split.ranks} (rank {self.rank})"
-        parts = _GatherPieces.apply(padded, self.groups[split.ranks], self.timeout, what)
+        parts = _GatherPieces.apply(padded, self.groups[block], self.timeout, what)
         rows = torch.cat([parts[j, :n] for j, n in enumerate(counts)])
+        order = torch.cat([split.positions(r) for r in split.ranks]).argsort()
         full = rows[order.to(rows.device)]
         return full.split([k.shape[1], v.shape[1]], dim=1)

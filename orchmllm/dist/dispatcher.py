@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import PeerFailed
+from orchmllm.dist.move_path import MovePath
+from orchmllm.dist.topology import Topology
 from orchmllm.planner.balance import balance, plan_is_deterministic
 from orchmllm.planner.cost import CostModel, imbalance
-from orchmllm.dist.move_path import MovePath
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.policies import POLICIES
-from orchmllm.dist.topology import Topology
 from orchmllm.planner.validate import check_caps
 
 __all__ = ["BatchDispatcher", "Dispatched", "PlanMismatchError", "debug_enabled"]

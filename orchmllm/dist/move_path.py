@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import PeerFailed, agreed_plan
-from orchmllm.planner.plan import Rearrangement
 from orchmllm.dist.topology import Topology
+from orchmllm.planner.plan import Rearrangement
 
 __all__ = ["CHUNK", "MovePath", "ranks_text"]
 

@@ -45,15 +45,15 @@ import torch.distributed as dist
 
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import agreed_plan
+from orchmllm.dist.topology import Topology
+from orchmllm.planner.assembly import Assembly
+from orchmllm.planner.assembly import assembly as rank_assembly
 from orchmllm.planner.placement import prepare_ilp
 from orchmllm.planner.plan import Rearrangement
-from orchmllm.schema import IGNORE_INDEX, TEXT
-from orchmllm.planner.assembly import Assembly
 from orchmllm.planner.segments import EX, KIND, RAW, local_metadata, segment_lengths
 from orchmllm.planner.step_options import EncoderPhase, ItemField, StepOptions
 from orchmllm.planner.step_plan import StepPlan, plan_step
-from orchmllm.planner.assembly import assembly as rank_assembly
-from orchmllm.dist.topology import Topology
+from orchmllm.schema import IGNORE_INDEX, TEXT
 
 __all__ = ["Encoded", "LLMBatch", "LocalBatch", "Orchestrator"]
 

@@ -49,18 +49,19 @@ key-value store, so the keys of a dead attempt must not be read by the next one:
 :func:`attempt_store` gives each attempt a namespace of its own, and :func:`job_token` names
 the job across its attempts.
 
-Context parallelism. A sequence longer than a rank's budget is split over the ranks of a
+Context parallelism. A sequence longer than a rank's budget is split over ranks of a
 context-parallel group, which all-gather its keys and values in every attention layer
-(:mod:`orchmllm.dist.context_parallel`). ``build(context_parallel=N)`` opens those groups once,
+(:mod:`orchmllm.dist.context_parallel`). ``build(context_parallel=N)`` opens the groups once,
 at set-up, never per step: for every divisor k >= 2 of N, the aligned blocks of k consecutive
 data-parallel ranks (k = 2 of N = 4: {0, 1}, {2, 3}, ...; k = 4: {0, 1, 2, 3}, ...), on the
 backend of ``group`` (the keys live where the model does). Why blocks and not one group per
 rank set: a group is a collective to create (every rank of the job joins each ``new_group``),
-so the sets must be known at set-up, and the number of all subsets explodes; aligned blocks
-give a piece of k ranks a group of its own (a gather over a wider group with masking would
-make ranks that hold no piece of the sequence take part in its every gather), and with N
-dividing the ranks per node they never cross a node. So the planner places a piece of k
-ranks on such a block; :meth:`Topology.context_parallel_group` returns it.
+so the sets must be known at set-up, and the number of all subsets explodes; with N dividing
+the ranks per node they never cross a node. The planner puts a sequence's k pieces on the k
+least-loaded ranks of an N-block (the best balance), which need not be a block themselves: they
+gather in the smallest block that holds them all (:meth:`Topology.context_parallel_block`), and
+that block's other ranks join each of its gathers with no rows of their own, receiving keys
+they do not use (the cost of the planner's freedom; pieces on aligned blocks would not pay it).
 
 Data parallelism is the one balanced axis. A tensor-parallel axis would be another group here
 (built from a device mesh), with ``group`` the data-parallel one the balancer moves examples
@@ -119,6 +120,8 @@ class Topology:
             destroys; :meth:`build` passes them.
         context_groups: (constructor only) this rank's context-parallel groups by their
             data-parallel ranks (:meth:`context_parallel_group`); :meth:`build` passes them.
+        context_parallel: the largest context-parallel group N the groups were opened for
+            (1: none).
     """
 
     def __init__(
@@ -129,8 +132,10 @@ class Topology:
         timeout: float,
         owned: list[dist.ProcessGroup] | None = None,
         context_groups: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
+        context_parallel: int = 1,
     ) -> None:
         self.group = group
+        self.context_parallel = context_parallel
         self._context_groups = context_groups or {}
         self._meta_group = meta_group
         self.ranks_per_node = ranks_per_node
@@ -227,7 +232,10 @@ class Topology:
             )
         context_groups = _open_context_groups(group, ranks, context_parallel, float(timeout))
         owned.extend(context_groups.values())
-        return cls(group, meta_group, ranks_per_node, float(timeout), owned, context_groups)
+        return cls(
+            group, meta_group, ranks_per_node, float(timeout), owned, context_groups,
+            context_parallel,
+        )  # fmt: skip
 
     @property
     def distributed(self) -> bool:
@@ -243,6 +251,23 @@ class Topology:
     def size(self) -> int:
         """The number of ranks in ``group`` (1 when not distributed)."""
         return dist.get_world_size(self.group) if self.distributed else 1
+
+    def context_parallel_block(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """The smallest block :meth:`build` opened a group for that holds all of ``ranks``
+        (the ranks of one sequence's pieces): where its keys and values are gathered.
+
+        Raises:
+            ValueError: no block holds them (ranks of two N-blocks, or no groups opened).
+        """
+        want = {int(r) for r in ranks}
+        blocks = context_parallel_blocks(self.size, self.context_parallel)
+        holding = [b for b in blocks if want <= set(b)]
+        if not holding:
+            raise ValueError(
+                f"no context-parallel block of context_parallel={self.context_parallel} on "
+                f"{self.size} ranks holds ranks {sorted(want)}"
+            )
+        return min(holding, key=len)
 
     def context_parallel_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
         """The context-parallel group of a piece (module docstring: "Context parallelism").
