@@ -329,6 +329,15 @@ class BalanceConfig:
         calibrate_every: with ``cost: measured``, refit every this many timed steps.
         min_r2: with ``cost: measured``, a fit explaining less of the times (R^2) keeps the
             phase's cost as it was.
+        context_parallel: N > 1 lets the LLM phase split an example over up to N ranks of
+            one group of N consecutive ranks (context parallelism, the trainer's
+            ``--context-parallel``): an example whose cost exceeds ``llm_max_load``, or whose
+            split lowers the slowest rank; its keys and values are gathered inside the group.
+            Needs a packed LLM policy (greedy) and ``placement: none``; N divides the ranks
+            per node (or is a multiple of them).
+        llm_max_load: with ``context_parallel``, a rank's LLM budget in the LLM cost's units
+            (the default packed cost: tokens); None: split only where it lowers the slowest
+            rank.
     """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("min_r2",)
@@ -341,6 +350,8 @@ class BalanceConfig:
     calibrate_steps: int = 8
     calibrate_every: int = 2
     min_r2: float = 0.5
+    context_parallel: int = 1
+    llm_max_load: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policies, Mapping):
@@ -364,6 +375,23 @@ class BalanceConfig:
             )
         if not 0.0 <= self.min_r2 <= 1.0:
             raise _fail("balance.min_r2", f"must be in [0, 1], got {self.min_r2!r}")
+        _positive_int("balance.context_parallel", self.context_parallel)
+        if self.context_parallel > 1 and self.placement != "none":
+            raise _fail(
+                "balance.placement",
+                f"must be 'none' with balance.context_parallel={self.context_parallel} (pieces "
+                f"are placed in their group, not node-wise), got {self.placement!r}",
+            )
+        budget = self.llm_max_load
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+                raise _fail("balance.llm_max_load", f"must be a number > 0, got {budget!r}")
+            if self.context_parallel == 1:
+                raise _fail(
+                    "balance.llm_max_load",
+                    f"is a budget for splitting: set balance.context_parallel > 1 (got "
+                    f"llm_max_load={budget!r} with context_parallel=1)",
+                )
         if not isinstance(self.costs, Mapping):
             raise _fail("balance.costs", f"must be a mapping, got {self.costs!r}")
         for name in self.costs:

@@ -482,6 +482,45 @@ def test_gradient_accumulation_equals_one_step_over_the_same_examples(tmp_path):
     )
 
 
+def _context_parallel_worker(rank: int, world: int, configs: dict, tmp_path: str, steps: int):
+    for tag, config in configs.items():
+        os.makedirs(os.path.join(tmp_path, tag), exist_ok=True)
+        _modes_worker(rank, world, config, os.path.join(tmp_path, tag), steps, ())
+
+
+@pytest.mark.integration
+def test_documents_split_over_context_parallel_ranks_train_as_whole_ones(tmp_path):
+    """4 gloo ranks as 2 nodes of 2, float64, AdamW with weight decay; a sixth of the
+    examples are documents longer than a rank's LLM budget. Split over the 2 ranks of a node,
+    and over up to 4 ranks (pieces on ranks that are no block: the block's other ranks join
+    the gathers), the runs train as the unsplit one does (losses and parameters to 1e-5),
+    and the balanced modes split documents in every step."""
+    steps = 3
+    # Documents of 2560-3072 tokens (at the tiny scale 0.1), above either budget.
+    data = {"tasks": {"document": {"weight": 0.1, "min_tokens": 25600, "max_tokens": 30720}},
+            "max_text_tokens": 4096, "examples_per_rank": 4}  # fmt: skip
+    budgets = {2: 2400, 4: 2000}
+    configs = {
+        f"cp{n}": _config(
+            tmp_path,
+            f"cp{n}",
+            train={"weight_decay": 0.1, "lr": 1.0e-2},
+            balance={"placement": "none", "context_parallel": n, "llm_max_load": budgets[n]},
+            **data,
+        )  # fmt: skip
+        for n in budgets
+    }
+    run_distributed(_context_parallel_worker, 4, configs, str(tmp_path), steps, timeout=240)
+    for n, budget in budgets.items():
+        records = _assert_same_training(os.path.join(tmp_path, f"cp{n}"), 4, steps)
+        for mode in ("llm", "full"):
+            llm = [r["phases"]["llm"] for r in records[mode]]
+            # Every document is over the budget, so a plan within it split each one.
+            assert sum(p["items_split"] for p in llm) >= 2
+            assert all(p["pieces"] >= 2 * p["items_split"] for p in llm)
+            assert max(p["load_max_after"] for p in llm) <= budget
+
+
 def test_every_config_key_is_an_option_and_the_short_flags_alias_keys(capsys):
     args = parse_args(
         ["--config", TINY, "--steps", "3", "--model.llm.layers", "3", "--balance", "llm",

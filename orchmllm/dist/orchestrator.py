@@ -25,6 +25,14 @@ values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack featur
 move with its tokens to the LLM layout (:meth:`LLMBatch.token_values`). Nothing is padded onto
 the data rows.
 
+Context parallelism (``StepOptions.context_parallel`` > 1): an example the LLM plan splits
+(``StepPlan.llm_pieces``) moves whole to its home rank like any example and is assembled there;
+its pieces' rows then go on to the ranks that compute them
+(:func:`orchmllm.planner.piece_layout.piece_layout`: one more all-to-all, autograd-aware, in
+:meth:`LLMBatch.assemble`, and its targets in :meth:`Orchestrator.run`), and
+:attr:`LLMBatch.pieces` gives the LLM the pieces' positions and attention
+(:class:`~orchmllm.dist.context_parallel.PackedPieces`).
+
 A phase with no item on any rank is skipped on every rank: every rank holds the same plan, so
 all skip it together and FSDP's collectives stay matched. This is what keeps training
 unchanged: a plain run never calls a tower without items, so its parameters get no gradient
@@ -45,6 +53,8 @@ import torch.distributed as dist
 
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import agreed_plan
+from orchmllm.dist.context_parallel import PackedPieces, SplitSequence
+from orchmllm.planner.piece_layout import PieceLayout, piece_layout
 from orchmllm.dist.topology import Topology
 from orchmllm.planner.assembly import Assembly
 from orchmllm.planner.assembly import assembly as rank_assembly
@@ -219,6 +229,12 @@ class LLMBatch:
         absent: the phases no rank had an item of in this step: their encoders ran nowhere
             (their parameters keep no gradient, as in a plain run), and ``encoded`` and
             ``phases`` leave them out (they contribute no row).
+        pieces: with split examples in the step (context parallelism), the positions and the
+            attention of this rank's packed sequences, pieces included (pass it to the LLM);
+            None otherwise. Then ``lengths``, ``targets`` and ``loss_mask`` are of the pieces'
+            layout, and :meth:`assemble`, :meth:`token_values` and :meth:`mask` send the
+            pieces' rows on: collectives, which every rank calls in the same order.
+        scatter: (with ``pieces``) the move of the pieces' rows, with its group and timeout.
     """
 
     input_ids: torch.Tensor
@@ -233,6 +249,14 @@ class LLMBatch:
     phases: tuple[str, ...] = ()
     values: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     absent: tuple[str, ...] = ()
+    pieces: PackedPieces | None = None
+    scatter: _Scatter | None = None
+
+    def _to_pieces(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (one per position of the assembled sequences) in the pieces' layout."""
+        if self.scatter is None:
+            return rows
+        return self.scatter(rows)
 
     def assemble(self, text_embeds: torch.Tensor) -> torch.Tensor:
         """Interleave text embeddings and encoder outputs into the packed sequences.
@@ -254,8 +278,10 @@ class LLMBatch:
             raise ValueError(
                 f"text_embeds has {text_embeds.shape[0]} rows, input_ids {self.input_ids.shape[0]}"
             )
-        pieces = [text_embeds, *(e.to(text_embeds.dtype) for e in self.encoded)]
-        return torch.cat(pieces).index_select(0, self.index.to(text_embeds.device))
+        rows = [text_embeds, *(e.to(text_embeds.dtype) for e in self.encoded)]
+        return self._to_pieces(
+            torch.cat(rows).index_select(0, self.index.to(text_embeds.device))
+        )
 
     def token_values(self, name: str, fill: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
         """The per-token values ``name`` at every position of the packed sequences.
@@ -279,17 +305,17 @@ class LLMBatch:
         like = next((v[name] for v in self.values.values() if name in v), None)
         if like is None and self.absent:
             filler = torch.as_tensor(fill, device=self.input_ids.device)
-            return filler.expand(self.index.shape[0], *filler.shape).clone()
+            return filler.expand(int(self.lengths.sum()), *filler.shape).clone()
         if like is None:
             known = sorted({k for v in self.values.values() for k in v})
             raise ValueError(f"no encoder returned token values {name!r}; they returned {known}")
         shape = like.shape[1:]
         filler = torch.as_tensor(fill, dtype=like.dtype, device=like.device).expand(shape)
-        pieces = [filler.expand(self.input_ids.shape[0], *shape)]
+        rows = [filler.expand(self.input_ids.shape[0], *shape)]
         for phase, enc in zip(self.phases, self.encoded, strict=True):
             mine = self.values.get(phase, {}).get(name)
-            pieces.append(filler.expand(enc.shape[0], *shape) if mine is None else mine)
-        return torch.cat(pieces).index_select(0, self.index.to(like.device))
+            rows.append(filler.expand(enc.shape[0], *shape) if mine is None else mine)
+        return self._to_pieces(torch.cat(rows).index_select(0, self.index.to(like.device)))
 
     def mask(self, *sources: str) -> torch.Tensor:
         """Which positions of the packed sequences hold a token of ``sources``.
@@ -315,7 +341,21 @@ class LLMBatch:
         for k, source in enumerate(rows):
             if source in sources:
                 keep[int(bounds[k]) : int(bounds[k + 1])] = True
-        return keep[self.index]
+        return self._to_pieces(keep[self.index].to(torch.uint8)).bool()
+
+
+@dataclass(frozen=True)
+class _Scatter:
+    """The move of the pieces' rows from their home ranks (:class:`PieceLayout`), on the
+    data-parallel group: the backward sends the gradients home."""
+
+    layout: PieceLayout
+    group: dist.ProcessGroup | None
+    timeout: float
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        m = self.layout
+        return comm.move(m.move, rows, sizes=m.sizes, group=self.group, timeout=self.timeout)
 
 
 @dataclass
@@ -364,14 +404,23 @@ class Orchestrator:
 
     Raises:
         TypeError: ``options`` is not a :class:`~orchmllm.planner.step_options.StepOptions`.
-        ValueError: the options and the topology name different ``ranks_per_node``.
+        ValueError: the options and the topology name different ``ranks_per_node``, or the
+            topology opened no context-parallel groups for ``options.context_parallel``.
     """
 
     def __init__(self, options: StepOptions, *, topology: Topology | None = None) -> None:
         if not isinstance(options, StepOptions):
             raise TypeError(f"options must be a StepOptions, got {type(options).__name__}")
         if topology is None:
-            topology = Topology.build(ranks_per_node=options.ranks_per_node)
+            topology = Topology.build(
+                ranks_per_node=options.ranks_per_node, context_parallel=options.context_parallel
+            )
+        if topology.context_parallel % options.context_parallel:
+            raise ValueError(
+                f"options.context_parallel={options.context_parallel} needs a topology built "
+                f"with it (Topology.build(context_parallel={options.context_parallel})), got "
+                f"one with context_parallel={topology.context_parallel}"
+            )
         self.options = _with_ranks_per_node(options, topology.ranks_per_node)
         self.topology = topology
         deterministic = self.options.deterministic
@@ -574,7 +623,32 @@ class Orchestrator:
         ids, mask = self._move(plan.llm, [batch.input_ids, batch.loss_mask], [plan.text_len] * 2)
         intra, inter = self._bytes(plan.llm, plan.text_len, _row_bytes([ids, mask]))
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter
-        return self._llm_batch(plan, assembly, ids, mask, encoded, stats, values, tuple(absent))
+        out = self._llm_batch(plan, assembly, ids, mask, encoded, stats, values, tuple(absent))
+        layout = piece_layout(plan)
+        return out if layout is None else self._split(out, layout)
+
+    def _split(self, out: LLMBatch, layout: PieceLayout) -> LLMBatch:
+        """``out`` in the pieces' layout: its targets moved now, its rows when assembled,
+        and the pieces' attention (whose records' check is a collective of each block)."""
+        t, rank = self.topology, self.topology.rank
+        scatter = _Scatter(layout, t.group, t.timeout)
+        targets = scatter(out.targets)
+        records = {s.example: SplitSequence(s.example, s.ranks, s.chunks) for s in layout.splits}
+        mine = {i: records[e] for e, i in layout.segments[rank].items()}
+        lengths = layout.lengths[rank]
+        pieces = PackedPieces(lengths, mine, topology=t, others=list(records.values()))
+        bytes_ = self.options.encoded_token_bytes or 0  # the hidden rows the pieces carry
+        intra, inter = self._bytes(layout.move, layout.sizes, bytes_)
+        out.stats["llm"]["bytes_intra"] += intra
+        out.stats["llm"]["bytes_inter"] += inter
+        return replace(
+            out,
+            lengths=torch.from_numpy(lengths).to(targets.device),
+            targets=targets,
+            loss_mask=targets != IGNORE_INDEX,
+            pieces=pieces,
+            scatter=scatter,
+        )
 
     @staticmethod
     def _llm_batch(

@@ -7,6 +7,7 @@ import functools
 from torch import Tensor, nn
 
 from orchmllm.config import LLMConfig
+from orchmllm.dist.context_parallel import PackedPieces
 from orchmllm.dist.loss import chunked_cross_entropy
 
 from .attention import packed_attention, positions_from_lengths
@@ -46,6 +47,7 @@ class LLM(nn.Module):
         *,
         denom: float = 1.0,
         loss_chunk: int = 4096,
+        pieces: PackedPieces | None = None,
     ) -> Tensor:
         """The packed sequences' logits, or their loss.
 
@@ -57,14 +59,21 @@ class LLM(nn.Module):
             denom: the summed loss is divided by it (the global target count).
             loss_chunk: tokens per chunk of the loss
                 (:func:`orchmllm.dist.loss.chunked_cross_entropy`).
+            pieces: the batch's pieces of split sequences (context parallelism,
+                :attr:`orchmllm.dist.orchestrator.LLMBatch.pieces`): the positions and the
+                attention come from it (keys gathered over each piece's ranks, a collective
+                in every layer); None: every sequence is whole here.
 
         Returns:
             ``[T, vocab]`` logits without ``targets``; with them the summed cross-entropy over
             ``denom``, computed inside this call so that a sharded LM head is gathered for it.
         """
         check_lengths(lengths, 1, "lengths")
-        attend = functools.partial(packed_attention, lengths=lengths, causal=True)
-        positions = positions_from_lengths(lengths)
+        if pieces is None:
+            attend = functools.partial(packed_attention, lengths=lengths, causal=True)
+            positions = positions_from_lengths(lengths)
+        else:
+            attend, positions = pieces.attend, pieces.positions.to(embeds.device)
         x = embeds
         for block in self.blocks:
             x = block(x, attend, positions)

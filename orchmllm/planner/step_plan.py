@@ -108,9 +108,10 @@ class StepPlan:
         llm_pieces: with ``StepOptions.context_parallel`` > 1, the examples the LLM phase
             splits: rows ``(example, rank, start, end)`` over the example's interleaved
             sequence (:class:`orchmllm.planner.context_parallel.Pieces`); empty otherwise.
-            A split example's ``llm`` move still takes it whole to the rank of its first
-            token's piece (the runtime that spreads the pieces over their group is not
-            built yet); ``llm_stats["loads_after"]`` are the pieces' loads.
+            A split example's ``llm`` move takes it whole to the rank of its first token's
+            piece, its home; the orchestrator then sends the pieces' rows on
+            (:mod:`orchmllm.planner.piece_layout`); ``llm_stats["loads_after"]`` are the
+            pieces' loads.
     """
 
     num_ranks: int

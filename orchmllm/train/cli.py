@@ -48,6 +48,7 @@ ALIASES = {
     "--seed": "train.seed",
     "--placement": "balance.placement",
     "--cost": "balance.cost",
+    "--context-parallel": "balance.context_parallel",
     "--precision": "recipe.precision",
     "--checkpointing": "recipe.checkpointing",
     "--loss-chunk": "recipe.loss_chunk",

@@ -81,6 +81,7 @@ class RunningSummary:
         self.timed_s = 0.0  # step times after the first step of this process (warm-up)
         self.first: dict[str, Any] | None = None
         self.last_loss = float("nan")
+        self.split: dict[str, list[int]] = {}  # phase -> [items split, pieces], summed
 
     def add(self, record: dict[str, Any]) -> None:
         if self.first is None:
@@ -93,12 +94,17 @@ class RunningSummary:
             sums = self.sums.setdefault(name, dict.fromkeys(self._KEYS, 0.0))
             for key in self._KEYS:
                 sums[key] += phase[key]
+            if "items_split" in phase:  # context parallelism
+                split = self.split.setdefault(name, [0, 0])
+                split[0] += phase["items_split"]
+                split[1] += phase["pieces"]
 
     def table(self) -> str:
         """Per-phase means over the steps: imbalance before/after (max/mean load), the
         slowest rank's load before -> after (the phase's cost units: what a step waits for;
         under a padded cost the ratio's mean shrinks with the padding a plan removes), bytes
-        moved intra- and inter-node per step, planning time; then the mean step time."""
+        moved intra- and inter-node per step, planning time; with context parallelism the
+        items split and their pieces; then the mean step time."""
         if self.first is None:
             return "no steps run"
         lines = [
@@ -112,6 +118,11 @@ class RunningSummary:
                 f"{name:<8}{m['imbalance_before']:>18.3f}{m['imbalance_after']:>17.3f}"
                 f"{slowest:>17}{m['bytes_intra'] / 1e3:>15.1f}{m['bytes_inter'] / 1e3:>15.1f}"
                 f"{m['plan_ms']:>9.2f}"
+            )
+        for name, (items, pieces) in self.split.items():
+            lines.append(
+                f"{name}: {items} items split into {pieces} pieces over {self.steps} steps "
+                "(context parallelism)"
             )
         f = self.first
         step_s = self.timed_s / (self.steps - 1) if self.steps > 1 else f["step_time_s"]

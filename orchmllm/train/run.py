@@ -84,6 +84,8 @@ def make_orchestrator(
         llm_cost=cfg.balance.cost_model(LLM),
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
+        context_parallel=cfg.balance.context_parallel,
+        llm_max_load=cfg.balance.llm_max_load,
     )
     return Orchestrator(options, topology=topology)
 
@@ -133,7 +135,9 @@ def setup(args: argparse.Namespace) -> Run:
     rpn = ranks_per_node(cfg, dist.get_world_size())
     # The process groups, built once: the loader plans on the gloo metadata group in its
     # background thread while training collectives run on the default group.
-    topology = Topology.build(ranks_per_node=rpn, timeout=args.timeout)
+    topology = Topology.build(
+        ranks_per_node=rpn, timeout=args.timeout, context_parallel=cfg.balance.context_parallel
+    )
     orch = make_orchestrator(
         cfg,
         mode=args.balance,

@@ -64,6 +64,7 @@ def step_forward(
                 out.targets,
                 denom=denom,
                 loss_chunk=recipe.loss_chunk,
+                pieces=out.pieces,
             )
         return loss, out
 
