@@ -200,6 +200,17 @@ def test_the_paper_configs_inherit_from_mllm_10b():
         ({"balance": {"ranks_per_node": 0}}, "balance.ranks_per_node"),
         ({"balance": {"cost": "measurd"}}, "'measurd' is no cost; did you mean 'measured'"),
         ({"balance": {"min_r2": 2}}, "balance.min_r2 must be in"),
+        ({"balance": {"context_parallel": 0}}, "balance.context_parallel must be a positive"),
+        ({"balance": {"context_parallel": 2}}, "balance.placement must be 'none' with balance"),
+        (
+            {"balance": {"placement": "none", "llm_max_load": 100}},
+            "balance.llm_max_load is a budget for splitting",
+        ),
+        (
+            {"balance": {"placement": "none", "context_parallel": 2, "llm_max_load": -1}},
+            "balance.llm_max_load must be a number > 0, got -1",
+        ),
+        ({"data": {"tasks": {"document": {"min_tokens": 0}}}}, "data.tasks.document.min_tokens"),
         ({"balance": {"costs": {"visoin": {}}}}, "did you mean 'vision'?"),
         ({"balance": {"costs": {"vision": {"gamma": 1}}}}, "balance.costs.vision has no key"),
         ({"balance": {"costs": {"vision": {"alpha": "x"}}}}, "balance.costs.vision"),

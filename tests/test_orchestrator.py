@@ -486,3 +486,6 @@ def test_options_and_topology_agree_on_one_ranks_per_node_and_assembly_needs_its
     layout = assembly(own.plan(batch.metadata, np.zeros(len(batch.metadata), np.int64)), 0)
     with pytest.raises(ValueError, match="assembly was given without plan"):
         own.run(batch, _identity_encoders({}, []), assembly=layout)
+    split = StepOptions(PHASES, context_parallel=2, placement="none")
+    with pytest.raises(ValueError, match=r"options.context_parallel=2 needs a topology built"):
+        Orchestrator(split, topology=own.topology)
