@@ -1,7 +1,8 @@
-"""Context-parallel causal attention (orchmllm.dist.context_parallel): a sequence split over 2
-and over 4 gloo ranks, beside whole sequences, gives the unsplit outputs, loss and gradients
-(float64, 1e-10); the pure helpers (chunks, positions, targets, mask); bad records and
-absent ranks fail with a clear error instead of hanging."""
+"""Context-parallel attention (orchmllm.dist.context_parallel): a sequence split over 2 and
+over 4 gloo ranks (also on ranks that are no block), beside whole sequences, gives the unsplit
+outputs, loss and gradients (float64, 1e-10), causal and bidirectional; the pure helpers
+(chunks, positions, targets, mask); bad records and absent ranks fail with a clear error
+instead of hanging."""
 
 from __future__ import annotations
 
@@ -209,24 +210,14 @@ def _global_batch() -> tuple[_Decoder, torch.Tensor, torch.Tensor]:
     return model, embeds, targets
 
 
-def _split_equals_unsplit(rank: int, world: int) -> None:
-    with pytest.raises(ValueError, match="context_parallel must be <= the 4 ranks, got 8"):
-        Topology.build(context_parallel=8)
-    topology = Topology.build(context_parallel=4, timeout=30)
-    assert topology.context_parallel_group((0, 1, 2, 3)) is topology.context_parallel_group(
-        [0, 1, 2, 3]
-    )
-    with pytest.raises(ValueError, match=r"ranks \(1, 2\) are no context-parallel group"):
-        topology.context_parallel_group((1, 2))
-    assert topology.context_parallel_block((1, 2)) == (0, 1, 2, 3)
-    assert topology.context_parallel_block((2, 3)) == (2, 3)
+def _each_layout_equals_unsplit(rank: int, topology: Topology, *, causal: bool) -> None:
     model, embeds, targets = _global_batch()
     lengths = torch.tensor(LENGTHS)
     denom = float((targets != IGNORE_INDEX).sum())
     model.zero_grad()
     ref_out, ref_loss = model(
         embeds,
-        lambda q, k, v: packed_attention(q, k, v, lengths, causal=True),
+        lambda q, k, v: packed_attention(q, k, v, lengths, causal=causal),
         positions_from_lengths(lengths),
         targets,
         denom,
@@ -254,7 +245,9 @@ def _split_equals_unsplit(rank: int, world: int) -> None:
             for seq, ranks, balanced in segments
             if ranks is not None
         }
-        batch = PackedPieces(seg_lengths, pieces, topology=topology, others=list(others.values()))
+        batch = PackedPieces(
+            seg_lengths, pieces, topology=topology, others=list(others.values()), causal=causal
+        )
         model.zero_grad()
         embeds.grad = None
         out, loss = model(
@@ -265,10 +258,26 @@ def _split_equals_unsplit(rank: int, world: int) -> None:
         loss = loss.detach()
         for t in [loss, *grads]:  # what the data-parallel gradient reduction sums
             dist.all_reduce(t)
+        name = f"{name}, causal={causal}"
         assert (out - ref_out[rows]).abs().max() < TOL, name
         assert abs(float(loss) - float(ref_loss)) < TOL, name
         for got, want in zip(grads, ref_grads, strict=True):
             assert (got - want).abs().max() < TOL, name
+
+
+def _split_equals_unsplit(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="context_parallel must be <= the 4 ranks, got 8"):
+        Topology.build(context_parallel=8)
+    topology = Topology.build(context_parallel=4, timeout=30)
+    assert topology.context_parallel_group((0, 1, 2, 3)) is topology.context_parallel_group(
+        [0, 1, 2, 3]
+    )
+    with pytest.raises(ValueError, match=r"ranks \(1, 2\) are no context-parallel group"):
+        topology.context_parallel_group((1, 2))
+    assert topology.context_parallel_block((1, 2)) == (0, 1, 2, 3)
+    assert topology.context_parallel_block((2, 3)) == (2, 3)
+    for causal in (True, False):  # a decoder's attention, an encoder's
+        _each_layout_equals_unsplit(rank, topology, causal=causal)
     topology.close()
     with pytest.raises(RuntimeError, match="closed"):
         topology.context_parallel_group((0, 1))

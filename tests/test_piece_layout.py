@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchmllm.planner.assembly import assembly
-from orchmllm.planner.piece_layout import piece_layout
+from orchmllm.planner.piece_layout import llm_piece_layout
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.step_options import StepOptions
 from orchmllm.planner.step_plan import plan_step
@@ -55,13 +55,13 @@ def test_every_position_lands_once_whole_sequences_stay_pieces_in_order(world, c
     rows, src = _step(world, seed)
     options = StepOptions(PHASES, mode="llm", context_parallel=cp, llm_max_load=budget)
     plan = plan_step(rows, src, options, num_ranks=world)
-    layout = piece_layout(plan)
+    layout = llm_piece_layout(plan)
     if layout is None:
         assert plan.llm_pieces.items.size == 0 or all(
             np.unique(plan.llm_pieces.of(e).rank).size == 1 for e in plan.llm_pieces.items
         )
         return
-    again = piece_layout(plan)  # pure: every rank computes the same
+    again = llm_piece_layout(plan)  # pure: every rank computes the same
     assert again.move == layout.move and np.array_equal(again.sizes, layout.sizes)
     assert again.splits == layout.splits and again.segments == layout.segments
     # Label each home row (example, position) and move the labels.
@@ -96,4 +96,4 @@ def test_every_position_lands_once_whole_sequences_stay_pieces_in_order(world, c
 def test_nothing_split_gives_no_layout():
     rows, src = _step(4, 0)
     plan = plan_step(rows, src, StepOptions(PHASES, mode="llm"), num_ranks=4)
-    assert plan.llm_pieces.item.size == 0 and piece_layout(plan) is None
+    assert plan.llm_pieces.item.size == 0 and llm_piece_layout(plan) is None

@@ -1,4 +1,5 @@
-"""Causal attention over sequences split across ranks (context parallelism, LLM phase).
+"""Attention over sequences split across ranks (context parallelism): causal in the LLM
+phase, bidirectional in an encoder's.
 
 A sequence longer than a rank's budget is split into pieces on the k ranks of a
 context-parallel group (issue 40); each of those ranks also holds other, whole sequences, all
@@ -29,9 +30,13 @@ topology's timeout. The ranks of a block issue their gathers in the same order (
 ``key``), so ranks in overlapping groups (a piece on ranks 0-1, another on ranks 0-3) never
 wait on each other in a circle.
 
+Bidirectional (``causal=False``, an encoder's packed items: images, video): every query of a
+piece attends over the whole item's keys, gathered the same way; the chunking only evens the
+rows, the work is even anyway.
+
 Not here yet: the fused varlen kernel (a chunk is attended with SDPA and an explicit
 lower-right causal mask of chunk x prefix entries), overlapping the gather with compute (ring
-attention), and the vision phase (bidirectional attention over gathered keys).
+attention).
 """
 
 from __future__ import annotations
@@ -192,13 +197,20 @@ def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     """Causal attention of queries at positions ``start``.. over keys at positions 0..:
     q [n, Hq, D], k and v [m, Hkv, D] -> [n, Hq, D]."""
     n, m = q.shape[0], k.shape[0]
-    mask = None if start == 0 and n == m else causal_mask(torch.arange(start, start + n), m)
+    if start == 0 and n == m:
+        return _attend(q, k, v, "causal")
+    return _attend(q, k, v, causal_mask(torch.arange(start, start + n), m).to(q.device))
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | str | None) -> Tensor:
+    """SDPA on [tokens, heads, dim] rows: ``mask`` a bool [n, m] mask, ``"causal"``, or None
+    (bidirectional)."""
     out = compat.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=None if mask is None else mask.to(q.device),
-        is_causal=mask is None,
+        attn_mask=mask if isinstance(mask, Tensor) else None,
+        is_causal=isinstance(mask, str) and mask == "causal",
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
@@ -263,6 +275,7 @@ class PackedPieces:
         topology: owns the groups (:meth:`Topology.context_parallel_group`) and the timeout.
         others: the step's other split sequences, any of them: those whose block holds this
             rank are joined with no rows, the rest ignored (every rank may pass all of them).
+        causal: causal attention (a decoder's); False: bidirectional (an encoder's).
 
     Raises:
         ValueError: a segment length that is not positive, a piece index out of range, a
@@ -280,8 +293,10 @@ class PackedPieces:
         *,
         topology: Topology,
         others: Sequence[SplitSequence] = (),
+        causal: bool = True,
     ) -> None:
         self.lengths = [int(n) for n in lengths]
+        self.causal = causal
         self.rank, self.timeout = topology.rank, topology.timeout
         if any(n < 1 for n in self.lengths):
             raise ValueError(f"lengths must be positive, got {self.lengths}")
@@ -334,8 +349,8 @@ class PackedPieces:
                 )
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention within each packed sequence, a piece's queries over its whole
-        sequence's keys. q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+        """Attention within each packed sequence (causal or not), a piece's queries over its
+        whole sequence's keys. q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
         total = sum(self.lengths)
         if q.shape[0] != total or k.shape[0] != total or v.shape[0] != total:
             raise ValueError(
@@ -357,6 +372,10 @@ class PackedPieces:
                 gathered[i] = k_all, v_all
         outs = []
         for i, q_seg in enumerate(qs):
+            if not self.causal:
+                k_all, v_all = gathered.get(i, (ks[i], vs[i]))
+                outs.append(_attend(q_seg, k_all, v_all, None))
+                continue
             if i not in gathered:
                 outs.append(_attend_chunk(q_seg, ks[i], vs[i], 0))
                 continue

@@ -28,7 +28,7 @@ the data rows.
 Context parallelism (``StepOptions.context_parallel`` > 1): an example the LLM plan splits
 (``StepPlan.llm_pieces``) moves whole to its home rank like any example and is assembled there;
 its pieces' rows then go on to the ranks that compute them
-(:func:`orchmllm.planner.piece_layout.piece_layout`: one more all-to-all, autograd-aware, in
+(:func:`orchmllm.planner.piece_layout.llm_piece_layout`: one more all-to-all, autograd-aware, in
 :meth:`LLMBatch.assemble`, and its targets in :meth:`Orchestrator.run`), and
 :attr:`LLMBatch.pieces` gives the LLM the pieces' positions and attention
 (:class:`~orchmllm.dist.context_parallel.PackedPieces`).
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import agreed_plan
 from orchmllm.dist.context_parallel import PackedPieces, SplitSequence
-from orchmllm.planner.piece_layout import PieceLayout, piece_layout
+from orchmllm.planner.piece_layout import PieceLayout, llm_piece_layout, piece_layout, scaled
 from orchmllm.dist.topology import Topology
 from orchmllm.planner.assembly import Assembly
 from orchmllm.planner.assembly import assembly as rank_assembly
@@ -624,7 +624,7 @@ class Orchestrator:
         intra, inter = self._bytes(plan.llm, plan.text_len, _row_bytes([ids, mask]))
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter
         out = self._llm_batch(plan, assembly, ids, mask, encoded, stats, values, tuple(absent))
-        layout = piece_layout(plan)
+        layout = llm_piece_layout(plan)
         return out if layout is None else self._split(out, layout)
 
     def _split(self, out: LLMBatch, layout: PieceLayout) -> LLMBatch:

@@ -1,25 +1,28 @@
-"""Where the LLM phase's rows go when some examples are split over context-parallel ranks.
+"""Where a phase's rows go when some of its items are split over context-parallel ranks.
 
-The orchestrator moves every example whole to one rank, its *home* (the rank of its first
-token, :func:`orchmllm.planner.step_plan.plan_step`), and assembles its sequence there, as for
-any example; the rows of the pieces then leave the home for the ranks that compute them. This
-module is that second move, pure and from the plan alone, so every rank computes the same one:
+The orchestrator moves every item whole to one rank, its *home* (the rank of its first row,
+:func:`orchmllm.planner.step_plan.plan_step`), as for any item; the rows of the pieces then
+leave the home for the ranks that compute them. This module is that second move, pure and
+from the plan alone, so every rank computes the same one:
 
-- the *home layout* of a rank is its assembled sequences in its LLM order
-  (:func:`orchmllm.planner.assembly.assembly`);
-- the *piece layout* of a rank is its whole sequences in the same order, then one segment per
-  split example it holds a piece of, by example, each segment its token ranges in position
-  order (a piece of load-balanced chunking is two ranges, one early and one late);
-- the move is a :class:`~orchmllm.planner.plan.Rearrangement` of row blocks (a whole sequence
+- the *home layout* of a rank is its items' rows in the phase's order (the LLM phase: its
+  assembled sequences, :func:`orchmllm.planner.assembly.assembly`; an encoder phase: its
+  items' raw rows as its move delivers them);
+- the *piece layout* of a rank is its whole items in the same order, then one segment per
+  split item it holds a piece of, by item, each segment its row ranges in position order (a
+  piece of load-balanced chunking is two ranges, one early and one late);
+- the move is a :class:`~orchmllm.planner.plan.Rearrangement` of row blocks (a whole item
   stays on its rank; each range of a split one goes to its rank), with the rows per block.
 
-Two moves rather than one straight to the pieces: an image or a clip may straddle two pieces,
-and the encoder outputs already go to one rank per example; the second move carries hidden
-rows of the split examples only (a rank's own piece stays).
+Two moves rather than one straight to the pieces: in the LLM phase an image or a clip may
+straddle two pieces, and the encoder outputs already go to one rank per example; the second
+move carries the rows of split items only (a rank's own piece stays). An encoder phase moves
+its outputs back home the same way (the layout of its tokens, :func:`scaled`, inverted).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +31,7 @@ from orchmllm.planner.context_parallel import Pieces
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.step_plan import StepPlan
 
-__all__ = ["PieceLayout", "Split", "piece_layout"]
+__all__ = ["PieceLayout", "Split", "llm_piece_layout", "piece_layout", "scaled"]
 
 Range = tuple[int, int]
 
@@ -81,22 +84,41 @@ def splits_of(pieces: Pieces) -> tuple[Split, ...]:
     return tuple(out)
 
 
-def piece_layout(plan: StepPlan) -> PieceLayout | None:
-    """The move of ``plan``'s split examples to their pieces; None when nothing is split."""
-    splits = splits_of(plan.llm_pieces)
+def scaled(pieces: Pieces, divisor: int) -> Pieces:
+    """``pieces`` in units ``divisor`` times larger (raw rows -> the tokens they become)."""
+    return Pieces(pieces.item, pieces.rank, pieces.start // divisor, pieces.end // divisor)
+
+
+def llm_piece_layout(plan: StepPlan) -> PieceLayout | None:
+    """The LLM phase's move of ``plan``'s split examples to their pieces (None: none)."""
+    homes = [plan.llm.items_at(r) for r in range(plan.num_ranks)]
+    return piece_layout(homes, plan.seq_len, plan.llm_pieces)
+
+
+def piece_layout(
+    homes: Sequence[np.ndarray], lengths: np.ndarray, pieces: Pieces
+) -> PieceLayout | None:
+    """The move of split items to their pieces; None when nothing is split.
+
+    Args:
+        homes: per rank, the items it holds whole before the move, in its order.
+        lengths: rows per item.
+        pieces: the plan's pieces of the split items, in rows.
+    """
+    splits = splits_of(pieces)
     if not splits:
         return None
-    d = plan.num_ranks
+    d = len(homes)
     by_example = {s.example: s for s in splits}
     src, dst, sizes, tags = [], [], [], []  # tag: (whole: 0, position) or (piece: 1, example)
     whole_lengths: list[list[int]] = [[] for _ in range(d)]
     for r in range(d):
-        for e in plan.llm.items_at(r).tolist():
+        for e in homes[r].tolist():
             split = by_example.get(e)
             if split is None:
-                src.append(r), dst.append(r), sizes.append(int(plan.seq_len[e]))
+                src.append(r), dst.append(r), sizes.append(int(lengths[e]))
                 tags.append((0, len(whole_lengths[r]), 0))
-                whole_lengths[r].append(int(plan.seq_len[e]))
+                whole_lengths[r].append(int(lengths[e]))
                 continue
             ranges = sorted(
                 (s, t, q) for q, rs in zip(split.ranks, split.chunks, strict=True) for s, t in rs

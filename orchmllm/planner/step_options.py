@@ -81,6 +81,10 @@ class EncoderPhase:
         fields: the per-item record its items carry to the encoder (:class:`ItemField`;
             none: the encoder is called as ``encoder(rows, lengths)``, else as
             ``encoder(rows, lengths, meta)``, see ``Orchestrator.run``).
+        max_load: with :attr:`StepOptions.context_parallel` > 1, a rank's budget in the
+            phase's cost, which an item over it is split to meet (None: split only where it
+            lowers the slowest rank). Only for a phase that splits
+            (:meth:`StepOptions.splits`).
 
     Raises:
         ValueError: ``kind`` is the text kind or not a non-negative integer; ``divisor``,
@@ -100,9 +104,11 @@ class EncoderPhase:
     stride: int = 1
     value_bytes: int = 4
     fields: tuple[ItemField, ...] = ()
+    max_load: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", tuple(self.fields))
+        _check_budget("max_load", self.max_load)
         if not all(isinstance(f, ItemField) for f in self.fields):
             raise ValueError(f"fields must hold ItemField entries, got {self.fields!r}")
         if len({f.name for f in self.fields}) != len(self.fields):
@@ -154,7 +160,9 @@ class StepOptions:
             pieces on ranks of one group (``balance(context_parallel=)``), under
             ``llm_max_load`` or where it lowers the slowest rank; the plan records the pieces
             (:attr:`orchmllm.planner.step_plan.StepPlan.llm_pieces`). It must divide the
-            number of ranks (checked when planning). 1: whole examples only.
+            number of ranks (checked when planning). 1: whole examples only. An encoder phase
+            that :meth:`splits` cuts its items likewise (``PhasePlan.pieces``), under its
+            ``max_load``.
         llm_max_load: the LLM phase's per-rank budget in its cost (``max_load_per_rank``),
             or None; only with ``context_parallel`` > 1.
 
@@ -206,10 +214,14 @@ class StepOptions:
         cp, budget = self.context_parallel, self.llm_max_load
         if not is_integer(cp) or cp < 1:
             raise ValueError(f"context_parallel must be an integer >= 1, got {cp!r}")
-        if budget is not None and (
-            not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not budget > 0
-        ):
-            raise ValueError(f"llm_max_load must be a number > 0 or None, got {budget!r}")
+        _check_budget("llm_max_load", budget)
+        for p in self.phases:
+            if p.max_load is not None and not self.splits(p):
+                raise ValueError(
+                    f"phases[{p.name!r}].max_load={p.max_load!r} needs a phase that splits: "
+                    f"context_parallel > 1 (got {cp}), a policy in {SPLIT_POLICIES}, stride 1 "
+                    "and no fields"
+                )
         if cp == 1:
             if budget is not None:
                 raise ValueError(f"llm_max_load={budget!r} needs context_parallel > 1")
@@ -228,6 +240,21 @@ class StepOptions:
                 f"context_parallel={cp} needs a packed llm_cost (pieces of a padded batch have "
                 f"no cost), got {self.llm_cost!r}"
             )
+
+    def splits(self, phase: EncoderPhase) -> bool:
+        """Whether ``phase`` cuts items into pieces: ``context_parallel`` > 1 and a phase
+        planned by LPT on a packed cost (a policy in ``SPLIT_POLICIES``, a packed or no
+        cost), whose encoder sees its raw rows one to one (stride 1) and whose items carry no
+        record (``fields``: a piece would need its item's). Its pieces are whole LLM tokens
+        (multiples of ``divisor`` rows), so a connector that merges ``divisor`` consecutive
+        rows merges inside a piece. Other phases keep their items whole."""
+        return (
+            self.context_parallel > 1
+            and phase.policy in SPLIT_POLICIES
+            and (phase.cost is None or phase.cost.packed)
+            and phase.stride == 1
+            and not phase.fields
+        )
 
     @property
     def balanced_policies(self) -> tuple[str, ...]:
@@ -267,18 +294,29 @@ class StepOptions:
         return replace(self, phases=phases, llm_cost=costs.get(LLM, self.llm_cost))
 
 
+def _check_budget(name: str, budget: object) -> None:
+    if budget is not None and (
+        not isinstance(budget, numbers.Real) or isinstance(budget, bool) or not budget > 0
+    ):
+        raise ValueError(f"{name} must be a number > 0 or None, got {budget!r}")
+
+
 def default_phases(
     rates: EncodingRates,
     *,
     feature_dims: Mapping[str, int],
     policies: Mapping[str, str] | None = None,
     costs: Mapping[str, CostModel] | None = None,
+    max_loads: Mapping[str, float] | None = None,
 ) -> tuple[EncoderPhase, ...]:
     """One phase per row of the modality table (:data:`orchmllm.schema.MODALITIES`) named in
     ``feature_dims`` (its raw row width), in table order, with the row's tailored policy
-    unless ``policies`` names another; divisor and encoder stride from ``rates``."""
-    policies, costs = dict(policies or {}), dict(costs or {})
-    unknown = sorted((set(feature_dims) | set(policies) | set(costs)) - set(MODALITIES))
+    unless ``policies`` names another; divisor and encoder stride from ``rates``; a
+    context-parallel budget from ``max_loads``."""
+    policies, costs, loads = dict(policies or {}), dict(costs or {}), dict(max_loads or {})
+    unknown = sorted(
+        (set(feature_dims) | set(policies) | set(costs) | set(loads)) - set(MODALITIES)
+    )
     if unknown:
         raise ValueError(f"no modality named {unknown}; the table has {list(MODALITIES)}")
     return tuple(
@@ -291,6 +329,7 @@ def default_phases(
             policies.get(m.name, m.policy),
             costs.get(m.name),
             stride=rates.stride(m.kind),
+            max_load=loads.get(m.name),
         )  # fmt: skip
         for m in MODALITIES.values()
         if m.name in feature_dims

@@ -68,7 +68,10 @@ class PhasePlan:
     """Items of one encoder phase in global order, and their two moves.
 
     ``encoder``: sampled layout -> encoder layout (``Pi_enc``); ``to_llm``: encoder layout ->
-    LLM layout (``Pi_llm`` lifted to items, composed with ``Pi_enc^-1``).
+    LLM layout (``Pi_llm`` lifted to items, composed with ``Pi_enc^-1``). ``pieces``: with
+    context parallelism, the items the phase splits, rows ``(item, rank, start, end)`` in raw
+    rows, each range whole LLM tokens (:meth:`StepOptions.splits`); a split item's
+    ``encoder`` move takes it whole to its first row's rank, its home, as for the LLM.
     """
 
     name: str
@@ -79,6 +82,7 @@ class PhasePlan:
     encoder: Rearrangement
     to_llm: Rearrangement
     stats: dict = field(repr=False)
+    pieces: Pieces = field(default_factory=Pieces.empty)
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,15 +144,16 @@ class StepPlan:
             True when the modes, the LLM move and pieces, the segment lengths and every
             phase's two moves are equal; timings and other statistics are not compared.
         """
-        mine, theirs = self.llm_pieces, other.llm_pieces
         return (
             self.mode == other.mode
             and self.llm == other.llm
-            and all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in _PIECE_FIELDS)
+            and _same_pieces(self.llm_pieces, other.llm_pieces)
             and np.array_equal(self.seg_len, other.seg_len)
             and self.phases.keys() == other.phases.keys()
             and all(
-                p.encoder == other.phases[n].encoder and p.to_llm == other.phases[n].to_llm
+                p.encoder == other.phases[n].encoder
+                and p.to_llm == other.phases[n].to_llm
+                and _same_pieces(p.pieces, other.phases[n].pieces)
                 for n, p in self.phases.items()
             )
         )
@@ -166,7 +171,11 @@ class StepPlan:
         return out
 
 
-_PIECE_FIELDS = ("item", "rank", "start", "end")
+def _same_pieces(mine: Pieces, theirs: Pieces) -> bool:
+    return all(
+        np.array_equal(getattr(mine, f), getattr(theirs, f))
+        for f in ("item", "rank", "start", "end")
+    )
 
 
 def _policy_cost(policy: str, cost: CostModel | None) -> CostModel | None:
@@ -280,26 +289,40 @@ def _side_by_side(jobs: dict[str, Callable[[], Any]], *, parallel: bool) -> dict
 
 
 def _encoder_phase(
-    phase: EncoderPhase, sel: np.ndarray, raw: np.ndarray, src: np.ndarray,
-    options: StepOptions, *, num_ranks: int,
-) -> tuple[np.ndarray, Rearrangement, dict]:  # fmt: skip
-    """One encoder phase's segments ``sel`` (raw rows ``raw``, sampled on ``src``), their
-    move to the encoder layout and its statistics."""
+    phase: EncoderPhase, sel: np.ndarray, raw: np.ndarray, encoded: np.ndarray,
+    src: np.ndarray, options: StepOptions, *, num_ranks: int,
+) -> tuple[np.ndarray, Rearrangement, dict, Pieces]:  # fmt: skip
+    """One encoder phase's segments ``sel`` (raw rows ``raw``, LLM tokens ``encoded``,
+    sampled on ``src``), their move to the encoder layout, its statistics and its pieces."""
     full = options.mode == "full"
-    enc_dst, stats, _ = _balance_phase(
-        raw // phase.stride, src, num_ranks=num_ranks, policy=phase.policy,
-        cost=phase.cost, balanced=full, ranks_per_node=options.ranks_per_node,
-    )  # fmt: skip
+    # A splitting phase plans in LLM tokens, so that every piece is whole tokens: its cost
+    # per token is the cost of ``divisor`` rows (the same loads).
+    unit = phase.divisor if options.splits(phase) and np.all(raw == encoded * phase.divisor) else 0
+    if unit:
+        c = phase.cost or default_cost(phase.policy)
+        cost = CostModel("packed", alpha=c.alpha * unit, beta=c.beta * unit**2, const=c.const)
+        enc_dst, stats, pieces = _balance_phase(
+            encoded, src, num_ranks=num_ranks, policy=phase.policy, cost=cost, balanced=full,
+            ranks_per_node=options.ranks_per_node, context_parallel=options.context_parallel,
+            max_load=phase.max_load,
+        )  # fmt: skip
+        pieces = Pieces(pieces.item, pieces.rank, pieces.start * unit, pieces.end * unit)
+    else:
+        enc_dst, stats, pieces = _balance_phase(
+            raw // phase.stride, src, num_ranks=num_ranks, policy=phase.policy,
+            cost=phase.cost, balanced=full, ranks_per_node=options.ranks_per_node,
+        )  # fmt: skip
     enc_dst = _placed(
         enc_dst, volume_bytes=raw * phase.row_bytes, volume_src=src, volume_dst=enc_dst,
         options=options, num_ranks=num_ranks, balanced=full, stats=stats,
     )  # fmt: skip
-    return sel, Rearrangement.from_assignment(src, enc_dst, num_ranks=num_ranks), stats
+    move = Rearrangement.from_assignment(src, enc_dst, num_ranks=num_ranks)
+    return sel, move, stats, pieces
 
 
 def _phase_plan(
-    phase: EncoderPhase, sel: np.ndarray, encoder: Rearrangement, stats: dict, *,
-    seg_raw: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray, llm_dst: np.ndarray,
+    phase: EncoderPhase, sel: np.ndarray, encoder: Rearrangement, stats: dict, pieces: Pieces,
+    *, seg_raw: np.ndarray, seg_example: np.ndarray, seg_len: np.ndarray, llm_dst: np.ndarray,
 ) -> PhasePlan:  # fmt: skip
     """A phase's plan once the LLM layout is known: its outputs go where their examples go."""
     item_ex, raw, encoded = seg_example[sel], seg_raw[sel], seg_len[sel]
@@ -309,7 +332,7 @@ def _phase_plan(
     t0 = time.perf_counter()
     to_llm = lifted.compose(encoder.inverse())
     stats["plan_ms"] += (time.perf_counter() - t0) * 1e3
-    return PhasePlan(phase.name, phase.kind, item_ex, raw, encoded, encoder, to_llm, stats)
+    return PhasePlan(phase.name, phase.kind, item_ex, raw, encoded, encoder, to_llm, stats, pieces)
 
 
 def _checked(
@@ -392,9 +415,9 @@ def _place_llm(
     sampling rank, each encoded item from its encoder rank (``items``: phase name ->
     segment indices, encoder move, stats)."""
     enc_bytes = options.encoded_token_bytes or options.text_token_bytes
-    sels = [sel for sel, _, _ in items.values()]
+    sels = [sel for sel, *_ in items.values()]
     piece_ex = np.concatenate([np.arange(example_src.size)] + [seg_example[s] for s in sels])
-    piece_src = [example_src] + [enc.dst_rank for _, enc, _ in items.values()]
+    piece_src = [example_src] + [enc.dst_rank for _, enc, *_ in items.values()]
     piece_bytes = [text_len * options.text_token_bytes] + [seg_len[s] * enc_bytes for s in sels]
     return _placed(
         llm_dst, volume_bytes=np.concatenate(piece_bytes), volume_src=np.concatenate(piece_src),
@@ -443,8 +466,8 @@ def plan_step(
     # weighs where the encoder outputs are.
     jobs = {
         p.name: partial(
-            _encoder_phase, p, sels[p.name], raw[sels[p.name]], src[sels[p.name]], options,
-            num_ranks=num_ranks,
+            _encoder_phase, p, sels[p.name], raw[sels[p.name]], seg_len[sels[p.name]],
+            src[sels[p.name]], options, num_ranks=num_ranks,
         )
         for p in phases
     }  # fmt: skip
@@ -458,7 +481,7 @@ def plan_step(
     parallel = n_seg >= PARALLEL_MIN_SEGMENTS and options.placement not in CLOCKED_PLACEMENTS
     done = _side_by_side(jobs, parallel=parallel)
     llm_dst, llm_stats, llm_pieces = done.pop("llm")
-    items = done  # phase name -> (segment indices, encoder move, stats)
+    items = done  # phase name -> (segment indices, encoder move, stats, pieces)
     if options.mode != "none" and _places(options, num_ranks):
         llm_dst = _place_llm(
             llm_dst, llm_stats, items, options, num_ranks=num_ranks, example_src=example_src,
@@ -474,7 +497,7 @@ def plan_step(
     phase_plans = _side_by_side(jobs, parallel=parallel)
     llm = phase_plans.pop("llm")
     seg_item = np.full(n_seg, -1, dtype=np.int64)
-    for sel, _, _ in items.values():
+    for sel, *_ in items.values():
         seg_item[sel] = np.arange(sel.size)
     return StepPlan(
         num_ranks=num_ranks,
