@@ -329,15 +329,16 @@ class BalanceConfig:
         calibrate_every: with ``cost: measured``, refit every this many timed steps.
         min_r2: with ``cost: measured``, a fit explaining less of the times (R^2) keeps the
             phase's cost as it was.
-        context_parallel: N > 1 lets the LLM phase split an example over up to N ranks of
-            one group of N consecutive ranks (context parallelism, the trainer's
-            ``--context-parallel``): an example whose cost exceeds ``llm_max_load``, or whose
-            split lowers the slowest rank; its keys and values are gathered inside the group.
-            Needs a packed LLM policy (greedy) and ``placement: none``; N divides the ranks
-            per node (or is a multiple of them).
-        llm_max_load: with ``context_parallel``, a rank's LLM budget in the LLM cost's units
-            (the default packed cost: tokens); None: split only where it lowers the slowest
-            rank.
+        context_parallel: N > 1 lets a phase split an item over up to N ranks of one group
+            of N consecutive ranks (context parallelism, the trainer's ``--context-parallel``):
+            an item whose cost exceeds the phase's ``max_load``, or whose split lowers the
+            slowest rank; its keys and values are gathered inside the group. The LLM phase
+            splits examples; an encoder phase with a packed LPT policy (greedy, e.g. vision)
+            splits its items into whole merged tokens; a padded one (audio) keeps them whole.
+            Needs ``placement: none``; N divides the ranks per node (or is a multiple of them).
+        max_load: with ``context_parallel``, phase name -> a rank's budget in the phase's cost
+            units (the default packed cost: tokens for ``llm``, patches for ``vision``); a
+            phase left out splits only where it lowers the slowest rank.
     """
 
     OWN_CHECKS: ClassVar[tuple[str, ...]] = ("min_r2",)
@@ -351,7 +352,7 @@ class BalanceConfig:
     calibrate_every: int = 2
     min_r2: float = 0.5
     context_parallel: int = 1
-    llm_max_load: float | None = None
+    max_load: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policies, Mapping):
@@ -382,16 +383,21 @@ class BalanceConfig:
                 f"must be 'none' with balance.context_parallel={self.context_parallel} (pieces "
                 f"are placed in their group, not node-wise), got {self.placement!r}",
             )
-        budget = self.llm_max_load
-        if budget is not None:
+        if not isinstance(self.max_load, Mapping):
+            raise _fail(
+                "balance.max_load", f"must be a mapping of phase -> budget, got {self.max_load!r}"
+            )
+        if self.max_load and self.context_parallel == 1:
+            raise _fail(
+                "balance.max_load",
+                f"is a budget for splitting: set balance.context_parallel > 1 (got "
+                f"{dict(self.max_load)!r} with context_parallel=1)",
+            )
+        for name, budget in self.max_load.items():
+            if name != LLM and name not in MODALITIES:
+                raise _unknown_key("balance.max_load", str(name), [*MODALITIES, LLM])
             if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
-                raise _fail("balance.llm_max_load", f"must be a number > 0, got {budget!r}")
-            if self.context_parallel == 1:
-                raise _fail(
-                    "balance.llm_max_load",
-                    f"is a budget for splitting: set balance.context_parallel > 1 (got "
-                    f"llm_max_load={budget!r} with context_parallel=1)",
-                )
+                raise _fail(f"balance.max_load.{name}", f"must be a number > 0, got {budget!r}")
         if not isinstance(self.costs, Mapping):
             raise _fail("balance.costs", f"must be a mapping, got {self.costs!r}")
         for name in self.costs:

@@ -203,12 +203,16 @@ def test_the_paper_configs_inherit_from_mllm_10b():
         ({"balance": {"context_parallel": 0}}, "balance.context_parallel must be a positive"),
         ({"balance": {"context_parallel": 2}}, "balance.placement must be 'none' with balance"),
         (
-            {"balance": {"placement": "none", "llm_max_load": 100}},
-            "balance.llm_max_load is a budget for splitting",
+            {"balance": {"placement": "none", "max_load": {"llm": 100}}},
+            "balance.max_load is a budget for splitting",
         ),
         (
-            {"balance": {"placement": "none", "context_parallel": 2, "llm_max_load": -1}},
-            "balance.llm_max_load must be a number > 0, got -1",
+            {"balance": {"placement": "none", "context_parallel": 2, "max_load": {"llm": -1}}},
+            "balance.max_load.llm must be a number > 0, got -1",
+        ),
+        (
+            {"balance": {"placement": "none", "context_parallel": 2, "max_load": {"vison": 9}}},
+            "balance.max_load has no key 'vison'; did you mean 'vision'",
         ),
         ({"data": {"tasks": {"document": {"min_tokens": 0}}}}, "data.tasks.document.min_tokens"),
         ({"balance": {"costs": {"visoin": {}}}}, "did you mean 'vision'?"),

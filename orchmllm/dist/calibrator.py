@@ -221,9 +221,9 @@ class Calibrator:
         """
 
         def timed(name: str, encoder: Callable) -> Callable:
-            def call(rows: torch.Tensor, lengths: torch.Tensor, *rest):
+            def call(rows: torch.Tensor, lengths: torch.Tensor, *rest, **kw):
                 with self.timed(name, lengths // self.strides[name]):
-                    return encoder(rows, lengths, *rest)
+                    return encoder(rows, lengths, *rest, **kw)
 
             return call
 

@@ -62,7 +62,7 @@ from orchmllm.planner.placement import prepare_ilp
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.segments import EX, KIND, RAW, local_metadata, segment_lengths
 from orchmllm.planner.step_options import EncoderPhase, ItemField, StepOptions
-from orchmllm.planner.step_plan import StepPlan, plan_step
+from orchmllm.planner.step_plan import PhasePlan, StepPlan, plan_step
 from orchmllm.schema import IGNORE_INDEX, TEXT
 
 __all__ = ["Encoded", "LLMBatch", "LocalBatch", "Orchestrator"]
@@ -358,6 +358,43 @@ class _Scatter:
         return comm.move(m.move, rows, sizes=m.sizes, group=self.group, timeout=self.timeout)
 
 
+@dataclass(frozen=True)
+class _SplitPhase:
+    """An encoder phase with split items: its raw rows go from their home ranks to the
+    pieces, the encoder attends over each item's gathered keys, and its outputs go home."""
+
+    raw: PieceLayout  # raw rows, home -> pieces
+    tokens: PieceLayout  # the tokens they become, home -> pieces (run inverted)
+    topology: Topology
+
+    @classmethod
+    def of(cls, pp: PhasePlan, divisor: int, topology: Topology) -> _SplitPhase | None:
+        """The phase's split (None: every item is whole)."""
+        homes = [pp.encoder.items_at(r) for r in range(topology.size)]
+        raw = piece_layout(homes, pp.raw, pp.pieces)
+        if raw is None:
+            return None
+        return cls(raw, piece_layout(homes, pp.encoded, scaled(pp.pieces, divisor)), topology)
+
+    def encode(self, encoder: Encoder, x: torch.Tensor) -> Encoded:
+        """``encoder(rows, lengths, pieces=...)`` on this rank's pieces' layout, its outputs
+        (and their values) moved back to the home layout."""
+        t, rank = self.topology, self.topology.rank
+        records = {s.example: SplitSequence(s.example, s.ranks, s.chunks) for s in self.raw.splits}
+        mine = {i: records[e] for e, i in self.raw.segments[rank].items()}
+        lengths = self.raw.lengths[rank]
+        pieces = PackedPieces(
+            lengths, mine, topology=t, others=list(records.values()), causal=False
+        )
+        rows = _Scatter(self.raw, t.group, t.timeout)(x)
+        out = encoder(rows, torch.as_tensor(lengths, device=x.device), pieces=pieces)
+        out = out if isinstance(out, Encoded) else Encoded(out)
+        expected = int(self.tokens.lengths[rank].sum())
+        _check_encoded("(split phase)", out, expected, lengths)
+        home = _Scatter(replace(self.tokens, move=self.tokens.move.inverse()), t.group, t.timeout)
+        return Encoded(home(out.embeds), {k: home(v) for k, v in out.values.items()})
+
+
 @dataclass
 class Encoded:
     """What an encoder returns when its tokens carry per-token values besides embeddings.
@@ -536,7 +573,12 @@ class Orchestrator:
         ``[items, width]``). An encoder may return an :class:`Encoded` instead, whose per-token
         values move with its tokens (:meth:`LLMBatch.token_values`). It is called on every
         rank, with empty tensors where a rank has no items, unless no rank has an item of its
-        phase: then it is called nowhere (:attr:`LLMBatch.absent`).
+        phase: then it is called nowhere (:attr:`LLMBatch.absent`). In a step where the plan
+        splits items of the phase (``PhasePlan.pieces``: context parallelism) it is called as
+        ``encoders[name](rows, lengths, pieces=...)`` on the pieces' layout (whole items, then
+        this rank's pieces), ``pieces`` a bidirectional
+        :class:`~orchmllm.dist.context_parallel.PackedPieces` to attend and position with
+        (a collective per call of its ``attend``); its outputs go back to the items' homes.
         ``stats[phase]["bytes_intra"/"bytes_inter"]`` are the forward bytes that leave their
         rank, summed over all ranks (raw inputs, item records and encoder outputs with their
         values for an encoder phase, token ids and loss mask for ``llm``).
@@ -606,7 +648,8 @@ class Orchestrator:
             mine = pp.encoder.items_at(rank)
             lengths = torch.as_tensor(pp.raw[mine], dtype=torch.long, device=x.device)
             args = (x, lengths, dict(zip(meta, moved, strict=True))) if p.fields else (x, lengths)
-            out = encoders[p.name](*args)
+            split = _SplitPhase.of(pp, p.divisor, self.topology)
+            out = encoders[p.name](*args) if split is None else split.encode(encoders[p.name], x)
             out = out if isinstance(out, Encoded) else Encoded(out)
             _check_encoded(p.name, out, int(pp.encoded[mine].sum()), pp.raw[mine])
             names = list(out.values)
@@ -615,11 +658,17 @@ class Orchestrator:
             )
             encoded.append(y)
             values[p.name] = dict(zip(names, token_values, strict=True))
-            raw_b = self._bytes(pp.encoder, pp.raw, _row_bytes([x]))
-            item_b = self._bytes(pp.encoder, ones, _row_bytes(moved))
-            out_b = self._bytes(pp.to_llm, pp.encoded, _row_bytes([out.embeds, *token_values]))
-            stats[p.name]["bytes_intra"] = raw_b[0] + item_b[0] + out_b[0]
-            stats[p.name]["bytes_inter"] = raw_b[1] + item_b[1] + out_b[1]
+            moves = [
+                self._bytes(pp.encoder, pp.raw, _row_bytes([x])),
+                self._bytes(pp.encoder, ones, _row_bytes(moved)),
+                self._bytes(pp.to_llm, pp.encoded, _row_bytes([out.embeds, *token_values])),
+            ]
+            if split is not None:  # to the pieces and back
+                moves.append(self._bytes(split.raw.move, split.raw.sizes, _row_bytes([x])))
+                row = _row_bytes([out.embeds, *token_values])
+                moves.append(self._bytes(split.tokens.move, split.tokens.sizes, row))
+            stats[p.name]["bytes_intra"] = sum(m[0] for m in moves)
+            stats[p.name]["bytes_inter"] = sum(m[1] for m in moves)
         ids, mask = self._move(plan.llm, [batch.input_ids, batch.loss_mask], [plan.text_len] * 2)
         intra, inter = self._bytes(plan.llm, plan.text_len, _row_bytes([ids, mask]))
         stats["llm"]["bytes_intra"], stats["llm"]["bytes_inter"] = intra, inter

@@ -76,6 +76,7 @@ def make_orchestrator(
         feature_dims=cfg.model.feature_dims,
         policies={name: cfg.balance.policy(name) for name in cfg.model.encoders},
         costs={name: cfg.balance.cost_model(name) for name in cfg.model.encoders},
+        max_loads={k: v for k, v in cfg.balance.max_load.items() if k != LLM},
     )
     options = StepOptions(
         phases,
@@ -85,7 +86,7 @@ def make_orchestrator(
         placement=placement,
         encoded_token_bytes=cfg.model.llm.hidden * dtype.itemsize,
         context_parallel=cfg.balance.context_parallel,
-        llm_max_load=cfg.balance.llm_max_load,
+        llm_max_load=cfg.balance.max_load.get(LLM),
     )
     return Orchestrator(options, topology=topology)
 

@@ -49,7 +49,7 @@ def step_forward(
 
     def forward(model: MLLM):
         encoders = {
-            name: (lambda x, lengths, enc=enc: enc(x.to(dtype), lengths))
+            name: (lambda x, lengths, *rest, enc=enc, **kw: enc(x.to(dtype), lengths, *rest, **kw))
             for name, enc in model.encoders.items()
         }
         if calibrator is not None:

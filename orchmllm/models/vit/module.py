@@ -6,6 +6,7 @@ import functools
 
 from torch import Tensor, nn
 
+from orchmllm.dist.context_parallel import PackedPieces
 from orchmllm.models.attention import packed_attention, positions_from_lengths
 from orchmllm.models.layers import Block, Connector, check_lengths
 from orchmllm.models.spec import register_architecture
@@ -16,7 +17,9 @@ class VisionEncoder(nn.Module):
     """patches [P, patch_dim] of n images (lengths, sum P) -> [P // downsample, llm_hidden].
 
     Each image attends only to itself (packed varlen, bidirectional); RoPE over the patch index
-    within the image. Zero images (P = 0) run every submodule on empty tensors.
+    within the image. Zero images (P = 0) run every submodule on empty tensors. With
+    ``pieces`` (context parallelism: an image split over ranks, each piece whole merged
+    tokens) a piece attends over its image's gathered keys at the image's positions.
     """
 
     def __init__(self, cfg: VitConfig, llm_hidden: int):
@@ -33,14 +36,19 @@ class VisionEncoder(nn.Module):
             for module in (self.patch_embed, self.blocks, self.norm):
                 module.requires_grad_(False)
 
-    def forward(self, patches: Tensor, lengths: Tensor) -> Tensor:
+    def forward(
+        self, patches: Tensor, lengths: Tensor, *, pieces: PackedPieces | None = None
+    ) -> Tensor:
         check_lengths(lengths, self.cfg.downsample, "lengths")
         if patches.dim() != 2 or patches.shape[1] != self.cfg.feature_dim:
             raise ValueError(
                 f"patches must be [P, {self.cfg.feature_dim}], got {tuple(patches.shape)}"
             )
-        attend = functools.partial(packed_attention, lengths=lengths, causal=False)
-        positions = positions_from_lengths(lengths)
+        if pieces is None:
+            attend = functools.partial(packed_attention, lengths=lengths, causal=False)
+            positions = positions_from_lengths(lengths)
+        else:
+            attend, positions = pieces.attend, pieces.positions.to(patches.device)
         x = self.patch_embed(patches)
         for block in self.blocks:
             x = block(x, attend, positions)
