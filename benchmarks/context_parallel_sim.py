@@ -37,6 +37,7 @@ import numpy as np
 
 from orchmllm.provenance import write_records
 from orchmllm.schema import LLM
+from orchmllm.sim.batch import Batch
 from orchmllm.sim.context_parallel import ContextParallel
 from orchmllm.sim.sweep import (
     SimModel,
@@ -49,7 +50,6 @@ from orchmllm.sim.sweep import (
     run_case,
     step_pools,
 )
-from orchmllm.sim.batch import Batch
 
 RANKS = (64, 2560)
 QUICK_RANKS = (16,)
@@ -118,9 +118,7 @@ def _record(
     return {**rec, "fits": not r["oom"], **{k: r[k] for k in FIELDS}}
 
 
-def run(
-    model: SimModel, d: int, *, group: int, seed: int, steps: int
-) -> list[dict[str, Any]]:
+def run(model: SimModel, d: int, *, group: int, seed: int, steps: int) -> list[dict[str, Any]]:
     """Every strategy at ``d`` ranks, at its largest mini-batch and at the smallest one."""
     budget = memory_budget_ms(model, d)
     cases = strategies(group, budget)
@@ -145,8 +143,7 @@ def run(
     ]
     equal = min((b for b in found.values() if b > 0), default=0)
     out += [
-        {**common, **_record(model, d, name, c, equal, pools, "equal")}
-        for name, c in cases.items()
+        {**common, **_record(model, d, name, c, equal, pools, "equal")} for name, c in cases.items()
     ]
     return out
 

@@ -308,10 +308,10 @@ def kv_seconds(
     bw = np.where(table.spans_nodes, net.bw_inter, net.bw_intra)
     per = (table.length - table.tokens) * _kv_row_bytes(config, recipe) / bw
     seconds = np.bincount(table.rank, weights=per, minlength=num_ranks)
-    key = (table.rank * num_ranks + table.block_start) * num_ranks + table.block_size
-    uniq = np.unique(key)
-    latency = (uniq % num_ranks - 1) * net.peer_latency_s
-    seconds += np.bincount(uniq // (num_ranks * num_ranks), weights=latency, minlength=num_ranks)
+    base = num_ranks + 1  # a block holds up to num_ranks ranks
+    uniq = np.unique((table.rank * base + table.block_start) * base + table.block_size)
+    latency = (uniq % base - 1) * net.peer_latency_s
+    seconds += np.bincount(uniq // (base * base), weights=latency, minlength=num_ranks)
     return passes * seconds
 
 
