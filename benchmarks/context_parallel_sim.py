@@ -124,6 +124,7 @@ def run(model: SimModel, d: int, *, group: int, seed: int, steps: int) -> list[d
     cases = strategies(group, budget)
     pools, found = largest(model, d, cases, seed=seed, steps=steps)
     lengths = np.concatenate([p.llm_lengths(model.config) for p in pools.values()])
+    capacity = llm_token_capacity(model, d)
     common = {
         "model": model.name,
         "workload": "long_item_mix",
@@ -132,8 +133,11 @@ def run(model: SimModel, d: int, *, group: int, seed: int, steps: int) -> list[d
         "steps": len(pools),
         "seed": seed,
         "llm_budget_ms": budget,
-        "llm_token_capacity": llm_token_capacity(model, d),
+        "llm_token_capacity": capacity,
         "longest_pooled_tokens": int(lengths.max()),
+        # examples no rank can hold whole: without splitting no mini-batch may include them
+        "pooled_over_capacity": int(np.sum(lengths > capacity)),
+        "pooled_examples": int(lengths.size),
         "llm_cost_alpha_ms": model.modules[LLM].cost.alpha,
         "llm_cost_beta_ms": model.modules[LLM].cost.beta,
     }

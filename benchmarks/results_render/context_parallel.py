@@ -59,8 +59,10 @@ def context_parallel_sim(recs: Records) -> list[str]:
         lines += [
             f"**{d:,} GPUs** ({a['steps']} sampled step{'s' if a['steps'] > 1 else ''}; a "
             f"rank's memory holds {a['llm_token_capacity']:,} LLM tokens, the longest sampled "
-            f"example has {a['longest_pooled_tokens']:,}; budget {a['llm_budget_ms']:,.0f} ms "
-            f"of LLM cost per rank):",
+            f"example has {a['longest_pooled_tokens']:,}, and {a['pooled_over_capacity']} of "
+            f"the {a['pooled_examples']:,} sampled examples are longer than a rank holds: "
+            "without splitting no mini-batch may include them; the LLM budget is "
+            f"{a['llm_budget_ms']:,.0f} ms per rank):",
             "",
         ]
         for kind, what in BATCHES:

@@ -97,6 +97,7 @@ class ContextParallel:
 
     @property
     def label(self) -> str:
+        """``none``, ``fixed N`` or ``planned N`` (a record's ``context_parallel``)."""
         if self.size == 1:
             return "none"
         return f"{'fixed' if self.fixed else 'planned'} {self.size}"
@@ -236,7 +237,7 @@ def piece_table(
     )  # fmt: skip
 
 
-def _split(layout: Layout, n: int) -> np.ndarray:
+def _is_split(layout: Layout, n: int) -> np.ndarray:
     out = np.zeros(n, dtype=bool)
     out[layout.pieces.item] = True
     return out
@@ -250,7 +251,7 @@ def llm_sequences(
     L = np.asarray(lengths, dtype=np.int64)
     if not layout.pieces.item.size:
         return L, layout.example
-    whole = ~_split(layout, L.size)
+    whole = ~_is_split(layout, L.size)
     p = layout.pieces
     uniq, inv = np.unique(p.item * num_ranks + p.rank, return_inverse=True)
     tokens = np.bincount(inv, weights=p.end - p.start).astype(np.int64)
@@ -268,7 +269,7 @@ def llm_rank_ms(
     L = np.asarray(lengths, dtype=np.float64)
     if not table.item.size:
         return module.times_ms(L, layout.example, num_ranks)
-    whole = ~_split(layout, L.size)
+    whole = ~_is_split(layout, L.size)
     bare = dataclasses.replace(cost, const=0.0)
     t = bare.loads(L[whole], layout.example[whole], num_ranks)
     t += np.bincount(
@@ -316,9 +317,14 @@ def kv_seconds(
 
 
 def scatter_volumes(
-    table: PieceTable, home: np.ndarray, config: ModelConfig, recipe: TrainRecipe, *,
-    num_ranks: int, ranks_per_node: int,
-) -> comm.Volumes:  # fmt: skip
+    table: PieceTable,
+    home: np.ndarray,
+    config: ModelConfig,
+    recipe: TrainRecipe,
+    *,
+    num_ranks: int,
+    ranks_per_node: int,
+) -> comm.Volumes:
     """The home-to-members move of the pieces' rows (hidden-size rows in the compute dtype);
     backward, its gradient runs the other way (the same volumes, sent and received swapped)."""
     row = config.llm.hidden * Dtypes.of(recipe.precision).compute
