@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .balancing import balance_bench, planner_at_scale
+from .context_parallel import context_parallel_sim
 from .gpu import check_one_gpu_run, gpu_memory, gpu_proof, gpu_step, new_shape, shape_buckets
 from .paper import reproduce_paper
 from .paper_summary import sim_summary
@@ -79,6 +80,13 @@ SECTIONS = (
         "reproduce_paper.json",
         "python benchmarks/reproduce_paper.py --json benchmarks/results/reproduce_paper.json",
         reproduce_paper,
+    ),
+    Section(
+        "Items longer than a rank: context parallelism on the simulator",
+        "context_parallel_sim.json",
+        "python benchmarks/context_parallel_sim.py --json "
+        "benchmarks/results/context_parallel_sim.json",
+        context_parallel_sim,
     ),
     Section(
         "A training step on a GPU",

@@ -30,11 +30,12 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from orchmllm.config import ModelConfig
+from orchmllm.planner.context_parallel import Pieces as SplitPieces
 from orchmllm.planner.step_options import MODES as STEP_MODES
 from orchmllm.planner.step_options import EncoderPhase, StepOptions
 from orchmllm.planner.step_plan import plan_step
@@ -61,14 +62,18 @@ class Layout:
     """Destination rank of every item in every phase, and what computing it cost.
 
     Attributes:
-        example: int64 ``[n]``, the LLM-phase rank of each example.
+        example: int64 ``[n]``, the LLM-phase rank of each example (a split example's: its
+            home, the rank of its first token).
         items: encoder name -> int64 ``[items]``, its phase's rank of each of its items.
         plan_ms: wall time of the step planner.
+        pieces: the LLM phase's split examples (``StepPlan.llm_pieces``; empty: none split;
+            see :mod:`orchmllm.sim.context_parallel`).
     """
 
     example: np.ndarray
     items: dict[str, np.ndarray]
     plan_ms: float = 0.0
+    pieces: SplitPieces = field(default_factory=SplitPieces.empty)
 
 
 def disttrain_reorder(sizes: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -119,9 +124,12 @@ def step_options(
     placement: str,
     ranks_per_node: int,
     policies: Mapping[str, str] | None,
+    context_parallel: int = 1,
+    llm_max_load: float | None = None,
 ) -> StepOptions:
     """Training's step planner options for this model: each phase with its calibrated cost,
-    bf16 volumes, and the paper's tailored policies unless ``policies`` overrides them."""
+    bf16 volumes, and the paper's tailored policies unless ``policies`` overrides them; the
+    LLM phase may split examples over ``context_parallel`` ranks under ``llm_max_load``."""
     pol = {**tailored(), **(policies or {})}
     phases = tuple(
         EncoderPhase(
@@ -140,6 +148,8 @@ def step_options(
         ranks_per_node=ranks_per_node,
         text_token_bytes=TEXT_TOKEN_BYTES,
         encoded_token_bytes=encoded_token_bytes(config),
+        context_parallel=context_parallel,
+        llm_max_load=llm_max_load,
     )
 
 
@@ -152,8 +162,12 @@ def plan(
     placement: str = "none",
     ranks_per_node: int = 8,
     policies: Mapping[str, str] | None = None,
+    context_parallel: int = 1,
+    llm_max_load: float | None = None,
 ) -> Layout:
-    """Destination ranks of every phase's items under ``mode`` (see the module docstring)."""
+    """Destination ranks of every phase's items under ``mode`` (see the module docstring);
+    with ``context_parallel`` > 1 the LLM phase may split examples (``StepOptions``), its
+    pieces in :attr:`Layout.pieces`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if placement not in PLACEMENTS:
@@ -167,7 +181,8 @@ def plan(
         return Layout(ex, {n: ex[batch.of(n).example] for n in config.encoders}, plan_ms)
     options = step_options(
         mode, config=config, modules=modules, placement=placement,
-        ranks_per_node=ranks_per_node, policies=policies,
+        ranks_per_node=ranks_per_node, policies=policies, context_parallel=context_parallel,
+        llm_max_load=llm_max_load,
     )  # fmt: skip
     rows, row_src = segment_rows(batch)
     step = plan_step(rows, row_src, options, num_ranks=batch.num_ranks)
@@ -176,6 +191,7 @@ def plan(
         step.llm.dst_rank,
         {name: p.encoder.dst_rank for name, p in step.phases.items()},
         plan_ms,
+        step.llm_pieces,
     )
 
 

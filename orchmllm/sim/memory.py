@@ -36,6 +36,7 @@ from orchmllm.planner.step_plan import StepPlan
 from orchmllm.schema import LLM
 from orchmllm.sim.allocations import step_moments
 from orchmllm.sim.batch import Batch
+from orchmllm.sim.context_parallel import llm_sequences
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.replay_env import DEVICES, Dtypes, StepSetup, units
 from orchmllm.sim.trace import Moments
@@ -290,12 +291,13 @@ class MemoryModel:
                 e.hidden, e.heads, e.padded, rows, longest, n, dt
             )
             out.update({f"{name}.{k}": v for k, v in f.items()})
-        seq = batch.llm_lengths(config)
-        tokens = _per_rank(seq, layout.example, d, "sum")
+        # a split example's pieces are sequences of their ranks (orchmllm.sim.context_parallel)
+        seq, at = llm_sequences(batch.llm_lengths(config), layout, d)
+        tokens = _per_rank(seq, at, d, "sum")
         c = recipe.loss_chunk
         m = config.llm
-        n = _per_rank(seq, layout.example, d, "count")
-        longest = _per_rank(seq, layout.example, d, "max")
+        n = _per_rank(seq, at, d, "count")
+        longest = _per_rank(seq, at, d, "max")
         sampled_text = _per_rank(batch.text, src, d, "sum")
         f = {
             "tokens": tokens,

@@ -14,6 +14,10 @@ the dispatch all-to-alls on the critical path:
   runs, each timed on its own.
 - planning runs on the CPU during the previous step (prefetch) and is reported, not added;
   ``plan_hidden`` says whether it fits in the step.
+- context parallelism (a layout with pieces, ``orchmllm.sim.context_parallel``): a piece's
+  compute is the planner's piece cost; a rank's gathers of keys and values add to its LLM
+  compute (not overlapped), the home's scatter of the pieces' rows is one more all-to-all each
+  way, and the gathered keys and values add to the forward and backward peaks.
 
 MFU counts useful FLOPs only (no padding, causal attention halved, no recompute) over the dense
 bf16 peak. Memory is ``orchmllm.sim.memory``'s peak per phase under the run's training recipe
@@ -31,6 +35,7 @@ from orchmllm.config import ModelConfig, TrainRecipe
 from orchmllm.planner.cost import FORWARD_FRACTION
 from orchmllm.schema import LLM
 from orchmllm.sim import comm
+from orchmllm.sim import context_parallel as cp
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import H100_PEAK_FLOPS, Submodule
 from orchmllm.sim.layout import Layout, llm_pieces, raw_row_bytes
@@ -83,6 +88,10 @@ class StepResult:
     dispatchers: dict[str, comm.Volumes]  # forward moves by dispatcher name
     plan_ms: float
     plan_hidden: bool
+    # what the keys' and values' gathers add to the LLM phase's slowest rank (seconds)
+    context_parallel_s: float = 0.0
+    items_split: int = 0
+    pieces: int = 0  # (example, rank) pairs of the split examples
 
     @property
     def oom(self) -> bool:
@@ -122,13 +131,20 @@ def fsdp_seconds(module: Submodule, num_ranks: int, cluster: Cluster) -> float:
 
 
 def dispatch_collectives(
-    batch: Batch, layout: Layout, mode: str, config: ModelConfig, ranks_per_node: int
+    batch: Batch,
+    layout: Layout,
+    mode: str,
+    config: ModelConfig,
+    ranks_per_node: int,
+    scatter: comm.Volumes | None = None,
 ) -> tuple[list[tuple[str, comm.Volumes]], list[tuple[str, comm.Volumes]]]:
     """The all-to-alls of one step as ``(dispatcher, volumes)``, forward and backward.
 
     As ``orchmllm.dist.orchestrator`` runs them: raw encoder inputs to the encoder layouts (``full``
     only), then one move per encoder output and one for text to the LLM layout; backward, each
-    encoder output's gradient goes back. ``none`` and ``disttrain`` move nothing.
+    encoder output's gradient goes back. ``none`` and ``disttrain`` move nothing. ``scatter``
+    (split examples' rows from their home to the pieces' ranks, dispatcher ``"pieces"``) runs
+    after the LLM moves, its gradient back first in backward.
     """
     if mode not in ("llm", "full"):
         return [], []
@@ -151,6 +167,13 @@ def dispatch_collectives(
         fwd.append((LLM, vol(pieces.src[k], to[k], pieces.bytes[k])))
         if phase != LLM:
             bwd.append((LLM, vol(to[k], pieces.src[k], pieces.bytes[k])))
+    if scatter is not None and scatter.moves:
+        back = comm.Volumes(
+            scatter.recv_intra, scatter.recv_inter, scatter.sent_intra, scatter.sent_inter,
+            scatter.kept,
+        )  # fmt: skip
+        fwd.append(("pieces", scatter))
+        bwd.insert(0, ("pieces", back))
     return fwd, bwd
 
 
@@ -180,20 +203,32 @@ def simulate_step(
     lengths = {name: batch.encoder_lengths(name, config) for name in config.encoders}
     lengths[LLM] = batch.llm_lengths(config)
     dst = {**layout.items, LLM: layout.example}
-    compute, mean_compute, fsdp = {}, {}, {}
+    rpn = cluster.net.ranks_per_node
+    table = cp.piece_table(layout.pieces, lengths[LLM], d, rpn)
+    compute, mean_compute, fsdp, critical = {}, {}, {}, {}
     useful = 0.0
     for phase in phases:
         m = modules[phase]
-        t = m.times_ms(lengths[phase], dst[phase], d) * 1e-3
+        if phase == LLM:
+            t = cp.llm_rank_ms(m, lengths[phase], layout, table, d) * 1e-3
+            kv = cp.kv_seconds(table, config, recipe, m, cluster.net, d)
+        else:
+            t, kv = m.times_ms(lengths[phase], dst[phase], d) * 1e-3, 0.0
         compute[phase] = float(t.max())
+        critical[phase] = float((t + kv).max())
         mean_compute[phase] = float(t.mean())
         fsdp[phase] = fsdp_seconds(m, d, cluster)
         useful += m.useful_flops(lengths[phase])
-    fwd, bwd = dispatch_collectives(batch, layout, mode, config, cluster.net.ranks_per_node)
+    scatter = None
+    if table.item.size:
+        scatter = cp.scatter_volumes(
+            table, layout.example, config, recipe, num_ranks=d, ranks_per_node=rpn
+        )
+    fwd, bwd = dispatch_collectives(batch, layout, mode, config, rpn, scatter)
     # a move where every item stays is skipped by all ranks together (the plan is global)
     dispatch_fwd = sum(cluster.dispatch_seconds(v) for _, v in fwd if v.moves)
     dispatch_bwd = sum(cluster.dispatch_seconds(v) for _, v in bwd if v.moves)
-    step = sum(max(compute[p], fsdp[p]) for p in phases) + dispatch_fwd + dispatch_bwd
+    step = sum(max(critical[p], fsdp[p]) for p in phases) + dispatch_fwd + dispatch_bwd
     # forward share of a phase: all of a frozen module, a third of a trained one, a quarter of
     # a recomputing one (forward, recomputed forward, backward at 1:1:2; the head counted alike)
     fwd_share = {
@@ -202,7 +237,7 @@ def simulate_step(
         else FORWARD_FRACTION / (1.0 + FORWARD_FRACTION * modules[p].recomputes)
         for p in phases
     }
-    forward = sum(max(compute[p], fsdp[p]) * fwd_share[p] for p in phases) + dispatch_fwd
+    forward = sum(max(critical[p], fsdp[p]) * fwd_share[p] for p in phases) + dispatch_fwd
     mem = cluster.memory
     features = mem.rank_features(config, recipe, batch, layout)
     moves = moves_of_layout(batch, layout, config)
@@ -210,6 +245,8 @@ def simulate_step(
     phases = mem.phase_peaks(
         config, recipe, features, num_ranks=d, moves=moves, communicator=cluster.communicator
     )
+    extra = cp.memory_terms(table, layout.example, config, recipe, modules[LLM], d)
+    phases = {p: v + extra[p] if p in extra else v for p, v in phases.items()}
     memory = static + np.max(np.stack(list(phases.values())), axis=0)
     mean = {k: v.mean(keepdims=True) for k, v in features.items()}
     return StepResult(
@@ -234,4 +271,7 @@ def simulate_step(
         dispatchers=by_dispatcher(fwd),
         plan_ms=layout.plan_ms,
         plan_hidden=layout.plan_ms * 1e-3 < step,
+        context_parallel_s=critical[LLM] - compute[LLM],
+        items_split=int(layout.pieces.items.size),
+        pieces=int(table.item.size),
     )

@@ -19,11 +19,15 @@ import numpy as np
 
 from orchmllm.config import DataConfig, ModelConfig, TrainRecipe, load_config
 from orchmllm.data.recipe import TASKS
+from orchmllm.data.workload_facts import fact
+from orchmllm.planner.balance import InfeasibleCapError
+from orchmllm.schema import LLM
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.compute import Submodule, submodules
-from orchmllm.sim.layout import plan, tailored
+from orchmllm.sim.context_parallel import ContextParallel, layout_of
+from orchmllm.sim.layout import tailored
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
-from orchmllm.sim.workload import sample_batch
+from orchmllm.sim.workload import sample_batch, with_long_text
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("mllm-10b", "mllm-18b", "mllm-84b")
@@ -39,6 +43,8 @@ class SimModel:
     data: DataConfig
     modules: Mapping[str, Submodule] = field(repr=False)
     recipe: TrainRecipe = field(default_factory=TrainRecipe)
+    # share of examples replaced by one long text (issue 40's mix, :func:`with_long_text`)
+    long_text_share: float = 0.0
 
 
 def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
@@ -76,20 +82,30 @@ def audio_share(model: SimModel) -> float:
 
 
 def with_workload(
-    model: SimModel, *, scale: float = 1.0, audio_share: float | None = None
+    model: SimModel,
+    *,
+    scale: float = 1.0,
+    audio_share: float | None = None,
+    long_text_share: float | None = None,
 ) -> SimModel:
     """``model`` drawing a different workload: every length times ``scale`` (on top of the
     config's own ``data.scale``), and with ``audio_share`` the audio tasks' share of the
     image-or-audio tasks' weight (:func:`audio_share`), each group keeping its inner
-    proportions and the other tasks their weights. For sensitivity sweeps: the shipped
-    workload is the config's.
+    proportions and the other tasks their weights; with ``long_text_share`` that share of
+    the examples is one long text each (:func:`orchmllm.sim.workload.with_long_text`; issue
+    40's long-item mix: :func:`long_item_mix`). For sensitivity sweeps: the shipped workload
+    is the config's.
 
     Raises:
-        ValueError: ``scale`` not positive, ``audio_share`` outside [0, 1], or a mix
-            without both an image and an audio task.
+        ValueError: ``scale`` not positive, ``audio_share`` or ``long_text_share`` outside
+            [0, 1], or an ``audio_share`` for a mix without both an image and an audio task.
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
+    if long_text_share is not None:
+        if not 0.0 <= long_text_share <= 1.0:
+            raise ValueError(f"long_text_share must be in [0, 1], got {long_text_share!r}")
+        model = dataclasses.replace(model, long_text_share=float(long_text_share))
     mix = model.data.task_weights
     if audio_share is not None:
         if not 0.0 <= audio_share <= 1.0:
@@ -109,6 +125,12 @@ def with_workload(
     return dataclasses.replace(model, data=data)
 
 
+def long_item_mix(model: SimModel) -> SimModel:
+    """``model``'s mix with issue 40's long items: ``long_text.share`` of the examples (5%)
+    one text of ``long_text.tokens`` (32k-128k) tokens each, the rest the config's mix."""
+    return with_workload(model, long_text_share=float(fact("long_text.share")))
+
+
 def default_steps(num_ranks: int) -> int:
     """Sampled steps per case: several where a step holds few examples; at scale one step
     is already a large sample of the length distribution."""
@@ -124,14 +146,15 @@ def sample_pool(
     model: SimModel, num_ranks: int, examples_per_rank: int, seed: int | Sequence[int]
 ) -> Batch:
     """One step's global batch drawn from the model's data mix (``seed`` seeds
-    ``numpy.random.default_rng``)."""
-    return sample_batch(
+    ``numpy.random.default_rng``), with its long texts (:attr:`SimModel.long_text_share`)."""
+    batch = sample_batch(
         model.data,
         model.config,
         num_ranks=num_ranks,
         examples_per_rank=examples_per_rank,
         seed=seed,
     )
+    return with_long_text(batch, model.long_text_share, seed)
 
 
 def policy_label(policies: Mapping[str, str] | None) -> str:
@@ -153,6 +176,7 @@ def _steps(
     policies: Mapping[str, str] | None,
     cluster: Cluster,
     pools: Mapping[int, Batch] | None,
+    context_parallel: ContextParallel,
 ) -> list[StepResult]:
     out = []
     for step in range(steps):
@@ -160,9 +184,10 @@ def _steps(
             batch = pools[step].take(examples_per_rank)
         else:
             batch = sample_pool(model, num_ranks, examples_per_rank, seed + step)
-        layout = plan(
+        layout = layout_of(
             batch,
             mode,
+            context_parallel,
             config=model.config,
             modules=model.modules,
             placement=placement,
@@ -193,8 +218,10 @@ def summarize(
     placement: str,
     policies: Mapping[str, str] | None,
     cluster: Cluster,
+    context_parallel: ContextParallel | None = None,
 ) -> dict[str, Any]:
     """Mean over sampled steps of one configuration, as a flat record."""
+    cpl = context_parallel or ContextParallel()
     steps = len(results)
     total_time = sum(r.step_time_s for r in results)
     llm_tokens = sum(r.llm_tokens for r in results)
@@ -222,6 +249,10 @@ def summarize(
         },
         "memory_budget_gb": results[0].budget_bytes / 1e9,
         "oom": any(r.oom for r in results),
+        "context_parallel": cpl.label,
+        "context_parallel_ms": 1e3 * float(np.mean([r.context_parallel_s for r in results])),
+        "items_split": float(np.mean([r.items_split for r in results])),
+        "pieces": float(np.mean([r.pieces for r in results])),
     }
     for phase in model.modules:
         record[f"compute_{phase}_s"] = float(np.mean([r.compute_s[phase] for r in results]))
@@ -250,12 +281,15 @@ def run_case(
     policies: Mapping[str, str] | None = None,
     cluster: Cluster | None = None,
     pools: Mapping[int, Batch] | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> dict[str, Any]:
     """Mean over ``steps`` sampled steps of one configuration, as a flat record.
 
     Step ``k`` uses seed ``seed + k`` (or ``pools[k].take(...)``), so every mode of a
-    comparison sees the same batches.
+    comparison sees the same batches; ``context_parallel`` says how the LLM phase splits
+    examples (default: it does not).
     """
+    cpl = context_parallel or ContextParallel()
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps!r}")
     cluster = cluster or Cluster()
@@ -270,6 +304,7 @@ def run_case(
         policies=policies,
         cluster=cluster,
         pools=pools,
+        context_parallel=cpl,
     )
     return summarize(
         model,
@@ -280,6 +315,7 @@ def run_case(
         placement=placement,
         policies=policies,
         cluster=cluster,
+        context_parallel=cpl,
     )
 
 
@@ -321,6 +357,7 @@ def largest_minibatch(
     policies: Mapping[str, str] | None = None,
     cluster: Cluster | None = None,
     guess: int | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """The paper's rule for the mini-batch (section 8.1): the largest whose worst rank fits
     the memory budget in every pooled step, and its record (``None`` if not even one example
@@ -329,8 +366,11 @@ def largest_minibatch(
     The search starts at ``guess`` (e.g. the answer at a neighbouring scale) or, for a balancing
     mode, where a rank holding every phase's average tokens would fit (cheap: no plan), since a
     balanced layout's worst rank sits near it; the answer does not depend on the start, only
-    the number of plans made does."""
+    the number of plans made does. ``context_parallel`` applies to ``mode``'s steps (the
+    start's ``none`` steps split nothing); a mini-batch whose LLM phase no plan keeps under
+    its budget (``max_load_ms``) does not fit."""
     cluster = cluster or Cluster()
+    cpl = context_parallel or ContextParallel()
     hi = min(p.examples_per_rank for p in pools.values())
     seen: dict[tuple[str, int], list[StepResult]] = {}
 
@@ -347,11 +387,15 @@ def largest_minibatch(
                 policies=policies,
                 cluster=cluster,
                 pools=pools,
+                context_parallel=cpl if how == mode else ContextParallel(),
             )
         return seen[how, b]
 
     def fits(b: int) -> bool:
-        return not any(r.oom for r in results(b, mode))
+        try:
+            return not any(r.oom for r in results(b, mode))
+        except InfeasibleCapError:  # the plan cannot keep the LLM phase under its budget
+            return False
 
     def mean_fits(b: int) -> bool:
         return all(r.balanced_memory_bytes <= r.budget_bytes for r in results(b, "none"))
@@ -372,8 +416,41 @@ def largest_minibatch(
         placement=placement,
         policies=policies,
         cluster=cluster,
+        context_parallel=cpl,
     )
     return b, record
+
+
+def llm_token_capacity(model: SimModel, num_ranks: int, cluster: Cluster | None = None) -> int:
+    """The most LLM tokens a rank can hold under the memory model: the longest text-only
+    sequence whose step fits the budget with one such sequence on every rank (0 if none
+    does). A rank's LLM memory grows with its tokens, so a rank holding more tokens in
+    shorter sequences does not fit either (the encoders' phases aside)."""
+    cluster = cluster or Cluster()
+
+    def fits(tokens: int) -> bool:
+        batch = Batch.uniform(num_ranks, 1, text=tokens, raw={})
+        layout = layout_of(
+            batch, "none", ContextParallel(), config=model.config, modules=model.modules,
+            placement="none", ranks_per_node=cluster.net.ranks_per_node,
+        )  # fmt: skip
+        step = simulate_step(
+            batch, layout, "none", config=model.config, modules=model.modules,
+            recipe=model.recipe, cluster=cluster,
+        )  # fmt: skip
+        return not step.oom
+
+    hi = 1 << 24  # 16M tokens: beyond any GPU's memory at any model size
+    return _largest(fits, hi, 1 << 16) if fits(1) else 0
+
+
+def memory_budget_ms(model: SimModel, num_ranks: int, cluster: Cluster | None = None) -> float:
+    """The LLM phase's per-rank budget (``llm_max_load``, ms) that memory sets: the cost of
+    :func:`llm_token_capacity` tokens without their attention (``alpha * T + const``), so a
+    rank within it holds at most that many tokens whatever its sequences' lengths."""
+    cost = model.modules[LLM].cost
+    tokens = llm_token_capacity(model, num_ranks, cluster)
+    return float(cost.multiplier * (cost.alpha * tokens + cost.const))
 
 
 def step_pools(
