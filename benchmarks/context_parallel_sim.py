@@ -2,7 +2,7 @@
 planner's pieces (issue 40, item 5). No GPU needed.
 
 The workload is the model's mix with issue 40's long items
-(:func:`orchmllm.sim.sweep.long_item_mix`: 5% of the examples one text of 32k-128k tokens, the
+(:func:`orchmllm.sim.sweep.long_item_mix`: 5% of the examples a document of 32k-128k tokens, the
 rest the config's mix). Per cluster size, on the same sampled steps, each strategy gets the
 largest mini-batch whose every rank fits memory (the paper's rule,
 :func:`orchmllm.sim.sweep.largest_minibatch`; ``0``: not even one example per rank fits), then
@@ -128,7 +128,7 @@ def run(model: SimModel, d: int, *, group: int, seed: int, steps: int) -> list[d
     common = {
         "model": model.name,
         "workload": "long_item_mix",
-        "long_text_share": model.long_text_share,
+        "long_text_share": _document_share(model),
         "group": group,
         "steps": len(pools),
         "seed": seed,
@@ -154,6 +154,12 @@ def run(model: SimModel, d: int, *, group: int, seed: int, steps: int) -> list[d
 
 def _fmt(x: Any, spec: str) -> str:
     return "–" if x is None else format(x, spec)
+
+
+def _document_share(model) -> float:  # noqa: ANN001
+    """The share of the mix's weight on the recipe's long documents."""
+    weights = model.data.task_weights
+    return weights.get("document", 0.0) / sum(weights.values())
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

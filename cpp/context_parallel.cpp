@@ -266,15 +266,16 @@ CpPlan context_parallel(const int64_t* len, int64_t n, int64_t d, int64_t group,
             }
             return pieces;
         };
+        // Finer thresholds tighten LPT's bound (mean + the heaviest piece or whole item);
+        // each is kept only where it lowers the busiest rank (ties keep the coarser).
         const double t0 = std::max(mean, floor_piece);
-        for (const double t : {t0, t0 / 2}) {
+        for (const double t : {t0, t0 / 2, t0 / 4, t0 / 8}) {
             const auto pieces = cut([&](int64_t i) -> int64_t {
                 if (!(w[i] > t) || !(t > 0)) return 1;
                 const double k = std::ceil(w[i] / t);
                 return k >= static_cast<double>(group) ? group : static_cast<int64_t>(k);
             });
-            consider(split_plan(len, w, pieces, d, group, node, cost), true);
-            if (found) break;  // finer cuts only to meet the budget
+            if (consider(split_plan(len, w, pieces, d, group, node, cost), true)) break;
         }
         if (!found) {
             const auto pieces = cut([&](int64_t i) { return len[i] >= group ? group : 1; });

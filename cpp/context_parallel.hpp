@@ -38,14 +38,15 @@ struct CpPlan {
 // in at most `node` pieces goes on the ranks of one node, inside the K/V gather's fast links.
 // Candidates, the lightest busiest rank within the budget winning, ties to the earlier: the
 // whole-item portfolio lpt(max_steps) when every item fits whole (it stands when it reaches
-// lower_bound); a split plan at the threshold t = max(mean load, costliest item / N), each
-// item above t cut into ceil(cost/t) pieces, more where a piece would exceed the budget, at
-// most min(N, length). Only while no candidate fits the budget, finer cuts: at t/2, then every
-// item of >= N tokens in N pieces (splitting never pays for itself in this model, which
-// leaves the gather's traffic out, so fine cuts are a last resort for the budget, not a gain
-// of a few tokens). A split plan places the pieces first (heaviest first, each item on the k
-// lightest ranks of the group whose busiest of those would be lightest, ties to the lower
-// group; the heavier pieces, one token more, on the lighter ranks), then the whole items by
+// lower_bound); split plans at the thresholds t, t/2, t/4 and t/8 of t = max(mean load,
+// costliest item / N), each item above the threshold cut into ceil(cost/threshold) pieces,
+// more where a piece would exceed the budget, at most min(N, length): a finer threshold
+// tightens LPT's bound (mean + the heaviest piece or whole item) and wins only where it lowers
+// the busiest rank (the gather's traffic is left out of this model; the simulator counts it).
+// Only while no candidate fits the budget, every item of >= N tokens in N pieces. A split
+// plan places the pieces first (heaviest first, each item on the k lightest ranks of the
+// group whose busiest of those would be lightest, ties to the lower group; the heavier
+// pieces, one token more, on the lighter ranks), then the whole items by
 // LPT (heaviest first to the least-loaded rank, ties to the lower rank). With every item in
 // N pieces and the groups' ranks balanced within a token, that last candidate's busiest rank
 // is at most mean + the heaviest piece or whole item + one token's cost + const (LPT's bound

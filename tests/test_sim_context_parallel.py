@@ -19,8 +19,13 @@ from orchmllm.sim import context_parallel as cp
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.layout import Layout
 from orchmllm.sim.step import simulate_step
-from orchmllm.sim.sweep import load_model, long_item_mix, memory_budget_ms, sample_pool
-from orchmllm.sim.workload import with_long_text
+from orchmllm.sim.sweep import (
+    load_model,
+    long_item_mix,
+    memory_budget_ms,
+    sample_pool,
+    with_workload,
+)
 
 D, RPN = 16, 8
 
@@ -167,21 +172,19 @@ def test_a_piece_needs_less_memory_than_the_whole_item(model):
     assert extra["backward"].min() > 0
 
 
-def test_long_text_mix_replaces_a_share_of_the_examples(model):
-    base = sample_pool(load_model("mllm-10b"), 64, 32, 0)
-    mixed = with_long_text(base, 0.05, 0)
-    long = mixed.text != base.text
-    lo, hi = fact("long_text.tokens")
+def test_the_long_item_mix_draws_the_recipes_documents_as_5_percent(model):
+    """``long_item_mix`` is the config's mix plus the recipe's document task at
+    ``document.share`` of the examples, the text cap raised to let them through."""
+    docs = model.data.params("document")
+    assert model.data.max_text_tokens >= docs.max_tokens
+    weights = model.data.task_weights
+    assert weights["document"] / sum(weights.values()) == pytest.approx(fact("document.share"))
+    pool = sample_pool(model, 64, 32, 0)
+    long = pool.text >= docs.min_tokens * model.data.scale
     assert 0.03 < long.mean() < 0.07
-    assert mixed.text[long].min() >= lo and mixed.text[long].max() <= hi
-    for name, it in mixed.items.items():
-        assert not long[it.example].any()  # a long example holds only its text
-        kept = ~long[base.of(name).example]
-        assert np.array_equal(it.raw, base.of(name).raw[kept])
-    assert with_long_text(base, 0.0, 0) is base
-    assert np.array_equal(sample_pool(model, 64, 32, 0).text, mixed.text)  # the named mix
-    with pytest.raises(ValueError, match="share must be in"):
-        with_long_text(base, 1.5, 0)
+    assert pool.text.max() <= docs.max_tokens * model.data.scale + 20  # the prompt's tokens
+    with pytest.raises(ValueError, match="long_text_share must be in"):
+        with_workload(model, long_text_share=1.0)
 
 
 def test_context_parallel_rejects_bad_settings():

@@ -33,9 +33,10 @@ def context_parallel_sim(recs: Records) -> list[str]:
     ranks = sorted({r["ranks"] for r in recs})
     lines = [
         f"`{r0['model']}` on its mix with issue 40's long items (`{r0['workload']}`: "
-        f"{r0['long_text_share']:.0%} of the examples one text of 32k-128k tokens), context-"
-        f"parallel groups of {r0['group']} ranks (one node), OrchMLLM's balance (`full`, no "
-        "node placement) in every row; simulated, no GPU. `none`: whole examples only; "
+        f"{r0['long_text_share']:.0%} of the examples a document of 32k-128k tokens, "
+        f"log-uniform), context-parallel groups of {r0['group']} ranks (one node), "
+        "OrchMLLM's balance (`full`, no node placement) in every row; simulated, no GPU. "
+        "`none`: whole examples only; "
         f"`fixed {r0['group']}`: every example cut over its group's ranks (classic context "
         f"parallelism), the examples balanced over the groups; `planned {r0['group']}`: the "
         "planner's pieces, split where that lowers the slowest rank; `memory budget`: also "

@@ -123,13 +123,8 @@ FACTS: dict[str, Fact] = {
     "spoken_qa.chat_answer_sigma": Fact(0.5, "assumed: spread of chat answers"),
     "chat.prefix_tokens": Fact((6, 20), "assumed: a system prompt"),
     "chat.max_turn_pairs": Fact(8, "assumed: ShareGPT conversations of 1-8 user/assistant pairs"),
-    # -- long items (orchmllm.sim.workload.with_long_text, issue 40's long-item mix) -----------
-    "long_text.share": Fact(0.05, "assumed: issue 40's example, 5% of the examples are long"),
-    "long_text.tokens": Fact(
-        (32768, 131072),
-        "assumed: issue 40's example, long documents (or a video's tokens) of 32k-128k tokens, "
-        "uniform",
-    ),
+    # -- long items (the recipe's document task; orchmllm.sim.sweep.long_item_mix) ----------
+    "document.share": Fact(0.05, "assumed: issue 40's example, 5% of the examples are long"),
 }
 
 

@@ -27,7 +27,7 @@ from orchmllm.sim.compute import Submodule, submodules
 from orchmllm.sim.context_parallel import ContextParallel, layout_of
 from orchmllm.sim.layout import tailored
 from orchmllm.sim.step import Cluster, StepResult, simulate_step
-from orchmllm.sim.workload import sample_batch, with_long_text
+from orchmllm.sim.workload import sample_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("mllm-10b", "mllm-18b", "mllm-84b")
@@ -43,8 +43,6 @@ class SimModel:
     data: DataConfig
     modules: Mapping[str, Submodule] = field(repr=False)
     recipe: TrainRecipe = field(default_factory=TrainRecipe)
-    # share of examples replaced by one long text (issue 40's mix, :func:`with_long_text`)
-    long_text_share: float = 0.0
 
 
 def load_model(name: str, *, configs_dir: Path = CONFIGS) -> SimModel:
@@ -92,9 +90,10 @@ def with_workload(
     config's own ``data.scale``), and with ``audio_share`` the audio tasks' share of the
     image-or-audio tasks' weight (:func:`audio_share`), each group keeping its inner
     proportions and the other tasks their weights; with ``long_text_share`` that share of
-    the examples is one long text each (:func:`orchmllm.sim.workload.with_long_text`; issue
-    40's long-item mix: :func:`long_item_mix`). For sensitivity sweeps: the shipped workload
-    is the config's.
+    the examples is a long ``document`` (the recipe's task: 32k-128k tokens before
+    ``scale``, :class:`orchmllm.data.recipe.DocumentParams`; issue 40's long-item mix:
+    :func:`long_item_mix`), the text cap raised to let them through. For sensitivity sweeps:
+    the shipped workload is the config's.
 
     Raises:
         ValueError: ``scale`` not positive, ``audio_share`` or ``long_text_share`` outside
@@ -102,11 +101,15 @@ def with_workload(
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    if long_text_share is not None:
-        if not 0.0 <= long_text_share <= 1.0:
-            raise ValueError(f"long_text_share must be in [0, 1], got {long_text_share!r}")
-        model = dataclasses.replace(model, long_text_share=float(long_text_share))
     mix = model.data.task_weights
+    data = model.data
+    if long_text_share is not None:
+        if not 0.0 <= long_text_share < 1.0:
+            raise ValueError(f"long_text_share must be in [0, 1), got {long_text_share!r}")
+        others = sum(w for t, w in mix.items() if t != "document")
+        mix["document"] = others * long_text_share / (1.0 - long_text_share)
+        longest = data.params("document").max_tokens
+        data = dataclasses.replace(data, max_text_tokens=max(data.max_text_tokens, longest))
     if audio_share is not None:
         if not 0.0 <= audio_share <= 1.0:
             raise ValueError(f"audio_share must be in [0, 1], got {audio_share!r}")
@@ -121,14 +124,14 @@ def with_workload(
         ):
             for t in group:
                 mix[t] = mix[t] / weight * share * both
-    data = dataclasses.replace(model.data.with_weights(mix), scale=model.data.scale * scale)
+    data = dataclasses.replace(data.with_weights(mix), scale=data.scale * scale)
     return dataclasses.replace(model, data=data)
 
 
 def long_item_mix(model: SimModel) -> SimModel:
-    """``model``'s mix with issue 40's long items: ``long_text.share`` of the examples (5%)
-    one text of ``long_text.tokens`` (32k-128k) tokens each, the rest the config's mix."""
-    return with_workload(model, long_text_share=float(fact("long_text.share")))
+    """``model``'s mix with issue 40's long items: ``document.share`` of the examples (5%)
+    a ``document`` of 32k-128k tokens, the rest the config's mix."""
+    return with_workload(model, long_text_share=float(fact("document.share")))
 
 
 def default_steps(num_ranks: int) -> int:
@@ -146,15 +149,14 @@ def sample_pool(
     model: SimModel, num_ranks: int, examples_per_rank: int, seed: int | Sequence[int]
 ) -> Batch:
     """One step's global batch drawn from the model's data mix (``seed`` seeds
-    ``numpy.random.default_rng``), with its long texts (:attr:`SimModel.long_text_share`)."""
-    batch = sample_batch(
+    ``numpy.random.default_rng``)."""
+    return sample_batch(
         model.data,
         model.config,
         num_ranks=num_ranks,
         examples_per_rank=examples_per_rank,
         seed=seed,
     )
-    return with_long_text(batch, model.long_text_share, seed)
 
 
 def policy_label(policies: Mapping[str, str] | None) -> str:

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from orchmllm.config import DataConfig, ModelConfig
-from orchmllm.data.recipe import ItemLengths, sample_examples
-from orchmllm.data.workload_facts import fact
+from orchmllm.data.recipe import sample_examples
 from orchmllm.sim.batch import Batch
-
-# The long-item stream's tag, appended to a step's seed so its draw never shifts the mix's.
-LONG_STREAM = 40
 
 
 def sample_batch(
@@ -43,30 +37,3 @@ def sample_batch(
     batch = Batch(num_ranks, ex.text, {n: it for n, it in ex.items.items() if it.raw.size})
     batch.check_encoded_by(config)
     return batch
-
-
-def with_long_text(batch: Batch, share: float, seed: int | Sequence[int]) -> Batch:
-    """``batch`` with about ``share`` of its examples (each independently) replaced by one long
-    text of ``long_text.tokens`` tokens (uniform; :data:`orchmllm.data.workload_facts.FACTS`),
-    its items dropped: issue 40's long-item mix, the rest the config's own mix. The draw has
-    its own stream (``seed`` plus :data:`LONG_STREAM`), so the other examples are those the
-    seed gives without long items, and a share of 0 returns ``batch``.
-
-    Raises:
-        ValueError: ``share`` outside [0, 1].
-    """
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"share must be in [0, 1], got {share!r}")
-    if share == 0.0:
-        return batch
-    rng = np.random.default_rng([*np.atleast_1d(seed).tolist(), LONG_STREAM])
-    n = batch.text.size
-    long = rng.random(n) < share
-    lo, hi = fact("long_text.tokens")
-    text = batch.text.copy()
-    text[long] = rng.integers(int(lo), int(hi) + 1, size=int(long.sum()))
-    items = {
-        name: ItemLengths(it.example[~long[it.example]], it.raw[~long[it.example]])
-        for name, it in batch.items.items()
-    }
-    return Batch(batch.num_ranks, text, items)
