@@ -328,11 +328,13 @@ def _moves(r) -> bool:
 
 def step_of_plan(plan: StepPlan) -> tuple[Batch, Layout, frozenset[str]]:
     """A trainer step's plan (:class:`~orchmllm.planner.step_plan.StepPlan`) as the memory model
-    reads it: the global batch, where each phase runs it, and which moves run (a move where
-    every item stays is skipped, as ``Orchestrator._move`` skips it)."""
+    reads it: the global batch, where each phase runs it (the LLM phase's pieces too; an
+    encoder phase's split items count whole on their home rank: not modelled yet), and which
+    moves run (a move where every item stays is skipped, as ``Orchestrator._move`` skips it)."""
     items = {n: ItemLengths(p.example, p.raw) for n, p in plan.phases.items()}
     batch = Batch(plan.num_ranks, plan.text_len, items)
-    layout = Layout(plan.llm.dst_rank, {n: p.encoder.dst_rank for n, p in plan.phases.items()})
+    encoders = {n: p.encoder.dst_rank for n, p in plan.phases.items()}
+    layout = Layout(plan.llm.dst_rank, encoders, pieces=plan.llm_pieces)
     moves = {f"{n}.raw" for n, p in plan.phases.items() if _moves(p.encoder)}
     moves |= {f"{n}.out" for n, p in plan.phases.items() if _moves(p.to_llm)}
     if _moves(plan.llm):
