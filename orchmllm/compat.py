@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import CausalBias
 
 __all__ = [
     "MINIMUM",
@@ -247,7 +248,7 @@ def scaled_dot_product_attention(
     k: Tensor,
     v: Tensor,
     *,
-    attn_mask: Tensor | None = None,
+    attn_mask: Tensor | CausalBias | None = None,
     is_causal: bool = False,
     enable_gqa: bool = False,
 ) -> Tensor:

@@ -1,7 +1,7 @@
 """Context-parallel attention (orchmllm.dist.context_parallel): a sequence split over 2 and
 over 4 gloo ranks (also on ranks that are no block), beside whole sequences, gives the unsplit
 outputs, loss and gradients (float64, 1e-10), causal and bidirectional; the pure helpers
-(chunks, positions, targets, mask); bad records and absent ranks fail with a clear error
+(chunks, positions, targets); bad records and absent ranks fail with a clear error
 instead of hanging."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from orchmllm.dist.comm import MismatchError
 from orchmllm.dist.context_parallel import (
     PackedPieces,
     SplitSequence,
-    causal_mask,
     chunk_ranges,
     packed_positions,
     piece_targets,
@@ -111,11 +110,6 @@ def test_each_target_lands_on_exactly_one_member():
     assert torch.equal(torch.cat(per_rank)[order], targets)
     with pytest.raises(ValueError, match="sequence's 11 positions"):
         piece_targets(targets[:-1], split, 0)
-
-
-def test_causal_mask_uses_global_positions():
-    mask = causal_mask(torch.tensor([1, 4]), 5)
-    assert mask.tolist() == [[True, True, False, False, False], [True] * 5]
 
 
 @pytest.mark.parametrize(

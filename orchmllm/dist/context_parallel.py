@@ -34,9 +34,9 @@ Bidirectional (``causal=False``, an encoder's packed items: images, video): ever
 piece attends over the whole item's keys, gathered the same way; the chunking only evens the
 rows, the work is even anyway.
 
-Not here yet: the fused varlen kernel (a chunk is attended with SDPA and an explicit
-lower-right causal mask of chunk x prefix entries), overlapping the gather with compute (ring
-attention).
+Not here yet: the fused varlen kernel (a chunk is attended with SDPA and torch's lower-right
+causal bias: without a [chunk, prefix] mask on CUDA, with one on CPU), overlapping the gather
+with compute (ring attention).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from orchmllm import compat
 from orchmllm.dist.comm import MismatchError, all_gather_fixed, fingerprint
@@ -57,7 +58,6 @@ from orchmllm.dist.topology import Topology
 __all__ = [
     "PackedPieces",
     "SplitSequence",
-    "causal_mask",
     "chunk_ranges",
     "packed_positions",
     "piece_targets",
@@ -187,30 +187,29 @@ def packed_positions(
     )
 
 
-def causal_mask(q_positions: Tensor, num_keys: int) -> Tensor:
-    """Bool [queries, num_keys]: the key at position j is visible to the query at position p
-    iff j <= p (keys are the sequence's prefix from position 0)."""
-    return torch.arange(num_keys, device=q_positions.device)[None, :] <= q_positions[:, None]
-
-
 def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """Causal attention of queries at positions ``start``.. over keys at positions 0..:
-    q [n, Hq, D], k and v [m, Hkv, D] -> [n, Hq, D]."""
+    """Causal attention of the queries at positions ``start``.. over the keys at positions
+    0.. up to the last query's: q [n, Hq, D], k and v [start + n, Hkv, D] -> [n, Hq, D]. The
+    queries are the keys' last n, so the mask is causal aligned to the lower right, which
+    torch's ``causal_lower_right`` gives the fused kernels without a [n, keys] mask (CUDA's
+    flash and memory-efficient kernels; CPU's SDPA still builds one)."""
     n, m = q.shape[0], k.shape[0]
-    if start == 0 and n == m:
-        return _attend(q, k, v, "causal")
-    return _attend(q, k, v, causal_mask(torch.arange(start, start + n), m).to(q.device))
+    if start + n != m:
+        raise ValueError(f"a chunk at {start} of {n} queries needs {start + n} keys, got {m}")
+    return _attend(q, k, v, attn_mask=causal_lower_right(n, m) if start else None, causal=True)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | str | None) -> Tensor:
-    """SDPA on [tokens, heads, dim] rows: ``mask`` a bool [n, m] mask, ``"causal"``, or None
-    (bidirectional)."""
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, *, attn_mask: CausalBias | None = None, causal: bool
+) -> Tensor:
+    """SDPA on [tokens, heads, dim] rows: causal from the upper left (``causal`` without a
+    mask), the given ``attn_mask``, or bidirectional."""
     out = compat.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=mask if isinstance(mask, Tensor) else None,
-        is_causal=isinstance(mask, str) and mask == "causal",
+        attn_mask=attn_mask,
+        is_causal=causal and attn_mask is None,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
@@ -374,7 +373,7 @@ class PackedPieces:
         for i, q_seg in enumerate(qs):
             if not self.causal:
                 k_all, v_all = gathered.get(i, (ks[i], vs[i]))
-                outs.append(_attend(q_seg, k_all, v_all, None))
+                outs.append(_attend(q_seg, k_all, v_all, causal=False))
                 continue
             if i not in gathered:
                 outs.append(_attend_chunk(q_seg, ks[i], vs[i], 0))
