@@ -184,7 +184,10 @@ def test_plan_properties(case, fraction, seed):
         np.testing.assert_array_equal(x, y)
     perm = np.random.default_rng(seed).permutation(len(lengths))
     shuffled = balance(np.asarray(lengths, dtype=np.int64)[perm], d, policy, src=src[perm], **kw)
-    np.testing.assert_array_equal(shuffled.loads, a.loads)
+    if n > 1:  # the split core's loads are the same rank for rank
+        np.testing.assert_array_equal(shuffled.loads, a.loads)
+    else:  # context_parallel=1 is the plain balance: ties between ranks break by item index
+        np.testing.assert_array_equal(np.sort(shuffled.loads), np.sort(a.loads))
     assert _split_shapes(lengths, a.pieces) == _split_shapes(
         np.asarray(lengths)[perm], shuffled.pieces
     )

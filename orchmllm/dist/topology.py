@@ -256,6 +256,12 @@ class Topology:
         """The smallest block :meth:`build` opened a group for that holds all of ``ranks``
         (the ranks of one sequence's pieces): where its keys and values are gathered.
 
+        Args:
+            ranks: data-parallel ranks.
+
+        Returns:
+            The block's ranks, ascending.
+
         Raises:
             ValueError: no block holds them (ranks of two N-blocks, or no groups opened).
         """

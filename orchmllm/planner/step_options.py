@@ -247,7 +247,14 @@ class StepOptions:
         cost), whose encoder sees its raw rows one to one (stride 1) and whose items carry no
         record (``fields``: a piece would need its item's). Its pieces are whole LLM tokens
         (multiples of ``divisor`` rows), so a connector that merges ``divisor`` consecutive
-        rows merges inside a piece. Other phases keep their items whole."""
+        rows merges inside a piece. Other phases keep their items whole.
+
+        Args:
+            phase: one of these options' phases.
+
+        Returns:
+            True when the phase splits.
+        """
         return (
             self.context_parallel > 1
             and phase.policy in SPLIT_POLICIES
