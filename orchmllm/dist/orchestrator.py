@@ -288,9 +288,7 @@ class LLMBatch:
                 f"text_embeds has {text_embeds.shape[0]} rows, input_ids {self.input_ids.shape[0]}"
             )
         rows = [text_embeds, *(e.to(text_embeds.dtype) for e in self.encoded)]
-        return self.to_pieces(
-            torch.cat(rows).index_select(0, self.index.to(text_embeds.device))
-        )
+        return self.to_pieces(torch.cat(rows).index_select(0, self.index.to(text_embeds.device)))
 
     def token_values(
         self, name: str, fill: float | Sequence[float] | torch.Tensor, *, home: bool = False
