@@ -7,7 +7,9 @@ LLaVA (1-D RoPE, pieces on up to 4 ranks) and a Qwen2.5-VL (M-RoPE, pieces on 2 
 with two rows several times longer than the others (an image amid them, so positions after it
 are not token indices). The split step's losses and parameter gradients, summed over the
 ranks, are the plain forward's; Qwen's 3-D positions of every piece are ``get_rope_index``'s at
-those tokens of the whole row; every rank's tokens fit the budget.
+those tokens of the whole row; every rank's tokens fit the budget; with activation
+checkpointing too (the pieces reach the attention as a keyword, which the recomputation gets
+again). In one process: outside a split step the registered attention is the original one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extr
 
 from orchmllm.integrations import hf_compat  # noqa: E402
 from orchmllm.integrations import transformers as omt  # noqa: E402
-from orchmllm.integrations.transformers import tiny  # noqa: E402
+from orchmllm.integrations.transformers import split_attention, tiny  # noqa: E402
 
 WORLD, PER_RANK = 4, 2
 LONG = {1: (300, 500), 6: (200, 600)}  # row -> (prompt, answer) tokens added
@@ -97,6 +99,19 @@ def _mrope_mismatches(model, balanced, out, batch) -> int:  # noqa: ANN001
     return bad
 
 
+def _count_attention(language_model: torch.nn.Module) -> list[int]:
+    """A counter (``[calls]``) of the language model's attention modules' forwards."""
+    calls = [0]
+
+    def count(*_: object) -> None:
+        calls[0] += 1
+
+    for module in language_model.modules():
+        if type(module).__name__.endswith("Attention"):
+            module.register_forward_pre_hook(count)
+    return calls
+
+
 def _split_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     results = {}
@@ -111,14 +126,16 @@ def _split_worker(rank: int, world: int) -> dict:
         plain_grads = {k: _grad(p) for k, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         record = {"plain": float(plain), "tokens": [len(r["input_ids"]) for r in rows]}
-        for key, kwargs in (
-            ("unsplit", {}),
-            ("split", {"context_parallel": cp, "llm_max_load": budget}),
-        ):
+        split = {"context_parallel": cp, "llm_max_load": budget}
+        for key, kwargs in (("unsplit", {}), ("split", split), ("checkpointed", split)):
             balanced = omt.wrap(model, **kwargs)
+            calls = _count_attention(balanced.adapter.language_model(model))
+            if key == "checkpointed":
+                balanced.activation_checkpointing_enable()
             out = balanced(mine)
             loss = _own_loss(out.logits[0], out.batch.targets, out.batch.num_targets)
             loss.backward()
+            balanced.activation_checkpointing_disable()
             total = loss.detach().clone()
             dist.all_reduce(total)
             grads = _summed_grads(model)
@@ -129,6 +146,7 @@ def _split_worker(rank: int, world: int) -> dict:
                 "items_split": out.batch.stats["llm"].get("items_split", 0),
                 "pieces_here": 0 if out.batch.pieces is None else len(out.batch.pieces.pieces),
                 "attention": model.config.get_text_config()._attn_implementation,
+                "attention_calls": calls[0],
             }
             if key == "split" and name.startswith("qwen"):
                 record[key]["mrope_mismatches"] = _mrope_mismatches(model, balanced, out, batch)
@@ -146,14 +164,17 @@ def runs() -> list[dict]:
 def test_rows_split_over_context_parallel_ranks_train_as_the_models_own_forward(runs, name):
     """The split step's loss and gradients (summed over the ranks) are the plain forward's on
     the whole rows, to 1e-5 in float64; the long rows really were split, over more than one
-    rank, through the registered attention."""
+    rank, through the registered attention; with activation checkpointing too (the backward
+    recomputes every attention layer, the pieces' gathers included)."""
     cp, budget = CASES[name]
     for record in (r[name] for r in runs):
         assert max(record["tokens"]) > budget  # the long rows do not fit a rank
         split = record["split"]
         assert split["items_split"] >= 1 and split["attention"] == "orchmllm_cp_sdpa"
         assert split["tokens"] <= budget
-        for key in ("unsplit", "split"):
+        layers = split["attention_calls"]
+        assert record["checkpointed"]["attention_calls"] == 2 * layers > 0
+        for key in ("unsplit", "split", "checkpointed"):
             assert abs(record[key]["loss"] - record["plain"]) < 1e-5, (key, record)
             assert record[key]["grad_diff"] < 1e-5, (key, record)
     holders = sum(r[name]["split"]["pieces_here"] for r in runs)
@@ -165,3 +186,28 @@ def test_qwen_pieces_take_the_whole_rows_mrope_positions(runs):
     """Every token of every rank, pieces included, has the 3-D position ``get_rope_index``
     gives it in its whole row, and its position in the row as the text position."""
     assert [r["qwen2.5-vl"]["split"]["mrope_mismatches"] for r in runs] == [0] * WORLD
+
+
+@pytest.mark.parametrize("original", ["sdpa", "eager"])
+def test_outside_a_split_step_the_registered_attention_is_the_original(original):
+    """The registered implementation's attention and mask functions, in a step without
+    pieces (a padded batch here: the mask matters), give the original's outputs exactly."""
+    model = tiny.build_model("qwen2.5-vl", seed=0, dtype=torch.float64)
+    batch = tiny.collate(tiny.make_rows("qwen2.5-vl", model, 3, seed=2))
+    model.set_attn_implementation({"text_config": original})
+    expected = model(**batch).logits
+    name = split_attention.attention_name(original)
+    model.set_attn_implementation({"text_config": name})
+    assert model.config.get_text_config()._attn_implementation == name
+    with split_attention.pieces_attention(None) as kwargs:
+        assert kwargs == {}
+        got = model(**batch).logits
+    assert torch.equal(got, expected)
+    assert split_attention.original_attention(name) == original
+
+
+def test_splitting_needs_torch_distributed():
+    model = tiny.build_model("llava", seed=0)
+    with pytest.raises(ValueError, match="context_parallel=2 needs torch.distributed"):
+        omt.wrap(model, context_parallel=2, llm_max_load=100)
+    assert model.config.get_text_config()._attn_implementation == "sdpa"  # left as it was
