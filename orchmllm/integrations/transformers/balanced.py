@@ -238,7 +238,7 @@ class BalancedModel(nn.Module):
             embeds = out.assemble(model.get_input_embeddings()(out.input_ids))
             positions = self.adapter.position_ids(out)
             kwargs = self.adapter.language_kwargs(out)
-            with pieces_attention(out.pieces) as split:
+            with pieces_attention(out) as split:
                 hidden = self.adapter.language_model(model)(
                     inputs_embeds=embeds[None],
                     position_ids=positions,

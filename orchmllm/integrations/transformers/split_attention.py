@@ -32,7 +32,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from orchmllm.dist.context_parallel import PackedPieces
+import orchmllm
 
 __all__ = ["PIECES_KWARG", "PREFIX", "attention_name", "original_attention", "pieces_attention"]
 
@@ -61,15 +61,16 @@ def attention_name(original: str) -> str:
 
 
 @contextlib.contextmanager
-def pieces_attention(pieces: PackedPieces | None) -> Iterator[dict[str, Any]]:
-    """Around a language model's call: the keywords that bring ``pieces`` to its attention
-    layers (none when nothing is split), and no attention mask built while it runs."""
-    if pieces is None:
+def pieces_attention(batch: orchmllm.LLMBatch) -> Iterator[dict[str, Any]]:
+    """Around a language model's call on ``batch``: the keywords that bring its pieces
+    (:attr:`orchmllm.LLMBatch.pieces`) to the attention layers (none when nothing is split),
+    and no attention mask built while it runs."""
+    if batch.pieces is None:
         yield {}
         return
     token = _IN_STEP.set(True)
     try:
-        yield {PIECES_KWARG: pieces}
+        yield {PIECES_KWARG: batch.pieces}
     finally:
         _IN_STEP.reset(token)
 
