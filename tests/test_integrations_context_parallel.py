@@ -9,7 +9,8 @@ are not token indices). The split step's losses and parameter gradients, summed 
 ranks, are the plain forward's; Qwen's 3-D positions of every piece are ``get_rope_index``'s at
 those tokens of the whole row; every rank's tokens fit the budget; with activation
 checkpointing too (the pieces reach the attention as a keyword, which the recomputation gets
-again). In one process: outside a split step the registered attention is the original one.
+again). In one process: outside a split step the registered attention is the original one;
+over packed whole sequences it is the layer's own attention, its scaling included.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import orchmllm
+from orchmllm.dist.context_parallel import PackedPieces
 from orchmllm.testing import run_distributed
 
 pytest.importorskip("transformers", exc_type=ModuleNotFoundError)  # the hf extra
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from orchmllm.integrations import hf_compat  # noqa: E402
 from orchmllm.integrations import transformers as omt  # noqa: E402
@@ -209,3 +214,35 @@ def test_splitting_needs_torch_distributed():
     with pytest.raises(ValueError, match="context_parallel=2 needs torch.distributed"):
         omt.wrap(model, context_parallel=2, llm_max_load=100)
     assert model.config.get_text_config()._attn_implementation == "sdpa"  # left as it was
+
+
+def test_the_registered_attention_over_pieces_is_the_layers_own_attention():
+    """In one process, over packed whole sequences (a real ``PackedPieces`` with nothing
+    split), the registered attention gives the original packing's outputs, with the layer's
+    own scaling (not the default one); what it cannot honour is refused by name."""
+    model = tiny.build_model("llava", seed=0, dtype=torch.float64)
+    lm = model.model.language_model
+    attention = [m for m in lm.modules() if type(m).__name__.endswith("Attention")]
+    for module in attention:
+        module.scaling = 0.3  # not head_dim ** -0.5
+    lengths = torch.tensor([5, 9, 7])
+    pieces = PackedPieces(lengths.tolist(), {}, topology=orchmllm.Topology.build())
+    x = torch.randn(1, int(lengths.sum()), tiny.HIDDEN, dtype=torch.float64)
+    call = {"inputs_embeds": x, "position_ids": omt.restart_positions(lengths)[None]}
+    expected = lm(**call, use_cache=False).last_hidden_state
+    name = split_attention.attention_name("sdpa")
+    model.set_attn_implementation({"text_config": name})
+    split = {split_attention.PIECES_KWARG: pieces}
+    got = lm(**call, use_cache=False, **split).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    fn, module = ALL_ATTENTION_FUNCTIONS[name], attention[0]
+    q = torch.zeros(1, 4, int(lengths.sum()), 8, dtype=torch.float64)
+    kv = q[:, :2]
+    for kwargs, message in (
+        ({"dropout": 0.1}, "attention dropout 0.1"),
+        ({"sliding_window": 4}, r"attends with \{'sliding_window': 4\}"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fn(module, q, kv, kv, None, **split, **kwargs)
+    with pytest.raises(ValueError, match="one packed row, got a batch of 2"):
+        fn(module, q.expand(2, -1, -1, -1), kv, kv, None, **split)
