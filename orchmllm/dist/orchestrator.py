@@ -235,6 +235,11 @@ class LLMBatch:
             layout, and :meth:`assemble`, :meth:`token_values` and :meth:`mask` send the
             pieces' rows on: collectives, which every rank calls in the same order.
         scatter: (with ``pieces``) the move of the pieces' rows, with its group and timeout.
+        home_lengths: int64 ``[sequences]``, the lengths of this rank's assembled sequences,
+            every example whole (the home layout, before the pieces' rows leave); ``lengths``
+            when nothing is split. What is computed over whole sequences (M-RoPE positions,
+            which add up per-token steps from the sequence's start) is computed in this
+            layout (``token_values(..., home=True)``) and then moved with :meth:`to_pieces`.
     """
 
     input_ids: torch.Tensor
@@ -251,9 +256,13 @@ class LLMBatch:
     absent: tuple[str, ...] = ()
     pieces: PackedPieces | None = None
     scatter: _Scatter | None = None
+    home_lengths: torch.Tensor | None = None
 
-    def _to_pieces(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (one per position of the assembled sequences) in the pieces' layout."""
+    def to_pieces(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` of the home layout (one per position of the assembled sequences,
+        :attr:`home_lengths`) in the pieces' layout: with :attr:`pieces` a collective
+        (every rank calls it in the same order), differentiable; ``rows`` unchanged
+        without."""
         if self.scatter is None:
             return rows
         return self.scatter(rows)
@@ -279,11 +288,11 @@ class LLMBatch:
                 f"text_embeds has {text_embeds.shape[0]} rows, input_ids {self.input_ids.shape[0]}"
             )
         rows = [text_embeds, *(e.to(text_embeds.dtype) for e in self.encoded)]
-        return self._to_pieces(
-            torch.cat(rows).index_select(0, self.index.to(text_embeds.device))
-        )
+        return self.to_pieces(torch.cat(rows).index_select(0, self.index.to(text_embeds.device)))
 
-    def token_values(self, name: str, fill: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
+    def token_values(
+        self, name: str, fill: float | Sequence[float] | torch.Tensor, *, home: bool = False
+    ) -> torch.Tensor:
         """The per-token values ``name`` at every position of the packed sequences.
 
         Tokens of a phase whose encoder returned ``name`` take theirs; every other position
@@ -292,12 +301,15 @@ class LLMBatch:
         Args:
             name: a key of the :class:`Encoded` values some encoder returned.
             fill: the value of the other positions, broadcast to one token's value shape.
+            home: the values in the home layout (:attr:`home_lengths`; no collective), not
+                the pieces'.
 
         Returns:
-            ``[sum(lengths), ...]``, in the dtype and on the device of the encoders' values;
-            where no encoder ran that could have returned ``name`` (every phase that ran
-            returned other values, and some phase is :attr:`absent`), ``fill`` at every
-            position, as ``torch.as_tensor(fill)`` gives it.
+            ``[sum(lengths), ...]`` (``home``: ``[sum(home_lengths), ...]``), in the dtype and
+            on the device of the encoders' values; where no encoder ran that could have
+            returned ``name`` (every phase that ran returned other values, and some phase is
+            :attr:`absent`), ``fill`` at every position, as ``torch.as_tensor(fill)`` gives
+            it.
 
         Raises:
             ValueError: no phase returned ``name`` and none is absent.
@@ -305,7 +317,8 @@ class LLMBatch:
         like = next((v[name] for v in self.values.values() if name in v), None)
         if like is None and self.absent:
             filler = torch.as_tensor(fill, device=self.input_ids.device)
-            return filler.expand(int(self.lengths.sum()), *filler.shape).clone()
+            lengths = self.home_lengths if home else self.lengths
+            return filler.expand(int(lengths.sum()), *filler.shape).clone()
         if like is None:
             known = sorted({k for v in self.values.values() for k in v})
             raise ValueError(f"no encoder returned token values {name!r}; they returned {known}")
@@ -315,7 +328,8 @@ class LLMBatch:
         for phase, enc in zip(self.phases, self.encoded, strict=True):
             mine = self.values.get(phase, {}).get(name)
             rows.append(filler.expand(enc.shape[0], *shape) if mine is None else mine)
-        return self._to_pieces(torch.cat(rows).index_select(0, self.index.to(like.device)))
+        rows = torch.cat(rows).index_select(0, self.index.to(like.device))
+        return rows if home else self.to_pieces(rows)
 
     def mask(self, *sources: str) -> torch.Tensor:
         """Which positions of the packed sequences hold a token of ``sources``.
@@ -341,7 +355,7 @@ class LLMBatch:
         for k, source in enumerate(rows):
             if source in sources:
                 keep[int(bounds[k]) : int(bounds[k + 1])] = True
-        return self._to_pieces(keep[self.index].to(torch.uint8)).bool()
+        return self.to_pieces(keep[self.index].to(torch.uint8)).bool()
 
 
 @dataclass(frozen=True)
@@ -731,6 +745,7 @@ class Orchestrator:
             phases=tuple(values),
             values={k: v for k, v in values.items() if v},
             absent=absent,
+            home_lengths=torch.from_numpy(layout.lengths).to(device),
         )
 
 

@@ -223,7 +223,11 @@ class Adapter:
 
     def position_ids(self, batch: orchmllm.LLMBatch) -> torch.Tensor:
         """Positions of the packed sequences: restarting at 0 for each, ``[1, tokens]`` (the
-        language model derives the block-diagonal mask from them)."""
+        language model derives the block-diagonal mask from them); with pieces of split
+        sequences (:attr:`orchmllm.LLMBatch.pieces`), each token's position in its whole
+        sequence."""
+        if batch.pieces is not None:
+            return batch.pieces.positions.to(batch.lengths.device)[None]
         return restart_positions(batch.lengths)[None]
 
     def language_kwargs(self, batch: orchmllm.LLMBatch) -> dict[str, Any]:
@@ -268,9 +272,11 @@ def restart_positions(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def mrope_positions(rope: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[4, 1, tokens]`` M-RoPE position ids of packed sequences, as ``get_rope_index`` gives
-    them, with the restarting text positions first (the language model reads row 0 for the
-    block-diagonal mask).
+    """``[4, 1, tokens]`` M-RoPE position ids of packed whole sequences, as
+    ``get_rope_index`` gives them, with the restarting text positions first (the language
+    model reads row 0 for the block-diagonal mask). Each position adds up the steps of the
+    tokens before it in its sequence, so split sequences take theirs from the home layout
+    (:func:`packed_mrope_positions`).
 
     Args:
         rope: int64 ``[tokens, 4]`` per token: its (t, h, w) offsets from its item's start and
@@ -283,6 +289,19 @@ def mrope_positions(rope: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     starts = torch.cumsum(lengths, 0) - lengths
     base = before - torch.repeat_interleave(before[starts], lengths, output_size=rope.shape[0])
     return torch.cat([restart_positions(lengths)[None], (base[:, None] + rope[:, :3]).T])[:, None]
+
+
+def packed_mrope_positions(batch: orchmllm.LLMBatch, rope: torch.Tensor) -> torch.Tensor:
+    """:func:`mrope_positions` of ``batch``'s packed sequences, pieces of split sequences
+    included: computed over the whole sequences of the home layout (``rope``: the per-token
+    rows there, ``batch.token_values(..., home=True)``) and moved to the pieces (a
+    collective with pieces), where row 0 is each token's position in its whole sequence."""
+    whole = mrope_positions(rope, batch.home_lengths)
+    if batch.pieces is None:
+        return whole
+    rows = batch.to_pieces(whole[1:, 0].T.contiguous())  # [tokens, 3] in the pieces' layout
+    text = batch.pieces.positions.to(rows.device)
+    return torch.cat([text[None], rows.T])[:, None]
 
 
 def item_rope(offsets: torch.Tensor, advance: int) -> torch.Tensor:

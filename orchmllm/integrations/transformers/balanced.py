@@ -15,6 +15,10 @@ a fused linear-cross-entropy kernel such as Liger's gives a plain HF model, whic
 model's own forward bypasses). TRL's trainers ask a model for per-token log-probabilities
 instead (their "fused LM head": ``forward(..., fused_lm_head=True)``), which the forward serves
 in chunks too.
+
+With ``wrap(model, context_parallel=N, llm_max_load=B)`` the plan may split an example longer
+than a rank's budget over up to N ranks; the language model then runs on the pieces, with
+their global positions, its attention through :mod:`.split_attention`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from transformers.utils import ModelOutput
 import orchmllm
 from orchmllm.integrations import hf_compat
 from orchmllm.integrations.transformers.adapter import PACKING_ATTENTION, Adapter, adapter_for
+from orchmllm.integrations.transformers.split_attention import (
+    PREFIX,
+    attention_name,
+    original_attention,
+    pieces_attention,
+)
 from orchmllm.schema import IGNORE_INDEX, LLM
 
 
@@ -222,15 +232,21 @@ class BalancedModel(nn.Module):
         encoders = {p.name: self._encoder(p) for p in orch.phases}
         encoders = cal.encoders(encoders) if cal else encoders
         out = orch.run(local.to(device), encoders, plan=plan, assembly=assembly)
+        if out.pieces is not None:
+            _check_split_attention(model)
         with cal.timed(LLM, out.lengths) if cal else contextlib.nullcontext():
             embeds = out.assemble(model.get_input_embeddings()(out.input_ids))
-            hidden = self.adapter.language_model(model)(
-                inputs_embeds=embeds[None],
-                position_ids=self.adapter.position_ids(out),
-                attention_mask=None,  # the positions say where each packed sequence starts
-                use_cache=False,  # with a cache, transformers would not derive that mask
-                **self.adapter.language_kwargs(out),
-            ).last_hidden_state
+            positions = self.adapter.position_ids(out)
+            kwargs = self.adapter.language_kwargs(out)
+            with pieces_attention(out) as split:
+                hidden = self.adapter.language_model(model)(
+                    inputs_embeds=embeds[None],
+                    position_ids=positions,
+                    attention_mask=None,  # the positions say where each packed sequence starts
+                    use_cache=False,  # with a cache, transformers would not derive that mask
+                    **kwargs,
+                    **split,
+                ).last_hidden_state
         if cal:
             self._calibrate(cal)
         self._forwards += 1
@@ -323,6 +339,18 @@ def _check_batch(batch: Any) -> None:
     )
 
 
+def _check_split_attention(model: nn.Module) -> None:
+    """A split step needs the attention :func:`wrap` set (another one would attend each piece
+    over its own keys only, silently)."""
+    attention = model.config.get_text_config()._attn_implementation
+    if not str(attention).startswith(PREFIX):
+        raise ValueError(
+            f"the step split an example over ranks but the language model's attention "
+            f"implementation is {attention!r}, not the split attention wrap(context_parallel=N) "
+            "sets: do not change it after wrap"
+        )
+
+
 def _check_targets(num_items: int | torch.Tensor) -> None:
     """Refuse a step whose loss would divide by zero targets (a NaN loss otherwise): a plain
     count, as the forward's own, is checked; a Trainer's tensor is left on its device."""
@@ -345,6 +373,8 @@ def wrap(
     keep_logits: bool = True,
     cost: str = "default",
     calibrate_steps: int = 8,
+    context_parallel: int = 1,
+    llm_max_load: float | None = None,
 ) -> BalancedModel:
     """Balance an HF vision-language model: its towers and its language model become phases.
 
@@ -365,6 +395,16 @@ def wrap(
             times of all ranks and planned with (:class:`orchmllm.Calibrator`; every forward
             is then a collective point where the ranks gather their times).
         calibrate_steps: the forwards timed with ``cost="measured"``.
+        context_parallel: ``N`` > 1 lets the plan split an example over up to ``N`` ranks of
+            a context-parallel group (``orchmllm.StepOptions``), when it is longer than
+            ``llm_max_load`` or where that lowers the slowest rank: each rank runs its pieces
+            with their global positions, and the language model's attention implementation
+            becomes :func:`.split_attention.attention_name` of its own (the model's text
+            config, through ``set_attn_implementation``), which gathers each split sequence's
+            keys and values in its group. Needs ``torch.distributed`` initialised (the groups
+            are opened here, a collective) and ``llm_policy="greedy"``.
+        llm_max_load: the LLM phase's per-rank budget in its cost (tokens for the default
+            cost) that splits longer examples; only with ``context_parallel`` > 1.
 
     Returns:
         The :class:`BalancedModel`; shard it with :func:`shard` (or your own FSDP2 wiring whose
@@ -372,12 +412,13 @@ def wrap(
 
     Raises:
         ValueError: no adapter is registered for the model's class, its language model's
-            attention implementation cannot attend within packed sequences, or ``loss_chunk``
-            is not a positive integer.
+            attention implementation cannot attend within packed sequences, ``loss_chunk``
+            is not a positive integer, or ``context_parallel``/``llm_max_load`` are refused
+            by ``orchmllm.StepOptions`` or the topology.
     """
     adapter = adapter or adapter_for(model)
     text = model.config.get_text_config()
-    attention = getattr(text, "_attn_implementation", None) or "eager"
+    attention = original_attention(getattr(text, "_attn_implementation", None) or "eager")
     if attention not in PACKING_ATTENTION:
         raise ValueError(
             f"the language model's attention implementation {attention!r} cannot attend "
@@ -385,8 +426,13 @@ def wrap(
         )
     if cost not in orchmllm.COSTS:
         raise ValueError(f"cost must be one of {orchmllm.COSTS}, got {cost!r}")
-    options = orchmllm.StepOptions(adapter.phases(), mode=mode, llm_policy=llm_policy)
+    options = orchmllm.StepOptions(
+        adapter.phases(), mode=mode, llm_policy=llm_policy, context_parallel=context_parallel,
+        llm_max_load=llm_max_load,
+    )  # fmt: skip
     orchestrator = orchmllm.Orchestrator(options, topology=topology)
+    if context_parallel > 1:
+        model.set_attn_implementation({"text_config": attention_name(attention)})
     calibrator = None
     if cost == "measured":
         device = model.get_input_embeddings().weight.device

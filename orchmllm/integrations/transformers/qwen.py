@@ -8,7 +8,8 @@ step on every item of the rank (its attention is per frame, so packing items cha
 Each token's M-RoPE offsets and the position step after its item come from the model's own
 functions (``get_rope_index`` on the item alone, Omni's ``get_llm_pos_ids_for_vision``) and
 travel with the token to the LLM layout, where :func:`.adapter.mrope_positions` rebuilds
-``get_rope_index`` over the packed sequences.
+``get_rope_index`` over the packed sequences (over whole sequences, before the pieces of a
+split one leave for their ranks: :func:`.adapter.packed_mrope_positions`).
 
 Qwen3-VL separates a video's frames by timestamp text, so each frame is an item (its tokens
 are one run; the tower attends per frame, so the features are the same); its DeepStack
@@ -38,7 +39,7 @@ from orchmllm.integrations.transformers.adapter import (
     Item,
     Source,
     item_rope,
-    mrope_positions,
+    packed_mrope_positions,
     pixel_rows,
     register_adapter,
 )
@@ -174,7 +175,7 @@ class Qwen2VLAdapter(Adapter):
         return item_rope(pos[:, 1:-1], int(pos[0, -1]))
 
     def position_ids(self, batch: orchmllm.LLMBatch) -> torch.Tensor:
-        return mrope_positions(batch.token_values("rope", TEXT_ROPE), batch.lengths)
+        return packed_mrope_positions(batch, batch.token_values("rope", TEXT_ROPE, home=True))
 
 
 class Qwen2_5VLAdapter(Qwen2VLAdapter):
