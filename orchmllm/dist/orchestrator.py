@@ -3,11 +3,12 @@
 Each rank samples its own mini-batch of interleaved multimodal examples. Per step the
 orchestrator
 
-1. all-gathers the examples' segment tables once (:func:`orchmllm.planner.segments.local_metadata`:
-   one int64 row per segment), a few KB;
-2. plans with the pure step planner (:func:`orchmllm.planner.step_plan.plan_step`; a loader runs it in
-   a background thread instead): each encoder phase balances its own items, the LLM phase whole
-   examples; a time-limited ILP placement is solved on one rank and broadcast;
+1. all-gathers the examples' segment tables once
+   (:func:`orchmllm.planner.segments.local_metadata`: one int64 row per segment), a few KB;
+2. plans with the pure step planner (:func:`orchmllm.planner.step_plan.plan_step`; a loader
+   runs it in a background thread instead): each encoder phase balances its own items, the
+   LLM phase whole examples; a time-limited ILP placement is solved on one rank and
+   broadcast;
 3. executes (:meth:`Orchestrator.run`): raw encoder inputs move to the encoder layout, every
    encoder runs on every rank (FSDP2 needs the calls even with no items) unless no rank has
    an item of its phase, in which case it runs nowhere (see below), encoder outputs go
@@ -18,8 +19,9 @@ orchestrator
 The orchestrator knows phases (a segment kind, a divisor from raw units to LLM tokens, a
 policy), not a model: encoders and the token embedding are callables of the caller.
 
-Per-item metadata: a phase that declares ``fields`` (:class:`~orchmllm.planner.step_options.ItemField`:
-an image's grid, a video's seconds per frame) has each item carry a small record from the
+Per-item metadata: a phase that declares ``fields``
+(:class:`~orchmllm.planner.step_options.ItemField`: an image's grid, a video's seconds per
+frame) has each item carry a small record from the
 example (``item_meta``) to its encoder, moved with its rows; an encoder may return per-token
 values beside its embeddings (:class:`Encoded`: M-RoPE offsets, DeepStack features), which
 move with its tokens to the LLM layout (:meth:`LLMBatch.token_values`). Nothing is padded onto
@@ -54,10 +56,10 @@ import torch.distributed as dist
 from orchmllm.dist import comm
 from orchmllm.dist.agreement import agreed_plan
 from orchmllm.dist.context_parallel import PackedPieces, SplitSequence
-from orchmllm.planner.piece_layout import PieceLayout, llm_piece_layout, piece_layout, scaled
 from orchmllm.dist.topology import Topology
 from orchmllm.planner.assembly import Assembly
 from orchmllm.planner.assembly import assembly as rank_assembly
+from orchmllm.planner.piece_layout import PieceLayout, llm_piece_layout, piece_layout, scaled
 from orchmllm.planner.placement import prepare_ilp
 from orchmllm.planner.plan import Rearrangement
 from orchmllm.planner.segments import EX, KIND, RAW, local_metadata, segment_lengths
