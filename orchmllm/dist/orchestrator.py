@@ -386,11 +386,11 @@ class _SplitPhase:
     @classmethod
     def of(cls, pp: PhasePlan, divisor: int, topology: Topology) -> _SplitPhase | None:
         """The phase's split (None: every item is whole)."""
-        homes = [pp.encoder.items_at(r) for r in range(topology.size)]
-        raw = piece_layout(homes, pp.raw, pp.pieces)
+        raw = piece_layout(pp.encoder, pp.raw, pp.pieces)
         if raw is None:
             return None
-        return cls(raw, piece_layout(homes, pp.encoded, scaled(pp.pieces, divisor)), topology)
+        tokens = piece_layout(pp.encoder, pp.encoded, scaled(pp.pieces, divisor))
+        return cls(raw, tokens, topology)
 
     def encode(self, encoder: Encoder, x: torch.Tensor) -> Encoded:
         """``encoder(rows, lengths, pieces=...)`` on this rank's pieces' layout, its outputs

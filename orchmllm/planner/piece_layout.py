@@ -22,7 +22,6 @@ its outputs back home the same way (the layout of its tokens, :func:`scaled`, in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,54 +90,73 @@ def scaled(pieces: Pieces, divisor: int) -> Pieces:
 
 def llm_piece_layout(plan: StepPlan) -> PieceLayout | None:
     """The LLM phase's move of ``plan``'s split examples to their pieces (None: none)."""
-    homes = [plan.llm.items_at(r) for r in range(plan.num_ranks)]
-    return piece_layout(homes, plan.seq_len, plan.llm_pieces)
+    return piece_layout(plan.llm, plan.seq_len, plan.llm_pieces)
 
 
-def piece_layout(
-    homes: Sequence[np.ndarray], lengths: np.ndarray, pieces: Pieces
-) -> PieceLayout | None:
-    """The move of split items to their pieces; None when nothing is split.
+def piece_layout(to_home: Rearrangement, lengths: np.ndarray, pieces: Pieces) -> PieceLayout | None:
+    """The move of split items to their pieces; None when nothing is split. Vectorised over
+    the items (every rank computes it on the step's critical path).
 
     Args:
-        homes: per rank, the items it holds whole before the move, in its order.
+        to_home: the phase's move that delivers every item whole to its home (its
+            destination ranks and slots are the home layout).
         lengths: rows per item.
         pieces: the plan's pieces of the split items, in rows.
     """
     splits = splits_of(pieces)
     if not splits:
         return None
-    d = len(homes)
-    by_example = {s.example: s for s in splits}
-    src, dst, sizes, tags = [], [], [], []  # tag: (whole: 0, position) or (piece: 1, example)
-    whole_lengths: list[list[int]] = [[] for _ in range(d)]
-    for r in range(d):
-        for e in homes[r].tolist():
-            split = by_example.get(e)
-            if split is None:
-                src.append(r), dst.append(r), sizes.append(int(lengths[e]))
-                tags.append((0, len(whole_lengths[r]), 0))
-                whole_lengths[r].append(int(lengths[e]))
-                continue
-            ranges = sorted(
-                (s, t, q) for q, rs in zip(split.ranks, split.chunks, strict=True) for s, t in rs
-            )
-            for s, t, q in ranges:
-                src.append(r), dst.append(q), sizes.append(t - s), tags.append((1, e, s))
-    src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-    src_slot = np.empty_like(src_a)
-    dst_slot = np.empty_like(dst_a)
-    for r in range(d):
-        at = np.flatnonzero(src_a == r)
-        src_slot[at] = np.arange(at.size)  # blocks in home order
-        at = np.flatnonzero(dst_a == r)
-        order = sorted(range(at.size), key=lambda j: tags[at[j]])  # whole first, then pieces
-        dst_slot[at[order]] = np.arange(at.size)
-    lengths, segments = [], []
-    for r in range(d):
-        mine = [s for s in splits if r in s.ranks]
-        own = [sum(t - s for s, t in sp.chunks[sp.ranks.index(r)]) for sp in mine]
-        lengths.append(np.asarray(whole_lengths[r] + own, dtype=np.int64))
-        segments.append({sp.example: len(whole_lengths[r]) + i for i, sp in enumerate(mine)})
-    move = Rearrangement(d, src_a, src_slot, dst_a, dst_slot)
-    return PieceLayout(move, np.asarray(sizes, np.int64), tuple(lengths), splits, tuple(segments))
+    d = to_home.num_ranks
+    item = np.lexsort((to_home.dst_slot, to_home.dst_rank))  # by home, in home order
+    home = to_home.dst_rank[item]
+    position = np.empty(int(lengths.size), np.int64)  # each item's place in its home's order
+    position[item] = to_home.dst_slot[item]
+    split = np.zeros(int(lengths.size), bool)
+    split[[s.example for s in splits]] = True
+    whole = ~split[item]
+    # The pieces' ranges, ordered by item then start (those of items held on one rank only
+    # are that item's whole rows: it is not split).
+    rows = np.isin(pieces.item, [s.example for s in splits])
+    p_item, p_rank = pieces.item[rows], pieces.rank[rows]
+    p_start, p_end = pieces.start[rows], pieces.end[rows]
+    order = np.lexsort((p_start, p_item))
+    p_item, p_rank, p_start, p_end = (a[order] for a in (p_item, p_rank, p_start, p_end))
+    w_item = item[whole]
+    home_of = np.empty(int(lengths.size), np.int64)
+    home_of[item] = home
+    src = np.concatenate([home[whole], home_of[p_item]])
+    dst = np.concatenate([home[whole], p_rank])
+    sizes = np.concatenate([lengths[w_item], p_end - p_start]).astype(np.int64)
+    at_home = np.concatenate([position[w_item], position[p_item]])
+    start = np.concatenate([np.zeros(w_item.size, np.int64), p_start])
+    is_piece = np.concatenate([np.zeros(w_item.size, np.int64), np.ones(p_item.size, np.int64)])
+    key_item = np.concatenate([position[w_item], p_item])
+    # Source: home order (a split item's ranges by start, where the item is); destination:
+    # whole items in home order, then the pieces by item and start.
+    src_slot = _local_slots(src, (start, at_home, src), d)
+    dst_slot = _local_slots(dst, (start, key_item, is_piece, dst), d)
+    move = Rearrangement(d, src, src_slot, dst, dst_slot)
+    whole_count = np.bincount(home[whole], minlength=d)
+    whole_lengths = np.split(lengths[item[whole]].astype(np.int64), np.cumsum(whole_count)[:-1])
+    held: list[list[tuple[int, int]]] = [[] for _ in range(d)]  # (item, tokens), by item
+    for sp in splits:
+        for r, ranges in zip(sp.ranks, sp.chunks, strict=True):
+            held[r].append((sp.example, sum(t - a for a, t in ranges)))
+    out_lengths = tuple(
+        np.concatenate([whole_lengths[r], np.asarray([t for _, t in held[r]], np.int64)])
+        for r in range(d)
+    )
+    segments = tuple(
+        {e: int(whole_count[r]) + i for i, (e, _) in enumerate(held[r])} for r in range(d)
+    )
+    return PieceLayout(move, sizes, out_lengths, splits, segments)
+
+
+def _local_slots(rank: np.ndarray, keys: tuple[np.ndarray, ...], d: int) -> np.ndarray:
+    """Each block's slot on its rank: its place among the rank's blocks ordered by ``keys``
+    (``np.lexsort`` order: the last key first, which is the rank)."""
+    order = np.lexsort(keys)
+    counts = np.bincount(rank, minlength=d)
+    slots = np.empty(rank.size, np.int64)
+    slots[order] = np.arange(rank.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return slots
