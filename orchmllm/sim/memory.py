@@ -21,6 +21,13 @@ trainer step's allocator peak on CPU against the whole prediction
 (``tests/test_memory_measured.py``). Left out: the allocator's fragmentation and rounding,
 CPU bf16 GEMM packing buffers, buffers of a few bytes per item; ``reserve_bytes`` stands for
 the CUDA context, NCCL's buffers and fragmentation (assumed, not measured).
+
+The per-phase peaks can come from torch instead (``MemoryModel(forms=...)``): forms fitted to
+the memory oracle's trace of a few rank shapes (:mod:`orchmllm.train.memory_fit`, cached by
+the config's hash, :mod:`orchmllm.sim.memory_forms`), which need no memory code for a new
+architecture. The replay then gives only what the oracle cannot see: the attention kernels'
+workspaces (:func:`cpu_attention_workspace`, :func:`cuda_attention_workspace`), the
+orchestrator's moves and the previous step's batch (see :meth:`MemoryModel.phase_peaks`).
 """
 
 from __future__ import annotations

@@ -146,15 +146,15 @@ def design(
 def shape_features(
     config: ModelConfig, recipe: TrainRecipe, shapes: Sequence[tuple[Mapping, tuple]]
 ) -> tuple[list[RankBatch], dict[str, np.ndarray]]:
-    """The oracle's rank batches of ``shapes`` and their features (one rank holding each
-    shape, nothing moved: what the oracle runs)."""
+    """The oracle's rank batches of ``shapes`` and their per-rank features (every one of
+    ``rank_features``; one rank holding each shape, nothing moved: what the oracle runs)."""
     memory = MemoryModel(device="cpu")
     batches, rows = [], []
     for items, text in shapes:
         batch, layout = symmetric_batch(1, items, text)
         batches.append(RankBatch.of_layout(config, batch, layout, 0))
         rows.append(memory.rank_features(config, recipe, batch, layout))
-    return batches, {k: np.array([r[k][0] for r in rows]) for k in fit_features(config)}
+    return batches, {k: np.array([r[k][0] for r in rows]) for k in rows[0]}
 
 
 def fit_envelope(
@@ -230,7 +230,7 @@ def fit_forms(
     traced = step_peaks_many(config, recipe, shard_group, batches)
     n = ranges.design
     phases = {
-        ph: fit_envelope({k: v[:n] for k, v in feats.items()},
+        ph: fit_envelope({k: feats[k][:n] for k in fit_features(config)},
                          np.array([t.peaks[ph] for t in traced[:n]]))
         for ph in PHASES
     }  # fmt: skip
