@@ -178,13 +178,13 @@ def test_a_new_padded_architecture_needs_no_memory_code(pooled_mel, tmp_path) ->
         base, vocab=512, encoders={"vision": base.encoders["vision"], "audio": audio}
     )
     recipe, world = _recipe(1), 8
-    held = design(model, recipe, DesignRange(), seed=3, count=4)
+    held = design(model, recipe, DesignRange(), seed=9, count=6)  # shapes no fit draws
     batches, feats = shape_features(model, recipe, held)
     with pytest.raises(ValueError, match="pooled_mel_test"):
         MemoryModel(device="cpu", previous_batch=False).phase_peaks(
             model, recipe, feats, num_ranks=world
         )
-    source = OracleForms(cache=tmp_path, ranges=DesignRange(design=12, held_out=0))
+    source = OracleForms(cache=tmp_path, ranges=DesignRange(design=12))
     memory = MemoryModel(device="cpu", shard_group=world, previous_batch=False, forms=source)
     bare = {k: 0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v for k, v in feats.items()}
     predicted = memory.phase_peaks(model, recipe, bare, num_ranks=world)
@@ -197,3 +197,7 @@ def test_a_new_padded_architecture_needs_no_memory_code(pooled_mel, tmp_path) ->
                 f"{i} {ph:<10} {traced.peaks[ph] / 1e6:9.2f} {predicted[ph][i] / 1e6:9.2f} {r:.3f}"
             )
             assert 0.9 <= r <= 1.1, (i, ph, traced.peaks[ph], predicted[ph][i])
+    # the new encoder's shapes are in its forms
+    forms = source(model, recipe, world)
+    for ph in ("forward", "backward"):
+        assert any(k.startswith("audio.") for f in forms.phases[ph] for k in f.coef), ph

@@ -6,15 +6,17 @@ memory oracle (:mod:`orchmllm.train.memory_oracle`: ``FSDPMemTracker`` on fake t
 fake process group of the shard group's size, one process) instead: it traces the rank's step
 at a small design of per-rank shapes (:func:`design`) and fits each phase's peak (above the
 static bytes) as the largest of a few linear forms in the per-rank features the planner
-knows (:data:`FIT_FEATURES`, a subset of :meth:`~orchmllm.sim.memory.MemoryModel.rank_features`).
+knows (:func:`fit_features`, a subset of :meth:`~orchmllm.sim.memory.MemoryModel.rank_features`).
 
 Why a largest-of-forms and how it is fitted: a phase's peak is the largest of the live bytes
 at each moment of the step, and the live bytes at one moment are linear in the shapes (a
 tensor's bytes are); so the peak is a maximum of linear forms, each below the peak at every
 shape. :func:`fit_envelope` builds it so: each new form is the linear program "touch the
 shape the forms so far cover worst, stay at or below every traced peak, cover as much of the
-rest as possible" (coefficients non-negative), until every traced shape is within 0.5%
-(``python -m orchmllm.train.memory_fit`` prints the fit's error on held-out shapes). One
+rest as possible" (coefficients non-negative), until every traced shape is within 0.5%.
+The forms are then checked on fresh shapes; while one is off by more than 5%, those shapes
+join the design and new ones are drawn (:class:`DesignRange`), and the last check's error is
+stored with the forms (``python -m orchmllm.train.memory_fit`` prints it per shape). One
 linear form is not enough: the chunked loss alone makes the forward's peak a maximum (within
 the first chunk, or within the second while the first's outputs live).
 
@@ -79,8 +81,13 @@ from orchmllm.train.memory_oracle import (
 # The per-rank features the forms may use (MemoryModel.rank_features names them "<module>.<f>").
 # The oracle's step has no moves, so the sampled, gathered and encoded-elsewhere counts are the
 # rank's own; the workspaces are the kernels' (added apart, the tracker does not see them).
-ENCODER_FEATURES = ("rows", "input", "raw", "items", "longest")
-LLM_FEATURES = ("tokens", "text", "items", "chunk", "chunk2")
+# Left out: item counts (a step holds a few bytes per item, its length) and the longest item
+# (what grows with it is the attention kernels' workspaces, which the tracker does not see and
+# the memory model adds apart): a coefficient on either lets a form reach a traced shape by
+# what does not carry over to other shapes (python -m orchmllm.train.memory_fit shows the
+# held-out error; it was larger with them).
+ENCODER_FEATURES = ("rows", "input", "raw")
+LLM_FEATURES = ("tokens", "text", "chunk", "chunk2")
 TOLERANCE = 0.005  # every traced shape within this of its peak
 
 
@@ -89,7 +96,9 @@ class DesignRange:
     """The shapes a fit traces: up to ``items`` items per encoder of up to ``raw_rows`` raw
     rows each, up to ``sequences`` sequences of up to ``text`` text tokens each (default:
     three quarters of the loss chunk, so a rank's tokens reach the second and third chunks).
-    Tracing cost does not grow with the sizes (fake tensors): cover the sizes you plan for."""
+    Tracing cost does not grow with the sizes (fake tensors): cover the sizes you plan for.
+    ``design`` shapes are fitted, ``held_out`` fresh ones checked; while one is off by more
+    than ``target``, they join the design and new ones are drawn, ``rounds`` times at most."""
 
     items: int = 3
     raw_rows: int = 1024
@@ -97,13 +106,16 @@ class DesignRange:
     text: int | None = None
     design: int = 16
     held_out: int = 6
+    target: float = 0.05
+    rounds: int = 2
 
     def __post_init__(self) -> None:
         for name in ("items", "raw_rows", "sequences", "design"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.held_out < 0:
-            raise ValueError(f"held_out must be >= 0, got {self.held_out!r}")
+        for name in ("held_out", "rounds", "target"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 def fit_features(config: ModelConfig) -> list[str]:
@@ -220,27 +232,40 @@ def fit_forms(
     device: str = "cpu",
     ranges: DesignRange = DesignRange(),
 ) -> Fit:
-    """Trace the oracle at ``ranges``' design and held-out shapes (one process, fake tensors
-    and a fake group of ``shard_group`` ranks) and fit each phase."""
+    """Trace the oracle at ``ranges``' design (one process, fake tensors and a fake group of
+    ``shard_group`` ranks), fit each phase, and check the forms on fresh held-out shapes;
+    while one is off by more than ``ranges.target``, the held-out shapes join the design
+    and new ones are drawn (``ranges.rounds`` times at most). The reported error is of the
+    last held-out shapes, which no fit has seen."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    shapes = design(config, recipe, ranges, seed=0, count=ranges.design)
-    shapes += design(config, recipe, ranges, seed=1, count=ranges.held_out)
+    key = forms_key(config, recipe, shard_group, device)
+    traced, feats = _trace(config, recipe, shard_group, design(config, recipe, ranges, seed=0,
+                                                               count=ranges.design))  # fmt: skip
+    for round_ in range(ranges.rounds + 1):
+        phases = {
+            ph: fit_envelope({k: feats[k] for k in fit_features(config)},
+                             np.array([t.peaks[ph] for t in traced]))
+            for ph in PHASES
+        }  # fmt: skip
+        forms = MemoryForms(key, traced[0].static, phases)
+        if not ranges.held_out:
+            return Fit(forms, [])
+        shapes = design(config, recipe, ranges, seed=1 + round_, count=ranges.held_out)
+        new, new_feats = _trace(config, recipe, shard_group, shapes)
+        predicted = forms.peaks(new_feats)
+        held = [(t, {ph: float(predicted[ph][i]) for ph in PHASES}) for i, t in enumerate(new)]
+        worst = {ph: max(abs(p[ph] / t.peaks[ph] - 1) for t, p in held) for ph in PHASES}
+        if max(worst.values()) <= ranges.target or round_ == ranges.rounds:
+            return Fit(dataclasses.replace(forms, held_out=worst), held)
+        traced += new
+        feats = {k: np.concatenate([v, new_feats[k]]) for k, v in feats.items()}
+    raise AssertionError("unreachable")
+
+
+def _trace(config, recipe, shard_group, shapes) -> tuple[list[PhasePeaks], dict[str, np.ndarray]]:
     batches, feats = shape_features(config, recipe, shapes)
-    traced = step_peaks_many(config, recipe, shard_group, batches)
-    n = ranges.design
-    phases = {
-        ph: fit_envelope({k: feats[k][:n] for k in fit_features(config)},
-                         np.array([t.peaks[ph] for t in traced[:n]]))
-        for ph in PHASES
-    }  # fmt: skip
-    forms = MemoryForms(forms_key(config, recipe, shard_group, device), traced[0].static, phases)
-    held = []
-    for i in range(n, len(shapes)):
-        predicted = forms.peaks({k: v[i] for k, v in feats.items()})
-        held.append((traced[i], {ph: float(v) for ph, v in predicted.items()}))
-    worst = {ph: max((abs(p[ph] / t.peaks[ph] - 1) for t, p in held), default=0.0) for ph in PHASES}
-    return Fit(dataclasses.replace(forms, held_out=worst), held)
+    return step_peaks_many(config, recipe, shard_group, batches), feats
 
 
 class OracleForms:
