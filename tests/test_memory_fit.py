@@ -85,12 +85,12 @@ def test_the_cache_traces_a_key_once(tmp_path) -> None:
     model, recipe = _model(), _recipe(1)
     ranges = DesignRange(design=8, held_out=0)
     source = OracleForms(cache=tmp_path, ranges=ranges)
-    first = source(model, recipe, 4)
+    first = source(model, recipe, 4, "cpu")
     key = forms_key(model, recipe, 4, "cpu")
     assert source.traced == [key] and first.key == key
-    assert source(model, recipe, 4) is first and source.traced == [key]
+    assert source(model, recipe, 4, "cpu") is first and source.traced == [key]
     again = OracleForms(cache=tmp_path, ranges=ranges)  # a new process: from the file
-    assert again(model, recipe, 4) == first and again.traced == []
+    assert again(model, recipe, 4, "cpu") == first and again.traced == []
     assert load_forms(key, tmp_path) == MemoryForms.from_json(first.to_json()) == first
     # another config, recipe, group or device is another key
     other = dataclasses.replace(model, vocab=32000)
@@ -198,6 +198,13 @@ def test_a_new_padded_architecture_needs_no_memory_code(pooled_mel, tmp_path) ->
             )
             assert 0.9 <= r <= 1.1, (i, ph, traced.peaks[ph], predicted[ph][i])
     # the new encoder's shapes are in its forms
-    forms = source(model, recipe, world)
+    forms = source(model, recipe, world, "cpu")
     for ph in ("forward", "backward"):
         assert any(k.startswith("audio.") for f in forms.phases[ph] for k in f.coef), ph
+    # the previous batch and the moves are the replay's: asked for, the model says so
+    with pytest.raises(ValueError, match="the moves and the previous batch come from the replay"):
+        MemoryModel(device="cpu", shard_group=world, forms=source).phase_peaks(
+            model, recipe, feats, num_ranks=world
+        )
+    with pytest.raises(ValueError, match="fsdp=False"):
+        MemoryModel(fsdp=False, forms=source)

@@ -141,7 +141,8 @@ class MemoryModel:
             (the trainer's loop); False for a step measured on its own.
         forms: where the per-phase peaks come from: None, the hand replay
             (:mod:`orchmllm.sim.allocations`); else a source of forms fitted to torch's own
-            accounting of the step, called with the config, the recipe and the shard group
+            accounting of the step, called with the config, the recipe, the shard group and the
+            device
             (``orchmllm.train.memory_fit.OracleForms``), to which the replay adds only what
             the oracle cannot see (see :meth:`phase_peaks`).
     """
@@ -157,7 +158,7 @@ class MemoryModel:
     fsdp: bool = True
     optimizer: bool = True
     previous_batch: bool = True
-    forms: Callable[[ModelConfig, TrainRecipe, int], MemoryForms] | None = None
+    forms: Callable[[ModelConfig, TrainRecipe, int, str], MemoryForms] | None = None
 
     def __post_init__(self) -> None:
         if not self.gpu_bytes > 0:
@@ -169,6 +170,11 @@ class MemoryModel:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.forms is not None and not (self.fsdp and self.optimizer):
+            raise ValueError(
+                "forms: fitted forms are of the trainer's step (FSDP and AdamW), got "
+                f"fsdp={self.fsdp!r}, optimizer={self.optimizer!r}"
+            )
 
     @property
     def budget_bytes(self) -> float:
@@ -255,24 +261,34 @@ class MemoryModel:
                 config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
             )
             return m.peaks(features)
-        if not (self.fsdp and self.optimizer):
-            raise ValueError("forms: fitted forms are of the trainer's step (fsdp and optimizer)")
-        fitted = self.forms(config, recipe, self.group(num_ranks)).peaks(features)
+        fitted = self.forms(config, recipe, self.group(num_ranks), self.device).peaks(features)
         out = {ph: v + self._workspace_peak(features, ph) for ph, v in fitted.items()}
         if moves or self.previous_batch:
-            bare = {k: 0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v
-                    for k, v in features.items()}  # fmt: skip
-            plain = replace(self, forms=None)
-            with_extras = plain.moments(
-                config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
-            ).peaks(bare)
-            without = (
-                replace(plain, previous_batch=False)
-                .moments(config, recipe, num_ranks=num_ranks)
-                .peaks(bare)
-            )
-            out = {ph: v + with_extras[ph] - without[ph] for ph, v in out.items()}
+            extra = self._replay_extras(config, recipe, features, num_ranks, moves, communicator)
+            out = {ph: v + extra[ph] for ph, v in out.items()}
         return out
+
+    def _replay_extras(self, config, recipe, features, num_ranks, moves, communicator):
+        """What the moves and the previous batch add to the replay's peaks (the attention
+        workspaces set aside: they are added apart)."""
+        bare = {k: 0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v
+                for k, v in features.items()}  # fmt: skip
+        plain = replace(self, forms=None)
+        try:
+            full = plain.moments(
+                config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
+            )
+            alone = replace(plain, previous_batch=False).moments(
+                config, recipe, num_ranks=num_ranks
+            )
+        except ValueError as e:
+            raise ValueError(
+                "forms: the moves and the previous batch come from the replay, which cannot "
+                f"replay this config ({e}); plan without them (previous_batch=False, a layout "
+                "that moves nothing)"
+            ) from e
+        with_extras, without = full.peaks(bare), alone.peaks(bare)
+        return {ph: with_extras[ph] - without[ph] for ph in with_extras}
 
     @staticmethod
     def _workspace_peak(features: Mapping[str, np.ndarray], phase: str) -> np.ndarray:

@@ -37,6 +37,10 @@ to the fitted peaks, :meth:`~orchmllm.sim.memory.MemoryModel.phase_peaks`):
   on; the replay's ``move`` gives what a move adds;
 - the previous step's ``LLMBatch``, alive in the trainer's loop until the backward returns
   (the oracle measures a step on its own): the replay's ``previous_batch``;
+- what differs on CUDA: the oracle runs the CPU's ops. AdamW is traced as the device runs it
+  (``foreach``: CUDA's multi-tensor step holds a whole group's temporaries), but CUDA's
+  LayerNorm statistics (fp32 where the CPU keeps the input's dtype) and the batch's copy to
+  the device inside the step are not in the forms, nor added (the replay has them);
 - gloo's own reduce-scatter buffers (real gloo ranks only; NCCL and the fake group have none)
   and the allocator's rounding and fragmentation (the tracker counts tensors): neither is in
   the replay either; ``reserve_bytes`` stands for them.
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -240,8 +245,9 @@ def fit_forms(
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     key = forms_key(config, recipe, shard_group, device)
-    traced, feats = _trace(config, recipe, shard_group, design(config, recipe, ranges, seed=0,
-                                                               count=ranges.design))  # fmt: skip
+    # AdamW as the device runs it: CUDA's multi-tensor step, the CPU's single-tensor loop
+    trace = functools.partial(_trace, config, recipe, shard_group, foreach=device == "cuda")
+    traced, feats = trace(design(config, recipe, ranges, seed=0, count=ranges.design))
     for round_ in range(ranges.rounds + 1):
         phases = {
             ph: fit_envelope({k: feats[k] for k in fit_features(config)},
@@ -252,7 +258,7 @@ def fit_forms(
         if not ranges.held_out:
             return Fit(forms, [])
         shapes = design(config, recipe, ranges, seed=1 + round_, count=ranges.held_out)
-        new, new_feats = _trace(config, recipe, shard_group, shapes)
+        new, new_feats = trace(shapes)
         predicted = forms.peaks(new_feats)
         held = [(t, {ph: float(predicted[ph][i]) for ph in PHASES}) for i, t in enumerate(new)]
         worst = {ph: max(abs(p[ph] / t.peaks[ph] - 1) for t, p in held) for ph in PHASES}
@@ -263,36 +269,35 @@ def fit_forms(
     raise AssertionError("unreachable")
 
 
-def _trace(config, recipe, shard_group, shapes) -> tuple[list[PhasePeaks], dict[str, np.ndarray]]:
+def _trace(
+    config, recipe, shard_group, shapes, *, foreach: bool
+) -> tuple[list[PhasePeaks], dict[str, np.ndarray]]:
     batches, feats = shape_features(config, recipe, shapes)
-    return step_peaks_many(config, recipe, shard_group, batches), feats
+    return step_peaks_many(config, recipe, shard_group, batches, foreach=foreach), feats
 
 
 class OracleForms:
-    """``MemoryModel(forms=OracleForms())``: the fitted forms of a set-up, loaded from the
-    cache (``cache``, else :func:`orchmllm.sim.memory_forms.cache_dir`) or traced, fitted and
-    stored. ``traced`` lists the keys this source traced (a cached key is not traced again)."""
+    """``MemoryModel(forms=OracleForms())``: the fitted forms of a set-up (config, recipe,
+    shard group, device), loaded from the cache (``cache``, else
+    :func:`orchmllm.sim.memory_forms.cache_dir`) or traced, fitted and stored. ``traced``
+    lists the keys this source traced (a cached key is not traced again)."""
 
     def __init__(
-        self,
-        *,
-        device: str = "cpu",
-        cache: str | os.PathLike | None = None,
-        ranges: DesignRange = DesignRange(),
+        self, *, cache: str | os.PathLike | None = None, ranges: DesignRange = DesignRange()
     ) -> None:
-        if device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        self.device, self.cache, self.ranges = device, cache, ranges
+        self.cache, self.ranges = cache, ranges
         self.traced: list[str] = []
         self._loaded: dict[str, MemoryForms] = {}
 
-    def __call__(self, config: ModelConfig, recipe: TrainRecipe, shard_group: int) -> MemoryForms:
-        key = forms_key(config, recipe, shard_group, self.device)
+    def __call__(
+        self, config: ModelConfig, recipe: TrainRecipe, shard_group: int, device: str
+    ) -> MemoryForms:
+        key = forms_key(config, recipe, shard_group, device)
         if key not in self._loaded:
             forms = load_forms(key, self.cache)
             if forms is None:
                 forms = fit_forms(
-                    config, recipe, shard_group, device=self.device, ranges=self.ranges
+                    config, recipe, shard_group, device=device, ranges=self.ranges
                 ).forms
                 store_forms(forms, self.cache)
                 self.traced.append(key)

@@ -296,12 +296,15 @@ def step_peaks_many(
     seed: int = 0,
     lr: float = 1e-3,
     fake_tensors: bool = True,
+    foreach: bool | None = None,
 ) -> list[PhasePeaks]:
     """:func:`step_peaks` of each of ``batches`` on one built model: a step of the first
     batch untracked, then one tracked step of each (AdamW's state exists from the first on,
     and nothing of a step outlives it, so each figure is what :func:`step_peaks` of that
     batch alone gives; ``tests/test_memory_fit.py`` checks it). Building and sharding the
-    model once is what makes tracing a design of shapes cheap."""
+    model once is what makes tracing a design of shapes cheap. ``foreach``: AdamW's
+    implementation (None: torch's choice for the tensors' device, the single-tensor loop on
+    CPU; True: the multi-tensor one CUDA runs, whose temporaries span a parameter group)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if not batches:
@@ -319,11 +322,11 @@ def step_peaks_many(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         if not fake_tensors:
-            return _measure(config, recipe, batches, seed=seed, lr=lr)
+            return _measure(config, recipe, batches, seed=seed, lr=lr, foreach=foreach)
         # The mesh reads its rank map as values, so it is made before the fake mode.
         mesh = init_device_mesh("cpu", (world_size,))
         with FakeTensorMode(allow_non_fake_inputs=True), HostIntegers():
-            return _measure(config, recipe, batches, seed=seed, lr=lr, mesh=mesh)
+            return _measure(config, recipe, batches, seed=seed, lr=lr, mesh=mesh, foreach=foreach)
     finally:
         dist.destroy_process_group()
 
@@ -344,11 +347,12 @@ def _measure(
     seed: int,
     lr: float,
     mesh: DeviceMesh | None = None,
+    foreach: bool | None = None,
 ) -> list[PhasePeaks]:
     model = build_model(config, seed=seed, dtype=storage_dtype(recipe))
     model = parallelize(model, recipe=recipe, mesh=mesh)
     set_sum_reduction(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
     out = []
     for i, batch in enumerate([batches[0], *batches]):
         tracker = PhaseTracker(model, optim) if i else None
