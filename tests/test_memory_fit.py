@@ -33,19 +33,19 @@ from orchmllm.train.memory_fit import (
     held_out_table,
     shape_features,
 )
-from orchmllm.train.memory_oracle import PHASES, RankBatch, step_peaks, step_peaks_many
+from orchmllm.train.memory_oracle import (
+    PHASES,
+    RankBatch,
+    step_peaks,
+    step_peaks_many,
+    with_layers,
+)
 from tests.conftest import ROOT
 
 
-def _model(**encoders: EncoderConfig) -> ModelConfig:
+def _model() -> ModelConfig:
     m = load_config(str(ROOT / "configs" / "tiny.yaml")).model
-    encoders = encoders or m.encoders
-    return dataclasses.replace(
-        m,
-        vocab=32768,
-        encoders={n: dataclasses.replace(e, layers=1) for n, e in encoders.items()},
-        llm=dataclasses.replace(m.llm, layers=1),
-    )
+    return with_layers(dataclasses.replace(m, vocab=32768), 1)
 
 
 def _recipe(checkpointing: int) -> TrainRecipe:

@@ -81,6 +81,7 @@ from orchmllm.train.memory_oracle import (
     RankBatch,
     step_peaks_many,
     symmetric_batch,
+    with_layers,
 )
 
 # The per-rank features the forms may use (MemoryModel.rank_features names them "<module>.<f>").
@@ -324,21 +325,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--world-size", type=int, default=8, help="the shard group (fake ranks)")
     p.add_argument("--layers", type=int, default=0, help="blocks per module (0: the config's)")
-    p.add_argument("--raw-rows", type=int, default=DesignRange.raw_rows)
+    p.add_argument("--raw-rows", type=int, default=DesignRange.raw_rows,
+                   help="the largest item's raw rows in the design")  # fmt: skip
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="the device planned for")
     args = p.parse_args(argv)
-    if args.world_size < 1:
-        p.error(f"--world-size must be >= 1, got {args.world_size}")
+    for name in ("world_size", "raw_rows"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.layers < 0:
+        p.error(f"--layers must be >= 0, got {args.layers}")
     cfg = load_config(args.config)
-    model = cfg.model
-    if args.layers:
-        model = dataclasses.replace(
-            model,
-            encoders={n: dataclasses.replace(e, layers=args.layers)
-                      for n, e in model.encoders.items()},
-            llm=dataclasses.replace(model.llm, layers=args.layers),
-        )  # fmt: skip
-    fit = fit_forms(model, cfg.recipe, args.world_size, ranges=DesignRange(raw_rows=args.raw_rows))
-    print(f"{args.config}, {args.world_size} ranks: forms per phase "
+    model = with_layers(cfg.model, args.layers) if args.layers else cfg.model
+    fit = fit_forms(model, cfg.recipe, args.world_size, device=args.device,
+                    ranges=DesignRange(raw_rows=args.raw_rows))  # fmt: skip
+    print(f"{args.config}, {args.world_size} ranks, {args.device}: forms per phase "
           + ", ".join(f"{ph} {len(fs)}" for ph, fs in fit.forms.phases.items()))  # fmt: skip
     print(held_out_table(fit))
 

@@ -403,6 +403,18 @@ def against_model(
     return out
 
 
+def with_layers(model: ModelConfig, layers: int) -> ModelConfig:
+    """``model`` with ``layers`` blocks in every module (its widths kept): a paper config's
+    shapes at the cost of a few blocks."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers!r}")
+    return dataclasses.replace(
+        model,
+        encoders={n: dataclasses.replace(e, layers=layers) for n, e in model.encoders.items()},
+        llm=dataclasses.replace(model.llm, layers=layers),
+    )
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -425,12 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers < 0:
         p.error(f"--layers must be >= 0, got {args.layers}")
     if args.layers:
-        model = dataclasses.replace(
-            model,
-            encoders={n: dataclasses.replace(e, layers=args.layers)
-                      for n, e in model.encoders.items()},
-            llm=dataclasses.replace(model.llm, layers=args.layers),
-        )  # fmt: skip
+        model = with_layers(model, args.layers)
     items = {}
     for spec in args.items:
         name, _, rows = spec.partition("=")
