@@ -35,7 +35,9 @@ FLOORS = {
     "orchmllm.data.workloads": 2,
     "orchmllm.data.workload_facts": 2,
     "orchmllm.data.recipe": 2,
-    "orchmllm.sim": 2.5,  # with plan_memory, the simulator's memory model as a command
+    "orchmllm.sim": 2.5,  # the simulator and its memory model
+    # the memory model as a command: its --memory-source oracle fits the trainer's oracle
+    "orchmllm.sim.plan_memory": 7,
     "orchmllm.compat": 3,
     "orchmllm.dist": 3,
     "orchmllm.testing": 3,

@@ -85,3 +85,24 @@ def test_it_prints_the_minibatches_reproduce_paper_prints() -> None:
             spread["max"],
             pytest.approx(spread["mean"]),
         ), mode
+
+
+def test_the_oracle_source_plans_with_fitted_forms_traced_once(tmp_path, capsys) -> None:
+    """``--memory-source oracle``: the peaks come from forms fitted to torch's tracker, within
+    10% of the replay's at the config's mini-batch, the largest mini-batch that fits within
+    10% of the replay's, and the forms are cached: a second run traces nothing."""
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--gpus", "2", "--gpu-memory",
+            "0.03", "--reserve", "0", "--steps", "2"]  # fmt: skip
+    replay = plan_memory.main(argv)
+    oracle = plan_memory.main([*argv, "--memory-source", "oracle", "--cache-dir", str(tmp_path)])
+    assert "memory from the oracle" in capsys.readouterr().out
+    assert len(oracle["traced"]) == 1 and list(tmp_path.glob("*.json"))
+    for mode in ("none", "full"):
+        got, want = oracle["peaks"][mode]["config"][1], replay["peaks"][mode]["config"][1]
+        for ph in ("forward", "backward", "optimizer"):
+            r = got[f"{ph}_memory_gb"] / want[f"{ph}_memory_gb"]
+            assert 0.9 <= r <= 1.1, (mode, ph, r)
+        r = oracle["largest"][mode][0] / replay["largest"][mode][0]
+        assert 0.9 <= r <= 1.1, (mode, oracle["largest"], replay["largest"])
+    again = plan_memory.main([*argv, "--memory-source", "oracle", "--cache-dir", str(tmp_path)])
+    assert again["traced"] == [] and again["largest"] == oracle["largest"]

@@ -40,6 +40,15 @@ Left out: the CPU GEMM library's packing buffers for bf16 (oneDNN allocates some
 CUDA's cuBLAS workspace is allocated once, before any step), the allocator's rounding and
 fragmentation, tensors of a few bytes per item or sequence, parameter padding to the shard
 group (at most one row per parameter and rank).
+
+Forms fitted to torch's tracker (:mod:`orchmllm.train.memory_fit`) can stand for this replay's
+modules and step; of it they keep only what the tracker cannot see, each for its reason: the
+orchestrator's moves (:func:`move`: the fake process group the oracle runs on delivers
+nothing), the previous step's ``LLMBatch`` (:func:`llm_batch`, :func:`held_bytes`: the oracle
+measures a step on its own) and the attention kernels' workspaces (inside the kernels, no
+tensor holds them). The replay stays the memory model's default source: it needs no tracing,
+where the fitted forms trace about twenty steps of the whole model per config and shard
+group (minutes per step at a paper config's full depth).
 """
 
 from __future__ import annotations

@@ -21,12 +21,19 @@ trainer step's allocator peak on CPU against the whole prediction
 (``tests/test_memory_measured.py``). Left out: the allocator's fragmentation and rounding,
 CPU bf16 GEMM packing buffers, buffers of a few bytes per item; ``reserve_bytes`` stands for
 the CUDA context, NCCL's buffers and fragmentation (assumed, not measured).
+
+The per-phase peaks can come from torch instead (``MemoryModel(forms=...)``): forms fitted to
+the memory oracle's trace of a few rank shapes (:mod:`orchmllm.train.memory_fit`, cached by
+the config's hash, :mod:`orchmllm.sim.memory_forms`), which need no memory code for a new
+architecture. The replay then gives only what the oracle cannot see: the attention kernels'
+workspaces (:func:`cpu_attention_workspace`, :func:`cuda_attention_workspace`), the
+orchestrator's moves and the previous step's batch (see :meth:`MemoryModel.phase_peaks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,6 +45,7 @@ from orchmllm.sim.allocations import step_moments
 from orchmllm.sim.batch import Batch
 from orchmllm.sim.context_parallel import llm_sequences
 from orchmllm.sim.layout import Layout
+from orchmllm.sim.memory_forms import MemoryForms
 from orchmllm.sim.replay_env import DEVICES, Dtypes, StepSetup, units
 from orchmllm.sim.trace import Moments
 
@@ -132,6 +140,12 @@ class MemoryModel:
         optimizer: AdamW runs (its state is static, its step a phase).
         previous_batch: the previous step's ``LLMBatch`` is alive until the backward ends
             (the trainer's loop); False for a step measured on its own.
+        forms: where the per-phase peaks come from: None, the hand replay
+            (:mod:`orchmllm.sim.allocations`); else a source of forms fitted to torch's own
+            accounting of the step, called with the config, the recipe, the shard group and the
+            device
+            (``orchmllm.train.memory_fit.OracleForms``), to which the replay adds only what
+            the oracle cannot see (see :meth:`phase_peaks`).
     """
 
     # H100 SXM: 80 GB HBM3 (NVIDIA H100 Tensor Core GPU datasheet), the paper's GPUs (section 8).
@@ -145,6 +159,7 @@ class MemoryModel:
     fsdp: bool = True
     optimizer: bool = True
     previous_batch: bool = True
+    forms: Callable[[ModelConfig, TrainRecipe, int, str], MemoryForms] | None = None
 
     def __post_init__(self) -> None:
         if not self.gpu_bytes > 0:
@@ -156,6 +171,11 @@ class MemoryModel:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.forms is not None and not (self.fsdp and self.optimizer):
+            raise ValueError(
+                "forms: fitted forms are of the trainer's step (FSDP and AdamW), got "
+                f"fsdp={self.fsdp!r}, optimizer={self.optimizer!r}"
+            )
 
     @property
     def budget_bytes(self) -> float:
@@ -228,11 +248,55 @@ class MemoryModel:
         communicator: str = "all_to_all",
     ) -> dict[str, np.ndarray]:
         """Each rank's peak above :meth:`static_bytes` in each phase (forward, backward and,
-        with an optimizer, optimizer)."""
-        m = self.moments(
-            config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
-        )
-        return m.peaks(features)
+        with an optimizer, optimizer).
+
+        With :attr:`forms` the step's peaks are the fitted forms' (one rank's step from its
+        own items on, as the oracle runs it), plus what the oracle cannot see: the largest
+        attention workspace of the phase (a kernel's buffer lives inside its call, so adding
+        it to the whole peak bounds it from above) and what the moves and the previous batch
+        add to the replay's peaks (the replay with them less the replay without). An
+        architecture the replay does not know gets the fitted forms and the workspaces alone,
+        and an error if moves or the previous batch are asked for."""
+        if self.forms is None:
+            m = self.moments(
+                config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
+            )
+            return m.peaks(features)
+        fitted = self.forms(config, recipe, self.group(num_ranks), self.device).peaks(features)
+        out = {ph: v + self._workspace_peak(features, ph) for ph, v in fitted.items()}
+        if moves or self.previous_batch:
+            extra = self._replay_extras(config, recipe, features, num_ranks, moves, communicator)
+            out = {ph: v + extra[ph] for ph, v in out.items()}
+        return out
+
+    def _replay_extras(self, config, recipe, features, num_ranks, moves, communicator):
+        """What the moves and the previous batch add to the replay's peaks (the attention
+        workspaces set aside: they are added apart)."""
+        bare = {k: 0 * v if k.endswith((".attn_fwd", ".attn_bwd")) else v
+                for k, v in features.items()}  # fmt: skip
+        plain = replace(self, forms=None)
+        try:
+            full = plain.moments(
+                config, recipe, num_ranks=num_ranks, moves=moves, communicator=communicator
+            )
+            alone = replace(plain, previous_batch=False).moments(
+                config, recipe, num_ranks=num_ranks
+            )
+        except ValueError as e:
+            raise ValueError(
+                "forms: the moves and the previous batch come from the replay, which cannot "
+                f"replay this config ({e}); plan without them (previous_batch=False, a layout "
+                "that moves nothing)"
+            ) from e
+        with_extras, without = full.peaks(bare), alone.peaks(bare)
+        return {ph: with_extras[ph] - without[ph] for ph in with_extras}
+
+    @staticmethod
+    def _workspace_peak(features: Mapping[str, np.ndarray], phase: str) -> np.ndarray:
+        what = {"forward": ".attn_fwd", "backward": ".attn_bwd"}.get(phase)
+        spaces = [np.asarray(v, dtype=np.float64) for k, v in features.items()
+                  if what and k.endswith(what)]  # fmt: skip
+        return np.max(np.stack(spaces), 0) if spaces else np.float64(0.0)
 
     def peak_bytes(
         self,

@@ -21,9 +21,20 @@ With ``train.grad_accum`` > 1 the replay is one micro-step; the sharded gradient
 micro-steps (:meth:`~orchmllm.sim.memory.MemoryModel.held_gradient_bytes`) come out of the
 budget (with ``sync_micro_steps: false`` the unsharded ones are not modelled: it says so).
 
-The memory model (:mod:`orchmllm.sim.memory`) replays the trainer's step op by op and is
-checked against the allocator on CPU; ``--reserve`` GB per GPU stand for the CUDA context,
-NCCL's buffers and fragmentation, which it does not model.
+The memory model (:mod:`orchmllm.sim.memory`) takes its per-phase peaks from one of two
+sources (``--memory-source``): ``replay`` (the default), the trainer's step replayed op by op
+(:mod:`orchmllm.sim.allocations`, checked against the allocator on CPU and torch's tracker);
+``oracle``, forms fitted to torch's own tracker of the step (:mod:`orchmllm.train.memory_fit`:
+a few traced rank shapes, on fake tensors and a fake process group of the shard group's size),
+cached under ``--cache-dir`` by the config's hash, plus what the tracker cannot see (the
+attention kernels' workspaces, the moves, the previous batch: from the replay). The oracle
+needs no memory code for a new architecture, but its first call for a config traces about
+twenty steps of the whole model (fake tensors: seconds per step with one block per module,
+minutes with a paper config's every block), so ``replay`` stays the default. ``--reserve`` GB
+per GPU stand for the CUDA context, NCCL's buffers and fragmentation, which neither models.
+
+This command imports the trainer's oracle, so it sits on the trainer's floor
+(``tests/test_layering.py``); the simulator it drives stays torch-free.
 """
 
 from __future__ import annotations
@@ -39,9 +50,11 @@ from orchmllm.config import load_config
 from orchmllm.sim.memory import PHASES, MemoryModel
 from orchmllm.sim.step import Cluster
 from orchmllm.sim.sweep import fitting_minibatches, load_model, placement_for, run_case
+from orchmllm.train.memory_fit import OracleForms
 
 GB = 1e9
 MODES = ("none", "full")
+SOURCES = ("replay", "oracle")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -62,6 +75,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", type=int, default=1, help="sampled seeds (0, 1, ...; default 1)")
     p.add_argument("--steps", type=int, default=None, help="sampled steps per seed")
+    p.add_argument(
+        "--memory-source",
+        choices=SOURCES,
+        default="replay",
+        help="per-phase peaks from the hand replay (default) or forms fitted to torch's tracker",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where fitted forms are cached (default: $ORCHMLLM_CACHE_DIR/memory_forms or "
+        "~/.cache/orchmllm/memory_forms)",
+    )
     args = p.parse_args(argv)
     for name in ("gpus", "shard_group", "seeds", "steps"):
         value = getattr(args, name)
@@ -85,13 +110,18 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     held = memory.held_gradient_bytes(model.config, model.recipe, ranks)
     # gradients held between micro-steps: out of every phase's budget (the replay has none)
     held = held if train.grad_accum > 1 and train.sync_micro_steps else 0.0
+    forms = OracleForms(cache=args.cache_dir) if args.memory_source == "oracle" else None
     memory = MemoryModel(
-        gpu_bytes=args.gpu_memory * GB, reserve_bytes=args.reserve * GB + held, shard_group=group
+        gpu_bytes=args.gpu_memory * GB,
+        reserve_bytes=args.reserve * GB + held,
+        shard_group=group,
+        forms=forms,
     )
     cluster = Cluster(memory=memory)
     total, trained = memory.parameters(model.config)
     record: dict[str, Any] = {
         "config": args.config,
+        "memory_source": args.memory_source,
         "recipe": model.recipe,
         "gpus": ranks,
         "shard_group": min(group, ranks),
@@ -103,6 +133,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "held_gradients_gb": held / GB,
         "largest": {m: [] for m in MODES},
         "peaks": {},
+        "traced": forms.traced if forms else [],  # the fitted forms' keys traced (not cached)
     }
     for seed in range(args.seeds):
         pools, found = fitting_minibatches(
@@ -135,7 +166,7 @@ def report(record: dict[str, Any]) -> str:
     ck = {0: "off", 1: "every block"}.get(r.checkpointing, f"every {r.checkpointing}th block")
     lines = [
         f"{record['config']}: precision {r.precision}, checkpointing {ck}, loss chunk "
-        f"{r.loss_chunk} tokens",
+        f"{r.loss_chunk} tokens; memory from the {record['memory_source']}",
         f"{record['gpus']} GPUs, FSDP over {record['shard_group']}: budget "
         f"{record['budget_gb']:.1f} GB per GPU",
         f"static per GPU: {record['static_gb']:.2f} GB ({record['parameters'] / 1e9:.2f} B "

@@ -50,7 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -282,8 +282,33 @@ def step_peaks(
     and whatever the models derive from them) stay real (:class:`HostIntegers`). Without it
     the rank's step computes on real tensors (the same figures, ``tests/test_memory_oracle.py``).
     """
+    return step_peaks_many(
+        config, recipe, world_size, [batch], seed=seed, lr=lr, fake_tensors=fake_tensors
+    )[0]
+
+
+def step_peaks_many(
+    config: ModelConfig,
+    recipe: TrainRecipe,
+    world_size: int,
+    batches: Sequence[RankBatch],
+    *,
+    seed: int = 0,
+    lr: float = 1e-3,
+    fake_tensors: bool = True,
+    foreach: bool | None = None,
+) -> list[PhasePeaks]:
+    """:func:`step_peaks` of each of ``batches`` on one built model: a step of the first
+    batch untracked, then one tracked step of each (AdamW's state exists from the first on,
+    and nothing of a step outlives it, so each figure is what :func:`step_peaks` of that
+    batch alone gives; ``tests/test_memory_fit.py`` checks it). Building and sharding the
+    model once is what makes tracing a design of shapes cheap. ``foreach``: AdamW's
+    implementation (None: torch's choice for the tensors' device, the single-tensor loop on
+    CPU; True: the multi-tensor one CUDA runs, whose temporaries span a parameter group)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if not batches:
+        raise ValueError("batches must hold at least one RankBatch, got none")
     if recipe.precision not in _FAKE_PRECISIONS and fake_tensors:
         raise ValueError(
             f"fake_tensors needs a recipe.precision in {sorted(_FAKE_PRECISIONS)}, got "
@@ -297,11 +322,11 @@ def step_peaks(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         if not fake_tensors:
-            return rank_step_peaks(config, recipe, batch, seed=seed, lr=lr)
+            return _measure(config, recipe, batches, seed=seed, lr=lr, foreach=foreach)
         # The mesh reads its rank map as values, so it is made before the fake mode.
         mesh = init_device_mesh("cpu", (world_size,))
         with FakeTensorMode(allow_non_fake_inputs=True), HostIntegers():
-            return _measure(config, recipe, batch, seed=seed, lr=lr, mesh=mesh)
+            return _measure(config, recipe, batches, seed=seed, lr=lr, mesh=mesh, foreach=foreach)
     finally:
         dist.destroy_process_group()
 
@@ -311,24 +336,27 @@ def rank_step_peaks(
 ) -> PhasePeaks:
     """:func:`step_peaks` on the process group already there (every rank of it calls), on
     real tensors."""
-    return _measure(config, recipe, batch, seed=seed, lr=lr)
+    return _measure(config, recipe, [batch], seed=seed, lr=lr)[0]
 
 
 def _measure(
     config: ModelConfig,
     recipe: TrainRecipe,
-    batch: RankBatch,
+    batches: Sequence[RankBatch],
     *,
     seed: int,
     lr: float,
     mesh: DeviceMesh | None = None,
-) -> PhasePeaks:
+    foreach: bool | None = None,
+) -> list[PhasePeaks]:
     model = build_model(config, seed=seed, dtype=storage_dtype(recipe))
     model = parallelize(model, recipe=recipe, mesh=mesh)
     set_sum_reduction(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
-    forward = _RankStep(config, recipe, batch, seed)
-    for tracker in (None, PhaseTracker(model, optim)):
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
+    out = []
+    for i, batch in enumerate([batches[0], *batches]):
+        tracker = PhaseTracker(model, optim) if i else None
+        forward = _RankStep(config, recipe, batch, seed)
         with _phase(tracker, "forward"):
             loss = model(forward)
         with _phase(tracker, "backward"):
@@ -338,7 +366,9 @@ def _measure(
             optim.step()
             optim.zero_grad(set_to_none=True)
         forward.end()
-    return tracker.result
+        if tracker is not None:
+            out.append(tracker.result)
+    return out
 
 
 def symmetric_batch(
@@ -373,6 +403,18 @@ def against_model(
     return out
 
 
+def with_layers(model: ModelConfig, layers: int) -> ModelConfig:
+    """``model`` with ``layers`` blocks in every module (its widths kept): a paper config's
+    shapes at the cost of a few blocks."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers!r}")
+    return dataclasses.replace(
+        model,
+        encoders={n: dataclasses.replace(e, layers=layers) for n, e in model.encoders.items()},
+        llm=dataclasses.replace(model.llm, layers=layers),
+    )
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -395,12 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers < 0:
         p.error(f"--layers must be >= 0, got {args.layers}")
     if args.layers:
-        model = dataclasses.replace(
-            model,
-            encoders={n: dataclasses.replace(e, layers=args.layers)
-                      for n, e in model.encoders.items()},
-            llm=dataclasses.replace(model.llm, layers=args.layers),
-        )  # fmt: skip
+        model = with_layers(model, args.layers)
     items = {}
     for spec in args.items:
         name, _, rows = spec.partition("=")
