@@ -261,10 +261,15 @@ class LLMBatch:
     home_lengths: torch.Tensor | None = None
 
     def to_pieces(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` of the home layout (one per position of the assembled sequences,
-        :attr:`home_lengths`) in the pieces' layout: with :attr:`pieces` a collective
-        (every rank calls it in the same order), differentiable; ``rows`` unchanged
-        without."""
+        """``rows`` of the home layout in the pieces' layout: with :attr:`pieces` a
+        collective (every rank calls it in the same order), differentiable.
+
+        Args:
+            rows: one row per position of the assembled sequences (:attr:`home_lengths`).
+
+        Returns:
+            One row per position of :attr:`lengths`; ``rows`` itself when nothing is split.
+        """
         if self.scatter is None:
             return rows
         return self.scatter(rows)
