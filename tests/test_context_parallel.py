@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -349,3 +351,22 @@ def test_plan_step_names_a_group_size_that_does_not_divide_the_ranks():
     rows, src = _long_step(4)
     with pytest.raises(ValueError, match="context_parallel=3 must divide num_ranks=4"):
         plan_step(rows, src, StepOptions(PHASES, context_parallel=3), num_ranks=4)
+
+
+def test_a_splitting_encoder_phase_keeps_its_cost_model_whole():
+    """The vision phase plans in LLM tokens (2 patches each here) with its cost rescaled to
+    them: its loads are its own cost model's, multiplier included, and its pieces are whole
+    tokens."""
+    cost = CostModel("packed", alpha=2.0, beta=0.01, multiplier=3.0)
+    phases = (dataclasses.replace(PHASES[0], cost=cost), *PHASES[1:])
+    batches = [[payload_example(0, [[TEXT, 3], [IMAGE, 400]], phases)]]
+    batches += [[payload_example(1 + r, [[TEXT, 3], [IMAGE, 8]], phases)] for r in range(3)]
+    rows, src = gathered(batches)
+    options = StepOptions(phases, mode="full", context_parallel=4)
+    pp = plan_step(rows, src, options, num_ranks=4).phases["vision"]
+    assert pp.pieces.items.tolist() == [0]
+    assert np.all(pp.pieces.start % 2 == 0) and np.all(pp.pieces.end % 2 == 0)
+    whole = cost.loads(pp.raw, pp.encoder.src_rank, 4)
+    # load-balanced pieces cost their item's total: the loads only move
+    assert sum(pp.stats["loads_after"]) == pytest.approx(whole.sum(), rel=1e-12)
+    assert max(pp.stats["loads_after"]) < whole.max()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -300,7 +300,7 @@ def _encoder_phase(
     unit = phase.divisor if options.splits(phase) and np.all(raw == encoded * phase.divisor) else 0
     if unit:
         c = phase.cost or default_cost(phase.policy)
-        cost = CostModel("packed", alpha=c.alpha * unit, beta=c.beta * unit**2, const=c.const)
+        cost = replace(c, alpha=c.alpha * unit, beta=c.beta * unit**2)
         enc_dst, stats, pieces = _balance_phase(
             encoded, src, num_ranks=num_ranks, policy=phase.policy, cost=cost, balanced=full,
             ranks_per_node=options.ranks_per_node, context_parallel=options.context_parallel,
