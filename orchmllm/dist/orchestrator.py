@@ -379,6 +379,18 @@ class _Scatter:
         return comm.move(m.move, rows, sizes=m.sizes, group=self.group, timeout=self.timeout)
 
 
+def _packed_pieces(layout: PieceLayout, topology: Topology, *, causal: bool) -> PackedPieces:
+    """This rank's batch of ``layout``'s piece layout as the attention sees it: its segments,
+    its pieces' records, and every split item's (the blocks it joins)."""
+    rank = topology.rank
+    records = {s.example: SplitSequence(s.example, s.ranks, s.chunks) for s in layout.splits}
+    mine = {i: records[e] for e, i in layout.segments[rank].items()}
+    return PackedPieces(
+        layout.lengths[rank], mine, topology=topology, others=list(records.values()),
+        causal=causal,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _SplitPhase:
     """An encoder phase with split items: its raw rows go from their home ranks to the
@@ -401,12 +413,8 @@ class _SplitPhase:
         """``encoder(rows, lengths, pieces=...)`` on this rank's pieces' layout, its outputs
         (and their values) moved back to the home layout."""
         t, rank = self.topology, self.topology.rank
-        records = {s.example: SplitSequence(s.example, s.ranks, s.chunks) for s in self.raw.splits}
-        mine = {i: records[e] for e, i in self.raw.segments[rank].items()}
         lengths = self.raw.lengths[rank]
-        pieces = PackedPieces(
-            lengths, mine, topology=t, others=list(records.values()), causal=False
-        )
+        pieces = _packed_pieces(self.raw, t, causal=False)
         rows = _Scatter(self.raw, t.group, t.timeout)(x)
         out = encoder(rows, torch.as_tensor(lengths, device=x.device), pieces=pieces)
         out = out if isinstance(out, Encoded) else Encoded(out)
@@ -700,13 +708,11 @@ class Orchestrator:
     def _split(self, out: LLMBatch, layout: PieceLayout) -> LLMBatch:
         """``out`` in the pieces' layout: its targets moved now, its rows when assembled,
         and the pieces' attention (whose records' check is a collective of each block)."""
-        t, rank = self.topology, self.topology.rank
+        t = self.topology
         scatter = _Scatter(layout, t.group, t.timeout)
         targets = scatter(out.targets)
-        records = {s.example: SplitSequence(s.example, s.ranks, s.chunks) for s in layout.splits}
-        mine = {i: records[e] for e, i in layout.segments[rank].items()}
-        lengths = layout.lengths[rank]
-        pieces = PackedPieces(lengths, mine, topology=t, others=list(records.values()))
+        lengths = layout.lengths[t.rank]
+        pieces = _packed_pieces(layout, t, causal=True)
         bytes_ = self.options.encoded_token_bytes or 0  # the hidden rows the pieces carry
         intra, inter = self._bytes(layout.move, layout.sizes, bytes_)
         out.stats["llm"]["bytes_intra"] += intra

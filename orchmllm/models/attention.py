@@ -9,10 +9,14 @@ result independent of which other sequences share its batch (what rebalancing re
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from orchmllm import compat
+from orchmllm.dist.context_parallel import PackedPieces
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -85,3 +89,15 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tenso
         enable_gqa=gqa,
     )
     return out.transpose(1, 2)
+
+
+def attention_of(
+    lengths: Tensor, *, causal: bool, pieces: PackedPieces | None
+) -> tuple[Callable[[Tensor, Tensor, Tensor], Tensor], Tensor]:
+    """A packed batch's attention function and RoPE positions: each sequence on its own
+    (positions from 0), or, with ``pieces`` (context parallelism), the pieces' (keys
+    gathered over each split sequence's ranks, positions global in it)."""
+    if pieces is None:
+        attend = functools.partial(packed_attention, lengths=lengths, causal=causal)
+        return attend, positions_from_lengths(lengths)
+    return pieces.attend, pieces.positions.to(lengths.device)

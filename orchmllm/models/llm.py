@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 from torch import Tensor, nn
 
 from orchmllm.config import LLMConfig
 from orchmllm.dist.context_parallel import PackedPieces
 from orchmllm.dist.loss import chunked_cross_entropy
 
-from .attention import packed_attention, positions_from_lengths
+from .attention import attention_of
 from .layers import Block, check_lengths
 
 
@@ -69,11 +67,7 @@ class LLM(nn.Module):
             ``denom``, computed inside this call so that a sharded LM head is gathered for it.
         """
         check_lengths(lengths, 1, "lengths")
-        if pieces is None:
-            attend = functools.partial(packed_attention, lengths=lengths, causal=True)
-            positions = positions_from_lengths(lengths)
-        else:
-            attend, positions = pieces.attend, pieces.positions.to(embeds.device)
+        attend, positions = attention_of(lengths, causal=True, pieces=pieces)
         x = embeds
         for block in self.blocks:
             x = block(x, attend, positions)

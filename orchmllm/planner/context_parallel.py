@@ -60,6 +60,13 @@ class Pieces:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z.copy(), z.copy(), z.copy())
 
+    def same_as(self, other: Pieces) -> bool:
+        """Whether ``other`` holds the same rows (the plans' check across ranks)."""
+        return all(
+            np.array_equal(getattr(self, f), getattr(other, f))
+            for f in ("item", "rank", "start", "end")
+        )
+
     @property
     def items(self) -> np.ndarray:
         """The split items, ascending."""

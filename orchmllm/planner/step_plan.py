@@ -147,13 +147,13 @@ class StepPlan:
         return (
             self.mode == other.mode
             and self.llm == other.llm
-            and _same_pieces(self.llm_pieces, other.llm_pieces)
+            and self.llm_pieces.same_as(other.llm_pieces)
             and np.array_equal(self.seg_len, other.seg_len)
             and self.phases.keys() == other.phases.keys()
             and all(
                 p.encoder == other.phases[n].encoder
                 and p.to_llm == other.phases[n].to_llm
-                and _same_pieces(p.pieces, other.phases[n].pieces)
+                and p.pieces.same_as(other.phases[n].pieces)
                 for n, p in self.phases.items()
             )
         )
@@ -169,13 +169,6 @@ class StepPlan:
         out = {name: dict(p.stats) for name, p in self.phases.items()}
         out["llm"] = dict(self.llm_stats)
         return out
-
-
-def _same_pieces(mine: Pieces, theirs: Pieces) -> bool:
-    return all(
-        np.array_equal(getattr(mine, f), getattr(theirs, f))
-        for f in ("item", "rank", "start", "end")
-    )
 
 
 def _policy_cost(policy: str, cost: CostModel | None) -> CostModel | None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 from torch import Tensor, nn
 
 from orchmllm.dist.context_parallel import PackedPieces
-from orchmllm.models.attention import packed_attention, positions_from_lengths
+from orchmllm.models.attention import attention_of
 from orchmllm.models.layers import Block, Connector, check_lengths
 from orchmllm.models.spec import register_architecture
 from orchmllm.models.vit import VitConfig
@@ -44,11 +42,7 @@ class VisionEncoder(nn.Module):
             raise ValueError(
                 f"patches must be [P, {self.cfg.feature_dim}], got {tuple(patches.shape)}"
             )
-        if pieces is None:
-            attend = functools.partial(packed_attention, lengths=lengths, causal=False)
-            positions = positions_from_lengths(lengths)
-        else:
-            attend, positions = pieces.attend, pieces.positions.to(patches.device)
+        attend, positions = attention_of(lengths, causal=False, pieces=pieces)
         x = self.patch_embed(patches)
         for block in self.blocks:
             x = block(x, attend, positions)
