@@ -493,14 +493,17 @@ def test_long_items_split_over_context_parallel_ranks_train_as_whole_ones(tmp_pa
     """4 gloo ranks as 2 nodes of 2, float64, AdamW with weight decay. Documents longer than
     a rank's LLM budget, split over the 2 ranks of a node and over up to 4 ranks (pieces on
     ranks that are no block: the block's other ranks join the gathers), and large images
-    split in the vision phase where that lowers its slowest rank: every run trains as the
-    unsplit one does (losses and parameters to 1e-5), and the balanced modes split."""
+    split in the vision phase where that lowers its slowest rank, beside steps with no clip on
+    any rank: every run trains as the unsplit one does (losses and parameters to 1e-5), and
+    the balanced modes split."""
     steps = 3
     # Documents of 2560-3072 tokens (at the tiny scale 0.1), above either LLM budget.
     documents = {"tasks": {"document": {"weight": 0.1, "min_tokens": 25600, "max_tokens": 30720}},
                  "max_text_tokens": 4096, "examples_per_rank": 4}  # fmt: skip
-    images = {"tasks": {"caption": {"weight": 0.7, "max_image_side": 2016}, "asr": {"weight": 0.3},
-                        "vqa": {"weight": 0}, "spoken_qa": {"weight": 0}, "chat": {"weight": 0}},
+    # Few clips: some steps have none on any rank (the audio tower runs nowhere then).
+    images = {"tasks": {"caption": {"weight": 0.85, "max_image_side": 2016},
+                        "asr": {"weight": 0.15}, "vqa": {"weight": 0},
+                        "spoken_qa": {"weight": 0}, "chat": {"weight": 0}},
               "examples_per_rank": 2}  # fmt: skip
     runs = {  # name -> (context_parallel, max_load, data, the phase that splits)
         "cp2": (2, {"llm": 2400}, documents, "llm"),
@@ -527,6 +530,8 @@ def test_long_items_split_over_context_parallel_ranks_train_as_whole_ones(tmp_pa
             assert all(p["pieces"] >= 2 * p["items_split"] for p in stats)
             if phase in budget:  # every document is over it: a plan within it split each
                 assert max(p["load_max_after"] for p in stats) <= budget[phase]
+    clips = [sum(r["phases"]["audio"]["loads_before"]) for r in _load(tmp_path, "vision/none")[0]]
+    assert min(clips) == 0 < max(clips), clips  # a step without audio anywhere, and one with
 
 
 def test_every_config_key_is_an_option_and_the_short_flags_alias_keys(capsys):
