@@ -381,7 +381,8 @@ class BalanceConfig:
             raise _fail(
                 "balance.placement",
                 f"must be 'none' with balance.context_parallel={self.context_parallel} (pieces "
-                f"are placed in their group, not node-wise), got {self.placement!r}",
+                f"are placed in their group, not node-wise), got {self.placement!r}: set it "
+                "(--placement none)",
             )
         if not isinstance(self.max_load, Mapping):
             raise _fail(
